@@ -1,0 +1,177 @@
+"""Attention over the slot KV cache for one packed step (decode tokens first, then prefill chunks).
+
+Registered with transformers' AttentionInterface as "mmfusion", so every model whose attention
+goes through that interface (Llama, Mistral, Gemma3, GPT-2, OPT, Qwen2, ...) runs on it unchanged.
+Registering a name the mask factory does not know also makes the model skip building its own
+masks: this module builds them once per step from the sequences' lengths.
+
+Decode rows are one batched GQA matmul over contiguous cache rows (no repeat_kv copy): on CPU
+that is ~10x faster than SDPA's flash kernel at q_len=1. Prefill chunks use SDPA with a causal
+mask offset by the chunk's start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_NAME = "mmfusion"
+
+
+@dataclass(slots=True)
+class Segment:
+    """A prefill chunk: packed tokens [tok_start, tok_start+length) of `slot`, at positions start_pos..."""
+
+    tok_start: int
+    length: int
+    slot: int
+    start_pos: int
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What attention needs to know about the packed batch of one forward pass."""
+
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [D] cache rows of the decode tokens
+    decode_lengths: torch.Tensor | None  # [D] keys visible to each decode token (position + 1)
+    decode_positions: list[int]
+    dense: bool  # decode rows are exactly slots 0..D-1 in order: no scatter/gather needed
+    rows: int  # cache rows the decode matmul spans
+    span: int  # key positions the decode matmul spans (max length)
+    segments: list[Segment]
+    masks: dict = field(default_factory=dict)  # built lazily, shared by all layers
+
+    def decode_mask(self, window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
+        key = ("d", window, dtype)
+        m = self.masks.get(key)
+        if m is None:
+            pos = torch.arange(self.span, device=device)
+            lengths = torch.full((self.rows,), self.span, dtype=torch.long, device=device)
+            lengths[self.decode_slots if not self.dense else slice(0, self.num_decode)] = self.decode_lengths
+            allowed = pos[None, :] < lengths[:, None]
+            if window is not None:
+                allowed &= pos[None, :] > (lengths[:, None] - 1 - window)
+            m = torch.zeros(self.rows, 1, 1, self.span, dtype=dtype, device=device)
+            m.masked_fill_(~allowed[:, None, None, :], torch.finfo(dtype).min)
+            self.masks[key] = m
+        return m
+
+    def segment_mask(self, i: int, window: int | None, device) -> torch.Tensor:
+        key = ("s", i, window)
+        m = self.masks.get(key)
+        if m is None:
+            seg = self.segments[i]
+            q_pos = torch.arange(seg.start_pos, seg.start_pos + seg.length, device=device)[:, None]
+            k_pos = torch.arange(seg.start_pos + seg.length, device=device)[None, :]
+            m = k_pos <= q_pos
+            if window is not None:
+                m &= k_pos > q_pos - window
+            self.masks[key] = m
+        return m
+
+
+def _decode_attention(ctx: StepContext, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """q: [D, H, d]; key/value: full buffers [S, kvh, cap, d]. Returns [D, H, dv]."""
+    d_rows, heads, dim = q.shape
+    kvh = key.shape[1]
+    qg = q.view(d_rows, kvh, heads // kvh, dim)
+    if not ctx.dense:
+        full = q.new_zeros(ctx.rows, kvh, heads // kvh, dim)
+        full[ctx.decode_slots] = qg
+        qg = full
+    k = key[: ctx.rows, :, : ctx.span]
+    v = value[: ctx.rows, :, : ctx.span]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + ctx.decode_mask(window, scores.dtype, scores.device)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    out = torch.matmul(probs, v)  # [rows, kvh, g, dv]
+    if not ctx.dense:
+        out = out[ctx.decode_slots]
+    return out.reshape(d_rows, heads, v.shape[-1])
+
+
+def _segment_attention(ctx: StepContext, i: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """q: [1, H, c, d] for segment i. Returns [c, H, dv]."""
+    seg = ctx.segments[i]
+    end = seg.start_pos + seg.length
+    k = key[seg.slot: seg.slot + 1, :, :end]
+    v = value[seg.slot: seg.slot + 1, :, :end]
+    mask = ctx.segment_mask(i, window, q.device)
+    heads, kvh = q.shape[1], k.shape[1]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=heads != kvh)
+    else:
+        k = k.repeat_interleave(heads // kvh, dim=1)
+        v = v.repeat_interleave(heads // kvh, dim=1)
+        s = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scaling / softcap) * softcap
+        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+        out = torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype), v)
+    return out[0].transpose(0, 1)
+
+
+def mmfusion_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                       sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+    """transformers attention-interface entry point. query: [1, H, N, d]; key/value: cache buffers."""
+    ctx: StepContext = module._mmfusion_ctx.current
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    n_tok, heads = query.shape[2], query.shape[1]
+    out = query.new_empty(n_tok, heads, value.shape[-1])
+    d = ctx.num_decode
+    if d:
+        out[:d] = _decode_attention(ctx, query[0, :, :d].transpose(0, 1), key, value, scaling,
+                                    sliding_window, softcap)
+    for i, seg in enumerate(ctx.segments):
+        q = query[:, :, seg.tok_start: seg.tok_start + seg.length]
+        out[seg.tok_start: seg.tok_start + seg.length] = _segment_attention(
+            ctx, i, q, key, value, scaling, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+class ContextHolder:
+    """Mutable handle shared by the attention modules of one model; the runner swaps `current`."""
+
+    __slots__ = ("current",)
+
+    def __init__(self) -> None:
+        self.current: StepContext | None = None
+
+
+def install(model) -> ContextHolder | None:
+    """Switch `model` to the slot-cache attention. Returns None if the model can't use it."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return None
+    AttentionInterface.register(ATTN_NAME, mmfusion_attention)
+    holder = ContextHolder()
+    n = 0
+    for mod in model.modules():
+        if hasattr(mod, "layer_idx") and (hasattr(mod, "q_proj") or hasattr(mod, "c_attn")):
+            # object.__setattr__: a plain attribute, not a registered submodule.
+            object.__setattr__(mod, "_mmfusion_ctx", holder)
+            n += 1
+    if n == 0:
+        return None
+    model.set_attn_implementation(ATTN_NAME)
+    return holder
+
+
+@contextlib.contextmanager
+def hf_attention(model, name: str = "sdpa"):
+    """Temporarily run `model` on transformers' own attention (references, baselines)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)

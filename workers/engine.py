@@ -1,0 +1,206 @@
+"""The generation engine: requests in, tokens out, one step at a time.
+
+    step() = schedule (which sequences run, how many tokens each)
+           -> run (one forward pass, sampling)
+           -> postprocess (append tokens, stop checks, free slots, outputs)
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from workers.models import LoadedModel, load_model
+from workers.outputs import CompletionOutput, RequestOutput
+from workers.params import SamplingParams
+from workers.runner import BaseRunner, make_runner
+from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.sequence import Sequence, SequenceGroup
+from workers.stops import finish_reason
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_batch_size: int = 64
+    max_batch_tokens: int = 512
+    min_shared_prefix: int = 16
+    num_threads: int | None = None  # torch threads for this process; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_batch_size, self.max_batch_tokens, self.min_shared_prefix)
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.lm = lm
+        self.tokenizer = lm.tokenizer
+        self.scheduler = Scheduler(self.config.scheduler_config())
+        self.runner: BaseRunner = make_runner(lm, self.config.max_batch_size)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._seed_rng = random.Random()
+        self.steps = 0
+        self.tokens_generated = 0
+
+    @classmethod
+    def from_source(cls, source: str, dtype: str = "auto", device: str = "cpu",
+                    max_model_len: int | None = None, **config) -> Engine:
+        return cls(load_model(source, dtype=dtype, device=device, max_model_len=max_model_len),
+                   EngineConfig(**config))
+
+    # --- requests -----------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be text or a list of token IDs, got {type(prompt).__name__}")
+        vocab = self.lm.vocab_size
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ID {t!r} at position {i} is not in the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. Raises ValueError naming the bad parameter; nothing is queued then."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.scheduler.groups:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        ctx = self.lm.max_model_len
+        if len(ids) >= ctx:
+            raise ValueError(f"prompt has {len(ids)} tokens but the model's context (max_model_len) is {ctx}: "
+                             "shorten the prompt")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        group = SequenceGroup(request_id, ids, params, seed, next(self._arrivals),
+                              prompt_text=prompt if isinstance(prompt, str) else None)
+        group.seqs = [Sequence(next(self._seq_ids), group, i, ids) for i in range(params.num_samples)]
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(ids)
+            group.prompt_top_logprobs = [None] * len(ids)
+        self.scheduler.add(group)
+
+    def abort(self, request_id: str) -> bool:
+        group = self.scheduler.groups.get(request_id)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            if seq.slot is not None:
+                self.runner.release(seq.slot)
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        result = self.runner.execute(plan)
+        return self._postprocess(plan, result)
+
+    def _postprocess(self, plan: SchedulerOutput, result) -> list[RequestOutput]:
+        self.steps += 1
+        touched: dict[str, SequenceGroup] = {}
+        new_tokens: dict[int, list[int]] = {}
+        for seq in plan.decode:
+            seq.num_computed += 1
+        for chunk in plan.prefill:
+            seq = chunk.seq
+            seq.num_computed += chunk.length
+            if seq.num_computed == len(seq.prompt) and not seq.output:
+                group = seq.group
+                touched[group.request_id] = group
+                if group.params.max_tokens == 0:
+                    for s in group.seqs:
+                        self._finish(s, "length")
+                elif len(group.seqs) > 1:
+                    self.scheduler.start_forked(group)
+        for ps in result.prompt_scores:
+            g = ps.group
+            g.prompt_logprobs[ps.first_target: ps.first_target + len(ps.logprobs)] = ps.logprobs
+            g.prompt_top_logprobs[ps.first_target: ps.first_target + len(ps.top)] = ps.top
+        for seq, tok, lp, top in result.samples:
+            if seq.finished:
+                continue
+            seq.output.append(tok)
+            seq.logprobs.append(lp)
+            if top is not None:
+                seq.top_logprobs.append(top)
+            new_tokens.setdefault(seq.seq_id, []).append(tok)
+            self.tokens_generated += 1
+            touched[seq.group.request_id] = seq.group
+            reason = finish_reason(seq, tok, self.lm.eos_token_ids, self.lm.max_model_len, self.tokenizer)
+            if reason:
+                self._finish(seq, reason)
+        return [self._output(g, new_tokens) for g in touched.values()]
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.slot is not None:
+            self.runner.release(seq.slot)
+        self.scheduler.finish(seq, reason)
+        if not seq.text_cut:
+            seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+
+    def _output(self, group: SequenceGroup, new_tokens: dict[int, list[int]]) -> RequestOutput:
+        finished = group.finished
+        seqs = group.seqs
+        p = group.params
+        if finished and p.num_samples > p.n:
+            # best_of: the n samples with the highest mean token log-probability
+            seqs = sorted(seqs, key=lambda s: -(sum(s.logprobs) / len(s.logprobs)) if s.logprobs else 0.0)[: p.n]
+        outs = [
+            CompletionOutput(
+                index=i if finished and p.num_samples > p.n else s.sample_index,
+                token_ids=list(s.output),
+                text=s.text if s.finished else "",
+                logprobs=list(s.logprobs),
+                top_logprobs=list(s.top_logprobs) if p.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                new_token_ids=new_tokens.get(s.seq_id, []),
+            )
+            for i, s in enumerate(seqs)
+        ]
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt_text, prompt_token_ids=group.prompt, outputs=outs,
+            finished=finished,
+            prompt_logprobs=list(group.prompt_logprobs) if p.prompt_logprobs is not None else None,
+            prompt_top_logprobs=list(group.prompt_top_logprobs) if p.prompt_logprobs is not None else None,
+        )
+
+    # --- offline convenience ---------------------------------------------------------------------
+    def generate(self, prompts: Iterable[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion, as vLLM's LLM.generate: one RequestOutput per prompt, in order."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} params for {len(prompts)} prompts")
+        base = f"gen-{next(self._arrivals)}-"
+        ids = [f"{base}{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]

@@ -1,0 +1,83 @@
+"""Slot KV cache: one row per running sequence, written in place at each sequence's own positions.
+
+transformers' DynamicCache appends by concatenation (a full copy per step) and forces every
+row to the same length. Here each layer owns a buffer [slots, kv_heads, capacity, head_dim];
+a step writes its new keys/values at (slot, position) pairs and attention reads views of the
+buffer. Capacity grows by doubling, so memory follows the longest live sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class SlotKVCache(Cache):
+    """Per-layer K/V buffers indexed by (slot, position). Plugged into HF models as `past_key_values`."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, capacity: int = 256, max_capacity: int = 2048,
+                 v_head_dim: int | None = None):
+        super().__init__(layers=[])
+        self.num_layers, self.num_slots = num_layers, num_slots
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.dtype, self.device = dtype, device
+        self.max_capacity = max_capacity
+        self.capacity = min(capacity, max_capacity)
+        self.keys = [self._alloc(self.capacity, head_dim) for _ in range(num_layers)]
+        self.values = [self._alloc(self.capacity, self.v_head_dim) for _ in range(num_layers)]
+        # Set by the runner before each forward: where each packed token's K/V goes.
+        self.write_slots: torch.Tensor | None = None
+        self.write_pos: torch.Tensor | None = None
+
+    def _alloc(self, cap: int, dim: int) -> torch.Tensor:
+        return torch.zeros(self.num_slots, self.num_kv_heads, cap, dim, dtype=self.dtype, device=self.device)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def ensure_capacity(self, length: int) -> None:
+        """Grow (doubling) so that positions [0, length) fit; existing rows are kept."""
+        if length <= self.capacity:
+            return
+        if length > self.max_capacity:
+            raise ValueError(f"sequence length {length} exceeds the KV cache limit {self.max_capacity}")
+        new_cap = self.capacity
+        while new_cap < length:
+            new_cap *= 2
+        new_cap = min(new_cap, self.max_capacity)
+        for lst, dim in ((self.keys, self.head_dim), (self.values, self.v_head_dim)):
+            for i, old in enumerate(lst):
+                buf = self._alloc(new_cap, dim)
+                buf[:, :, : self.capacity] = old
+                lst[i] = buf
+        self.capacity = new_cap
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Share a computed prefix: copy positions [0, length) of one slot into another."""
+        for lst in (self.keys, self.values):
+            for buf in lst:
+                buf[dst_slot, :, :length] = buf[src_slot, :, :length]
+
+    # --- transformers Cache interface -------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states: [1, kv_heads, N, dim] for the N packed tokens of this step.
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        k_buf[self.write_slots, :, self.write_pos] = key_states[0].transpose(0, 1).to(k_buf.dtype)
+        v_buf[self.write_slots, :, self.write_pos] = value_states[0].transpose(0, 1).to(v_buf.dtype)
+        return k_buf, v_buf
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Positions are always passed explicitly; models only use this for defaults we override.
+        return 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_capacity
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return self.num_layers

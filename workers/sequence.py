@@ -1,0 +1,75 @@
+"""Request and sequence state. Plain Python: the scheduler and engine bookkeeping live here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from workers.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sample of a request: its tokens, how many have K/V in the cache, and its cache slot."""
+
+    seq_id: int
+    group: SequenceGroup
+    sample_index: int
+    prompt: list[int]
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    slot: int | None = None
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    stop_checked_len: int = 0  # chars of text already scanned for stop strings
+    text_cut: bool = False  # text was cut at a stop string: keep it as is
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt)
+        return self.prompt[i] if i < p else self.output[i - p]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.length - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """A request: one prompt, `params.num_samples` sequences. Sample 0 prefills; the rest fork from it."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prefix_source: Sequence | None = None  # running sequence whose K/V prefix is copied in
+    prefix_len: int = 0
+    prompt_text: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
