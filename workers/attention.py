@@ -81,22 +81,25 @@ def _decode_attention(ctx: StepContext, q: torch.Tensor, key: torch.Tensor, valu
     """q: [D, H, d]; key/value: full buffers [S, kvh, cap, d]. Returns [D, H, dv]."""
     d_rows, heads, dim = q.shape
     kvh = key.shape[1]
-    qg = q.view(d_rows, kvh, heads // kvh, dim)
+    qg = q.to(key.dtype).reshape(d_rows, kvh, heads // kvh, dim)
     if not ctx.dense:
-        full = q.new_zeros(ctx.rows, kvh, heads // kvh, dim)
+        full = qg.new_zeros(ctx.rows, kvh, heads // kvh, dim)
         full[ctx.decode_slots] = qg
         qg = full
-    k = key[: ctx.rows, :, : ctx.span]
-    v = value[: ctx.rows, :, : ctx.span]
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scaling
+    rows, g = ctx.rows, heads // kvh
+    # (rows, kvh) merge into one batch dim without a copy: bmm reads the strided cache in place.
+    k = key[:rows, :, : ctx.span].reshape(rows * kvh, ctx.span, dim)
+    v = value[:rows, :, : ctx.span].reshape(rows * kvh, ctx.span, value.shape[-1])
+    scores = torch.bmm(qg.reshape(rows * kvh, g, dim), k.transpose(1, 2)).view(rows, kvh, g, ctx.span)
+    scores = scores * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores + ctx.decode_mask(window, scores.dtype, scores.device)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    out = torch.matmul(probs, v)  # [rows, kvh, g, dv]
+    out = torch.bmm(probs.view(rows * kvh, g, ctx.span), v).view(rows, kvh, g, v.shape[-1])
     if not ctx.dense:
         out = out[ctx.decode_slots]
-    return out.reshape(d_rows, heads, v.shape[-1])
+    return out.reshape(d_rows, heads, v.shape[-1]).to(q.dtype)
 
 
 def _segment_attention(ctx: StepContext, i: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -108,6 +111,7 @@ def _segment_attention(ctx: StepContext, i: int, q: torch.Tensor, key: torch.Ten
     v = value[seg.slot: seg.slot + 1, :, :end]
     mask = ctx.segment_mask(i, window, q.device)
     heads, kvh = q.shape[1], k.shape[1]
+    q = q.to(k.dtype)
     if softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=heads != kvh)
     else:

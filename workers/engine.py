@@ -51,6 +51,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._seed_rng = random.Random()
         self.steps = 0
+        self.last_plan: SchedulerOutput | None = None
         self.tokens_generated = 0
 
     @classmethod
@@ -112,6 +113,7 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_plan = plan  # kept for inspection (tests, metrics)
         if plan.empty:
             return []
         result = self.runner.execute(plan)

@@ -3,7 +3,9 @@
 transformers' DynamicCache appends by concatenation (a full copy per step) and forces every
 row to the same length. Here each layer owns a buffer [slots, kv_heads, capacity, head_dim];
 a step writes its new keys/values at (slot, position) pairs and attention reads views of the
-buffer. Capacity grows by doubling, so memory follows the longest live sequence.
+buffer. Capacity tracks the longest live sequence in blocks of `block` positions, growing and
+shrinking, so that decode attention can read whole rows [:rows] - contiguous memory, which CPU
+bf16 matmul kernels need to run fast - without reading much padding.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ class SlotKVCache(Cache):
     """Per-layer K/V buffers indexed by (slot, position). Plugged into HF models as `past_key_values`."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, capacity: int = 256, max_capacity: int = 2048,
+                 dtype: torch.dtype, device: torch.device, max_capacity: int = 2048, block: int = 64,
                  v_head_dim: int | None = None):
         super().__init__(layers=[])
         self.num_layers, self.num_slots = num_layers, num_slots
@@ -24,7 +26,8 @@ class SlotKVCache(Cache):
         self.v_head_dim = v_head_dim or head_dim
         self.dtype, self.device = dtype, device
         self.max_capacity = max_capacity
-        self.capacity = min(capacity, max_capacity)
+        self.block = block
+        self.capacity = min(block, max_capacity)
         self.keys = [self._alloc(self.capacity, head_dim) for _ in range(num_layers)]
         self.values = [self._alloc(self.capacity, self.v_head_dim) for _ in range(num_layers)]
         # Set by the runner before each forward: where each packed token's K/V goes.
@@ -37,20 +40,20 @@ class SlotKVCache(Cache):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def ensure_capacity(self, length: int) -> None:
-        """Grow (doubling) so that positions [0, length) fit; existing rows are kept."""
-        if length <= self.capacity:
-            return
+    def fit(self, length: int) -> None:
+        """Make positions [0, length) fit, with little slack: grow, or shrink when far too big."""
         if length > self.max_capacity:
             raise ValueError(f"sequence length {length} exceeds the KV cache limit {self.max_capacity}")
-        new_cap = self.capacity
-        while new_cap < length:
-            new_cap *= 2
-        new_cap = min(new_cap, self.max_capacity)
+        want = min(-(-max(length, 1) // self.block) * self.block, self.max_capacity)
+        if want > self.capacity or want + 2 * self.block <= self.capacity:
+            self._resize(want)
+
+    def _resize(self, new_cap: int) -> None:
+        keep = min(new_cap, self.capacity)
         for lst, dim in ((self.keys, self.head_dim), (self.values, self.v_head_dim)):
             for i, old in enumerate(lst):
                 buf = self._alloc(new_cap, dim)
-                buf[:, :, : self.capacity] = old
+                buf[:, :, :keep] = old[:, :, :keep]
                 lst[i] = buf
         self.capacity = new_cap
 

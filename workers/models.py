@@ -138,7 +138,11 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
             if cached is not None:
                 model = AutoModelForCausalLM.from_pretrained(str(cached), **kw)
             else:
-                model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+                # Dense weights: the packed-GGUF kernels compute in float32 and are slower here.
+                from transformers import GgufConfig
+
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, quantization_config=GgufConfig(dequantize=True), **kw)
         else:
             raise ValueError(f"model source {source!r} is a file but not .gguf")
         model.eval()

@@ -61,7 +61,7 @@ class BaseRunner(ABC):
         self.max_batch_size = max_batch_size
 
     @abstractmethod
-    def _forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
+    def _forward(self, decode: list[Sequence], chunks: list[Chunk], max_len: int) -> torch.Tensor:
         """Logits of the kept rows, in plan order: decode sequences, then each chunk's kept rows."""
 
     @abstractmethod
@@ -76,7 +76,7 @@ class BaseRunner(ABC):
         for src, dst, n in plan.copies:
             self._copy(src, dst, n)
         decode = sorted(plan.decode, key=lambda s: s.slot)
-        logits = self._forward(decode, plan.prefill)
+        logits = self._forward(decode, plan.prefill, plan.max_len)
         for src, dst, n in plan.forks:
             self._copy(src, dst, n)
         return self._postprocess(decode, plan.prefill, logits)
@@ -128,17 +128,18 @@ class SlotRunner(BaseRunner):
     def __init__(self, lm: LoadedModel, max_batch_size: int, holder: attention.ContextHolder):
         super().__init__(lm, max_batch_size)
         self.holder = holder
+        self.trace: list | None = None  # set to [] to record each step's model call (bench replay)
         cfg = self.model.config.get_text_config()
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        self.cache = SlotKVCache(cfg.num_hidden_layers, max_batch_size, kv_heads, head_dim, lm.dtype,
-                                 lm.device, capacity=min(256, lm.max_model_len), max_capacity=lm.max_model_len)
+        self.cache = SlotKVCache(cfg.num_hidden_layers, max_batch_size, kv_heads, head_dim, lm.dtype, lm.device,
+                                 max_capacity=lm.max_model_len)
 
     def _copy(self, src: int, dst: int, length: int) -> None:
         self.cache.copy_prefix(src, dst, length)
 
-    def _forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
+    def _forward(self, decode: list[Sequence], chunks: list[Chunk], max_len: int) -> torch.Tensor:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -149,7 +150,6 @@ class SlotRunner(BaseRunner):
             slots.append(seq.slot)
             keep.append(i)
         segments: list[attention.Segment] = []
-        max_end = max((s.num_computed + 1 for s in decode), default=0)
         for chunk in chunks:
             t0 = len(ids)
             ids.extend(_chunk_tokens(chunk))
@@ -157,8 +157,7 @@ class SlotRunner(BaseRunner):
             slots.extend([chunk.seq.slot] * chunk.length)
             keep.extend(t0 + r for r in _kept_rows(chunk))
             segments.append(attention.Segment(t0, chunk.length, chunk.seq.slot, chunk.start))
-            max_end = max(max_end, chunk.start + chunk.length)
-        self.cache.ensure_capacity(max_end)
+        self.cache.fit(max_len)
         dev = self.lm.device
         d = len(decode)
         dslots = slots[:d]
@@ -170,20 +169,34 @@ class SlotRunner(BaseRunner):
             decode_positions=pos[:d],
             dense=dense,
             rows=(d if dense else max(dslots) + 1) if d else 0,
-            span=max((p + 1 for p in pos[:d]), default=0),
+            span=self.cache.capacity,  # whole rows: contiguous, see SlotKVCache
             segments=segments,
         )
         self.cache.write_slots = torch.tensor(slots, device=dev)
         self.cache.write_pos = torch.tensor(pos, device=dev)
-        out = self.model(
+        call = dict(
             input_ids=torch.tensor([ids], device=dev),
             position_ids=torch.tensor([pos], device=dev),
-            past_key_values=self.cache,
-            use_cache=True,
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
         )
+        if self.trace is not None:
+            self.trace.append((max_len, self.holder.current, self.cache.write_slots, self.cache.write_pos, call))
+        return self._call(call)
+
+    def _call(self, call: dict) -> torch.Tensor:
+        out = self.model(**call, past_key_values=self.cache, use_cache=True)
         self.holder.current = None
         return out.logits[0]
+
+    @torch.inference_mode()
+    def replay(self, trace: list) -> None:
+        """Re-run recorded model calls alone: the forward-only cost of a schedule."""
+        for max_len, ctx, w_slots, w_pos, call in trace:
+            self.cache.fit(max_len)
+            ctx.masks.clear()
+            self.holder.current = ctx
+            self.cache.write_slots, self.cache.write_pos = w_slots, w_pos
+            self._call(call)
 
 
 class CompatRunner(BaseRunner):
@@ -217,7 +230,7 @@ class CompatRunner(BaseRunner):
         )
         return out.logits[0, keep.start: keep.stop]
 
-    def _forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
+    def _forward(self, decode: list[Sequence], chunks: list[Chunk], max_len: int) -> torch.Tensor:
         rows = [self._run(s.slot, [s.token_at(s.num_computed)], s.num_computed, range(0, 1)) for s in decode]
         for c in chunks:
             rows.append(self._run(c.seq.slot, _chunk_tokens(c), c.start, _kept_rows(c)))

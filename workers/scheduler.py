@@ -52,6 +52,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, len) before the forward
     forks: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, len) after the forward
     admitted: list[SequenceGroup] = field(default_factory=list)
+    max_len: int = 0  # longest cached length of any slot-holding sequence after this step
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +147,9 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(group, out, src, plen)
             budget -= self._add_chunk(out, group.seqs[0], budget)
+        scheduled = {c.seq.seq_id: c.start + c.length for c in out.prefill}
+        out.max_len = max((scheduled.get(s.seq_id, s.num_computed + (not s.in_prefill)) for s in self.running),
+                          default=0)
         return out
 
     def _admit(self, group: SequenceGroup, out: SchedulerOutput, src: Sequence | None, plen: int) -> None:

@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random models (cached per session) and a transformers reference."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from workers.attention import hf_attention  # noqa: E402
+from workers.models import load_model  # noqa: E402
+
+ARCHS = ["gpt2", "llama", "mistral", "opt", "bloom", "gemma3"]
+_CACHE: dict = {}
+
+
+def tiny(arch: str, dtype: str = "float64"):
+    """A fresh engine-ready tiny model; weights are deterministic for (arch, dtype)."""
+    return load_model(f"tiny:{arch}", dtype=dtype)
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """transformers generate(do_sample=False) on its own attention, never stopping early."""
+    attn = "eager" if model.config.model_type == "bloom" else "sdpa"
+    with hf_attention(model, attn), torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def plain_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of one plain forward pass over `tokens`, on transformers' own attention."""
+    attn = "eager" if model.config.model_type == "bloom" else "sdpa"
+    with hf_attention(model, attn), torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    return load_model("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def gemma3_fp32():
+    return load_model("gemma3-270m", dtype="float32")

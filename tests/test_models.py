@@ -1,0 +1,79 @@
+"""Model sources: HF directories, GGUF files, embedded packages, tiny configs; clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHS, hf_greedy
+
+from workers.engine import Engine
+from workers.models import embedded_gguf, load_model, resolve_dtype
+from workers.params import SamplingParams
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_sources_load_with_tokenizer(arch):
+    lm = load_model(f"tiny:{arch}", dtype="float32")
+    assert lm.dtype == torch.float32 and next(lm.model.parameters()).dtype == torch.float32
+    assert lm.tokenizer.decode(lm.tokenizer("héllo wörld").input_ids) == "héllo wörld"
+    assert lm.max_model_len > 0 and lm.eos_token_ids
+
+
+def test_hf_directory_round_trip(tmp_path):
+    src = load_model("tiny:llama", dtype="float32")
+    src.model.save_pretrained(tmp_path)
+    src.tokenizer.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype="float32")
+    prompt = [3, 1, 4, 1, 5]
+    out = Engine(lm).generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(src.model, prompt, 6)
+
+
+@pytest.mark.parametrize("source,match", [
+    ("no-such-model", "unknown model source"),
+    ("tiny:transformerxl", "unknown tiny architecture"),
+])
+def test_unknown_sources(source, match):
+    with pytest.raises(ValueError, match=match):
+        load_model(source)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(str(tmp_path))
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match="not .gguf"):
+        load_model(str(f))
+
+
+def test_dtypes():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("float64", cpu) == torch.float64
+    assert resolve_dtype("auto", cpu) in (torch.bfloat16, torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("int3", cpu)
+    assert load_model("tiny:gpt2", dtype="bfloat16").dtype == torch.bfloat16
+
+
+def test_embedded_packages_are_found_without_importing_them():
+    assert embedded_gguf("smollm2-135m").suffix == ".gguf"
+
+
+@pytest.mark.slow
+def test_gguf_file_path_loads(smollm2_fp32):
+    lm = load_model(str(embedded_gguf("smollm2-135m")), dtype="float32")
+    assert lm.vocab_size == smollm2_fp32.vocab_size == 49152
+    ids = lm.tokenizer("Hello").input_ids
+    a = Engine(lm).generate([ids], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0].token_ids
+    assert a == hf_greedy(smollm2_fp32.model, ids, len(a))
+
+
+@pytest.mark.slow
+def test_gemma3_embedded(gemma3_fp32):
+    assert gemma3_fp32.model.config.model_type.startswith("gemma3")
+    out = Engine(gemma3_fp32).generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))
+    assert "Paris" in out[0].outputs[0].text

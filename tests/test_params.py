@@ -1,0 +1,66 @@
+"""Bad parameters raise ValueError naming the parameter; nothing is queued."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny
+
+from workers.engine import Engine, EngineConfig
+from workers.params import SamplingParams
+from workers.scheduler import SchedulerConfig
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=1.5), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.01), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(n=0), "n"),
+    (dict(n=3, best_of=2), "best_of"),
+    (dict(seed=-5), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(logprobs=-1), "logprobs"),
+])
+def test_bad_sampling_params(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(tiny("llama"), EngineConfig(max_batch_size=4, max_batch_tokens=32))
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ([], "empty"),
+    ("", "empty"),
+    ([1, 2, 10_000], "10000.*position 2.*vocabulary"),
+    ([1, -3], "-3.*vocabulary"),
+    (list(range(1, 200)) * 3, "597 tokens.*context"),
+    (12, "prompt must be"),
+])
+def test_bad_prompts(engine, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", prompt, SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished()
+
+
+def test_duplicate_request_id(engine):
+    engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    engine.abort("dup")
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(max_batch_size=0), "max_batch_size"),
+    (dict(max_batch_tokens=4, max_batch_size=8), "max_batch_tokens"),
+    (dict(min_shared_prefix=0), "min_shared_prefix"),
+])
+def test_bad_scheduler_config(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SchedulerConfig(**kwargs)

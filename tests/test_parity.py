@@ -1,0 +1,68 @@
+"""Greedy output equals transformers generate(do_sample=False), token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import ARCHS, hf_greedy, tiny
+
+from workers.engine import Engine, EngineConfig
+from workers.params import SamplingParams
+
+
+def _greedy(m: int) -> SamplingParams:
+    return SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_batch_matches_transformers(arch):
+    lm = tiny(arch)
+    rng = random.Random(arch)
+    lengths = [1, 2, 7, 33, 64, 120, 200] + [rng.randint(1, 200) for _ in range(3)]
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]
+    max_tokens = [rng.randint(1, 24) for _ in prompts]
+    # A small token budget forces chunked prefill of the long prompts alongside decoding.
+    eng = Engine(lm, EngineConfig(max_batch_size=6, max_batch_tokens=48))
+    outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
+    for p, m, o in zip(prompts, max_tokens, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, m), f"prompt of {len(p)} tokens"
+        assert o.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "bloom"])
+def test_requests_joining_a_running_batch(arch):
+    lm = tiny(arch)
+    rng = random.Random(1)
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=40))
+    prompts = {f"r{i}": [rng.randrange(256) for _ in range(rng.randint(1, 90))] for i in range(8)}
+    max_tokens = {rid: rng.randint(3, 20) for rid in prompts}
+    pending = list(prompts)
+    done = {}
+    step = 0
+    while pending or eng.has_unfinished():
+        # add one new request every other step, while earlier ones are mid-generation
+        if pending and step % 2 == 0:
+            rid = pending.pop(0)
+            eng.add_request(rid, prompts[rid], _greedy(max_tokens[rid]))
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    for rid, p in prompts.items():
+        assert done[rid] == hf_greedy(lm.model, p, max_tokens[rid]), rid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["smollm2_fp32", "gemma3_fp32"])
+def test_real_models_match_transformers(fixture, request):
+    lm = request.getfixturevalue(fixture)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+    rng = random.Random(0)
+    prompts = [lm.tokenizer(t).input_ids for t in texts]
+    prompts += [[rng.randrange(1000, 30000) for _ in range(n)] for n in (1, 57, 200)]
+    max_tokens = [12, 20, 9, 16, 5, 24]
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96))
+    outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
+    for p, m, o in zip(prompts, max_tokens, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, m)

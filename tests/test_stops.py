@@ -1,0 +1,91 @@
+"""Every stop condition and its finish_reason."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, tiny
+
+from workers.engine import Engine, EngineConfig
+from workers.models import load_model
+from workers.params import SamplingParams
+
+PROMPT = [10, 20, 30, 40, 50]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(lm):
+    return hf_greedy(lm.model, PROMPT, 40)
+
+
+def _run(lm, **kw):
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64))
+    return eng.generate([PROMPT], SamplingParams(temperature=0, **kw))[0].outputs[0]
+
+
+def test_max_tokens_gives_length(lm, reference):
+    out = _run(lm, max_tokens=7, ignore_eos=True)
+    assert out.token_ids == reference[:7] and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_end_token_is_kept_and_stops(lm, reference, as_list):
+    end = reference[5]
+    first = reference.index(end)
+    stop_ids = [999_999, end] if as_list else end
+    out = _run(lm, max_tokens=40, stop_token_ids=stop_ids, ignore_eos=True)
+    assert out.token_ids == reference[: first + 1] and out.finish_reason == "stop"
+
+
+def test_model_eos_stops_unless_ignored(lm, reference):
+    eos = lm.eos_token_ids[0]
+    if eos not in reference:
+        # make the reference's 4th token this model's EOS for the test
+        lm.eos_token_ids = [reference[3]]
+        eos = reference[3]
+    first = reference.index(eos)
+    stopped = _run(lm, max_tokens=40)
+    assert stopped.token_ids == reference[: first + 1] and stopped.finish_reason == "stop"
+    ignored = _run(lm, max_tokens=40, ignore_eos=True)
+    assert ignored.token_ids == reference[:40] and ignored.finish_reason == "length"
+
+
+def test_stop_string_is_cut_from_text(lm, reference):
+    full = lm.tokenizer.decode(reference[:20], skip_special_tokens=True)
+    stop = full[8:11]
+    out = _run(lm, max_tokens=20, stop=[stop, "never-there"], ignore_eos=True)
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index(stop)]
+    assert stop not in out.text
+    assert len(out.token_ids) < 20
+
+
+def test_context_length_stops_with_length():
+    lm = load_model("tiny:llama", dtype="float64", max_model_len=12)
+    eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=16))
+    out = eng.generate([PROMPT], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert len(PROMPT) + len(out.outputs[0].token_ids) == 12
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_the_slot(lm):
+    eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=16))
+    eng.add_request("a", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    eng.add_request("b", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    eng.add_request("c", PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.scheduler.slots_in_use() == 2 and [g.request_id for g in eng.scheduler.waiting] == ["c"]
+    assert eng.abort("a") is True
+    assert eng.scheduler.slots_in_use() == 1
+    assert eng.abort("a") is False  # already gone
+    eng.step()
+    assert "c" not in [g.request_id for g in eng.scheduler.waiting]  # took the freed slot
+    assert eng.scheduler.slots_in_use() == 2
+    eng.abort("b")
+    eng.abort("c")
+    assert eng.scheduler.slots_in_use() == 0 and not eng.has_unfinished()
