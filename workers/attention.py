@@ -109,9 +109,13 @@ def _segment_attention(ctx: StepContext, i: int, q: torch.Tensor, key: torch.Ten
     end = seg.start_pos + seg.length
     k = key[seg.slot: seg.slot + 1, :, :end]
     v = value[seg.slot: seg.slot + 1, :, :end]
-    mask = ctx.segment_mask(i, window, q.device)
     heads, kvh = q.shape[1], k.shape[1]
     q = q.to(k.dtype)
+    if softcap is None and seg.start_pos == 0 and (window is None or window >= end):
+        # a whole prompt from its start: plain causal attention, no mask to build or read
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=heads != kvh)
+        return out[0].transpose(0, 1)
+    mask = ctx.segment_mask(i, window, q.device)
     if softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=heads != kvh)
     else:

@@ -9,6 +9,7 @@ attention interface (BLOOM's ALiBi): one forward per sequence with a DynamicCach
 from __future__ import annotations
 
 import copy
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ class BaseRunner(ABC):
         self.lm = lm
         self.model = lm.model
         self.max_batch_size = max_batch_size
+        self.forward_seconds = 0.0  # time inside forward passes (the rest of a step is bookkeeping)
 
     @abstractmethod
     def _forward(self, decode: list[Sequence], chunks: list[Chunk], max_len: int) -> torch.Tensor:
@@ -76,7 +78,9 @@ class BaseRunner(ABC):
         for src, dst, n in plan.copies:
             self._copy(src, dst, n)
         decode = sorted(plan.decode, key=lambda s: s.slot)
+        t0 = time.perf_counter()
         logits = self._forward(decode, plan.prefill, plan.max_len)
+        self.forward_seconds += time.perf_counter() - t0
         for src, dst, n in plan.forks:
             self._copy(src, dst, n)
         return self._postprocess(decode, plan.prefill, logits)

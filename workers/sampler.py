@@ -63,13 +63,17 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]):
     """Pick a token per spec. Returns (tokens, chosen logprobs, top alternatives per spec)."""
     if not specs:
         return [], [], []
-    rows = torch.tensor([s.row for s in specs], device=logits.device)
-    sel = logits.index_select(0, rows).float()
+    row_ids = [s.row for s in specs]
+    if row_ids == list(range(logits.shape[0])):
+        sel = logits.float()  # the usual case: every row is sampled once, in order - no gather
+    else:
+        sel = logits.index_select(0, torch.tensor(row_ids, device=logits.device)).float()
     greedy = sel.argmax(dim=-1).tolist()
     tokens = [greedy[i] if s.temperature == 0 else _sample_row(sel[i], s) for i, s in enumerate(specs)]
-    logp = torch.log_softmax(sel, dim=-1)
-    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
-    tops = top_alternatives(logp, [s.num_top for s in specs])
+    picked = sel.gather(1, torch.tensor(tokens, device=sel.device)[:, None])[:, 0]
+    chosen = (picked - torch.logsumexp(sel, dim=-1)).tolist()
+    ks = [s.num_top for s in specs]
+    tops = top_alternatives(torch.log_softmax(sel, dim=-1), ks) if any(k is not None for k in ks) else [None] * len(ks)
     return tokens, chosen, tops
 
 
