@@ -13,7 +13,6 @@ mask offset by the chunk's start.
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass, field
 
 import torch

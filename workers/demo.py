@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
 from workers.params import SamplingParams
 
 PROMPTS = [

@@ -70,7 +70,7 @@ class BaseRunner(ABC):
     def _copy(self, src: int, dst: int, length: int) -> None:
         """Copy the cached K/V of positions [0, length) from slot src to slot dst."""
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int) -> None:  # noqa: B027 - optional hook, most runners hold nothing per slot
         """A slot was freed; drop anything held for it."""
 
     @torch.inference_mode()

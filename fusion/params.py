@@ -1,0 +1,84 @@
+"""Params YAML (variants + runconfig) and `--variants NAME,COUNT` parsing. Errors name file and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+RUNCONFIG_DEFAULTS = {
+    "model_dir": "model_dir",
+    "variants": None,
+    "num_workers": None,
+    "devices": "auto",
+    "router": None,
+    "frontend": "tcp://127.0.0.1:5555",
+    "backend": "tcp://127.0.0.1:5556",
+    "inference_steps": None,
+    "threads_per_worker": None,
+}
+MODEL_KEYS = {"source", "dtype", "start_token", "end_token", "max_tokens", "loop_dim", "temperature", "top_p",
+              "top_k", "max_model_len", "max_batch_size", "max_batch_tokens", "deltat_scaling_factor"}
+
+
+class ParamsError(ValueError):
+    pass
+
+
+def load_params(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise ParamsError(f"params file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: top level must be a mapping with 'variants' and 'runconfig'")
+    variants = data.get("variants")
+    if not isinstance(variants, dict) or not variants:
+        raise ParamsError(f"{path}: 'variants' must be a non-empty mapping of variant name -> settings")
+    for name, v in variants.items():
+        where = f"{path}: variants.{name}"
+        if not isinstance(v, dict) or not isinstance(v.get("model"), dict):
+            raise ParamsError(f"{where}.model must be a mapping")
+        model = v["model"]
+        if not isinstance(model.get("source"), str):
+            raise ParamsError(f"{where}.model.source must name a model source (e.g. smollm2-135m)")
+        unknown = sorted(set(model) - MODEL_KEYS)
+        if unknown:
+            raise ParamsError(f"{where}.model.{unknown[0]}: unknown key; known keys: {sorted(MODEL_KEYS)}")
+    run = dict(RUNCONFIG_DEFAULTS)
+    given = data.get("runconfig") or {}
+    if not isinstance(given, dict):
+        raise ParamsError(f"{path}: 'runconfig' must be a mapping")
+    unknown = sorted(set(given) - set(RUNCONFIG_DEFAULTS))
+    if unknown:
+        raise ParamsError(f"{path}: runconfig.{unknown[0]}: unknown key; known keys: {sorted(RUNCONFIG_DEFAULTS)}")
+    run.update(given)
+    data["runconfig"] = run
+    data["_path"] = str(path)
+    return data
+
+
+def parse_variants(specs, params: dict) -> list[tuple[str, int]]:
+    """['a,2', 'b'] or [['a', 2]] -> [('a', 2), ('b', 1)], checked against the params' variants."""
+    where = params.get("_path", "params")
+    if specs is None:
+        raise ParamsError(f"{where}: no variants: give --variants NAME,COUNT ... or runconfig.variants")
+    if isinstance(specs, (list, tuple)) and len(specs) == 2 and isinstance(specs[1], int):
+        specs = [f"{specs[0]},{specs[1]}"]  # YAML shorthand `variants: [name, 2]`
+    out = []
+    for spec in specs:
+        text = ",".join(map(str, spec)) if isinstance(spec, (list, tuple)) else str(spec)
+        name, _, count = text.partition(",")
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            raise ParamsError(f"variant {text!r}: count must be an integer (NAME,COUNT)") from None
+        if n < 1:
+            raise ParamsError(f"variant {text!r}: count must be >= 1")
+        if name not in params["variants"]:
+            raise ParamsError(f"variant {name!r} is not in {where}; known: {sorted(params['variants'])}")
+        out.append((name, n))
+    return out

@@ -1,0 +1,254 @@
+"""Clients for the router: `Client` (blocking) and `AsyncClient` (asyncio), and a small CLI.
+
+    with Client("tcp://127.0.0.1:5555", timeout=60) as c:
+        c.models(); c.status()
+        c.complete(model="smollm2", prompt="Hello", max_tokens=16, temperature=0.0)
+        for chunk in c.stream(model="smollm2", prompt=[1, 2, 3], max_tokens=16): ...
+
+    python -m routing.client --router tcp://127.0.0.1:5555 --model smollm2 "Once upon a time"
+
+Errors from the router raise `RouterError` (with `.code`: bad_request, unknown_model, busy,
+worker_lost, too_large); a timeout raises TimeoutError and cancels the request on the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+import uuid
+
+import zmq
+import zmq.asyncio
+
+from routing import protocol as P
+
+
+class RouterError(RuntimeError):
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+def _check(msg: dict) -> dict:
+    if msg.get("type") == P.ERROR:
+        raise RouterError(msg.get("code", P.INTERNAL), msg.get("message", ""))
+    return msg
+
+
+class _Base:
+    def __init__(self, address: str, timeout: float | None):
+        self.address, self.timeout = address, timeout
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    def _new_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    @staticmethod
+    def _complete_msg(rid: str, model, prompt, stream: bool, params: dict) -> dict:
+        return {"type": P.COMPLETE, "id": rid, "model": model, "prompt": prompt, "params": params, "stream": stream}
+
+
+class Client(_Base):
+    """Blocking client. One request at a time per Client; use one per thread."""
+
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 60.0,
+                 ctx: zmq.Context | None = None):
+        super().__init__(address, timeout)
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def send_raw(self, frame: bytes) -> None:
+        """Send an arbitrary frame (for tests of the router's input checking)."""
+        self.sock.send(frame)
+
+    def recv(self, deadline: float | None) -> dict:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self.sock.poll(None if wait is None else wait * 1000):
+            raise TimeoutError(f"no answer from {self.address} within {self.timeout}s")
+        return P.unpack(self.sock.recv(), {P.CHUNK, P.RESULT, P.REPLY, P.ERROR})
+
+    def _deadline(self) -> float | None:
+        return None if self.timeout is None else time.monotonic() + self.timeout
+
+    def _admin(self, mtype: str):
+        rid = self._new_id()
+        self.sock.send(P.pack({"type": mtype, "id": rid}))
+        deadline = self._deadline()
+        while True:
+            msg = _check(self.recv(deadline))
+            if msg.get("id") == rid:
+                return msg["data"]
+
+    def models(self) -> list[dict]:
+        return self._admin(P.MODELS)
+
+    def status(self) -> dict:
+        return self._admin(P.STATUS)
+
+    def _run(self, model, prompt, stream: bool, params: dict):
+        rid = self._new_id()
+        self.sock.send(P.pack(self._complete_msg(rid, model, prompt, stream, params)))
+        deadline = self._deadline()
+        try:
+            while True:
+                msg = self.recv(deadline)
+                if msg.get("id") != rid:
+                    continue  # a late answer to an earlier, timed-out request
+                _check(msg)
+                yield msg
+                if msg["type"] == P.RESULT:
+                    return
+        except (TimeoutError, GeneratorExit):
+            self.sock.send(P.pack({"type": P.CANCEL, "id": rid}))
+            raise
+
+    def complete(self, model, prompt, **params) -> dict:
+        """An OpenAI completions response dict."""
+        for msg in self._run(model, prompt, False, params):
+            if msg["type"] == P.RESULT:
+                return msg["response"]
+        raise RouterError(P.INTERNAL, "stream ended without a result")
+
+    def stream(self, model, prompt, **params):
+        """Yield {"index", "token_ids", "text", "finish_reason"} per new token and sample."""
+        for msg in self._run(model, prompt, True, params):
+            if msg["type"] == P.CHUNK:
+                yield from msg["outputs"]
+
+
+class AsyncClient(_Base):
+    """asyncio client with the same methods; many requests may be in flight at once."""
+
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 60.0):
+        import asyncio
+
+        super().__init__(address, timeout)
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.sock.close(linger=0)
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = P.unpack(await self.sock.recv(), {P.CHUNK, P.RESULT, P.REPLY, P.ERROR})
+            q = self._queues.get(msg.get("id"))
+            if q is not None:
+                q.put_nowait(msg)
+
+    async def _open(self):
+        import asyncio
+
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read_loop())
+        rid = self._new_id()
+        self._queues[rid] = asyncio.Queue()
+        return rid
+
+    async def _get(self, rid: str) -> dict:
+        import asyncio
+
+        try:
+            return _check(await asyncio.wait_for(self._queues[rid].get(), self.timeout))
+        except asyncio.TimeoutError:
+            await self.sock.send(P.pack({"type": P.CANCEL, "id": rid}))
+            raise TimeoutError(f"no answer from {self.address} within {self.timeout}s") from None
+
+    async def _admin(self, mtype: str):
+        rid = await self._open()
+        try:
+            await self.sock.send(P.pack({"type": mtype, "id": rid}))
+            return (await self._get(rid))["data"]
+        finally:
+            self._queues.pop(rid, None)
+
+    async def models(self) -> list[dict]:
+        return await self._admin(P.MODELS)
+
+    async def status(self) -> dict:
+        return await self._admin(P.STATUS)
+
+    async def complete(self, model, prompt, **params) -> dict:
+        rid = await self._open()
+        try:
+            await self.sock.send(P.pack(self._complete_msg(rid, model, prompt, False, params)))
+            while True:
+                msg = await self._get(rid)
+                if msg["type"] == P.RESULT:
+                    return msg["response"]
+        finally:
+            self._queues.pop(rid, None)
+
+    async def stream(self, model, prompt, **params):
+        rid = await self._open()
+        try:
+            await self.sock.send(P.pack(self._complete_msg(rid, model, prompt, True, params)))
+            while True:
+                msg = await self._get(rid)
+                if msg["type"] == P.RESULT:
+                    return
+                for out in msg["outputs"]:
+                    yield out
+        finally:
+            self._queues.pop(rid, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Send a completion request to a running router.")
+    ap.add_argument("prompt", nargs="?", help="prompt text (omit with --models or --status)")
+    ap.add_argument("--router", default="tcp://127.0.0.1:5555")
+    ap.add_argument("--model", default=None, help="model name, or an integer model ID")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--models", action="store_true", help="list the models")
+    ap.add_argument("--status", action="store_true", help="show the workers")
+    args = ap.parse_args(argv)
+    with Client(args.router, timeout=args.timeout) as c:
+        try:
+            if args.models or args.status:
+                print(json.dumps(c.models() if args.models else c.status(), indent=2))
+                return 0
+            if args.prompt is None or args.model is None:
+                ap.error("give --model and a prompt (or --models / --status)")
+            model = int(args.model) if args.model.isdigit() else args.model
+            sys.stdout.write(args.prompt)
+            for chunk in c.stream(model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature):
+                sys.stdout.write(chunk["text"])
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        except (RouterError, TimeoutError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The wire protocol: every message type, its validation, and the limits. msgpack maps, never pickle.
+
+Every message is one ZeroMQ frame holding a msgpack map with at least {"v": VERSION, "type": T}.
+
+Clients (DEALER) <-> router frontend (ROUTER):
+  client -> router   complete {id, model, prompt, params, stream}   cancel {id}   models {id}   status {id}
+  router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}   error {id, code, message}
+
+Workers (DEALER) <-> router backend (ROUTER):
+  worker -> router   ready {capabilities}   loaded {model_id}   heartbeat {}
+                     chunk / result / error {id, ...}   (id: the router's request key)
+  router -> worker   assign {worker_id, model_id, model}   request {id, prompt, params, stream}
+                     cancel {id}   heartbeat {}   shutdown {}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # frames above this are refused by the socket (ZMQ_MAXMSGSIZE)
+MAX_PROMPT_ITEMS = 1 << 20
+
+# message types
+COMPLETE, CANCEL, MODELS, STATUS = "complete", "cancel", "models", "status"
+CHUNK, RESULT, REPLY, ERROR = "chunk", "result", "reply", "error"
+READY, LOADED, HEARTBEAT, ASSIGN, REQUEST, SHUTDOWN = "ready", "loaded", "heartbeat", "assign", "request", "shutdown"
+CLIENT_TYPES = {COMPLETE, CANCEL, MODELS, STATUS}
+WORKER_TYPES = {READY, LOADED, HEARTBEAT, CHUNK, RESULT, ERROR}
+
+# error codes
+BAD_REQUEST = "bad_request"  # undecodable, wrong shape, invalid parameter
+UNKNOWN_MODEL = "unknown_model"
+BUSY = "busy"  # the model's queue is full: retry later (like HTTP 429)
+WORKER_LOST = "worker_lost"
+TOO_LARGE = "too_large"
+INTERNAL = "internal"
+
+
+class ProtocolError(ValueError):
+    """A message that can't be accepted; `code` is one of the error codes above."""
+
+    def __init__(self, message: str, code: str = BAD_REQUEST, request_id=None):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+def pack(msg: dict) -> bytes:
+    msg.setdefault("v", VERSION)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(frame: bytes, allowed: set[str]) -> dict:
+    """Decode and check the envelope. Raises ProtocolError naming what is wrong."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}", TOO_LARGE)
+    try:
+        # bounded unpacking: nothing inside may claim more items than the frame could hold
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True,
+                              max_array_len=MAX_PROMPT_ITEMS, max_map_len=4096, max_str_len=len(frame),
+                              max_bin_len=len(frame), max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"undecodable message: {type(exc).__name__}: {exc}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"message must be a msgpack map, got {type(msg).__name__}")
+    rid = msg.get("id")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(f"protocol version {msg.get('v')!r} is not supported (expected {VERSION})",
+                            request_id=rid)
+    mtype = msg.get("type")
+    if mtype not in allowed:
+        raise ProtocolError(f"unknown message type {mtype!r}; expected one of {sorted(allowed)}", request_id=rid)
+    return msg
+
+
+@dataclass(slots=True)
+class CompleteRequest:
+    """A client's completion request, validated (sampling values are checked by the worker's engine)."""
+
+    id: str
+    model: str | int
+    prompt: str | list[int]
+    params: dict
+    stream: bool
+
+    @classmethod
+    def from_msg(cls, msg: dict) -> CompleteRequest:
+        rid = msg.get("id")
+        if not isinstance(rid, str) or not rid or len(rid) > 256:
+            raise ProtocolError("id must be a non-empty string of at most 256 characters", request_id=rid)
+        model = msg.get("model")
+        if isinstance(model, bool) or not isinstance(model, (str, int)):
+            raise ProtocolError("model must be a model name or an integer model ID", request_id=rid)
+        prompt = msg.get("prompt")
+        if isinstance(prompt, list):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ProtocolError("prompt must be text or a list of integer token IDs", request_id=rid)
+        elif not isinstance(prompt, str):
+            raise ProtocolError("prompt must be text or a list of integer token IDs", request_id=rid)
+        if not prompt:
+            raise ProtocolError("prompt must not be empty", request_id=rid)
+        params = msg.get("params", {})
+        if not isinstance(params, dict):
+            raise ProtocolError("params must be a map", request_id=rid)
+        return cls(rid, model, prompt, params, bool(msg.get("stream", False)))
+
+
+def error(request_id, code: str, message: str) -> dict:
+    return {"type": ERROR, "id": request_id, "code": code, "message": message}

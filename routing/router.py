@@ -1,0 +1,356 @@
+"""The router (broker): clients on a frontend ROUTER, workers on a backend ROUTER.
+
+A worker's READY gets a worker ID and a model ID - round-robin in registration order (worker k
+serves model k mod M; a model left with no live worker is filled first). Requests name a model
+(any replica: the least loaded) or a model ID (that copy). Only that model's workers see them.
+Requests for a model with no loaded worker wait in a bounded queue; past the bound the client
+gets `busy`. Heartbeats go both ways; a worker silent for `liveness` intervals is dropped and
+its in-flight requests get `worker_lost`. One thread, one poller: no locks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from routing import protocol as P
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    frontend: str = "tcp://127.0.0.1:5555"
+    backend: str = "tcp://127.0.0.1:5556"
+    heartbeat_interval: float = 0.5
+    liveness: int = 6
+    max_queue: int = 1024  # waiting requests per model before `busy`
+    max_inflight: int = 256  # requests one worker holds at once; the rest wait in the model's queue
+    hard_message_limit: int = 64 * 1024 * 1024  # the socket drops peers beyond this (ZMQ_MAXMSGSIZE)
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_inflight", "liveness"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    model_id: int
+    name: str
+    spec: dict  # sent to the worker in ASSIGN: source, dtype, engine config, defaults
+    queue: deque = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class WorkerState:
+    ident: bytes
+    worker_id: int
+    model_id: int
+    capabilities: dict
+    alive: bool = True
+    loaded: bool = False
+    last_seen: float = 0.0
+    inflight: set = field(default_factory=set)
+    served: int = 0
+    tokens: int = 0
+    errors: int = 0
+
+
+@dataclass(slots=True)
+class Pending:
+    key: str
+    client: bytes
+    client_id: str
+    model_id: int
+    msg: dict
+    worker: bytes | None = None
+
+
+class Router:
+    def __init__(self, models: list[ModelEntry], config: RouterConfig | None = None,
+                 ctx: zmq.Context | None = None, worker_overrides: list[dict] | None = None):
+        if not models:
+            raise ValueError("the router needs at least one model")
+        self.config = config or RouterConfig()
+        self.models = {m.model_id: m for m in models}
+        self.by_name: dict[str, list[int]] = {}
+        for m in models:
+            self.by_name.setdefault(m.name, []).append(m.model_id)
+        self.ctx = ctx or zmq.Context.instance()
+        # the deployment plan's per-worker settings (device, threads, batch limits), by registration order
+        self.worker_overrides = worker_overrides or []
+        self.workers: dict[bytes, WorkerState] = {}
+        self.pending: dict[str, Pending] = {}
+        self.client_keys: dict[tuple[bytes, str], str] = {}
+        self._keys = itertools.count()
+        self._registrations = 0
+        self._stop = False
+        self.frontend = self._bind(self.config.frontend)
+        self.backend = self._bind(self.config.backend)
+
+    def _bind(self, addr: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, self.config.hard_message_limit)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        s.bind(addr)
+        return s
+
+    @property
+    def frontend_addr(self) -> str:
+        return self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    @property
+    def backend_addr(self) -> str:
+        return self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # --- main loop -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        next_beat = time.monotonic() + self.config.heartbeat_interval
+        try:
+            while not self._stop:
+                events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
+                if self.backend in events:
+                    self._drain(self.backend, self._on_worker)
+                if self.frontend in events:
+                    self._drain(self.frontend, self._on_client)
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._heartbeat(now)
+                    next_beat = now + self.config.heartbeat_interval
+        finally:
+            self.shutdown()
+
+    def _drain(self, sock: zmq.Socket, handler) -> None:
+        for _ in range(1000):  # bounded, so one busy side cannot starve the other
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                continue  # a peer speaking another protocol: nothing sensible to answer
+            handler(frames[0], frames[1])
+
+    def shutdown(self) -> None:
+        for w in self.workers.values():
+            if w.alive:
+                self.backend.send_multipart([w.ident, P.pack({"type": P.SHUTDOWN})])
+        for sock in (self.frontend, self.backend):
+            if not sock.closed:
+                sock.close(linger=100)
+
+    # --- clients ---------------------------------------------------------------------------------
+    def _reply(self, client: bytes, msg: dict) -> None:
+        self.frontend.send_multipart([client, P.pack(msg)])
+
+    def _on_client(self, client: bytes, frame: bytes) -> None:
+        try:
+            msg = P.unpack(frame, P.CLIENT_TYPES)
+            mtype = msg["type"]
+            if mtype == P.COMPLETE:
+                self._on_complete(client, P.CompleteRequest.from_msg(msg))
+            elif mtype == P.CANCEL:
+                self._on_cancel(client, msg.get("id"))
+            elif mtype == P.MODELS:
+                self._reply(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.models_info()})
+            elif mtype == P.STATUS:
+                self._reply(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.status()})
+        except P.ProtocolError as exc:
+            self._reply(client, P.error(exc.request_id, exc.code, str(exc)))
+
+    def _resolve(self, model) -> list[int]:
+        if isinstance(model, int):
+            if model not in self.models:
+                raise P.ProtocolError(f"unknown model ID {model}; known IDs: {sorted(self.models)}", P.UNKNOWN_MODEL)
+            return [model]
+        if model not in self.by_name:
+            raise P.ProtocolError(f"unknown model {model!r}; known models: {sorted(self.by_name)}", P.UNKNOWN_MODEL)
+        return self.by_name[model]
+
+    def _load(self, model_id: int) -> tuple[float, int]:
+        """Pending work per live worker, then requests served: idle copies take turns."""
+        ws = [w for w in self.workers.values() if w.alive and w.loaded and w.model_id == model_id]
+        queued = len(self.models[model_id].queue)
+        served = sum(w.served + len(w.inflight) for w in self.workers.values() if w.model_id == model_id)
+        if not ws:
+            return 1e9 + queued, served
+        return (sum(len(w.inflight) for w in ws) + queued) / len(ws), served
+
+    def _on_complete(self, client: bytes, req: P.CompleteRequest) -> None:
+        try:
+            candidates = self._resolve(req.model)
+        except P.ProtocolError as exc:
+            exc.request_id = req.id
+            raise
+        if (client, req.id) in self.client_keys:
+            raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
+        model_id = min(candidates, key=self._load)
+        key = str(next(self._keys))
+        p = Pending(key, client, req.id, model_id,
+                    {"type": P.REQUEST, "id": key, "prompt": req.prompt, "params": req.params, "stream": req.stream})
+        worker = self._pick_worker(model_id)
+        if worker is None:
+            q = self.models[model_id].queue
+            if len(q) >= self.config.max_queue:
+                raise P.ProtocolError(f"model {self.models[model_id].name!r} (ID {model_id}) is busy: "
+                                      f"{len(q)} requests queued; retry later", P.BUSY, req.id)
+            q.append(p)
+        else:
+            self._dispatch(p, worker)
+        self.pending[key] = p
+        self.client_keys[(client, req.id)] = key
+
+    def _pick_worker(self, model_id: int) -> WorkerState | None:
+        ws = [w for w in self.workers.values()
+              if w.alive and w.loaded and w.model_id == model_id and len(w.inflight) < self.config.max_inflight]
+        return min(ws, key=lambda w: (len(w.inflight), w.served)) if ws else None
+
+    def _dispatch(self, p: Pending, w: WorkerState) -> None:
+        p.worker = w.ident
+        w.inflight.add(p.key)
+        self.backend.send_multipart([w.ident, P.pack(p.msg)])
+
+    def _drain_queue(self, model_id: int) -> None:
+        q = self.models[model_id].queue
+        while q:
+            w = self._pick_worker(model_id)
+            if w is None:
+                return
+            self._dispatch(q.popleft(), w)
+
+    def _on_cancel(self, client: bytes, client_id) -> None:
+        key = self.client_keys.get((client, client_id))
+        if key is None:
+            return
+        p = self._finish(key)
+        if p is None:
+            return
+        if p.worker is not None and p.worker in self.workers:
+            self.backend.send_multipart([p.worker, P.pack({"type": P.CANCEL, "id": key})])
+        else:
+            q = self.models[p.model_id].queue
+            if p in q:
+                q.remove(p)
+
+    def _finish(self, key: str) -> Pending | None:
+        p = self.pending.pop(key, None)
+        if p is None:
+            return None
+        self.client_keys.pop((p.client, p.client_id), None)
+        w = self.workers.get(p.worker) if p.worker else None
+        if w is not None:
+            w.inflight.discard(key)
+            self._drain_queue(w.model_id)
+        return p
+
+    # --- workers ---------------------------------------------------------------------------------
+    def _assign_model(self) -> int:
+        live = {mid: 0 for mid in self.models}
+        for w in self.workers.values():
+            if w.alive:
+                live[w.model_id] += 1
+        ids = sorted(self.models)
+        rr = ids[self._registrations % len(ids)]
+        orphaned = [mid for mid in ids if live[mid] == 0]
+        return rr if live[rr] == 0 or not orphaned else orphaned[0]
+
+    def _spec_for(self, worker_id: int, model_id: int) -> dict:
+        spec = dict(self.models[model_id].spec)
+        if self.worker_overrides:
+            o = self.worker_overrides[worker_id % len(self.worker_overrides)]
+            if o.get("model_id", model_id) == model_id:
+                spec.update({k: v for k, v in o.items() if k != "model_id"})
+        return spec
+
+    def _on_worker(self, ident: bytes, frame: bytes) -> None:
+        try:
+            msg = P.unpack(frame, P.WORKER_TYPES)
+        except P.ProtocolError:
+            return
+        w = self.workers.get(ident)
+        mtype = msg["type"]
+        if mtype == P.READY:
+            if w is not None and w.alive:
+                self._drop(w, "re-registered")
+            model_id = self._assign_model()
+            caps = msg.get("capabilities") if isinstance(msg.get("capabilities"), dict) else {}
+            w = WorkerState(ident, self._registrations, model_id, caps, last_seen=time.monotonic())
+            self._registrations += 1
+            self.workers[ident] = w
+            self.backend.send_multipart([ident, P.pack({"type": P.ASSIGN, "worker_id": w.worker_id,
+                                                        "model_id": model_id,
+                                                        "model": self._spec_for(w.worker_id, model_id)})])
+            return
+        if w is None or not w.alive:
+            return  # a worker we dropped: it re-registers when our heartbeats stop reaching it
+        w.last_seen = time.monotonic()
+        if mtype == P.LOADED:
+            w.loaded = True
+            self._drain_queue(w.model_id)
+        elif mtype in (P.CHUNK, P.RESULT, P.ERROR):
+            self._on_output(w, msg)
+
+    def _on_output(self, w: WorkerState, msg: dict) -> None:
+        key = msg.get("id")
+        p = self.pending.get(key)
+        if p is None:
+            return  # cancelled meanwhile
+        out = dict(msg)
+        out["id"] = p.client_id
+        out.pop("v", None)
+        if msg["type"] == P.CHUNK:
+            self._reply(p.client, out)
+            return
+        if msg["type"] == P.RESULT:
+            w.served += 1
+            usage = (msg.get("response") or {}).get("usage") or {}
+            w.tokens += int(usage.get("completion_tokens", 0) or 0)
+        else:
+            w.errors += 1
+        self._finish(key)
+        self._reply(p.client, out)
+
+    def _drop(self, w: WorkerState, why: str) -> None:
+        w.alive = False
+        for key in list(w.inflight):
+            p = self._finish(key)
+            if p is not None:
+                self._reply(p.client, P.error(p.client_id, P.WORKER_LOST,
+                                              f"worker {w.worker_id} serving model {w.model_id} was lost ({why})"))
+        w.inflight.clear()
+
+    def _heartbeat(self, now: float) -> None:
+        deadline = self.config.heartbeat_interval * self.config.liveness
+        beat = P.pack({"type": P.HEARTBEAT})
+        for w in list(self.workers.values()):
+            if not w.alive:
+                continue
+            if now - w.last_seen > deadline:
+                self._drop(w, "no heartbeat")
+                continue
+            self.backend.send_multipart([w.ident, beat])
+
+    # --- admin -----------------------------------------------------------------------------------
+    def models_info(self) -> list[dict]:
+        return [{"id": m.model_id, "name": m.name,
+                 "workers": sorted(w.worker_id for w in self.workers.values() if w.alive and w.model_id == m.model_id)}
+                for m in self.models.values()]
+
+    def status(self) -> dict:
+        return {
+            "workers": [{"id": w.worker_id, "model_id": w.model_id, "alive": w.alive, "loaded": w.loaded,
+                         "served": w.served, "tokens": w.tokens, "errors": w.errors, "inflight": len(w.inflight),
+                         "pid": w.capabilities.get("pid")}
+                        for w in sorted(self.workers.values(), key=lambda w: w.worker_id)],
+            "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
+            "pending": len(self.pending),
+        }

@@ -1,0 +1,100 @@
+"""ModelInfo, MultiModelFusion, params/variants loading and the deployment plan."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusion.deploy import build_fusion, worker_overrides
+from fusion.model_info import ModelInfo, MultiModelFusion
+from fusion.params import ParamsError, load_params, parse_variants
+from fusion.plan import make_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def test_fusion_ids_names_and_input_fn():
+    a = ModelInfo("a", "tiny:llama", input_fn=lambda p: iter([{"x": 1}, {"x": 2}]))
+    b = ModelInfo("b", "tiny:gpt2", input_fn=lambda p: iter([{"y": 1}]))
+    f = MultiModelFusion([a, b, ModelInfo("a", "tiny:llama")])
+    assert [m["model_id"] for m in f.stack_params["models"]] == [0, 1, 2]
+    assert f.model_ids("a") == [0, 2]
+    assert list(f.input_fn()) == [(0, {"x": 1}), (1, {"y": 1}), (0, {"x": 2})]
+    with pytest.raises(ValueError, match="deltat_scaling_factor"):
+        ModelInfo("c", "tiny:llama", deltat_scaling_factor=0)
+    with pytest.raises(ValueError, match="at least one"):
+        MultiModelFusion([])
+
+
+def test_variants_parsing():
+    params = load_params(TINY)
+    assert parse_variants(["llama,2", "gpt2"], params) == [("llama", 2), ("gpt2", 1)]
+    assert parse_variants(["llama", 3], params) == [("llama", 3)]  # YAML [name, count]
+    for bad, match in ((["llama,x"], "integer"), (["llama,0"], ">= 1"), (["bert,1"], "'bert' is not in")):
+        with pytest.raises(ParamsError, match=match):
+            parse_variants(bad, params)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("variants: {}\n", "non-empty mapping"),
+    ("variants:\n  a: {model: {dtype: auto}}\n", r"variants\.a\.model\.source"),
+    ("variants:\n  a: {model: {source: x, colour: red}}\n", r"variants\.a\.model\.colour: unknown key"),
+    ("variants:\n  a: {model: {source: x}}\nrunconfig: {num_wrokers: 2}\n", r"runconfig\.num_wrokers"),
+    ("variants: [\n", "not valid YAML"),
+])
+def test_params_errors_name_file_and_key(tmp_path, text, match):
+    f = tmp_path / "p.yaml"
+    f.write_text(text)
+    with pytest.raises(ParamsError, match=match) as info:
+        load_params(f)
+    assert str(f) in str(info.value)
+
+
+def test_plan_round_robin_devices_and_threads():
+    fusion = build_fusion(load_params(TINY), ["llama,1", "gpt2,1"])
+    plan = make_plan(fusion, 3, ["cpu", "cuda:0"])
+    assert [(w.worker_id, w.model_id, w.device) for w in plan.workers] == [(0, 0, "cpu"), (1, 1, "cuda:0"),
+                                                                          (2, 0, "cpu")]
+    cpu_plan = make_plan(fusion, 2, "cpu")
+    import os
+
+    assert sum(w.threads for w in cpu_plan.workers) == max(os.cpu_count(), 2)
+    with pytest.raises(ValueError, match="fewer than the number of models"):
+        make_plan(fusion, 1, "cpu")
+    with pytest.raises(ValueError, match="not 'cpu' or 'cuda:N'"):
+        make_plan(fusion, 2, ["tpu"])
+
+
+def test_deltat_scaling_factor_shares_batch_capacity():
+    fusion = MultiModelFusion([
+        ModelInfo("big", "tiny:llama", params={"max_batch_size": 30, "max_batch_tokens": 300},
+                  deltat_scaling_factor=2.0),
+        ModelInfo("small", "tiny:llama", params={"max_batch_size": 30, "max_batch_tokens": 300},
+                  deltat_scaling_factor=1.0),
+    ])
+    plan = make_plan(fusion, 2, "cpu")
+    big, small = plan.workers
+    assert (big.max_batch_size, small.max_batch_size) == (40, 20)  # 2:1, same total as 30 + 30
+    assert (big.max_batch_tokens, small.max_batch_tokens) == (400, 200)
+    assert worker_overrides(plan)[0]["engine"] == {"max_batch_size": 40, "max_batch_tokens": 400}
+
+
+def test_plan_refuses_what_does_not_fit():
+    fusion = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"max_batch_size": 100000})])
+    with pytest.raises(ValueError, match="device cpu: .* GiB"):
+        make_plan(fusion, 1, "cpu")
+
+
+def test_validate_only_prints_plan_without_loading():
+    out = subprocess.run([sys.executable, "run_mm.py", "--mode", "validate_only", "--params", str(TINY),
+                          "--variants", "llama,2", "gpt2,1", "--num_workers", "4", "--devices", "cpu"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "worker 3 -> model 0 on cpu" in out.stdout and "model 2: gpt2" in out.stdout
+    bad = subprocess.run([sys.executable, "run_mm.py", "--mode", "validate_only", "--params", str(TINY),
+                          "--variants", "nope,1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "'nope' is not in" in bad.stderr

@@ -1,0 +1,239 @@
+"""End to end: a real router, real worker processes, real sockets, tiny models."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgpack
+import pytest
+from conftest import tiny
+
+from fusion.deploy import build_fusion, model_entries, worker_overrides
+from fusion.params import load_params
+from fusion.plan import make_plan
+from routing import protocol as P
+from routing.client import AsyncClient, Client, RouterError
+from routing.router import Router, RouterConfig
+from workers.completions import sampling_params
+from workers.engine import Engine, EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny.yaml"
+
+
+class Deployment:
+    """A router in a background thread plus worker subprocesses, as run_mm serve starts them."""
+
+    def __init__(self, variants: list[str], num_workers: int):
+        params = load_params(CONFIG)
+        fusion = build_fusion(params, variants)
+        plan = make_plan(fusion, num_workers, "cpu", threads_per_worker=1)
+        ready: queue.Queue = queue.Queue()
+
+        def serve():
+            r = Router(model_entries(fusion), RouterConfig(frontend="tcp://127.0.0.1:*",
+                                                           backend="tcp://127.0.0.1:*", heartbeat_interval=0.2),
+                       worker_overrides=worker_overrides(plan))
+            ready.put(r)
+            r.run()
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        self.router: Router = ready.get(timeout=10)
+        self.frontend = self.router.frontend_addr
+        self.procs = []
+        for _ in range(num_workers):
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "workers.worker", "--backend", self.router.backend_addr, "--parent-pid",
+                 str(os.getpid()), "--threads", "1", "--heartbeat", "0.2"], cwd=ROOT))
+            time.sleep(0.3)  # register in a known order: worker k is the k-th process started
+        self.wait_loaded(num_workers)
+
+    def wait_loaded(self, n: int, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        with Client(self.frontend, timeout=5) as c:
+            while time.monotonic() < deadline:
+                st = c.status()
+                if sum(w["alive"] and w["loaded"] for w in st["workers"]) >= n:
+                    return st
+                time.sleep(0.2)
+        raise TimeoutError("workers did not load")
+
+    def close(self) -> None:
+        self.router.stop()
+        self.thread.join(timeout=10)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                raise
+
+
+@pytest.fixture(scope="module")
+def two_archs():
+    d = Deployment(["llama,1", "gpt2,1", "llama,1"], num_workers=3)
+    yield d
+    d.close()
+
+
+def engine_reference(arch: str, prompt, **params) -> list[int]:
+    eng = Engine(tiny(arch, "float32"), EngineConfig(max_batch_size=4, max_batch_tokens=64))
+    sp, _ = sampling_params(params)
+    return eng.generate([prompt], sp)[0].outputs[0].token_ids
+
+
+def test_round_robin_assignment(two_archs):
+    with Client(two_archs.frontend) as c:
+        st = c.status()
+        models = c.models()
+    assert [(w["id"], w["model_id"]) for w in st["workers"]] == [(0, 0), (1, 1), (2, 2)]
+    assert [(m["id"], m["name"], m["workers"]) for m in models] == [(0, "llama", [0]), (1, "gpt2", [1]),
+                                                                     (2, "llama", [2])]
+
+
+def test_three_workers_two_models():
+    d = Deployment(["llama,1", "gpt2,1"], num_workers=3)
+    try:
+        with Client(d.frontend) as c:
+            st = c.status()
+            assert [(w["id"], w["model_id"]) for w in st["workers"]] == [(0, 0), (1, 1), (2, 0)]
+            for _ in range(6):
+                c.complete(model=0, prompt=[1, 2, 3], max_tokens=2, temperature=0.0)
+            served = {w["id"]: w["served"] for w in c.status()["workers"]}
+        assert served[1] == 0  # model 1's worker never saw model 0's requests
+        assert served[0] > 0 and served[2] > 0 and served[0] + served[2] == 6  # the two workers share model 0
+    finally:
+        d.close()
+
+
+def test_requests_reach_only_their_model(two_archs):
+    with Client(two_archs.frontend) as c:
+        before = {w["id"]: w["served"] for w in c.status()["workers"]}
+        for _ in range(4):
+            c.complete(model="gpt2", prompt=[5, 6], max_tokens=2)
+        for _ in range(3):
+            c.complete(model=2, prompt=[5, 6], max_tokens=2)
+        after = {w["id"]: w["served"] for w in c.status()["workers"]}
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta == {0: 0, 1: 4, 2: 3}
+
+
+def test_two_architectures_match_the_engine(two_archs):
+    prompt = [7, 8, 9, 10, 11]
+    with Client(two_archs.frontend) as c:
+        for name, arch in (("llama", "llama"), ("gpt2", "gpt2")):
+            resp = c.complete(model=name, prompt=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+            assert resp["object"] == "text_completion" and resp["usage"]["completion_tokens"] == 8
+            expect = engine_reference(arch, prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+            tok = tiny(arch, "float32").tokenizer
+            assert resp["choices"][0]["text"] == tok.decode(expect, skip_special_tokens=True)
+
+
+def test_32_concurrent_streaming_clients(two_archs):
+    prompts = [[(i * 7 + j) % 250 + 1 for j in range(3 + i % 9)] for i in range(32)]
+
+    def one(i):
+        with Client(two_archs.frontend, timeout=120) as c:
+            toks = []
+            for chunk in c.stream(model="llama", prompt=prompts[i], max_tokens=6, temperature=0.8, seed=i,
+                                  ignore_eos=True):
+                toks += chunk["token_ids"]
+            return toks
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(one, range(32)))
+    for i in range(32):
+        assert got[i] == engine_reference("llama", prompts[i], max_tokens=6, temperature=0.8, seed=i,
+                                          ignore_eos=True)
+
+
+def test_async_client(two_archs):
+    import asyncio
+
+    async def go():
+        async with AsyncClient(two_archs.frontend, timeout=60) as c:
+            models = await c.models()
+            results = await asyncio.gather(*[c.complete("gpt2", [3, 4, 5], max_tokens=3, temperature=0.0)
+                                             for _ in range(5)])
+            chunks = [ch async for ch in c.stream("llama", [3, 4], max_tokens=3, temperature=0.0)]
+            return models, results, chunks
+
+    models, results, chunks = asyncio.run(go())
+    assert len(models) == 3 and len({r["choices"][0]["text"] for r in results}) == 1
+    assert sum(len(ch["token_ids"]) for ch in chunks) == 3 and chunks[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("kwargs,code,match", [
+    (dict(model="nope", prompt=[1]), P.UNKNOWN_MODEL, "unknown model 'nope'"),
+    (dict(model=9, prompt=[1]), P.UNKNOWN_MODEL, "unknown model ID 9"),
+    (dict(model="llama", prompt=[1], temperature=-1), P.BAD_REQUEST, "temperature"),
+    (dict(model="llama", prompt=[1], top_p=2), P.BAD_REQUEST, "top_p"),
+    (dict(model="llama", prompt=[1, 99999]), P.BAD_REQUEST, "vocabulary"),
+    (dict(model="llama", prompt=list(range(1, 250)) * 3), P.BAD_REQUEST, "context"),
+    (dict(model="llama", prompt=[1], frobnicate=3), P.BAD_REQUEST, "frobnicate"),
+    (dict(model="llama", prompt=[]), P.BAD_REQUEST, "empty"),
+])
+def test_bad_requests_get_errors(two_archs, kwargs, code, match):
+    with Client(two_archs.frontend, timeout=30) as c:
+        model, prompt = kwargs.pop("model"), kwargs.pop("prompt")
+        with pytest.raises(RouterError, match=match) as info:
+            c.complete(model=model, prompt=prompt, **kwargs)
+        assert info.value.code == code
+        assert c.complete(model="llama", prompt=[1, 2], max_tokens=1)["choices"]  # still serving
+
+
+@pytest.mark.parametrize("frame,match", [
+    (b"\xc1\xff garbage", "undecodable"),
+    (msgpack.packb([1, 2, 3]), "map"),
+    (msgpack.packb({"v": 99, "type": "complete", "id": "x"}), "version"),
+    (msgpack.packb({"v": 1, "type": "launch", "id": "x"}), "unknown message type"),
+    (msgpack.packb({"v": 1, "type": "complete", "id": "x", "model": "llama", "prompt": [1.5]}), "token IDs"),
+    (b"\x00" * (P.MAX_MESSAGE_BYTES + 10), "exceeds the limit"),
+])
+def test_garbage_and_oversized_frames(two_archs, frame, match):
+    with Client(two_archs.frontend, timeout=30) as c:
+        c.send_raw(frame)
+        reply = c.recv(time.monotonic() + 30)
+        assert reply["type"] == P.ERROR and match in reply["message"]
+        assert c.complete(model="gpt2", prompt=[1, 2], max_tokens=1)["choices"]
+
+
+def test_serve_shuts_down_cleanly(tmp_path):
+    port = 20000 + os.getpid() % 20000
+    front, back = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(CONFIG),
+                             "--variants", "llama,1", "gpt2,1", "--frontend", front, "--backend", back,
+                             "--devices", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        pids = []
+        with Client(front, timeout=5) as c:
+            while time.monotonic() < deadline:
+                try:
+                    st = c.status()
+                except TimeoutError:
+                    continue
+                if len(st["workers"]) == 2 and all(w["loaded"] for w in st["workers"]):
+                    pids = [w["pid"] for w in st["workers"]]
+                    break
+                time.sleep(0.2)
+            assert c.complete(model="gpt2", prompt="hi", max_tokens=2)["choices"]
+        assert len(pids) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "serving: clients connect to" in proc.stdout.read()
+        time.sleep(0.5)
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

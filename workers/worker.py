@@ -1,0 +1,268 @@
+"""A worker process: registers with the router, loads the model it is assigned, serves its requests.
+
+Two threads, so that socket I/O never waits on a forward pass (and heartbeats go on while a
+model loads): the main thread owns the DEALER socket (register, heartbeat, reconnect with capped
+backoff, as in the ZeroMQ guide's Paranoid Pirate worker); the engine thread owns the Engine,
+takes requests from a queue and hands messages back through an inproc PAIR socket.
+
+    python -m workers.worker --backend tcp://127.0.0.1:5556 [--threads N] [--echo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from routing import protocol as P
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    backend: str = "tcp://127.0.0.1:5556"
+    heartbeat_interval: float = 0.5  # seconds between heartbeats both ways
+    liveness: int = 6  # missed heartbeats before the router is presumed dead
+    reconnect_initial: float = 0.25
+    reconnect_max: float = 8.0  # backoff cap
+    num_threads: int | None = None
+    parent_pid: int | None = None  # exit when this process is gone (no orphans)
+    echo: bool = False  # answer without a model: for router benchmarks and tests
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval <= 0 or self.liveness < 1:
+            raise ValueError("heartbeat_interval must be > 0 and liveness >= 1")
+
+
+class EngineThread(threading.Thread):
+    """Owns the Engine: load on assignment, then step while there is work."""
+
+    def __init__(self, ctx: zmq.Context, out_addr: str, num_threads: int | None):
+        super().__init__(daemon=True, name="engine")
+        self.inbox: queue.Queue = queue.Queue()
+        self.ctx, self.out_addr, self.num_threads = ctx, out_addr, num_threads
+        self.stop = threading.Event()
+        self.engine = None
+        self.spec: dict | None = None
+        self.requests: dict[str, dict] = {}  # request key -> {stream, echo, logprobs, sent_text}
+
+    def run(self) -> None:
+        out = self.ctx.socket(zmq.PAIR)
+        out.connect(self.out_addr)
+        try:
+            while not self.stop.is_set():
+                busy = self.engine is not None and self.engine.has_unfinished()
+                try:
+                    item = self.inbox.get_nowait() if busy else self.inbox.get(timeout=0.05)
+                    self._handle(item, out)
+                    while True:
+                        self._handle(self.inbox.get_nowait(), out)
+                except queue.Empty:
+                    pass
+                if self.engine is not None and self.engine.has_unfinished():
+                    for res in self.engine.step():
+                        self._emit(res, out)
+        finally:
+            out.close(linger=0)
+
+    def _send(self, out, msg: dict) -> None:
+        out.send(P.pack(msg))
+
+    def _handle(self, item, out) -> None:
+        kind, msg = item
+        if kind == "assign":
+            self._load(msg, out)
+        elif kind == "request":
+            self._add(msg, out)
+        elif kind == "cancel":
+            if self.engine is not None:
+                self.engine.abort(msg["id"])
+            self.requests.pop(msg["id"], None)
+
+    def _load(self, msg: dict, out) -> None:
+        from workers.engine import Engine, EngineConfig
+        from workers.models import load_model
+
+        spec = msg["model"]
+        if self.spec != spec:
+            self.engine = None
+            lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
+                            max_model_len=spec.get("max_model_len"))
+            cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads)
+            self.engine, self.spec = Engine(lm, cfg), spec
+        self._send(out, {"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"]})
+
+    def _add(self, msg: dict, out) -> None:
+        from workers.completions import sampling_params
+
+        rid = msg["id"]
+        try:
+            if self.engine is None:
+                raise RuntimeError("no model loaded")
+            params, echo = sampling_params(msg.get("params", {}), self.spec.get("defaults"))
+            self.engine.add_request(rid, msg["prompt"], params)
+        except ValueError as exc:
+            self._send(out, P.error(rid, P.BAD_REQUEST, str(exc)))
+            return
+        except Exception as exc:  # never let one request take the worker down
+            self._send(out, P.error(rid, P.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return
+        self.requests[rid] = {"stream": bool(msg.get("stream")), "echo": echo,
+                              "logprobs": params.logprobs is not None, "sent": {}}
+
+    def _emit(self, res, out) -> None:
+        from workers.completions import completion_response
+
+        info = self.requests.get(res.request_id)
+        if info is None:
+            return
+        tok = self.engine.tokenizer
+        if info["stream"]:
+            outputs = []
+            for c in res.outputs:
+                if not c.new_token_ids and not c.finish_reason:
+                    continue
+                text = c.text if c.finish_reason else tok.decode(c.token_ids, skip_special_tokens=True)
+                prev = info["sent"].get(c.index, "")
+                delta = text[len(prev):] if text.startswith(prev) else text
+                info["sent"][c.index] = text
+                outputs.append({"index": c.index, "token_ids": c.new_token_ids, "text": delta,
+                                "finish_reason": c.finish_reason})
+            if outputs:
+                self._send(out, {"type": P.CHUNK, "id": res.request_id, "outputs": outputs})
+        if res.finished:
+            self.requests.pop(res.request_id, None)
+            response = completion_response(res, self.spec["name"], tok, info["echo"], info["logprobs"])
+            self._send(out, {"type": P.RESULT, "id": res.request_id, "response": response})
+
+
+def echo_response(msg: dict) -> dict:
+    prompt = msg.get("prompt")
+    text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+    return {"type": P.RESULT, "id": msg["id"],
+            "response": {"id": "cmpl-echo", "object": "text_completion", "created": int(time.time()),
+                         "model": "echo", "choices": [{"text": text, "index": 0, "logprobs": None,
+                                                       "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}}
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.ctx = zmq.Context()
+        self.out_addr = f"inproc://engine-out-{id(self)}"
+        self.pair = self.ctx.socket(zmq.PAIR)
+        self.pair.bind(self.out_addr)
+        self.engine = None if config.echo else EngineThread(self.ctx, self.out_addr, config.num_threads)
+        self.worker_id: int | None = None
+        self.model_id: int | None = None
+
+    def _capabilities(self) -> dict:
+        import torch
+
+        return {"pid": os.getpid(), "host": socket.gethostname(), "echo": self.config.echo,
+                "threads": self.config.num_threads or torch.get_num_threads(),
+                "cuda_devices": torch.cuda.device_count()}
+
+    def _connect(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.config.backend)
+        sock.send(P.pack({"type": P.READY, "capabilities": self._capabilities()}))
+        return sock
+
+    def _parent_alive(self) -> bool:
+        pp = self.config.parent_pid
+        return pp is None or os.getppid() == pp
+
+    def run(self) -> None:
+        cfg = self.config
+        if self.engine is not None:
+            self.engine.start()
+        backoff = cfg.reconnect_initial
+        sock = self._connect()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.pair, zmq.POLLIN)
+        last_heard = time.monotonic()
+        next_beat = last_heard + cfg.heartbeat_interval
+        try:
+            while True:
+                timeout = max(0.0, next_beat - time.monotonic())
+                events = dict(poller.poll(timeout * 1000))
+                now = time.monotonic()
+                if sock in events:
+                    while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        last_heard, backoff = now, cfg.reconnect_initial
+                        if not self._on_router(sock, sock.recv()):
+                            return
+                if self.pair in events:
+                    while self.pair.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        sock.send(self.pair.recv())
+                if now >= next_beat:
+                    sock.send(P.pack({"type": P.HEARTBEAT}))
+                    next_beat = now + cfg.heartbeat_interval
+                    if not self._parent_alive():
+                        return
+                if now - last_heard > cfg.heartbeat_interval * cfg.liveness:
+                    # router silent: reconnect with capped exponential backoff, then register again
+                    poller.unregister(sock)
+                    sock.close(linger=0)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, cfg.reconnect_max)
+                    sock = self._connect()
+                    poller.register(sock, zmq.POLLIN)
+                    last_heard = time.monotonic()
+        finally:
+            if self.engine is not None:
+                self.engine.stop.set()
+            sock.close(linger=0)
+
+    def _on_router(self, sock, frame: bytes) -> bool:
+        try:
+            msg = P.unpack(frame, {P.ASSIGN, P.REQUEST, P.CANCEL, P.HEARTBEAT, P.SHUTDOWN})
+        except P.ProtocolError:
+            return True  # the router only sends valid messages; ignore line noise
+        mtype = msg["type"]
+        if mtype == P.SHUTDOWN:
+            return False
+        if mtype == P.ASSIGN:
+            self.worker_id, self.model_id = msg["worker_id"], msg["model_id"]
+            if self.engine is None:
+                sock.send(P.pack({"type": P.LOADED, "model_id": self.model_id, "worker_id": self.worker_id}))
+            else:
+                self.engine.inbox.put(("assign", msg))
+        elif mtype == P.REQUEST:
+            if self.engine is None:
+                sock.send(P.pack(echo_response(msg)))
+            else:
+                self.engine.inbox.put(("request", msg))
+        elif mtype == P.CANCEL and self.engine is not None:
+            self.engine.inbox.put(("cancel", msg))
+        return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    defaults = WorkerConfig()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default=defaults.backend)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--heartbeat", type=float, default=defaults.heartbeat_interval)
+    ap.add_argument("--echo", action="store_true", help="answer requests without a model")
+    args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    Worker(WorkerConfig(backend=args.backend, num_threads=args.threads, parent_pid=args.parent_pid,
+                        heartbeat_interval=args.heartbeat, echo=args.echo)).run()
+
+
+if __name__ == "__main__":
+    main()
