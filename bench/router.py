@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from routing import protocol as P  # noqa: E402
-from routing.router import ModelEntry, Router, RouterConfig  # noqa: E402
 
 
 def emit(**row) -> None:
@@ -39,90 +37,95 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def client_loop(addr: str, seconds: float, lat: list, stop_at: float) -> None:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(addr)
-    i = 0
-    while time.perf_counter() < stop_at:
-        msg = P.pack({"type": P.COMPLETE, "id": str(i), "model": "echo", "prompt": [1, 2, 3], "params": {}})
-        t = time.perf_counter()
-        s.send(msg)
-        s.recv()
-        lat.append(time.perf_counter() - t)
-        i += 1
-    s.close()
-
-
-def direct_echo_server(addr_holder: list, stop: threading.Event) -> None:
-    """The same echo work with no router: the baseline round trip."""
+def direct_echo_server(addr: str) -> None:
+    """The same echo work with no router in between: the baseline round trip (own process)."""
     from workers.worker import echo_response
 
-    s = zmq.Context.instance().socket(zmq.ROUTER)
-    s.bind("tcp://127.0.0.1:*")
-    addr_holder.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
-    while not stop.is_set():
-        if s.poll(100):
-            ident, frame = s.recv_multipart()
-            msg = P.unpack(frame, P.CLIENT_TYPES)
-            s.send_multipart([ident, P.pack(echo_response({"id": msg["id"], "prompt": msg["prompt"]}))])
-    s.close()
+    s = zmq.Context().socket(zmq.ROUTER)
+    s.bind(addr)
+    while True:
+        ident, frame = s.recv_multipart()
+        msg = P.unpack(frame, P.CLIENT_TYPES)
+        s.send_multipart([ident, P.pack(echo_response(msg))])
 
 
-def run_clients(addr: str, n: int, seconds: float) -> tuple[int, list[float], float]:
-    lats: list[list[float]] = [[] for _ in range(n)]
-    stop_at = time.perf_counter() + seconds
-    threads = [threading.Thread(target=client_loop, args=(addr, seconds, lats[i], stop_at)) for i in range(n)]
-    t = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t
-    flat = [x for lst in lats for x in lst]
-    return len(flat), flat, wall
+def load(addr: str, clients: int, seconds: float) -> tuple[int, list[float], float]:
+    """`clients` connections, each with one request in flight (closed loop), driven by one thread."""
+    ctx = zmq.Context.instance()
+    socks = []
+    for _ in range(clients):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        socks.append(s)
+    poller = zmq.Poller()
+    for s in socks:
+        poller.register(s, zmq.POLLIN)
+    sent = {}
+    counter = 0
+    lat: list[float] = []
+
+    def fire(s):
+        nonlocal counter
+        counter += 1
+        sent[s] = time.perf_counter()
+        s.send(P.pack({"type": P.COMPLETE, "id": str(counter), "model": "echo", "prompt": [1, 2, 3], "params": {}}))
+
+    start = time.perf_counter()
+    stop_at = start + seconds
+    for s in socks:
+        fire(s)
+    while sent:
+        for s, _ in poller.poll(1000):
+            s.recv()
+            now = time.perf_counter()
+            lat.append(now - sent.pop(s))
+            if now < stop_at:
+                fire(s)
+    wall = time.perf_counter() - start
+    for s in socks:
+        s.close()
+    return len(lat), lat, wall
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def bench_echo(seconds: float) -> None:
-    stop = threading.Event()
-    holder: list = []
-    ready: list = []
+    import multiprocessing as mp
 
-    def serve():
-        r = Router([ModelEntry(0, "echo", {"name": "echo", "source": "echo"})],
-                   RouterConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
-        ready.append(r)
-        r.run()
-
-    rt = threading.Thread(target=serve, daemon=True)
-    rt.start()
-    while not ready:
-        time.sleep(0.01)
-    router = ready[0]
-    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--echo", "--backend", router.backend_addr,
+    front, back, direct = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    router = subprocess.Popen([sys.executable, "-m", "routing.router", "--frontend", front, "--backend", back,
+                               "--models", "echo"], cwd=ROOT, stdout=subprocess.DEVNULL)
+    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--echo", "--backend", back,
                                "--parent-pid", str(os.getpid())], cwd=ROOT)
-    ds = threading.Thread(target=direct_echo_server, args=(holder, stop), daemon=True)
-    ds.start()
+    server = mp.get_context("spawn").Process(target=direct_echo_server, args=(direct,), daemon=True)
+    server.start()
     try:
-        while not any(w.loaded for w in router.workers.values()):
-            time.sleep(0.05)
-        while not holder:
-            time.sleep(0.01)
+        from routing.client import Client
+
+        with Client(front, timeout=30) as c:
+            while not any(w["loaded"] for w in c.status()["workers"]):
+                time.sleep(0.05)
         for n in (1, 8, 64):
-            run_clients(router.frontend_addr, n, 0.5)  # warm-up
-            count, lat, wall = run_clients(router.frontend_addr, n, seconds)
-            _, base, _ = run_clients(holder[0], n, min(seconds, 2.0))
+            load(front, n, 0.5)  # warm-up
+            count, lat, wall = load(front, n, seconds)
+            _, base, _ = load(direct, n, min(seconds, 2.0))
             emit(bench="router_echo", clients=n, requests=count, requests_per_s=round(count / wall, 1),
                  latency_p50_ms=round(pct(lat, 0.5) * 1e3, 3), latency_p99_ms=round(pct(lat, 0.99) * 1e3, 3),
                  direct_p50_ms=round(pct(base, 0.5) * 1e3, 3),
                  added_latency_p50_ms=round((pct(lat, 0.5) - pct(base, 0.5)) * 1e3, 3),
                  added_latency_p99_ms=round((pct(lat, 0.99) - pct(base, 0.99)) * 1e3, 3))
     finally:
-        stop.set()
-        router.stop()
-        rt.join(timeout=5)
+        router.terminate()
+        router.wait(timeout=10)
         worker.wait(timeout=10)
+        server.terminate()
 
 
 def bench_e2e(n: int, model: str, dtype: str) -> None:

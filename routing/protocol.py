@@ -8,9 +8,10 @@ Clients (DEALER) <-> router frontend (ROUTER):
 
 Workers (DEALER) <-> router backend (ROUTER):
   worker -> router   ready {capabilities}   loaded {model_id}   heartbeat {}
-                     chunk / result / error {id, ...}   (id: the router's request key)
-  router -> worker   assign {worker_id, model_id, model}   request {id, prompt, params, stream}
-                     cancel {id}   heartbeat {}   shutdown {}
+  router -> worker   assign {worker_id, model_id, model}   cancel {id}   heartbeat {}   shutdown {}
+  data path, two frames [header, body] so the router never re-encodes a body:
+  router -> worker   [pack([request, key]), the client's complete frame as received]
+  worker -> router   [pack([chunk|result|error, key, completion_tokens]), the body for the client]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ COMPLETE, CANCEL, MODELS, STATUS = "complete", "cancel", "models", "status"
 CHUNK, RESULT, REPLY, ERROR = "chunk", "result", "reply", "error"
 READY, LOADED, HEARTBEAT, ASSIGN, REQUEST, SHUTDOWN = "ready", "loaded", "heartbeat", "assign", "request", "shutdown"
 CLIENT_TYPES = {COMPLETE, CANCEL, MODELS, STATUS}
-WORKER_TYPES = {READY, LOADED, HEARTBEAT, CHUNK, RESULT, ERROR}
+WORKER_TYPES = {READY, LOADED, HEARTBEAT}
 
 # error codes
 BAD_REQUEST = "bad_request"  # undecodable, wrong shape, invalid parameter
@@ -106,6 +107,21 @@ class CompleteRequest:
         if not isinstance(params, dict):
             raise ProtocolError("params must be a map", request_id=rid)
         return cls(rid, model, prompt, params, bool(msg.get("stream", False)))
+
+
+def header(mtype: str, key: str, tokens: int = 0) -> bytes:
+    return msgpack.packb([mtype, key, tokens])
+
+
+def unpack_header(frame: bytes) -> tuple[str, str, int]:
+    """[type, key, tokens] of a data-path message."""
+    try:
+        mtype, key, tokens = msgpack.unpackb(frame, raw=False, max_array_len=3, max_str_len=256)
+    except Exception as exc:
+        raise ProtocolError(f"bad header frame: {exc}") from None
+    if not isinstance(key, str) or not isinstance(tokens, int):
+        raise ProtocolError("bad header frame: expected [type, key, tokens]")
+    return mtype, key, tokens
 
 
 def error(request_id, code: str, message: str) -> dict:

@@ -65,7 +65,7 @@ class Pending:
     client: bytes
     client_id: str
     model_id: int
-    msg: dict
+    frame: bytes  # the client's request, forwarded to the worker as received
     worker: bytes | None = None
 
 
@@ -136,9 +136,11 @@ class Router:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                continue  # a peer speaking another protocol: nothing sensible to answer
-            handler(frames[0], frames[1])
+            if len(frames) == 2:
+                handler(frames[0], frames[1])
+            elif len(frames) == 3 and sock is self.backend:
+                self._on_worker_data(frames[0], frames[1], frames[2])
+            # anything else is a peer speaking another protocol: nothing sensible to answer
 
     def shutdown(self) -> None:
         for w in self.workers.values():
@@ -157,7 +159,7 @@ class Router:
             msg = P.unpack(frame, P.CLIENT_TYPES)
             mtype = msg["type"]
             if mtype == P.COMPLETE:
-                self._on_complete(client, P.CompleteRequest.from_msg(msg))
+                self._on_complete(client, P.CompleteRequest.from_msg(msg), frame)
             elif mtype == P.CANCEL:
                 self._on_cancel(client, msg.get("id"))
             elif mtype == P.MODELS:
@@ -185,7 +187,7 @@ class Router:
             return 1e9 + queued, served
         return (sum(len(w.inflight) for w in ws) + queued) / len(ws), served
 
-    def _on_complete(self, client: bytes, req: P.CompleteRequest) -> None:
+    def _on_complete(self, client: bytes, req: P.CompleteRequest, frame: bytes) -> None:
         try:
             candidates = self._resolve(req.model)
         except P.ProtocolError as exc:
@@ -195,8 +197,7 @@ class Router:
             raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
         model_id = min(candidates, key=self._load)
         key = str(next(self._keys))
-        p = Pending(key, client, req.id, model_id,
-                    {"type": P.REQUEST, "id": key, "prompt": req.prompt, "params": req.params, "stream": req.stream})
+        p = Pending(key, client, req.id, model_id, frame)
         worker = self._pick_worker(model_id)
         if worker is None:
             q = self.models[model_id].queue
@@ -217,7 +218,7 @@ class Router:
     def _dispatch(self, p: Pending, w: WorkerState) -> None:
         p.worker = w.ident
         w.inflight.add(p.key)
-        self.backend.send_multipart([w.ident, P.pack(p.msg)])
+        self.backend.send_multipart([w.ident, P.header(P.REQUEST, p.key), p.frame])
 
     def _drain_queue(self, model_id: int) -> None:
         q = self.models[model_id].queue
@@ -296,28 +297,27 @@ class Router:
         if mtype == P.LOADED:
             w.loaded = True
             self._drain_queue(w.model_id)
-        elif mtype in (P.CHUNK, P.RESULT, P.ERROR):
-            self._on_output(w, msg)
 
-    def _on_output(self, w: WorkerState, msg: dict) -> None:
-        key = msg.get("id")
+    def _on_worker_data(self, ident: bytes, head: bytes, body: bytes) -> None:
+        w = self.workers.get(ident)
+        if w is None or not w.alive:
+            return
+        w.last_seen = time.monotonic()
+        try:
+            mtype, key, tokens = P.unpack_header(head)
+        except P.ProtocolError:
+            return
         p = self.pending.get(key)
         if p is None:
             return  # cancelled meanwhile
-        out = dict(msg)
-        out["id"] = p.client_id
-        out.pop("v", None)
-        if msg["type"] == P.CHUNK:
-            self._reply(p.client, out)
-            return
-        if msg["type"] == P.RESULT:
+        if mtype == P.RESULT:
             w.served += 1
-            usage = (msg.get("response") or {}).get("usage") or {}
-            w.tokens += int(usage.get("completion_tokens", 0) or 0)
-        else:
+            w.tokens += tokens
+        elif mtype == P.ERROR:
             w.errors += 1
-        self._finish(key)
-        self._reply(p.client, out)
+        if mtype != P.CHUNK:
+            self._finish(key)
+        self.frontend.send_multipart([p.client, body])
 
     def _drop(self, w: WorkerState, why: str) -> None:
         w.alive = False
@@ -354,3 +354,26 @@ class Router:
             "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
             "pending": len(self.pending),
         }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a bare router: `python -m routing.router --models NAME [NAME ...]` (workers get {"source": NAME})."""
+    import argparse
+    import signal
+
+    defaults = RouterConfig()
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--frontend", default=defaults.frontend)
+    ap.add_argument("--backend", default=defaults.backend)
+    ap.add_argument("--models", nargs="+", required=True, help="model sources; model ID i is the i-th")
+    args = ap.parse_args(argv)
+    router = Router([ModelEntry(i, name, {"name": name, "source": name}) for i, name in enumerate(args.models)],
+                    RouterConfig(frontend=args.frontend, backend=args.backend))
+    signal.signal(signal.SIGTERM, lambda *_: router.stop())
+    signal.signal(signal.SIGINT, lambda *_: router.stop())
+    print(f"router: clients {router.frontend_addr}, workers {router.backend_addr}", flush=True)
+    router.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -73,12 +73,15 @@ class EngineThread(threading.Thread):
     def _send(self, out, msg: dict) -> None:
         out.send(P.pack(msg))
 
+    def _send_data(self, out, mtype: str, key: str, body: dict, tokens: int = 0) -> None:
+        out.send_multipart([P.header(mtype, key, tokens), P.pack(body)])
+
     def _handle(self, item, out) -> None:
         kind, msg = item
         if kind == "assign":
             self._load(msg, out)
         elif kind == "request":
-            self._add(msg, out)
+            self._add(*msg, out)
         elif kind == "cancel":
             if self.engine is not None:
                 self.engine.abort(msg["id"])
@@ -97,22 +100,22 @@ class EngineThread(threading.Thread):
             self.engine, self.spec = Engine(lm, cfg), spec
         self._send(out, {"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"]})
 
-    def _add(self, msg: dict, out) -> None:
+    def _add(self, key: str, msg: dict, out) -> None:
         from workers.completions import sampling_params
 
-        rid = msg["id"]
+        cid = msg.get("id")
         try:
             if self.engine is None:
                 raise RuntimeError("no model loaded")
             params, echo = sampling_params(msg.get("params", {}), self.spec.get("defaults"))
-            self.engine.add_request(rid, msg["prompt"], params)
+            self.engine.add_request(key, msg["prompt"], params)
         except ValueError as exc:
-            self._send(out, P.error(rid, P.BAD_REQUEST, str(exc)))
+            self._send_data(out, P.ERROR, key, P.error(cid, P.BAD_REQUEST, str(exc)))
             return
         except Exception as exc:  # never let one request take the worker down
-            self._send(out, P.error(rid, P.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            self._send_data(out, P.ERROR, key, P.error(cid, P.INTERNAL, f"{type(exc).__name__}: {exc}"))
             return
-        self.requests[rid] = {"stream": bool(msg.get("stream")), "echo": echo,
+        self.requests[key] = {"id": cid, "stream": bool(msg.get("stream")), "echo": echo,
                               "logprobs": params.logprobs is not None, "sent": {}}
 
     def _emit(self, res, out) -> None:
@@ -134,17 +137,18 @@ class EngineThread(threading.Thread):
                 outputs.append({"index": c.index, "token_ids": c.new_token_ids, "text": delta,
                                 "finish_reason": c.finish_reason})
             if outputs:
-                self._send(out, {"type": P.CHUNK, "id": res.request_id, "outputs": outputs})
+                self._send_data(out, P.CHUNK, res.request_id, {"type": P.CHUNK, "id": info["id"], "outputs": outputs})
         if res.finished:
             self.requests.pop(res.request_id, None)
             response = completion_response(res, self.spec["name"], tok, info["echo"], info["logprobs"])
-            self._send(out, {"type": P.RESULT, "id": res.request_id, "response": response})
+            self._send_data(out, P.RESULT, res.request_id, {"type": P.RESULT, "id": info["id"], "response": response},
+                            response["usage"]["completion_tokens"])
 
 
 def echo_response(msg: dict) -> dict:
     prompt = msg.get("prompt")
     text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
-    return {"type": P.RESULT, "id": msg["id"],
+    return {"type": P.RESULT, "id": msg.get("id"),
             "response": {"id": "cmpl-echo", "object": "text_completion", "created": int(time.time()),
                          "model": "echo", "choices": [{"text": text, "index": 0, "logprobs": None,
                                                        "finish_reason": "length"}],
@@ -199,11 +203,14 @@ class Worker:
                 if sock in events:
                     while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         last_heard, backoff = now, cfg.reconnect_initial
-                        if not self._on_router(sock, sock.recv()):
+                        frames = sock.recv_multipart()
+                        if len(frames) == 2:
+                            self._on_request(sock, frames[0], frames[1])
+                        elif not self._on_router(sock, frames[0]):
                             return
                 if self.pair in events:
                     while self.pair.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        sock.send(self.pair.recv())
+                        sock.send_multipart(self.pair.recv_multipart())
                 if now >= next_beat:
                     sock.send(P.pack({"type": P.HEARTBEAT}))
                     next_beat = now + cfg.heartbeat_interval
@@ -223,9 +230,20 @@ class Worker:
                 self.engine.stop.set()
             sock.close(linger=0)
 
+    def _on_request(self, sock, head: bytes, frame: bytes) -> None:
+        try:
+            _, key, _ = P.unpack_header(head)
+            msg = P.unpack(frame, {P.COMPLETE})
+        except P.ProtocolError:
+            return  # the router validated it; nothing else sends here
+        if self.engine is None:
+            sock.send_multipart([P.header(P.RESULT, key), P.pack(echo_response(msg))])
+        else:
+            self.engine.inbox.put(("request", (key, msg)))
+
     def _on_router(self, sock, frame: bytes) -> bool:
         try:
-            msg = P.unpack(frame, {P.ASSIGN, P.REQUEST, P.CANCEL, P.HEARTBEAT, P.SHUTDOWN})
+            msg = P.unpack(frame, {P.ASSIGN, P.CANCEL, P.HEARTBEAT, P.SHUTDOWN})
         except P.ProtocolError:
             return True  # the router only sends valid messages; ignore line noise
         mtype = msg["type"]
@@ -237,11 +255,6 @@ class Worker:
                 sock.send(P.pack({"type": P.LOADED, "model_id": self.model_id, "worker_id": self.worker_id}))
             else:
                 self.engine.inbox.put(("assign", msg))
-        elif mtype == P.REQUEST:
-            if self.engine is None:
-                sock.send(P.pack(echo_response(msg)))
-            else:
-                self.engine.inbox.put(("request", msg))
         elif mtype == P.CANCEL and self.engine is not None:
             self.engine.inbox.put(("cancel", msg))
         return True
