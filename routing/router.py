@@ -88,6 +88,7 @@ class Router:
         self._keys = itertools.count()
         self._registrations = 0
         self._stop = False
+        self._release_workers = True
         self.frontend = self._bind(self.config.frontend)
         self.backend = self._bind(self.config.backend)
 
@@ -96,8 +97,16 @@ class Router:
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, self.config.hard_message_limit)
         s.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        s.bind(addr)
-        return s
+        deadline = time.monotonic() + 5.0
+        while True:  # a restarted router may find its port still held by the closing previous socket
+            try:
+                s.bind(addr)
+                return s
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    s.close(linger=0)
+                    raise
+                time.sleep(0.1)
 
     @property
     def frontend_addr(self) -> str:
@@ -108,7 +117,9 @@ class Router:
         return self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
 
     # --- main loop -----------------------------------------------------------------------------
-    def stop(self) -> None:
+    def stop(self, release_workers: bool = True) -> None:
+        """End run(). release_workers=False leaves workers up (they reconnect to the next router)."""
+        self._release_workers = release_workers
         self._stop = True
 
     def run(self) -> None:
@@ -144,7 +155,7 @@ class Router:
 
     def shutdown(self) -> None:
         for w in self.workers.values():
-            if w.alive:
+            if w.alive and self._release_workers:
                 self.backend.send_multipart([w.ident, P.pack({"type": P.SHUTDOWN})])
         for sock in (self.frontend, self.backend):
             if not sock.closed:

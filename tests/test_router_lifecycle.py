@@ -1,0 +1,131 @@
+"""Router behaviour over time: queueing before workers are up, busy, dead workers, cancel, restart."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from routing import protocol as P
+from routing.client import Client, RouterError
+from routing.router import ModelEntry, Router, RouterConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"name": "llama", "source": "tiny:llama", "dtype": "float32", "num_threads": 1,
+        "engine": {"max_batch_size": 8, "max_batch_tokens": 64}}
+
+
+def start_router(backend="tcp://127.0.0.1:*", **cfg) -> tuple[Router, threading.Thread]:
+    box: queue.Queue = queue.Queue()
+
+    def serve():
+        r = Router([ModelEntry(0, "llama", TINY)], RouterConfig(frontend="tcp://127.0.0.1:*", backend=backend,
+                                                                heartbeat_interval=0.2, **cfg))
+        box.put(r)
+        r.run()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return box.get(timeout=10), t
+
+
+def start_worker(backend: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend", backend, "--parent-pid",
+                             str(os.getpid()), "--threads", "1", "--heartbeat", "0.2"], cwd=ROOT)
+
+
+def wait_for(pred, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise TimeoutError("condition not reached")
+
+
+def test_queue_until_workers_are_up_then_busy():
+    router, thread = start_router(max_queue=2)
+    worker = None
+    try:
+        with Client(router.frontend_addr, timeout=60) as a, Client(router.frontend_addr, timeout=60) as b, \
+                Client(router.frontend_addr, timeout=10) as c:
+            a.sock.send(P.pack({"type": P.COMPLETE, "id": "q1", "model": "llama", "prompt": [1, 2], "params": {}}))
+            b.sock.send(P.pack({"type": P.COMPLETE, "id": "q2", "model": "llama", "prompt": [3, 4], "params": {}}))
+            wait_for(lambda: c.status()["queued"]["0"] == 2)
+            with pytest.raises(RouterError) as info:
+                c.complete(model="llama", prompt=[5], max_tokens=1)
+            assert info.value.code == P.BUSY
+            worker = start_worker(router.backend_addr)  # the queued requests are served once it loads
+            assert a.recv(time.monotonic() + 60)["type"] == P.RESULT
+            assert b.recv(time.monotonic() + 60)["type"] == P.RESULT
+    finally:
+        router.stop()
+        thread.join(10)
+        if worker:
+            worker.wait(10)
+
+
+def test_dead_worker_is_dropped_and_cancel_frees_the_slot():
+    router, thread = start_router()
+    worker = start_worker(router.backend_addr)
+    try:
+        with Client(router.frontend_addr, timeout=60) as c:
+            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
+            stream = c.stream(model="llama", prompt=[1, 2, 3], max_tokens=400, ignore_eos=True)
+            next(stream)
+            stream.close()  # the client gives up: a cancel reaches the worker and frees its slot
+            wait_for(lambda: c.status()["workers"][0]["inflight"] == 0 and c.status()["pending"] == 0)
+            assert c.complete(model="llama", prompt=[4], max_tokens=2)["usage"]["completion_tokens"] == 2
+            worker.kill()
+            worker.wait()
+            wait_for(lambda: not c.status()["workers"][0]["alive"], timeout=10)
+            assert c.models()[0]["workers"] == []
+    finally:
+        router.stop()
+        thread.join(10)
+
+
+def test_worker_reconnects_after_router_restart():
+    probe = Router([ModelEntry(0, "x", {})], RouterConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+    backend = probe.backend_addr
+    probe.shutdown()
+    router, thread = start_router(backend=backend)
+    worker = start_worker(backend)
+    try:
+        with Client(router.frontend_addr, timeout=60) as c:
+            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
+        router.stop(release_workers=False)  # as if the router crashed: nobody tells the worker
+        thread.join(10)
+        router, thread = start_router(backend=backend)  # same backend address, fresh state
+        with Client(router.frontend_addr, timeout=60) as c:
+            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"], timeout=30)
+            assert c.complete(model="llama", prompt=[1, 2], max_tokens=2)["choices"]
+    finally:
+        router.stop()
+        thread.join(10)
+        worker.wait(10)
+
+
+def test_client_cli():
+    router, thread = start_router()
+    worker = start_worker(router.backend_addr)
+    try:
+        with Client(router.frontend_addr, timeout=60) as c:
+            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
+        out = subprocess.run([sys.executable, "-m", "routing.client", "--router", router.frontend_addr, "--model",
+                              "llama", "--max-tokens", "4", "Hello"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith("Hello")
+        bad = subprocess.run([sys.executable, "-m", "routing.client", "--router", router.frontend_addr, "--model",
+                              "nope", "Hello"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "unknown_model" in bad.stderr
+    finally:
+        router.stop()
+        thread.join(10)
+        worker.wait(10)
