@@ -90,3 +90,21 @@ def test_group_waits_for_enough_slots():
     s.add(_group("b", [4, 5, 6], n=3))
     s.schedule()
     assert s.slots_in_use() == 1 and [g.request_id for g in s.waiting] == ["b"]
+
+
+def test_finished_slots_are_compacted():
+    s = Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=64))
+    groups = [_group(r, [i + 1, i + 2]) for i, r in enumerate("abcd")]
+    for g in groups:
+        s.add(g)
+    plan = s.schedule()
+    for ch in plan.prefill:
+        ch.seq.num_computed += ch.length
+        ch.seq.output.append(7)
+    assert [g.seqs[0].slot for g in groups] == [0, 1, 2, 3]
+    s.finish(groups[0].seqs[0], "stop")  # slot 0 becomes a hole
+    s.finish(groups[2].seqs[0], "stop")  # and slot 2
+    plan = s.schedule()
+    assert plan.moves == [(3, 0, 2)]  # d (slot 3, 2 tokens cached) moves into the lowest hole
+    assert sorted(x.slot for x in plan.decode) == [0, 1]
+    assert s.free_slots == [2, 3]

@@ -73,8 +73,14 @@ class BaseRunner(ABC):
     def release(self, slot: int) -> None:  # noqa: B027 - optional hook, most runners hold nothing per slot
         """A slot was freed; drop anything held for it."""
 
+    def _move(self, src: int, dst: int, length: int) -> None:
+        """A sequence changes slot (compaction); its old slot is free afterwards."""
+        self._copy(src, dst, length)
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        for src, dst, n in plan.moves:
+            self._move(src, dst, n)
         for src, dst, n in plan.copies:
             self._copy(src, dst, n)
         decode = sorted(plan.decode, key=lambda s: s.slot)
@@ -217,6 +223,10 @@ class CompatRunner(BaseRunner):
         c = copy.deepcopy(self.caches[src])
         c.crop(length)
         self.caches[dst] = c
+
+    def _move(self, src: int, dst: int, length: int) -> None:
+        if src in self.caches:
+            self.caches[dst] = self.caches.pop(src)
 
     def _run(self, slot: int, ids: list[int], start: int, keep: range) -> torch.Tensor:
         from transformers import DynamicCache

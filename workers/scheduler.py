@@ -49,6 +49,7 @@ class Chunk:
 class SchedulerOutput:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[Chunk] = field(default_factory=list)
+    moves: list[tuple[int, int, int]] = field(default_factory=list)  # compaction (src, dst, len), first
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, len) before the forward
     forks: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, len) after the forward
     admitted: list[SequenceGroup] = field(default_factory=list)
@@ -122,8 +123,23 @@ class Scheduler:
             seq.slot = None
 
     # --- the decision -----------------------------------------------------------------------
+    def _compact(self, out: SchedulerOutput) -> None:
+        """Keep occupied slots at 0..n-1: decode attention then spans only live rows."""
+        holders = [s for g in self.groups.values() for s in g.seqs if s.slot is not None]
+        n = len(holders)
+        holes = sorted(x for x in self.free_slots if x < n)
+        if not holes:
+            return
+        movers = sorted((s for s in holders if s.slot >= n), key=lambda s: -s.slot)
+        for hole, seq in zip(holes, movers):
+            out.moves.append((seq.slot, hole, seq.num_computed))
+            seq.slot = hole
+        self.free_slots = list(range(n, self.config.max_batch_size))
+        heapq.heapify(self.free_slots)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._compact(out)
         budget = self.config.max_batch_tokens
         prefilling: list[Sequence] = []
         for seq in self.running:
