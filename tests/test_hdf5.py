@@ -69,9 +69,10 @@ def test_wrong_rank_and_missing_file(tmp_path):
         f["data"] = np.arange(5)
     with pytest.raises(DataError, match="rank 2"):
         GptHDF5MapDataProcessor(tmp_path, batch_size=1, start_token=S)
+    empty = tmp_path / "empty"
+    empty.mkdir()
     with pytest.raises(DataError, match="exactly one .h5"):
-        GptHDF5MapDataProcessor(tmp_path / "nothing", batch_size=1, start_token=S) if (tmp_path / "nothing").mkdir() \
-            is None else None
+        GptHDF5MapDataProcessor(empty, batch_size=1, start_token=S)
 
 
 def test_npz_written_atomically(tmp_path):

@@ -39,7 +39,6 @@ class StepContext:
     num_decode: int
     decode_slots: torch.Tensor | None  # [D] cache rows of the decode tokens
     decode_lengths: torch.Tensor | None  # [D] keys visible to each decode token (position + 1)
-    decode_positions: list[int]
     dense: bool  # decode rows are exactly slots 0..D-1 in order: no scatter/gather needed
     rows: int  # cache rows the decode matmul spans
     span: int  # key positions the decode matmul spans (max length)

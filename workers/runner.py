@@ -176,7 +176,6 @@ class SlotRunner(BaseRunner):
             num_decode=d,
             decode_slots=torch.tensor(dslots, device=dev) if d else None,
             decode_lengths=torch.tensor([p + 1 for p in pos[:d]], device=dev) if d else None,
-            decode_positions=pos[:d],
             dense=dense,
             rows=(d if dense else max(dslots) + 1) if d else 0,
             span=self.cache.capacity,  # whole rows: contiguous, see SlotKVCache
