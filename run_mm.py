@@ -9,15 +9,16 @@ Flags override the params file's `runconfig` keys of the same name.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import subprocess
 import sys
-import time
+import threading
 
-from fusion.deploy import build_fusion, model_entries, worker_overrides
+from fusion.data.hdf5 import DataError
+from fusion.deploy import build_fusion
+from fusion.local import LocalDeployment
 from fusion.params import ParamsError, load_params
 from fusion.plan import make_plan
+from fusion.predict import hdf5_jobs, run_predict
 
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
 
@@ -52,32 +53,28 @@ def configure(args) -> tuple[dict, object, object]:
 
 
 def serve(params: dict, fusion, plan) -> int:
-    from routing.router import Router, RouterConfig
-
     run = params["runconfig"]
-    router = Router(model_entries(fusion), RouterConfig(frontend=run["frontend"], backend=run["backend"]),
-                    worker_overrides=worker_overrides(plan))
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(plan.describe())
-    procs = [subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend", router.backend_addr,
-                               "--parent-pid", str(os.getpid())]) for _ in plan.workers]
+    with LocalDeployment(fusion, plan, run["frontend"], run["backend"]) as dep:
+        print(f"serving: clients connect to {dep.frontend} (workers: {dep.router.backend_addr})", flush=True)
+        while not stop.wait(0.5):
+            pass
+    print("stopped", flush=True)  # every worker was told to shut down and has exited
+    return 0
 
-    def stop(signum, frame):
-        router.stop()
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    print(f"serving: clients connect to {router.frontend_addr} (workers: {router.backend_addr})", flush=True)
-    try:
-        router.run()  # returns after SIGINT/SIGTERM, having told every worker to shut down
-    finally:
-        deadline = time.monotonic() + 10
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    print("stopped", flush=True)
+def predict(params: dict, fusion, plan) -> int:
+    run = params["runconfig"]
+    jobs = hdf5_jobs(fusion, run["model_dir"], run["inference_steps"])  # checks the data before any load
+    if run["router"]:
+        run_predict(run["router"], jobs)
+        return 0
+    with LocalDeployment(fusion, plan, run["frontend"], run["backend"]) as dep:
+        dep.wait_loaded()
+        run_predict(dep.frontend, jobs)
     return 0
 
 
@@ -91,8 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "validate_only":
         print(plan.describe())
         return 0
-    if args.mode == "serve":
-        return serve(params, fusion, plan)
+    try:
+        if args.mode == "serve":
+            return serve(params, fusion, plan)
+        if args.mode in ("predict", "infer"):
+            return predict(params, fusion, plan)
+    except DataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"error: --mode {args.mode} is not available yet (see the open issues)", file=sys.stderr)
     return 2
 

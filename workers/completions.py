@@ -14,7 +14,7 @@ _DIRECT = {"max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed"
 _HANDLED = _DIRECT | {"logprobs", "echo"}
 # accepted for compatibility, no effect here
 _IGNORED = {"user", "stream", "model", "engine", "prompt", "presence_penalty", "frequency_penalty", "logit_bias",
-            "suffix"}
+            "suffix", "return_token_ids"}  # return_token_ids: read by the worker, adds choices[i]["token_ids"]
 
 
 def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
@@ -52,7 +52,8 @@ def _logprobs_block(tokenizer, token_ids, logprobs, tops, start_offset: int, pre
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
-def completion_response(out: RequestOutput, model_name: str, tokenizer, echo: bool, with_logprobs: bool) -> dict:
+def completion_response(out: RequestOutput, model_name: str, tokenizer, echo: bool, with_logprobs: bool,
+                        token_ids: bool = False) -> dict:
     """An OpenAI `text_completion` object for a finished request."""
     prompt_text = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
     choices = []
@@ -78,7 +79,10 @@ def completion_response(out: RequestOutput, model_name: str, tokenizer, echo: bo
                 lp_block = {k: pblock[k] + gen[k] for k in gen}
             else:
                 lp_block = gen
-        choices.append({"text": text, "index": c.index, "logprobs": lp_block, "finish_reason": c.finish_reason})
+        choice = {"text": text, "index": c.index, "logprobs": lp_block, "finish_reason": c.finish_reason}
+        if token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     return {
         "id": f"cmpl-{uuid.uuid4().hex[:24]}",

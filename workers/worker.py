@@ -116,6 +116,7 @@ class EngineThread(threading.Thread):
             self._send_data(out, P.ERROR, key, P.error(cid, P.INTERNAL, f"{type(exc).__name__}: {exc}"))
             return
         self.requests[key] = {"id": cid, "stream": bool(msg.get("stream")), "echo": echo,
+                              "token_ids": bool(msg.get("params", {}).get("return_token_ids")),
                               "logprobs": params.logprobs is not None, "sent": {}}
 
     def _emit(self, res, out) -> None:
@@ -140,7 +141,8 @@ class EngineThread(threading.Thread):
                 self._send_data(out, P.CHUNK, res.request_id, {"type": P.CHUNK, "id": info["id"], "outputs": outputs})
         if res.finished:
             self.requests.pop(res.request_id, None)
-            response = completion_response(res, self.spec["name"], tok, info["echo"], info["logprobs"])
+            response = completion_response(res, self.spec["name"], tok, info["echo"], info["logprobs"],
+                                           info["token_ids"])
             self._send_data(out, P.RESULT, res.request_id, {"type": P.RESULT, "id": info["id"], "response": response},
                             response["usage"]["completion_tokens"])
 
