@@ -81,3 +81,28 @@ def test_npz_written_atomically(tmp_path):
     with np.load(out) as z:
         assert int(z["global_step"]) == 3 and z["predictions"].shape == (2, 4)
     assert [p.name for p in out.parent.iterdir()] == ["predictions_3.npz"]  # no temp file left behind
+
+
+def test_prepare_helper_round_trip(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "prompts.txt").write_text("hello world\n\nab\n")
+    (tmp_path / "data").mkdir()
+    out = subprocess.run([sys.executable, "-m", "fusion.data.prepare", "--model", "tiny:llama", "--start-token", "500",
+                          str(tmp_path / "prompts.txt"), str(tmp_path / "data" / "in.h5")], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    p = GptHDF5MapDataProcessor(tmp_path / "data", batch_size=2, start_token=500)
+    from workers.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    assert [tok.decode(x) for x in p.prompts] == ["hello world", "ab"]
+    assert p.max_seq_len == len("hello world") + 1
+    h = tok("h").input_ids[0]  # a token the prompts use cannot be the start token
+    bad = subprocess.run([sys.executable, "-m", "fusion.data.prepare", "--model", "tiny:llama", "--start-token", str(h),
+                          str(tmp_path / "prompts.txt"), str(tmp_path / "x.h5")], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and f"contains the start token {h}" in bad.stderr
