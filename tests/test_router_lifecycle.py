@@ -49,6 +49,10 @@ def wait_for(pred, timeout=60.0):
     raise TimeoutError("condition not reached")
 
 
+def wait_loaded(c: Client, timeout=60.0) -> None:
+    wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"], timeout)
+
+
 def test_queue_until_workers_are_up_then_busy():
     router, thread = start_router(max_queue=2)
     worker = None
@@ -76,7 +80,7 @@ def test_dead_worker_is_dropped_and_cancel_frees_the_slot():
     worker = start_worker(router.backend_addr)
     try:
         with Client(router.frontend_addr, timeout=60) as c:
-            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
+            wait_loaded(c)
             stream = c.stream(model="llama", prompt=[1, 2, 3], max_tokens=400, ignore_eos=True)
             next(stream)
             stream.close()  # the client gives up: a cancel reaches the worker and frees its slot
@@ -99,12 +103,12 @@ def test_worker_reconnects_after_router_restart():
     worker = start_worker(backend)
     try:
         with Client(router.frontend_addr, timeout=60) as c:
-            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
+            wait_loaded(c)
         router.stop(release_workers=False)  # as if the router crashed: nobody tells the worker
         thread.join(10)
         router, thread = start_router(backend=backend)  # same backend address, fresh state
         with Client(router.frontend_addr, timeout=60) as c:
-            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"], timeout=30)
+            wait_loaded(c, timeout=30)
             assert c.complete(model="llama", prompt=[1, 2], max_tokens=2)["choices"]
     finally:
         router.stop()
@@ -117,7 +121,7 @@ def test_client_cli():
     worker = start_worker(router.backend_addr)
     try:
         with Client(router.frontend_addr, timeout=60) as c:
-            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
+            wait_loaded(c)
         out = subprocess.run([sys.executable, "-m", "routing.client", "--router", router.frontend_addr, "--model",
                               "llama", "--max-tokens", "4", "Hello"], cwd=ROOT, capture_output=True, text=True,
                              timeout=60)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,12 +14,12 @@ import msgpack
 import pytest
 from conftest import tiny
 
-from fusion.deploy import build_fusion, model_entries, worker_overrides
+from fusion.deploy import build_fusion
+from fusion.local import LocalDeployment
 from fusion.params import load_params
 from fusion.plan import make_plan
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
-from routing.router import Router, RouterConfig
 from workers.completions import sampling_params
 from workers.engine import Engine, EngineConfig
 
@@ -29,53 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.yaml"
 
 
-class Deployment:
-    """A router in a background thread plus worker subprocesses, as run_mm serve starts them."""
+class Deployment(LocalDeployment):
+    """What run_mm serve starts (router thread + worker processes), on ephemeral ports, tiny models."""
 
     def __init__(self, variants: list[str], num_workers: int):
-        params = load_params(CONFIG)
-        fusion = build_fusion(params, variants)
-        plan = make_plan(fusion, num_workers, "cpu", threads_per_worker=1)
-        ready: queue.Queue = queue.Queue()
-
-        def serve():
-            r = Router(model_entries(fusion), RouterConfig(frontend="tcp://127.0.0.1:*",
-                                                           backend="tcp://127.0.0.1:*", heartbeat_interval=0.2),
-                       worker_overrides=worker_overrides(plan))
-            ready.put(r)
-            r.run()
-
-        self.thread = threading.Thread(target=serve, daemon=True)
-        self.thread.start()
-        self.router: Router = ready.get(timeout=10)
-        self.frontend = self.router.frontend_addr
-        self.procs = []
-        for _ in range(num_workers):
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "workers.worker", "--backend", self.router.backend_addr, "--parent-pid",
-                 str(os.getpid()), "--threads", "1", "--heartbeat", "0.2"], cwd=ROOT))
-            time.sleep(0.3)  # register in a known order: worker k is the k-th process started
-        self.wait_loaded(num_workers)
-
-    def wait_loaded(self, n: int, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        with Client(self.frontend, timeout=5) as c:
-            while time.monotonic() < deadline:
-                st = c.status()
-                if sum(w["alive"] and w["loaded"] for w in st["workers"]) >= n:
-                    return st
-                time.sleep(0.2)
-        raise TimeoutError("workers did not load")
+        fusion = build_fusion(load_params(CONFIG), variants)
+        super().__init__(fusion, make_plan(fusion, num_workers, "cpu", threads_per_worker=1),
+                         "tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        self.__enter__()
+        self.wait_loaded(120)
 
     def close(self) -> None:
-        self.router.stop()
-        self.thread.join(timeout=10)
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                raise
+        self.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
