@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml $(PY)
 install: $(STAMP)
 
 run: install
-	$(PY) -m workers.demo
+	$(PY) -m fusion.demo
 
 test: install
 	$(PY) -m pytest -q

@@ -1,7 +1,10 @@
-"""Multi-model fusion host: validate a deployment, or serve it.
+"""Multi-model fusion host: check a deployment, serve it, or run its models over their data.
 
     python run_mm.py --mode validate_only --params configs/demo.yaml --variants smollm2,2 gemma3,1
-    python run_mm.py --mode serve --params configs/demo.yaml --variants smollm2,2 gemma3,1
+    python run_mm.py --mode compile_only  --params configs/demo.yaml --variants smollm2,1 gemma3,1
+    python run_mm.py --mode predict       --params configs/demo.yaml --variants smollm2,2 gemma3,1
+    python run_mm.py --mode eval          --params configs/demo.yaml --variants smollm2,1 gemma3,1
+    python run_mm.py --mode serve         --params configs/demo.yaml --variants smollm2,2 gemma3,1
 
 Flags override the params file's `runconfig` keys of the same name.
 """
@@ -9,6 +12,7 @@ Flags override the params file's `runconfig` keys of the same name.
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
@@ -18,7 +22,7 @@ from fusion.deploy import build_fusion
 from fusion.local import LocalDeployment
 from fusion.params import ParamsError, load_params
 from fusion.plan import make_plan
-from fusion.predict import hdf5_jobs, run_predict
+from fusion.predict import build_jobs, run_predict
 
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
 
@@ -66,16 +70,61 @@ def serve(params: dict, fusion, plan) -> int:
     return 0
 
 
-def predict(params: dict, fusion, plan) -> int:
+def _against_router(params: dict, fusion, plan, work) -> None:
+    """Run work(frontend) against the configured router, or a local one with its workers."""
     run = params["runconfig"]
-    jobs = hdf5_jobs(fusion, run["model_dir"], run["inference_steps"])  # checks the data before any load
     if run["router"]:
-        run_predict(run["router"], jobs)
-        return 0
+        work(run["router"])
+        return
     with LocalDeployment(fusion, plan, run["frontend"], run["backend"]) as dep:
         dep.wait_loaded()
-        run_predict(dep.frontend, jobs)
+        work(dep.frontend)
+
+
+def predict(params: dict, fusion, plan) -> int:
+    run = params["runconfig"]
+    jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"])  # checks the data before any load
+    box: dict = {}
+    _against_router(params, fusion, plan, lambda fe: box.update(summary=run_predict(fe, jobs)[1]))
+    for line in box["summary"]:
+        print(line, flush=True)
+    failed = sum(j.failed for j in jobs)
+    for j in jobs:
+        print(f"outputs: {j.output}", flush=True)
+    if failed:
+        print(f"error: {failed} batches or lines failed (see above); rerun the same command to finish them",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def evaluate(params: dict, fusion, plan) -> int:
+    from fusion.evaluate import build_eval_jobs, run_eval
+
+    run = params["runconfig"]
+    jobs = build_eval_jobs(fusion, run["model_dir"], run["inference_steps"])
+    box: dict = {}
+    _against_router(params, fusion, plan, lambda fe: box.update(lines=run_eval(fe, jobs)))
+    for line in box["lines"]:
+        print(line, flush=True)
+    return 0
+
+
+def compile_models(fusion, plan) -> int:
+    from fusion.compile import compile_only
+
+    print(plan.describe(), flush=True)
+    reports, devices = compile_only(fusion, plan)
+    for r in reports:
+        before = f"{r.load_s_before_cache:.1f}s before the cache, " if r.load_s_before_cache is not None else ""
+        print(f"{r.variant} ({r.source}, {r.dtype} on {r.device}): start {before}{r.load_s:.1f}s"
+              f"{' from ' + r.cache if r.cache else ''}; batch of {r.batch_size} x {r.max_tokens} tokens in "
+              f"{r.batch_s}s; measured {r.measured_bytes / 2**20:.0f} MiB (estimated {r.estimated_bytes / 2**20:.0f}"
+              f" MiB); {'fits' if r.fits else 'DOES NOT FIT: ' + str(r.error)}", flush=True)
+        print(json.dumps(r.as_dict()), flush=True)
+    for d in devices:
+        print(json.dumps(d), flush=True)
+    return 0 if all(d["fits"] for d in devices) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             return serve(params, fusion, plan)
         if args.mode in ("predict", "infer"):
             return predict(params, fusion, plan)
+        if args.mode == "eval":
+            return evaluate(params, fusion, plan)
+        return compile_models(fusion, plan)
     except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"error: --mode {args.mode} is not available yet (see the open issues)", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

@@ -83,12 +83,52 @@ def embedded_gguf(name: str) -> Path:
     return Path(g.assemble())
 
 
-def _gguf_cache_dir(gguf: Path) -> Path | None:
-    """Where compile_only leaves converted safetensors for a GGUF (used when present)."""
+def gguf_cache_path(gguf: Path) -> Path:
+    """Where compile_only keeps a GGUF's weights converted to safetensors (keyed on name and size)."""
     root = os.environ.get("MMFUSION_CACHE", str(Path.home() / ".cache" / "mmfusion"))
-    st = gguf.stat()
-    cand = Path(root) / f"{gguf.stem}-{st.st_size}"
+    return Path(root) / f"{gguf.stem}-{gguf.stat().st_size}"
+
+
+def _gguf_cache_dir(gguf: Path) -> Path | None:
+    cand = gguf_cache_path(gguf)
     return cand if (cand / "config.json").exists() else None
+
+
+def source_gguf(source: str) -> Path | None:
+    """The GGUF file behind a source, or None when the source is not GGUF."""
+    if source in EMBEDDED:
+        return embedded_gguf(source)
+    if source.startswith("tiny:"):
+        return None
+    path = Path(source).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def write_gguf_cache(lm: LoadedModel, gguf: Path) -> Path:
+    """Save a loaded GGUF model as float32 safetensors (+ tokenizer) so later loads skip the
+    dequantization. float32 keeps the dequantized values exactly, whatever dtype loads it later.
+    Written to a temp directory and renamed: a half-written cache is never used."""
+    import shutil
+    import tempfile
+
+    dest = gguf_cache_path(gguf)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+    try:
+        orig = lm.model.dtype
+        lm.model.to(torch.float32)
+        try:
+            lm.model.save_pretrained(str(tmp), safe_serialization=True)
+        finally:
+            lm.model.to(orig)
+        lm.tokenizer.save_pretrained(str(tmp))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
 
 
 def _context_len(config) -> int:
@@ -101,8 +141,11 @@ def _context_len(config) -> int:
 
 
 def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               max_model_len: int | None = None) -> LoadedModel:
-    """Load `source` (see module doc) with its tokenizer; never touches the network."""
+               max_model_len: int | None = None, use_cache: bool = True) -> LoadedModel:
+    """Load `source` (see module doc) with its tokenizer; never touches the network.
+
+    A GGUF source loads from its safetensors cache (see write_gguf_cache) when one exists and
+    `use_cache` is true."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = torch.device(device)
@@ -133,14 +176,15 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
             for mod, pkg in (("gguf", "gguf"), ("accelerate", "accelerate")):
                 if importlib.util.find_spec(mod) is None:
                     raise ValueError(f"loading GGUF needs {pkg}: pip install {pkg}")
-            cached = _gguf_cache_dir(path)
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            cached = _gguf_cache_dir(path) if use_cache else None
             if cached is not None:
+                tok = AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
                 model = AutoModelForCausalLM.from_pretrained(str(cached), **kw)
             else:
                 # Dense weights: the packed-GGUF kernels compute in float32 and are slower here.
                 from transformers import GgufConfig
 
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
                 model = AutoModelForCausalLM.from_pretrained(
                     str(path.parent), gguf_file=path.name, quantization_config=GgufConfig(dequantize=True), **kw)
         else:

@@ -1,0 +1,147 @@
+"""run_mm.py --mode compile_only: load each variant once, run one batch at its configured batch
+size, and report whether the planned deployment fits and the memory measured.
+
+A GGUF model is saved as safetensors on its first load (workers.models.write_gguf_cache) and
+loaded again from there, so the report gives the start time before and after the cache. Each
+measurement runs in a fresh process, as a worker would, without router: the memory measured is
+the process's peak above its footprint before the load (on CUDA, the peak allocated).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+from fusion.data.hdf5 import DataError
+from fusion.data.jsonl import find_files, parse_file
+from fusion.model_info import MultiModelFusion
+from fusion.plan import DeploymentPlan, available_bytes
+from fusion.predict import HDF5, hdf5_processor, processor_name, variant_groups
+
+
+@dataclass(slots=True)
+class CompileReport:
+    variant: str
+    source: str
+    device: str
+    dtype: str
+    load_s: float  # start time as a worker would see it next time (from the cache when there is one)
+    load_s_before_cache: float | None  # None: the cache existed already, or the source is not GGUF
+    cache: str | None
+    batch_size: int
+    max_tokens: int
+    batch_s: float | None
+    tokens_generated: int
+    measured_bytes: int  # weights + KV cache + activations of one worker
+    estimated_bytes: int  # what the plan assumed
+    fits: bool
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def first_batch(fusion: MultiModelFusion, name: str, batch_size: int) -> list:
+    """The prompts of the variant's first batch; its data must be readable (errors name the file)."""
+    if processor_name(fusion, name) == HDF5:
+        batch = next(hdf5_processor(fusion, name, 1).batches())
+        return [p for p in batch.prompts if p is not None]
+    info = fusion.models[variant_groups(fusion)[name][0]]
+    prompts: list = []
+    for path in find_files((info.params.get("inference_input") or {}).get("data_dir", "")):
+        prompts += [ln.request["prompt"] for ln in parse_file(path, name, {name}, {}, routed=False).lines
+                    if ln.error is None]
+    if not prompts:
+        raise DataError(f"variant {name!r}: no valid request in its JSONL input")
+    return (prompts * batch_size)[:batch_size]  # a short file is repeated to fill the batch
+
+
+def _in_fresh_process(fn, *args):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _convert(source: str, dtype: str, device: str) -> float:
+    """First load of a GGUF (dequantizing it), then the safetensors cache. Returns the load time."""
+    from workers.models import load_model, source_gguf, write_gguf_cache
+
+    t = time.perf_counter()
+    lm = load_model(source, dtype=dtype, device=device, use_cache=False)
+    took = time.perf_counter() - t
+    write_gguf_cache(lm, source_gguf(source))
+    return took
+
+
+def _measure(source: str, dtype: str, device: str, max_model_len: int | None, engine_kw: dict, prompts: list,
+             max_tokens: int) -> dict:
+    """Load as a worker would and run one batch; the memory it took and the times."""
+    from workers.engine import Engine, EngineConfig
+    from workers.models import load_model
+    from workers.params import SamplingParams
+
+    dev = torch.device(device)
+    base = psutil.Process().memory_info().rss
+    t = time.perf_counter()
+    lm = load_model(source, dtype=dtype, device=device, max_model_len=max_model_len)
+    out = {"load_s": round(time.perf_counter() - t, 3), "dtype": str(lm.dtype).removeprefix("torch."),
+           "batch_s": None, "tokens_generated": 0, "fits": False, "error": None}
+    try:
+        engine = Engine(lm, EngineConfig(**engine_kw))
+        t = time.perf_counter()
+        outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        out["batch_s"] = round(time.perf_counter() - t, 3)
+        out["tokens_generated"] = sum(len(o.outputs[0].token_ids) for o in outs)
+        out["fits"] = True
+    except (RuntimeError, ValueError) as exc:  # out of memory, a prompt longer than the context...
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    if dev.type == "cuda":
+        out["measured_bytes"] = torch.cuda.max_memory_allocated(dev)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        out["measured_bytes"] = max(0, peak - base)
+    return out
+
+
+def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -> CompileReport:
+    from workers.models import _gguf_cache_dir, source_gguf
+
+    mids = variant_groups(fusion)[name]
+    info = fusion.models[mids[0]]
+    p = info.params
+    w = next(w for w in plan.workers if w.model_id == mids[0])
+    bs = (p.get("inference_input") or {}).get("batch_size", w.max_batch_size)
+    max_tokens = p.get("max_tokens", 16)
+    prompts = first_batch(fusion, name, bs)
+    dtype = p.get("dtype", "auto")
+    gguf = source_gguf(info.source)
+    before = None
+    if gguf is not None and _gguf_cache_dir(gguf) is None:
+        before = round(_in_fresh_process(_convert, info.source, dtype, w.device), 3)
+    engine_kw = {"max_batch_size": w.max_batch_size, "max_batch_tokens": w.max_batch_tokens, "num_threads": w.threads}
+    m = _in_fresh_process(_measure, info.source, dtype, w.device, p.get("max_model_len"), engine_kw, prompts,
+                          max_tokens)
+    cache = _gguf_cache_dir(gguf) if gguf is not None else None
+    return CompileReport(name, info.source, w.device, m["dtype"], m["load_s"], before,
+                         str(cache) if cache else None, len(prompts), max_tokens, m["batch_s"], m["tokens_generated"],
+                         m["measured_bytes"], w.est_bytes, m["fits"], m["error"])
+
+
+def compile_only(fusion: MultiModelFusion, plan: DeploymentPlan) -> tuple[list[CompileReport], list[dict]]:
+    """Reports per variant, then per device: the workers planned there at their measured sizes."""
+    reports = {name: compile_variant(fusion, plan, name) for name in variant_groups(fusion)}
+    by_model = {mid: reports[fusion.models[mid].name] for mid in range(len(fusion.models))}
+    devices = []
+    for dev in plan.devices:
+        workers = [w for w in plan.workers if w.device == dev]
+        need = sum(by_model[w.model_id].measured_bytes for w in workers)
+        avail = available_bytes(dev)
+        ok = all(by_model[w.model_id].fits for w in workers) and (avail is None or need <= avail)
+        devices.append({"device": dev, "workers": len(workers), "measured_bytes": need, "available_bytes": avail,
+                        "fits": ok})
+    return list(reports.values()), devices

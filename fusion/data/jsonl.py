@@ -1,0 +1,161 @@
+"""JsonlCompletions: OpenAI completions requests, one per line, in every *.jsonl of data_dir.
+
+Output for `<name>.jsonl` is `<model_dir>/predictions/output_<name>.jsonl`, one line per input line
+in input order: {"request": ..., "result": <completion object> + "request_time"} or
+{"request": ..., "error": {"code", "message"}}. Lines are appended to a `.partial` file as soon as
+they and every line before them are done, and the file is renamed when complete: a rerun resumes
+after the last whole line, and a half-written output file never appears under its final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fusion.data.hdf5 import DataError
+
+ROUTE_KEYS = ("model", "engine")
+
+
+@dataclass(slots=True)
+class JsonlLine:
+    number: int  # 1-based line number in its file
+    request: dict | str  # the parsed request, or the raw text when it is not a JSON object
+    variant: str | None = None  # where it goes; None when error is set
+    error: str | None = None  # why it can't be served, naming the file and line
+
+
+@dataclass(slots=True)
+class JsonlFile:
+    path: Path
+    default_variant: str
+    lines: list[JsonlLine] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def find_files(data_dir: str | Path) -> list[Path]:
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise DataError(f"data_dir {d} is not a directory")
+    files = sorted(d.glob("*.jsonl"))
+    if not files:
+        raise DataError(f"data_dir {d} holds no .jsonl file")
+    return files
+
+
+def route(request: dict, default: str, names: set[str], sources: dict[str, str]) -> str:
+    """The variant a request goes to: its `model` or `engine` field (a variant name, or the source
+    of exactly one variant), else the variant whose input this is."""
+    want = next((request[k] for k in ROUTE_KEYS if request.get(k) is not None), None)
+    if want is None:
+        return default
+    if not isinstance(want, str):
+        raise ValueError(f"model must be a variant name (a string), got {want!r}")
+    if want in names:
+        return want
+    if want in sources:
+        return sources[want]
+    raise ValueError(f"unknown model {want!r}: this deployment serves {', '.join(sorted(names))}")
+
+
+def parse_file(path: Path, default_variant: str, names: set[str], sources: dict[str, str],
+               routed: bool = True) -> JsonlFile:
+    """Parse every line; a bad line becomes an error line, never an exception (the others still run).
+    routed=False sends every line to default_variant, whatever its `model` says (eval)."""
+    out = JsonlFile(path, default_variant)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read ({exc})") from None
+    for i, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue  # blank lines (e.g. a trailing newline) are not requests
+        where = f"{path.name} line {i}"
+        try:
+            req = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            out.lines.append(JsonlLine(i, raw, error=f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"))
+            continue
+        if not isinstance(req, dict):
+            out.lines.append(JsonlLine(i, req, error=f"{where}: a request must be a JSON object, got "
+                                                       f"{type(req).__name__}"))
+            continue
+        try:
+            prompt = req.get("prompt")
+            if isinstance(prompt, list):
+                if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                    raise ValueError("prompt must be text or a non-empty list of token IDs")
+            elif not isinstance(prompt, str) or not prompt:
+                raise ValueError("prompt is missing or empty" if not prompt else
+                                 f"prompt must be text or a list of token IDs, got {type(prompt).__name__}")
+            variant = route(req, default_variant, names, sources) if routed else default_variant
+        except ValueError as exc:
+            out.lines.append(JsonlLine(i, req, error=f"{where}: {exc}"))
+            continue
+        out.lines.append(JsonlLine(i, req, variant=variant))
+    return out
+
+
+def output_path(predictions_dir: Path, input_path: Path) -> Path:
+    return predictions_dir / f"output_{input_path.stem}.jsonl"
+
+
+class ResumableWriter:
+    """Appends output lines in input order to `<final>.partial`; renames it when all are written."""
+
+    def __init__(self, final: Path):
+        self.final = final
+        self.partial = final.with_name(final.name + ".partial")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self.done = self._recover()
+        self._fh = None
+
+    def _recover(self) -> int:
+        """Whole lines already written by an earlier run; a torn last line is cut off."""
+        if not self.partial.exists():
+            return 0
+        data = self.partial.read_bytes()
+        keep, count = 0, 0
+        for line in data.splitlines(keepends=True):
+            if not line.endswith(b"\n"):
+                break
+            try:
+                json.loads(line)
+            except ValueError:
+                break
+            keep += len(line)
+            count += 1
+        if keep != len(data):
+            with open(self.partial, "r+b") as f:
+                f.truncate(keep)
+        return count
+
+    def write(self, record: dict) -> None:
+        if self._fh is None:
+            self._fh = open(self.partial, "a", encoding="utf-8")
+        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.done += 1
+
+    def flush(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+
+    def finish(self) -> None:
+        if self._fh is None:
+            self.partial.touch()  # an input with no lines still gets its (empty) output
+        else:
+            self.flush()
+            self._fh.close()
+            self._fh = None
+        os.replace(self.partial, self.final)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None

@@ -1,0 +1,74 @@
+"""The JSONL contract's input side and resumable output, without processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fusion.data.hdf5 import DataError
+from fusion.data.jsonl import ResumableWriter, find_files, output_path, parse_file
+
+NAMES = {"llama", "gpt2"}
+SOURCES = {"tiny:llama": "llama", "tiny:gpt2": "gpt2"}
+
+
+def parse(tmp_path, text: str):
+    p = tmp_path / "req.jsonl"
+    p.write_text(text)
+    return parse_file(p, "llama", NAMES, SOURCES).lines
+
+
+def test_routes_by_model_engine_or_source_else_default(tmp_path):
+    lines = parse(tmp_path, "\n".join(json.dumps(r) for r in [
+        {"prompt": "a"}, {"prompt": "b", "model": "gpt2"}, {"prompt": "c", "engine": "gpt2"},
+        {"prompt": [1, 2], "model": "tiny:gpt2"}]) + "\n\n")
+    assert [ln.variant for ln in lines] == ["llama", "gpt2", "gpt2", "gpt2"]
+    assert [ln.number for ln in lines] == [1, 2, 3, 4] and all(ln.error is None for ln in lines)
+
+
+@pytest.mark.parametrize("raw, match", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "a request must be a JSON object, got list"),
+    ('{"max_tokens": 3}', "prompt is missing or empty"),
+    ('{"prompt": ""}', "prompt is missing or empty"),
+    ('{"prompt": 5}', "prompt must be text or a list of token IDs, got int"),
+    ('{"prompt": [1, "x"]}', "non-empty list of token IDs"),
+    ('{"prompt": "a", "model": "gpt-4"}', "unknown model 'gpt-4': this deployment serves gpt2, llama"),
+    ('{"prompt": "a", "model": 3}', "model must be a variant name"),
+])
+def test_bad_lines_become_errors_naming_file_and_line(tmp_path, raw, match):
+    lines = parse(tmp_path, '{"prompt": "ok"}\n' + raw + "\n")
+    assert lines[0].error is None
+    assert lines[1].variant is None and match in lines[1].error
+    assert lines[1].error.startswith("req.jsonl line 2: ")
+
+
+def test_find_files_and_output_name(tmp_path):
+    with pytest.raises(DataError, match="holds no .jsonl file"):
+        find_files(tmp_path)
+    with pytest.raises(DataError, match="is not a directory"):
+        find_files(tmp_path / "missing")
+    (tmp_path / "b.jsonl").write_text("")
+    (tmp_path / "a.jsonl").write_text("")
+    assert [p.name for p in find_files(tmp_path)] == ["a.jsonl", "b.jsonl"]
+    assert output_path(tmp_path / "pred", tmp_path / "request_1.jsonl").name == "output_request_1.jsonl"
+
+
+def test_writer_resumes_after_a_torn_line_and_renames_when_done(tmp_path):
+    final = tmp_path / "out" / "output_x.jsonl"
+    w = ResumableWriter(final)
+    assert w.done == 0
+    w.write({"i": 0})
+    w.write({"i": 1})
+    w.flush()
+    w.close()
+    with open(w.partial, "a") as f:
+        f.write('{"i": 2, "trunc')  # a crash in the middle of a line
+    assert not final.exists()
+    w2 = ResumableWriter(final)
+    assert w2.done == 2 and w2.partial.read_text().count("\n") == 2
+    w2.write({"i": 2})
+    w2.finish()
+    assert not w2.partial.exists()
+    assert [json.loads(x)["i"] for x in final.read_text().splitlines()] == [0, 1, 2]
