@@ -1,29 +1,68 @@
-"""A router plus its worker processes on this machine: what serve and predict start."""
+"""A router plus its worker processes on this machine: what serve and predict start.
+
+The worker processes are supervised: one that exits while the deployment runs is logged with its
+cause and started again after a capped backoff, up to `max_restarts` times per worker. The new
+process registers with the router like any worker and takes back the model ID left without one.
+"""
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+
+import zmq
 
 from fusion.deploy import model_entries, worker_overrides
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
+from routing import protocol as P
 from routing.router import Router, RouterConfig
+
+
+@dataclass(slots=True)
+class SupervisorConfig:
+    max_restarts: int = 5  # per worker; then it stays down and the log says so
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    poll_interval: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.backoff_initial <= 0 or self.backoff_max < self.backoff_initial:
+            raise ValueError("max_restarts must be >= 0 and 0 < backoff_initial <= backoff_max")
+
+
+def exit_cause(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 class LocalDeployment:
     """Context manager: the router runs in a thread of this process, one subprocess per planned worker."""
 
-    def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, frontend: str, backend: str):
+    def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, frontend: str, backend: str,
+                 supervisor: SupervisorConfig | None = None, log=None):
         self.fusion, self.plan = fusion, plan
         self.config = RouterConfig(frontend=frontend, backend=backend)
+        self.supervisor = supervisor or SupervisorConfig()
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.router: Router | None = None
         self.thread: threading.Thread | None = None
         self.procs: list[subprocess.Popen] = []
+        self.restarts: list[int] = []
+        self.gave_up: set[int] = set()
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def __enter__(self) -> LocalDeployment:
         box: queue.Queue = queue.Queue()
@@ -43,10 +82,51 @@ class LocalDeployment:
         if isinstance(got, Exception):
             raise got
         self.router = got
-        for _ in self.plan.workers:
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend",
-                                                self.router.backend_addr, "--parent-pid", str(os.getpid())]))
+        self.procs = [self._spawn() for _ in self.plan.workers]
+        self.restarts = [0] * len(self.procs)
+        self._watcher = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        self._watcher.start()
         return self
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend", self.router.backend_addr,
+                                 "--parent-pid", str(os.getpid())])
+
+    def _supervise(self) -> None:
+        cfg = self.supervisor
+        due: dict[int, float] = {}  # worker slot -> when to start it again
+        tell = self.router.ctx.socket(zmq.PUSH)
+        tell.setsockopt(zmq.LINGER, 0)
+        tell.connect(self.router.control_addr)
+        try:
+            self._watch(cfg, due, tell)
+        finally:
+            tell.close(linger=0)
+
+    def _watch(self, cfg: SupervisorConfig, due: dict, tell: zmq.Socket) -> None:
+        host = socket.gethostname()
+        while not self._closing.wait(cfg.poll_interval):
+            now = time.monotonic()
+            for i, proc in enumerate(self.procs):
+                if i in self.gave_up or proc.poll() is None:
+                    continue
+                if i not in due:
+                    tell.send(P.pack({"type": P.WORKER_EXITED, "pid": proc.pid, "host": host}))
+                    n = self.restarts[i]
+                    if n >= cfg.max_restarts:
+                        self.gave_up.add(i)
+                        self.log(f"supervisor: worker process {proc.pid} (slot {i}) {exit_cause(proc.returncode)}; "
+                                 f"not restarting it: it was restarted {n} times already (max_restarts)")
+                        continue
+                    delay = min(cfg.backoff_initial * 2 ** n, cfg.backoff_max)
+                    due[i] = now + delay
+                    self.log(f"supervisor: worker process {proc.pid} (slot {i}) {exit_cause(proc.returncode)}; "
+                             f"restart {n + 1}/{cfg.max_restarts} in {delay:.1f}s")
+                elif now >= due[i] and not self._closing.is_set():
+                    del due[i]
+                    self.restarts[i] += 1
+                    self.procs[i] = self._spawn()
+                    self.log(f"supervisor: worker slot {i} started again as process {self.procs[i].pid}")
 
     @property
     def frontend(self) -> str:
@@ -62,13 +142,16 @@ class LocalDeployment:
                 st = c.status()
             if sum(w["alive"] and w["loaded"] for w in st["workers"]) >= n:
                 return
-            dead = [p.args for p in self.procs if p.poll() is not None]
-            if dead:
-                raise RuntimeError(f"{len(dead)} worker process(es) exited while loading; see their output above")
+            if self.gave_up:
+                raise RuntimeError(f"{len(self.gave_up)} worker process(es) kept exiting while loading; "
+                                   "see their output above")
             time.sleep(0.2)
         raise TimeoutError(f"workers not loaded within {timeout}s")
 
     def __exit__(self, *exc) -> None:
+        self._closing.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
         if self.router is not None:
             self.router.stop()
         if self.thread is not None:

@@ -9,6 +9,9 @@
 
 Errors from the router raise `RouterError` (with `.code`: bad_request, unknown_model, busy,
 worker_lost, too_large); a timeout raises TimeoutError and cancels the request on the worker.
+When the connection to the router drops (the router restarted), requests in flight raise
+RouterError `router_lost` at once instead of waiting for their timeout; the socket reconnects by
+itself, and a request sent again is served by the new router.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ import zmq
 import zmq.asyncio
 
 from routing import protocol as P
+
+
+def _lost() -> dict:
+    return P.error(None, P.ROUTER_LOST, "the connection to the router dropped with this request in flight; "
+                                        "it may be sent again")
 
 
 class RouterError(RuntimeError):
@@ -61,9 +69,15 @@ class Client(_Base):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
     def __enter__(self) -> Client:
@@ -77,10 +91,15 @@ class Client(_Base):
         self.sock.send(frame)
 
     def recv(self, deadline: float | None) -> dict:
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self.sock.poll(None if wait is None else wait * 1000):
-            raise TimeoutError(f"no answer from {self.address} within {self.timeout}s")
-        return P.unpack(self.sock.recv(), {P.CHUNK, P.RESULT, P.REPLY, P.ERROR})
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            events = dict(self.poller.poll(None if wait is None else wait * 1000))
+            if not events:
+                raise TimeoutError(f"no answer from {self.address} within {self.timeout}s")
+            if self.sock in events:
+                return P.unpack(self.sock.recv(), {P.CHUNK, P.RESULT, P.REPLY, P.ERROR})
+            self.monitor.recv_multipart()
+            return _lost()
 
     def _deadline(self) -> float | None:
         return None if self.timeout is None else time.monotonic() + self.timeout
@@ -90,9 +109,9 @@ class Client(_Base):
         self.sock.send(P.pack({"type": mtype, "id": rid}))
         deadline = self._deadline()
         while True:
-            msg = _check(self.recv(deadline))
-            if msg.get("id") == rid:
-                return msg["data"]
+            msg = self.recv(deadline)
+            if msg.get("id") == rid or msg.get("code") == P.ROUTER_LOST:
+                return _check(msg)["data"]
 
     def models(self) -> list[dict]:
         return self._admin(P.MODELS)
@@ -107,7 +126,7 @@ class Client(_Base):
         try:
             while True:
                 msg = self.recv(deadline)
-                if msg.get("id") != rid:
+                if msg.get("id") != rid and msg.get("code") != P.ROUTER_LOST:
                     continue  # a late answer to an earlier, timed-out request
                 _check(msg)
                 yield msg
@@ -141,6 +160,7 @@ class AsyncClient(_Base):
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(address)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader = None
@@ -154,14 +174,29 @@ class AsyncClient(_Base):
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
     async def _read_loop(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while True:
-            msg = P.unpack(await self.sock.recv(), {P.CHUNK, P.RESULT, P.REPLY, P.ERROR})
-            q = self._queues.get(msg.get("id"))
-            if q is not None:
-                q.put_nowait(msg)
+            events = dict(await poller.poll())
+            if self.monitor in events:
+                await self.monitor.recv_multipart()
+                for q in self._queues.values():  # every request in flight: the router that had it is gone
+                    q.put_nowait(_lost())
+            while self.sock in events:
+                try:
+                    frame = await self.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = P.unpack(frame, {P.CHUNK, P.RESULT, P.REPLY, P.ERROR})
+                q = self._queues.get(msg.get("id"))
+                if q is not None:
+                    q.put_nowait(msg)
 
     async def _open(self):
         import asyncio

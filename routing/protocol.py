@@ -11,7 +11,11 @@ Workers (DEALER) <-> router backend (ROUTER):
   router -> worker   assign {worker_id, model_id, model}   cancel {id}   heartbeat {}   shutdown {}
   data path, two frames [header, body] so the router never re-encodes a body:
   router -> worker   [pack([request, key]), the client's complete frame as received]
-  worker -> router   [pack([chunk|result|error, key, completion_tokens]), the body for the client]
+  worker -> router   [pack([chunk|result|error, key, tokens]), the body for the client]
+  where tokens is a result's completion tokens, or for a chunk [[sample index, tokens so far], ...]:
+  the router keeps how much of each stream reached the client, so that a request it sends again
+  after losing its worker carries `resume` ([[index, tokens already sent], ...]) and the new worker
+  streams only what comes after (the request is deterministic: the router fixes a stream's seed).
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import msgpack
 VERSION = 1
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # frames above this are refused by the socket (ZMQ_MAXMSGSIZE)
 MAX_PROMPT_ITEMS = 1 << 20
+MAX_SAMPLES = 1024  # per-sample entries in a chunk header
 
 # message types
 COMPLETE, CANCEL, MODELS, STATUS = "complete", "cancel", "models", "status"
 CHUNK, RESULT, REPLY, ERROR = "chunk", "result", "reply", "error"
 READY, LOADED, HEARTBEAT, ASSIGN, REQUEST, SHUTDOWN = "ready", "loaded", "heartbeat", "assign", "request", "shutdown"
+WORKER_EXITED = "worker_exited"  # supervisor -> router (inproc control socket): {pid, host}
 CLIENT_TYPES = {COMPLETE, CANCEL, MODELS, STATUS}
 WORKER_TYPES = {READY, LOADED, HEARTBEAT}
 
@@ -38,6 +44,7 @@ BUSY = "busy"  # the model's queue is full: retry later (like HTTP 429)
 WORKER_LOST = "worker_lost"
 TOO_LARGE = "too_large"
 INTERNAL = "internal"
+ROUTER_LOST = "router_lost"  # raised by the client itself: the connection dropped with requests in flight
 
 
 class ProtocolError(ValueError):
@@ -109,19 +116,33 @@ class CompleteRequest:
         return cls(rid, model, prompt, params, bool(msg.get("stream", False)))
 
 
-def header(mtype: str, key: str, tokens: int = 0) -> bytes:
+def header(mtype: str, key: str, tokens: int | list = 0) -> bytes:
     return msgpack.packb([mtype, key, tokens])
 
 
-def unpack_header(frame: bytes) -> tuple[str, str, int]:
+def _is_counts(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                    for v in x) for x in value)
+
+
+def unpack_header(frame: bytes) -> tuple[str, str, int | list]:
     """[type, key, tokens] of a data-path message."""
     try:
-        mtype, key, tokens = msgpack.unpackb(frame, raw=False, max_array_len=3, max_str_len=256)
+        parts = msgpack.unpackb(frame, raw=False, max_array_len=MAX_SAMPLES, max_str_len=256, max_map_len=0)
     except Exception as exc:
         raise ProtocolError(f"bad header frame: {exc}") from None
-    if not isinstance(key, str) or not isinstance(tokens, int):
+    if not isinstance(parts, list) or len(parts) != 3:
+        raise ProtocolError("bad header frame: expected [type, key, tokens]")
+    mtype, key, tokens = parts
+    if not isinstance(key, str) or not (isinstance(tokens, int) or _is_counts(tokens)):
         raise ProtocolError("bad header frame: expected [type, key, tokens]")
     return mtype, key, tokens
+
+
+def resume_counts(value) -> dict[int, int]:
+    """A request's `resume` field as {sample index: tokens already streamed}; anything else is {}."""
+    return {i: n for i, n in value} if _is_counts(value) else {}
 
 
 def error(request_id, code: str, message: str) -> dict:

@@ -5,12 +5,17 @@ serves model k mod M; a model left with no live worker is filled first). Request
 (any replica: the least loaded) or a model ID (that copy). Only that model's workers see them.
 Requests for a model with no loaded worker wait in a bounded queue; past the bound the client
 gets `busy`. Heartbeats go both ways; a worker silent for `liveness` intervals is dropped and
-its in-flight requests get `worker_lost`. One thread, one poller: no locks.
+its in-flight requests are sent again to another live worker of a model they may use (greedy and
+seeded requests give the same tokens anywhere; a stream's seed is fixed here on arrival, and the
+resend carries how many tokens of each stream the client already has, so none is sent twice).
+With no such worker, or after `max_redispatch` resends, the client gets `worker_lost` at once.
+One thread, one poller: no locks.
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,6 +33,8 @@ class RouterConfig:
     liveness: int = 6
     max_queue: int = 1024  # waiting requests per model before `busy`
     max_inflight: int = 256  # requests one worker holds at once; the rest wait in the model's queue
+    max_redispatch: int = 2  # resends of one request after losing its worker (a request that kills
+    # every worker it reaches must not take down the whole deployment)
     hard_message_limit: int = 64 * 1024 * 1024  # the socket drops peers beyond this (ZMQ_MAXMSGSIZE)
 
     def __post_init__(self) -> None:
@@ -66,7 +73,10 @@ class Pending:
     client_id: str
     model_id: int
     frame: bytes  # the client's request, forwarded to the worker as received
+    candidates: list[int] = field(default_factory=list)  # model IDs that may serve it
     worker: bytes | None = None
+    streamed: dict = field(default_factory=dict)  # sample index -> tokens the client already has
+    resends: int = 0
 
 
 class Router:
@@ -87,10 +97,16 @@ class Router:
         self.client_keys: dict[tuple[bytes, str], str] = {}
         self._keys = itertools.count()
         self._registrations = 0
+        self.resent = 0  # requests sent again after losing their worker
         self._stop = False
         self._release_workers = True
         self.frontend = self._bind(self.config.frontend)
         self.backend = self._bind(self.config.backend)
+        # a supervisor that saw a worker process exit says so here: no waiting for missed heartbeats
+        self.control = self.ctx.socket(zmq.PULL)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control_addr = f"inproc://router-control-{id(self)}"
+        self.control.bind(self.control_addr)
 
     def _bind(self, addr: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
@@ -126,6 +142,7 @@ class Router:
         poller = zmq.Poller()
         poller.register(self.frontend, zmq.POLLIN)
         poller.register(self.backend, zmq.POLLIN)
+        poller.register(self.control, zmq.POLLIN)
         next_beat = time.monotonic() + self.config.heartbeat_interval
         try:
             while not self._stop:
@@ -134,6 +151,8 @@ class Router:
                     self._drain(self.backend, self._on_worker)
                 if self.frontend in events:
                     self._drain(self.frontend, self._on_client)
+                if self.control in events:
+                    self._on_control(self.control.recv())
                 now = time.monotonic()
                 if now >= next_beat:
                     self._heartbeat(now)
@@ -157,7 +176,7 @@ class Router:
         for w in self.workers.values():
             if w.alive and self._release_workers:
                 self.backend.send_multipart([w.ident, P.pack({"type": P.SHUTDOWN})])
-        for sock in (self.frontend, self.backend):
+        for sock in (self.frontend, self.backend, self.control):
             if not sock.closed:
                 sock.close(linger=100)
 
@@ -170,7 +189,7 @@ class Router:
             msg = P.unpack(frame, P.CLIENT_TYPES)
             mtype = msg["type"]
             if mtype == P.COMPLETE:
-                self._on_complete(client, P.CompleteRequest.from_msg(msg), frame)
+                self._on_complete(client, msg, frame)
             elif mtype == P.CANCEL:
                 self._on_cancel(client, msg.get("id"))
             elif mtype == P.MODELS:
@@ -198,7 +217,8 @@ class Router:
             return 1e9 + queued, served
         return (sum(len(w.inflight) for w in ws) + queued) / len(ws), served
 
-    def _on_complete(self, client: bytes, req: P.CompleteRequest, frame: bytes) -> None:
+    def _on_complete(self, client: bytes, msg: dict, frame: bytes) -> None:
+        req = P.CompleteRequest.from_msg(msg)
         try:
             candidates = self._resolve(req.model)
         except P.ProtocolError as exc:
@@ -208,7 +228,11 @@ class Router:
             raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
         model_id = min(candidates, key=self._load)
         key = str(next(self._keys))
-        p = Pending(key, client, req.id, model_id, frame)
+        if req.stream and req.params.get("seed") is None:
+            # a resent stream must continue with the same tokens: fix its seed now
+            msg["params"] = {**req.params, "seed": random.getrandbits(63)}
+            frame = P.pack(msg)
+        p = Pending(key, client, req.id, model_id, frame, list(candidates))
         worker = self._pick_worker(model_id)
         if worker is None:
             q = self.models[model_id].queue
@@ -279,8 +303,10 @@ class Router:
         spec = dict(self.models[model_id].spec)
         if self.worker_overrides:
             o = self.worker_overrides[worker_id % len(self.worker_overrides)]
-            if o.get("model_id", model_id) == model_id:
-                spec.update({k: v for k, v in o.items() if k != "model_id"})
+            if o.get("model_id", model_id) != model_id:
+                # a restarted worker takes over a model ID out of turn: use that model's planned settings
+                o = next((x for x in self.worker_overrides if x.get("model_id") == model_id), {})
+            spec.update({k: v for k, v in o.items() if k != "model_id"})
         return spec
 
     def _on_worker(self, ident: bytes, frame: bytes) -> None:
@@ -321,9 +347,12 @@ class Router:
         p = self.pending.get(key)
         if p is None:
             return  # cancelled meanwhile
-        if mtype == P.RESULT:
+        if mtype == P.CHUNK and isinstance(tokens, list):
+            for index, total in tokens:
+                p.streamed[index] = max(total, p.streamed.get(index, 0))
+        elif mtype == P.RESULT:
             w.served += 1
-            w.tokens += tokens
+            w.tokens += tokens if isinstance(tokens, int) else 0
         elif mtype == P.ERROR:
             w.errors += 1
         if mtype != P.CHUNK:
@@ -332,12 +361,46 @@ class Router:
 
     def _drop(self, w: WorkerState, why: str) -> None:
         w.alive = False
+        lost = f"worker {w.worker_id} serving model {w.model_id} was lost ({why})"
         for key in list(w.inflight):
-            p = self._finish(key)
-            if p is not None:
-                self._reply(p.client, P.error(p.client_id, P.WORKER_LOST,
-                                              f"worker {w.worker_id} serving model {w.model_id} was lost ({why})"))
+            w.inflight.discard(key)
+            p = self.pending.get(key)
+            if p is None:
+                continue
+            p.worker = None
+            live = [mid for mid in p.candidates if self._has_live_worker(mid)]
+            if live and p.resends < self.config.max_redispatch:
+                self._resend(p, min(live, key=self._load))
+                continue
+            self._finish(key)
+            more = "" if live else "; no other live worker serves it"
+            self._reply(p.client, P.error(p.client_id, P.WORKER_LOST, lost + more))
         w.inflight.clear()
+        for mid in {p.model_id for p in self.pending.values() if p.worker is None}:
+            self._drain_queue(mid)
+
+    def _has_live_worker(self, model_id: int) -> bool:
+        return any(w.alive and w.loaded and w.model_id == model_id for w in self.workers.values())
+
+    def _resend(self, p: Pending, model_id: int) -> None:
+        p.resends += 1
+        self.resent += 1
+        p.model_id = model_id
+        if p.streamed:
+            msg = P.unpack(p.frame, {P.COMPLETE})
+            msg["resume"] = [[i, n] for i, n in sorted(p.streamed.items())]
+            p.frame = P.pack(msg)
+        # ahead of new requests and past the queue bound: it was admitted already
+        self.models[model_id].queue.appendleft(p)
+
+    def _on_control(self, frame: bytes) -> None:
+        try:
+            msg = P.unpack(frame, {P.WORKER_EXITED})
+        except P.ProtocolError:
+            return
+        for w in self.workers.values():
+            if w.alive and w.capabilities.get("pid") == msg.get("pid") and w.capabilities.get("host") == msg.get("host"):
+                self._drop(w, "its process exited")
 
     def _heartbeat(self, now: float) -> None:
         deadline = self.config.heartbeat_interval * self.config.liveness
@@ -364,6 +427,7 @@ class Router:
                         for w in sorted(self.workers.values(), key=lambda w: w.worker_id)],
             "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
             "pending": len(self.pending),
+            "resent": self.resent,
         }
 
 

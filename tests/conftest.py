@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -16,6 +17,22 @@ from workers.models import load_model  # noqa: E402
 
 ARCHS = ["gpt2", "llama", "mistral", "opt", "bloom", "gemma3"]
 _CACHE: dict = {}
+
+
+def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768+), so that no outgoing connection of another
+    test takes it between this check and the bind."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def tiny(arch: str, dtype: str = "float64"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,19 +10,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 import yaml
-from conftest import tiny
+from conftest import free_port, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 START, SEQ, MAX_TOKENS = 500, 24, 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reference(prompt, end):

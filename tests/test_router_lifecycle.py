@@ -21,11 +21,11 @@ TINY = {"name": "llama", "source": "tiny:llama", "dtype": "float32", "num_thread
         "engine": {"max_batch_size": 8, "max_batch_tokens": 64}}
 
 
-def start_router(backend="tcp://127.0.0.1:*", **cfg) -> tuple[Router, threading.Thread]:
+def start_router(backend="tcp://127.0.0.1:*", frontend="tcp://127.0.0.1:*", **cfg) -> tuple[Router, threading.Thread]:
     box: queue.Queue = queue.Queue()
 
     def serve():
-        r = Router([ModelEntry(0, "llama", TINY)], RouterConfig(frontend="tcp://127.0.0.1:*", backend=backend,
+        r = Router([ModelEntry(0, "llama", TINY)], RouterConfig(frontend=frontend, backend=backend,
                                                                 heartbeat_interval=0.2, **cfg))
         box.put(r)
         r.run()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from conftest import tiny
+from conftest import free_port, tiny
 
 from fusion.deploy import build_fusion
 from fusion.local import LocalDeployment
@@ -171,8 +170,7 @@ def test_garbage_and_oversized_frames(two_archs, frame, match):
 
 
 def test_serve_shuts_down_cleanly(tmp_path):
-    port = 20000 + os.getpid() % 20000
-    front, back = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+    front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(CONFIG),
                              "--variants", "llama,1", "gpt2,1", "--frontend", front, "--backend", back,
                              "--devices", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, text=True)

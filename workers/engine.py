@@ -81,6 +81,9 @@ class Engine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.scheduler.groups:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if params.num_samples > self.config.max_batch_size:
+            raise ValueError(f"{'best_of' if params.best_of else 'n'} ({params.num_samples}) exceeds this engine's "
+                             f"max_batch_size ({self.config.max_batch_size}): its samples must run together")
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")

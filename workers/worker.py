@@ -73,7 +73,7 @@ class EngineThread(threading.Thread):
     def _send(self, out, msg: dict) -> None:
         out.send(P.pack(msg))
 
-    def _send_data(self, out, mtype: str, key: str, body: dict, tokens: int = 0) -> None:
+    def _send_data(self, out, mtype: str, key: str, body: dict, tokens: int | list = 0) -> None:
         out.send_multipart([P.header(mtype, key, tokens), P.pack(body)])
 
     def _handle(self, item, out) -> None:
@@ -117,7 +117,10 @@ class EngineThread(threading.Thread):
             return
         self.requests[key] = {"id": cid, "stream": bool(msg.get("stream")), "echo": echo,
                               "token_ids": bool(msg.get("params", {}).get("return_token_ids")),
-                              "logprobs": params.logprobs is not None, "sent": {}}
+                              "logprobs": params.logprobs is not None, "sent": {},
+                              # sent again after a lost worker: these tokens already reached the client
+                              "skip": P.resume_counts(msg.get("resume")),
+                              "hold": max((len(x) for x in params.stop), default=1) - 1}
 
     def _emit(self, res, out) -> None:
         from workers.completions import completion_response
@@ -127,24 +130,41 @@ class EngineThread(threading.Thread):
             return
         tok = self.engine.tokenizer
         if info["stream"]:
-            outputs = []
+            outputs, counts = [], []
             for c in res.outputs:
                 if not c.new_token_ids and not c.finish_reason:
                     continue
-                text = c.text if c.finish_reason else tok.decode(c.token_ids, skip_special_tokens=True)
-                prev = info["sent"].get(c.index, "")
-                delta = text[len(prev):] if text.startswith(prev) else text
-                info["sent"][c.index] = text
-                outputs.append({"index": c.index, "token_ids": c.new_token_ids, "text": delta,
-                                "finish_reason": c.finish_reason})
+                total, skip = len(c.token_ids), info["skip"].get(c.index, 0)
+                if total <= skip:
+                    continue
+                hold = info["hold"]
+                text = c.text if c.finish_reason else stream_text(tok, c.token_ids, hold)
+                prev = info["sent"].get(c.index)
+                if prev is None:  # a resent request: the client has the text of the first `skip` tokens
+                    prev = stream_text(tok, c.token_ids[:skip], hold) if skip else ""
+                delta = text[len(prev):]
+                info["sent"][c.index] = prev + delta
+                outputs.append({"index": c.index, "token_ids": c.token_ids[max(skip, total - len(c.new_token_ids)):],
+                                "text": delta, "finish_reason": c.finish_reason})
+                counts.append([c.index, total])
             if outputs:
-                self._send_data(out, P.CHUNK, res.request_id, {"type": P.CHUNK, "id": info["id"], "outputs": outputs})
+                self._send_data(out, P.CHUNK, res.request_id, {"type": P.CHUNK, "id": info["id"], "outputs": outputs},
+                                counts)
         if res.finished:
             self.requests.pop(res.request_id, None)
             response = completion_response(res, self.spec["name"], tok, info["echo"], info["logprobs"],
                                            info["token_ids"])
             self._send_data(out, P.RESULT, res.request_id, {"type": P.RESULT, "id": info["id"], "response": response},
                             response["usage"]["completion_tokens"])
+
+
+def stream_text(tokenizer, token_ids: list[int], hold: int) -> str:
+    """The text of a stream that is safe to send before it ends: never an incomplete UTF-8 sequence
+    (its replacement character would change), never the last `hold` characters (they may begin a
+    stop string, which the final text cuts). So the chunks' texts add up to the final text."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    text = text.rstrip("\ufffd")
+    return text[: len(text) - hold] if hold else text
 
 
 def echo_response(msg: dict) -> dict:

@@ -1,0 +1,308 @@
+"""run_mm.py predict over JSONL, eval and compile_only, end to end: router, worker processes, files."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import free_port, plain_logits, tiny
+
+from workers.completions import completion_response, sampling_params
+from workers.engine import Engine, EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+START = 500
+
+
+def write_params(tmp_path: Path, variants: dict) -> Path:
+    params = {"variants": variants, "runconfig": {"threads_per_worker": 1, "devices": "cpu"}}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def tiny_variant(arch: str, processor: str, data_dir: Path, batch_size: int = 3, **model) -> dict:
+    return {"model": {"source": f"tiny:{arch}", "dtype": "float32", "max_batch_size": 8, "max_batch_tokens": 64,
+                      "temperature": 0.0, **model},
+            "inference_input": {"data_processor": processor, "data_dir": str(data_dir), "batch_size": batch_size}}
+
+
+def run_mm(params: Path, mode: str, variants: list[str], model_dir: Path, timeout: float = 300, **popen):
+    cmd = [sys.executable, "run_mm.py", "--mode", mode, "--params", str(params), "--variants", *variants,
+           "--model_dir", str(model_dir), "--frontend", f"tcp://127.0.0.1:{free_port()}",
+           "--backend", f"tcp://127.0.0.1:{free_port()}"]
+    if popen:
+        return subprocess.Popen(cmd, cwd=ROOT, **popen)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def check_completion_object(res: dict, with_logprobs: list[bool]) -> None:
+    """The shape of an OpenAI completions response, plus request_time."""
+    assert res["id"].startswith("cmpl-") and res["object"] == "text_completion"
+    assert isinstance(res["created"], int) and isinstance(res["model"], str)
+    assert [c["index"] for c in res["choices"]] == list(range(len(res["choices"])))
+    for c, lp in zip(res["choices"], with_logprobs, strict=True):
+        assert isinstance(c["text"], str) and c["finish_reason"] in ("stop", "length")
+        if not lp:
+            assert c["logprobs"] is None
+            continue
+        block = c["logprobs"]
+        assert set(block) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        n = len(block["tokens"])
+        assert all(len(block[k]) == n for k in block) and n > 0
+        assert all(isinstance(t, str) for t in block["tokens"])
+        assert block["text_offset"] == sorted(block["text_offset"])
+    u = res["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    rt = res["request_time"]
+    assert rt["batch_time"] >= 0 and isinstance(rt["batch_size"], int) and rt["batch_size"] >= 1
+
+
+def same_choices(got: list[dict], want: list[dict]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert (g["text"], g["index"], g["finish_reason"]) == (w["text"], w["index"], w["finish_reason"])
+        if w["logprobs"] is None:
+            assert g["logprobs"] is None
+            continue
+        gl, wl = g["logprobs"], w["logprobs"]
+        assert gl["tokens"] == wl["tokens"] and gl["text_offset"] == wl["text_offset"]
+        assert [x is None for x in gl["token_logprobs"]] == [x is None for x in wl["token_logprobs"]]
+        assert np.allclose([x for x in gl["token_logprobs"] if x is not None],
+                           [x for x in wl["token_logprobs"] if x is not None], atol=1e-4)
+        for gt, wt in zip(gl["top_logprobs"], wl["top_logprobs"], strict=True):
+            assert (gt is None) == (wt is None)
+            if wt is not None:
+                assert gt.keys() == wt.keys() and np.allclose([gt[k] for k in wt], list(wt.values()), atol=1e-4)
+
+
+REQUESTS = [
+    {"prompt": "Hello there", "max_tokens": 5, "logprobs": 2},
+    {"prompt": [5, 6, 7], "max_tokens": 4, "echo": True, "logprobs": 1},
+    "this line is not JSON",
+    {"prompt": "abc", "model": "gpt-4"},
+    {"prompt": "abc", "model": "gpt2", "max_tokens": 3, "n": 2, "temperature": 0.7, "seed": 3, "logprobs": 0},
+    {"prompt": "abc", "max_tokens": 3, "logprobs": 50},
+    {"prompt": "The quick brown", "max_tokens": 8, "best_of": 3, "n": 1, "temperature": 1.0, "seed": 1},
+    {"prompt": "stop me", "max_tokens": 12, "stop": ["STOP"], "logprobs": 0},
+    {"prompt": [9, 8, 7, 6], "engine": "gpt2", "max_tokens": 6, "echo": True},
+]
+
+
+def test_predict_jsonl_matches_the_engine_in_process(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    reqs = [dict(r) if isinstance(r, dict) else r for r in REQUESTS]
+    # a stop string that greedy generation really produces, so that the cut is exercised
+    ref = Engine(tiny("llama", "float32")).generate(["stop me"], sampling_params({"max_tokens": 12},
+                                                                                {"temperature": 0.0})[0])[0]
+    text = ref.outputs[0].text
+    stop = next(text[i: i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i: i + 2])
+    reqs[7]["stop"] = [stop]
+    (data / "req.jsonl").write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in reqs) + "\n")
+    params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data),
+                                     "gpt2": tiny_variant("gpt2", "JsonlCompletions", data)})
+    out = run_mm(params, "predict", ["llama,1", "gpt2,1"], tmp_path / "md")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in (tmp_path / "md" / "predictions" / "output_req.jsonl").read_text().splitlines()]
+    assert len(lines) == len(reqs) and [ln["request"] for ln in lines] == reqs  # input order, request echoed
+    errors = {i: ln["error"] for i, ln in enumerate(lines) if "error" in ln}
+    assert sorted(errors) == [2, 3, 5]
+    assert errors[2]["message"].startswith("req.jsonl line 3: not valid JSON")
+    assert "unknown model 'gpt-4'" in errors[3]["message"]
+    assert errors[5]["code"] == "bad_request" and "logprobs must be an integer in [0, 20]" in errors[5]["message"]
+    engines = {arch: Engine(tiny(arch, "float32"), EngineConfig(max_batch_size=8)) for arch in ("llama", "gpt2")}
+    for i, (req, ln) in enumerate(zip(reqs, lines)):
+        if i in errors:
+            continue
+        res = ln["result"]
+        variant = req.get("model") or req.get("engine") or "llama"
+        assert res["model"] == variant
+        params_, echo = sampling_params({k: v for k, v in req.items() if k != "prompt"}, {"temperature": 0.0})
+        eng = engines[variant]
+        want = completion_response(eng.generate([req["prompt"]], params_)[0], variant, eng.tokenizer, echo,
+                                   params_.logprobs is not None)
+        check_completion_object(res, [params_.logprobs is not None] * params_.n)
+        same_choices(res["choices"], want["choices"])
+        assert res["usage"] == want["usage"]
+    cut = lines[7]["result"]["choices"][0]
+    assert cut["finish_reason"] == "stop" and stop not in cut["text"] and text.startswith(cut["text"])
+    assert lines[1]["result"]["choices"][0]["logprobs"]["token_logprobs"][0] is None  # echo: first prompt token
+    assert len(lines[4]["result"]["choices"]) == 2 and len(lines[6]["result"]["choices"]) == 1
+
+
+def test_eval_matches_plain_forward_logprobs(tmp_path):
+    jdir, hdir = tmp_path / "jsonl", tmp_path / "h5"
+    jdir.mkdir()
+    hdir.mkdir()
+    (jdir / "a.jsonl").write_text('{"prompt": "Some text to score"}\n{"prompt": "x"}\nnot json\n'
+                                  '{"prompt": [3, 4, 5, 6], "model": "elsewhere"}\n')
+    rows = [[7, 8, 9, 10, 11], [12, 13, 14]]
+    arr = np.full((2, 8), START, dtype=np.int32)
+    for i, r in enumerate(rows):
+        arr[i, : len(r)] = r
+    with h5py.File(hdir / "p.h5", "w") as f:
+        f["data"] = arr
+    params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", jdir),
+                                     "gpt2": tiny_variant("gpt2", "GptHDF5MapDataProcessor", hdir, start_token=START)})
+    out = run_mm(params, "eval", ["llama,1", "gpt2,1"], tmp_path / "md")
+    assert out.returncode == 0, out.stderr
+    assert "perplexity" in out.stdout
+    for name, prompts in (("llama", ["Some text to score", "x", None, [3, 4, 5, 6]]), ("gpt2", rows)):
+        rep = json.loads((tmp_path / "md" / "eval" / f"{name}.json").read_text())
+        lm = tiny(name, "float32")
+        all_lp = []
+        assert rep["samples"] == len(prompts)
+        for prompt, s in zip(prompts, rep["per_sample"], strict=True):
+            if prompt is None:
+                assert "not valid JSON" in s["error"]
+                continue
+            ids = lm.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+            logp = torch.log_softmax(plain_logits(lm.model, ids), -1)
+            want = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+            assert s["token_logprobs"][0] is None and np.allclose(s["token_logprobs"][1:], want, atol=1e-4)
+            if want:
+                assert math.isclose(s["perplexity"], math.exp(-sum(want) / len(want)), rel_tol=1e-4)
+            else:
+                assert s["perplexity"] is None  # one token: nothing to score
+            all_lp += want
+        assert rep["scored_tokens"] == len(all_lp)
+        assert math.isclose(rep["perplexity"], math.exp(-sum(all_lp) / len(all_lp)), rel_tol=1e-4)
+
+
+def test_compile_only_runs_one_batch_and_reports_memory(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "r.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two two"}\n')
+    params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data, batch_size=5,
+                                                           max_tokens=7)})
+    out = run_mm(params, "compile_only", ["llama,2"], tmp_path / "md")
+    assert out.returncode == 0, out.stderr
+    recs = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    rep, dev = recs
+    assert rep["variant"] == "llama" and rep["fits"] and rep["error"] is None
+    assert rep["batch_size"] == 5 and rep["tokens_generated"] == 5 * 7  # a short file is repeated to fill it
+    assert rep["measured_bytes"] > 0 and rep["load_s"] > 0 and rep["load_s_before_cache"] is None
+    assert dev == {"device": "cpu", "workers": 2, "measured_bytes": 2 * rep["measured_bytes"],
+                   "available_bytes": dev["available_bytes"], "fits": True}
+
+
+def test_compile_only_names_bad_data(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data)})
+    out = run_mm(params, "compile_only", ["llama,1"], tmp_path / "md")
+    assert out.returncode == 2 and f"data_dir {data} holds no .jsonl file" in out.stderr
+
+
+@pytest.mark.slow
+def test_compile_only_caches_gguf_as_safetensors(tmp_path, monkeypatch, smollm2_fp32):
+    import os
+
+    from workers.models import load_model
+    from workers.params import SamplingParams
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "r.jsonl").write_text('{"prompt": "The capital of France is"}\n')
+    params = write_params(tmp_path, {"smollm2": {
+        "model": {"source": "smollm2-135m", "dtype": "bfloat16", "max_tokens": 4},
+        "inference_input": {"data_processor": "JsonlCompletions", "data_dir": str(data), "batch_size": 2}}})
+    env = {**os.environ, "MMFUSION_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "run_mm.py", "--mode", "compile_only", "--params", str(params), "--variants", "smollm2,1"]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr
+    rep = [json.loads(x) for x in first.stdout.splitlines() if x.startswith("{")][0]
+    assert rep["fits"] and rep["load_s_before_cache"] > rep["load_s"] and rep["cache"].startswith(str(tmp_path))
+    assert (Path(rep["cache"]) / "model.safetensors").exists()
+    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    rep2 = [json.loads(x) for x in second.stdout.splitlines() if x.startswith("{")][0]
+    assert rep2["load_s_before_cache"] is None and rep2["cache"] == rep["cache"]
+    # a worker loading from the cache gives exactly what the GGUF gives
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "cache"))
+    cached = load_model("smollm2-135m", dtype="float32")
+    prompts = ["The capital of France is", "def add(a, b):"]
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+    assert [o.outputs[0].token_ids for o in Engine(cached).generate(prompts, sp)] == \
+        [o.outputs[0].token_ids for o in Engine(smollm2_fp32).generate(prompts, sp)]
+    assert cached.tokenizer(prompts[0]).input_ids == smollm2_fp32.tokenizer(prompts[0]).input_ids
+
+
+def _kill_setup(tmp_path: Path) -> Path:
+    hdir, jdir = tmp_path / "h5", tmp_path / "jsonl"
+    hdir.mkdir()
+    jdir.mkdir()
+    rng = np.random.default_rng(0)
+    arr = np.full((80, 16), START, dtype=np.int32)
+    for i in range(80):
+        n = int(rng.integers(2, 8))
+        arr[i, :n] = rng.integers(1, 256, n)
+    with h5py.File(hdir / "p.h5", "w") as f:
+        f["data"] = arr
+    with open(jdir / "q.jsonl", "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"prompt": f"request number {i}", "max_tokens": 8, "logprobs": 1}) + "\n")
+    return write_params(tmp_path, {
+        "llama": tiny_variant("llama", "GptHDF5MapDataProcessor", hdir, batch_size=2, start_token=START,
+                              max_tokens=8),
+        "gpt2": tiny_variant("gpt2", "JsonlCompletions", jdir, batch_size=4)})
+
+
+def _strip_volatile(line: str) -> dict:
+    rec = json.loads(line)
+    for k in ("id", "created", "request_time"):
+        rec["result"].pop(k)
+    return rec
+
+
+def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path):
+    import os
+    import signal
+    import time
+
+    params = _kill_setup(tmp_path)
+    variants = ["llama,1", "gpt2,1"]
+    clean = run_mm(params, "predict", variants, tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr
+
+    md = tmp_path / "killed"
+    pred = md / "predictions"
+    proc = run_mm(params, "predict", variants, md, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    partial = pred / "output_q.jsonl.partial"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        npz = list((pred / "llama").glob("predictions_*.npz")) if (pred / "llama").exists() else []
+        if len(npz) >= 5 and partial.exists() and partial.read_text().count("\n") >= 20:
+            break
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # the kill landed mid-run: some outputs exist, not all, and no final file is half-written
+    done = sorted((pred / "llama").glob("predictions_*.npz"))
+    assert 5 <= len(done) < 40 and not (pred / "output_q.jsonl").exists()
+    for f in done:
+        with np.load(f) as z:
+            assert z["predictions"].shape == (2, 16)
+    time.sleep(2)  # orphaned workers notice their parent is gone and exit
+    rerun = run_mm(params, "predict", variants, md)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "already written" in rerun.stdout
+    for x in range(1, 41):
+        with np.load(pred / "llama" / f"predictions_{x}.npz") as a, \
+                np.load(tmp_path / "clean" / "predictions" / "llama" / f"predictions_{x}.npz") as b:
+            assert int(a["global_step"]) == x and a["predictions"].tolist() == b["predictions"].tolist()
+    got = (pred / "output_q.jsonl").read_text().splitlines()
+    want = (tmp_path / "clean" / "predictions" / "output_q.jsonl").read_text().splitlines()
+    assert len(got) == 400
+    for g, w in zip(got, want):
+        g, w = _strip_volatile(g), _strip_volatile(w)
+        # same tokens and text; logprobs equal up to float rounding (batches were packed differently)
+        same_choices(g["result"].pop("choices"), w["result"].pop("choices"))
+        assert g == w

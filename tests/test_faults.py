@@ -1,0 +1,167 @@
+"""Faults: a worker killed mid-request, a router restarted under a client, crashed workers restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import free_port, tiny
+from test_router_lifecycle import start_router, start_worker, wait_for
+
+from routing import protocol as P
+from routing.client import Client, RouterError
+from workers.completions import sampling_params
+from workers.engine import Engine, EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny.yaml"
+
+
+def reference(prompt, **params) -> list[int]:
+    eng = Engine(tiny("llama", "float32"), EngineConfig(max_batch_size=8, max_batch_tokens=64))
+    return eng.generate([prompt], sampling_params(params)[0])[0].outputs[0].token_ids
+
+
+def run_stream(address: str, prompt, started: threading.Event | None = None, **params) -> dict:
+    """Stream one request; what the client saw: chunk tokens and texts, and the final response."""
+    with Client(address, timeout=120) as c:
+        toks, text = [], ""
+        for msg in c._run("llama", prompt, True, {**params, "return_token_ids": True}):
+            if msg["type"] == P.CHUNK:
+                for out in msg["outputs"]:
+                    toks += out["token_ids"]
+                    text += out["text"]
+                if started is not None:
+                    started.set()
+            else:
+                return {"tokens": toks, "text": text, "response": msg["response"]}
+
+
+def test_worker_killed_mid_stream_is_redispatched_without_duplicates():
+    router, thread = start_router()
+    workers = [start_worker(router.backend_addr) for _ in range(2)]
+    try:
+        with Client(router.frontend_addr, timeout=60) as c:
+            wait_for(lambda: sum(w["loaded"] for w in c.status()["workers"]) == 2)
+            prompts = [[(i * 11 + j) % 250 + 1 for j in range(4 + i)] for i in range(8)]
+            # greedy, seeded, and unseeded sampling (the router fixes a stream's seed for a resend)
+            params = [dict(max_tokens=300, ignore_eos=True, temperature=0.0 if i % 3 == 0 else 0.9,
+                           seed=i if i % 3 == 1 else None) for i in range(8)]
+            started = [threading.Event() for _ in range(8)]
+            with ThreadPoolExecutor(8) as pool:
+                futs = [pool.submit(run_stream, router.frontend_addr, prompts[i], started[i], **params[i])
+                        for i in range(8)]
+                for ev in started:
+                    assert ev.wait(60)
+                st = c.status()["workers"]
+                victim = max(st, key=lambda w: w["inflight"])
+                assert victim["inflight"] > 0
+                os.kill(victim["pid"], signal.SIGKILL)
+                got = [f.result(timeout=120) for f in futs]
+            st = c.status()
+            assert st["resent"] == victim["inflight"]
+            assert [w["alive"] for w in st["workers"] if w["id"] == victim["id"]] == [False]  # status shows it
+            for i, g in enumerate(got):
+                choice = g["response"]["choices"][0]
+                assert g["tokens"] == choice["token_ids"] and len(g["tokens"]) == 300  # nothing twice, nothing lost
+                assert g["text"] == choice["text"]
+                if params[i]["seed"] is not None or params[i]["temperature"] == 0.0:
+                    assert g["tokens"] == reference(prompts[i], **params[i])
+            # a restarted worker registers again and takes back a model ID
+            workers.append(start_worker(router.backend_addr))
+            wait_for(lambda: sum(w["alive"] and w["loaded"] for w in c.status()["workers"]) == 2)
+            assert len(c.models()[0]["workers"]) == 2
+    finally:
+        router.stop()
+        thread.join(10)
+        for w in workers:
+            w.kill()
+            w.wait()
+
+
+def test_no_replica_left_gives_worker_lost_at_once():
+    router, thread = start_router()
+    worker = start_worker(router.backend_addr)
+    try:
+        with Client(router.frontend_addr, timeout=60) as c:
+            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
+            started = threading.Event()
+            with ThreadPoolExecutor(4) as pool:
+                futs = [pool.submit(run_stream, router.frontend_addr, [1, 2, 3 + i], started, max_tokens=480,
+                                    ignore_eos=True, temperature=0.0) for i in range(4)]
+                assert started.wait(60)
+                worker.kill()
+                killed = time.monotonic()
+                for f in futs:
+                    with pytest.raises(RouterError) as info:
+                        f.result(timeout=30)
+                    assert info.value.code == P.WORKER_LOST and "no other live worker" in str(info.value)
+            # liveness is 6 heartbeats of 0.2 s: the errors come right after, not at a client timeout
+            assert time.monotonic() - killed < 5
+            assert c.status()["pending"] == 0
+    finally:
+        router.stop()
+        thread.join(10)
+        worker.wait(10)
+
+
+def test_router_restart_fails_in_flight_at_once_and_serves_new_requests():
+    probe_port = free_port()
+    backend, front = f"tcp://127.0.0.1:{probe_port}", None
+    router, thread = start_router(backend=backend)
+    front = router.frontend_addr
+    worker = start_worker(backend)
+    try:
+        with Client(front, timeout=60) as c:
+            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(run_stream, front, [5, 6, 7], started, max_tokens=480, ignore_eos=True)
+            assert started.wait(60)
+            router.stop(release_workers=False)  # as if the router crashed
+            stopped = time.monotonic()
+            with pytest.raises(RouterError) as info:
+                fut.result(timeout=30)
+            assert info.value.code == P.ROUTER_LOST and time.monotonic() - stopped < 5
+        thread.join(10)
+        router, thread = start_router(backend=backend, frontend=front)  # same addresses, fresh state
+        t0 = time.monotonic()
+        with Client(front, timeout=60) as c:
+            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"], timeout=30)
+            assert c.complete(model="llama", prompt=[1, 2], max_tokens=2)["choices"]
+        assert time.monotonic() - t0 < 15  # the worker reconnected with its capped backoff
+    finally:
+        router.stop()
+        thread.join(10)
+        worker.wait(10)
+
+
+def test_serve_restarts_a_crashed_worker():
+    front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(CONFIG),
+                             "--variants", "llama,1", "gpt2,1", "--frontend", front, "--backend", back,
+                             "--devices", "cpu"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        with Client(front, timeout=10) as c:
+            wait_for(lambda: len(c.status()["workers"]) == 2 and all(w["loaded"] for w in c.status()["workers"]),
+                     timeout=120)
+            gpt2 = next(w for w in c.status()["workers"] if w["model_id"] == 1)
+            os.kill(gpt2["pid"], signal.SIGKILL)
+            wait_for(lambda: any(w["model_id"] == 1 and w["alive"] and w["loaded"] and w["pid"] != gpt2["pid"]
+                                 for w in c.status()["workers"]), timeout=120)
+            assert c.models()[1]["workers"] and c.complete(model="gpt2", prompt=[1, 2], max_tokens=2)["choices"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        log = proc.stderr.read()
+        assert f"worker process {gpt2['pid']}" in log and "killed by SIGKILL" in log and "started again" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
