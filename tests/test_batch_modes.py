@@ -262,26 +262,56 @@ def _strip_volatile(line: str) -> dict:
     return rec
 
 
-def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path):
-    import os
-    import signal
+@pytest.fixture(scope="module")
+def crash_case(tmp_path_factory):
+    """Inputs for the crash tests and the outputs of an undisturbed run over them."""
+    root = tmp_path_factory.mktemp("crash")
+    params = _kill_setup(root)
+    clean = run_mm(params, "predict", CRASH_VARIANTS, root / "clean")
+    assert clean.returncode == 0, clean.stderr
+    return params, root / "clean" / "predictions"
+
+
+CRASH_VARIANTS = ["llama,1", "gpt2,1"]
+
+
+def _wait_mid_run(proc, pred: Path) -> None:
     import time
 
-    params = _kill_setup(tmp_path)
-    variants = ["llama,1", "gpt2,1"]
-    clean = run_mm(params, "predict", variants, tmp_path / "clean")
-    assert clean.returncode == 0, clean.stderr
-
-    md = tmp_path / "killed"
-    pred = md / "predictions"
-    proc = run_mm(params, "predict", variants, md, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     partial = pred / "output_q.jsonl.partial"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         npz = list((pred / "llama").glob("predictions_*.npz")) if (pred / "llama").exists() else []
         if len(npz) >= 5 and partial.exists() and partial.read_text().count("\n") >= 20:
-            break
+            return
         time.sleep(0.01)
+
+
+def _same_outputs(pred: Path, clean: Path) -> None:
+    for x in range(1, 41):
+        with np.load(pred / "llama" / f"predictions_{x}.npz") as a, \
+                np.load(clean / "llama" / f"predictions_{x}.npz") as b:
+            assert int(a["global_step"]) == x and a["predictions"].tolist() == b["predictions"].tolist()
+    got = (pred / "output_q.jsonl").read_text().splitlines()
+    want = (clean / "output_q.jsonl").read_text().splitlines()
+    assert len(got) == 400
+    for g, w in zip(got, want):
+        g, w = _strip_volatile(g), _strip_volatile(w)
+        # same tokens and text; logprobs equal up to float rounding (batches were packed differently)
+        same_choices(g["result"].pop("choices"), w["result"].pop("choices"))
+        assert g == w
+
+
+def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case):
+    import os
+    import signal
+    import time
+
+    params, clean = crash_case
+    md = tmp_path / "killed"
+    pred = md / "predictions"
+    proc = run_mm(params, "predict", CRASH_VARIANTS, md, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_mid_run(proc, pred)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     # the kill landed mid-run: some outputs exist, not all, and no final file is half-written
@@ -291,18 +321,26 @@ def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path):
         with np.load(f) as z:
             assert z["predictions"].shape == (2, 16)
     time.sleep(2)  # orphaned workers notice their parent is gone and exit
-    rerun = run_mm(params, "predict", variants, md)
+    rerun = run_mm(params, "predict", CRASH_VARIANTS, md)
     assert rerun.returncode == 0, rerun.stderr
     assert "already written" in rerun.stdout
-    for x in range(1, 41):
-        with np.load(pred / "llama" / f"predictions_{x}.npz") as a, \
-                np.load(tmp_path / "clean" / "predictions" / "llama" / f"predictions_{x}.npz") as b:
-            assert int(a["global_step"]) == x and a["predictions"].tolist() == b["predictions"].tolist()
-    got = (pred / "output_q.jsonl").read_text().splitlines()
-    want = (tmp_path / "clean" / "predictions" / "output_q.jsonl").read_text().splitlines()
-    assert len(got) == 400
-    for g, w in zip(got, want):
-        g, w = _strip_volatile(g), _strip_volatile(w)
-        # same tokens and text; logprobs equal up to float rounding (batches were packed differently)
-        same_choices(g["result"].pop("choices"), w["result"].pop("choices"))
-        assert g == w
+    _same_outputs(pred, clean)
+
+
+def test_predict_finishes_correctly_when_a_worker_crashes(tmp_path, crash_case):
+    import psutil
+
+    params, clean = crash_case
+    md = tmp_path / "crashed"
+    pred = md / "predictions"
+    proc = run_mm(params, "predict", CRASH_VARIANTS, md, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                  text=True)
+    _wait_mid_run(proc, pred)
+    workers = [c for c in psutil.Process(proc.pid).children() if "workers.worker" in " ".join(c.cmdline())]
+    assert len(workers) == 2 and proc.poll() is None
+    for w in workers:  # both: neither model has a replica, so their requests fail and predict resends them
+        w.kill()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert err.count("killed by SIGKILL") == 2 and err.count("started again") == 2
+    _same_outputs(pred, clean)
