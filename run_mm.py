@@ -23,6 +23,7 @@ from fusion.local import LocalDeployment
 from fusion.params import ParamsError, load_params
 from fusion.plan import make_plan
 from fusion.predict import build_jobs, run_predict
+from routing.security import check_bind
 
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
 
@@ -40,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend")
     ap.add_argument("--inference_steps", type=int)
     ap.add_argument("--threads_per_worker", type=int)
+    ap.add_argument("--curve_keys", help="CurveZMQ keys directory (python -m routing.security DIR)")
+    ap.add_argument("--insecure", action="store_true", default=None,
+                    help="allow binding the router off loopback without CurveZMQ")
+    ap.add_argument("--max_restarts", type=int, help="restarts of a crashed worker before giving up")
     return ap
 
 
@@ -47,10 +52,13 @@ def configure(args) -> tuple[dict, object, object]:
     params = load_params(args.params)
     run = params["runconfig"]
     for key in ("model_dir", "variants", "num_workers", "devices", "router", "frontend", "backend",
-                "inference_steps", "threads_per_worker"):
+                "inference_steps", "threads_per_worker", "curve_keys", "insecure", "max_restarts"):
         val = getattr(args, key, None)
         if val is not None:
             run[key] = val
+    if not run["router"]:  # before anything starts: a router bound off loopback needs keys
+        for addr in (run["frontend"], run["backend"]):
+            check_bind(addr, run["curve_keys"], bool(run["insecure"]))
     fusion = build_fusion(params, run["variants"])
     plan = make_plan(fusion, run["num_workers"], run["devices"], run["threads_per_worker"])
     return params, fusion, plan
@@ -62,7 +70,7 @@ def serve(params: dict, fusion, plan) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(plan.describe())
-    with LocalDeployment(fusion, plan, run["frontend"], run["backend"]) as dep:
+    with LocalDeployment.from_runconfig(fusion, plan, run) as dep:
         print(f"serving: clients connect to {dep.frontend} (workers: {dep.router.backend_addr})", flush=True)
         while not stop.wait(0.5):
             pass
@@ -71,21 +79,21 @@ def serve(params: dict, fusion, plan) -> int:
 
 
 def _against_router(params: dict, fusion, plan, work) -> None:
-    """Run work(frontend) against the configured router, or a local one with its workers."""
+    """Run work(frontend, client_kw) against the configured router, or a local one with its workers."""
     run = params["runconfig"]
     if run["router"]:
-        work(run["router"])
+        work(run["router"], {"curve_keys": run["curve_keys"]} if run["curve_keys"] else {})
         return
-    with LocalDeployment(fusion, plan, run["frontend"], run["backend"]) as dep:
+    with LocalDeployment.from_runconfig(fusion, plan, run) as dep:
         dep.wait_loaded()
-        work(dep.frontend)
+        work(dep.frontend, dep.client_kw())
 
 
 def predict(params: dict, fusion, plan) -> int:
     run = params["runconfig"]
     jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"])  # checks the data before any load
     box: dict = {}
-    _against_router(params, fusion, plan, lambda fe: box.update(summary=run_predict(fe, jobs)[1]))
+    _against_router(params, fusion, plan, lambda fe, kw: box.update(summary=run_predict(fe, jobs, client_kw=kw)[1]))
     for line in box["summary"]:
         print(line, flush=True)
     failed = sum(j.failed for j in jobs)
@@ -104,7 +112,7 @@ def evaluate(params: dict, fusion, plan) -> int:
     run = params["runconfig"]
     jobs = build_eval_jobs(fusion, run["model_dir"], run["inference_steps"])
     box: dict = {}
-    _against_router(params, fusion, plan, lambda fe: box.update(lines=run_eval(fe, jobs)))
+    _against_router(params, fusion, plan, lambda fe, kw: box.update(lines=run_eval(fe, jobs, client_kw=kw)))
     for line in box["lines"]:
         print(line, flush=True)
     return 0

@@ -123,11 +123,11 @@ def build_eval_jobs(fusion: MultiModelFusion, model_dir: str | Path, inference_s
 
 
 def run_eval(frontend: str, jobs: list[EvalJob], timeout: float = 3600, stream=None,
-             bars: bool | None = None) -> list[str]:
+             bars: bool | None = None, client_kw: dict | None = None) -> list[str]:
     progress = Progress({j.name: len(j.samples) for j in jobs}, stream=stream, bars=bars)
 
     async def go():
-        async with AsyncClient(frontend, timeout=timeout) as client:
+        async with AsyncClient(frontend, timeout=timeout, **(client_kw or {})) as client:
             await asyncio.gather(*[j.run(client, progress) for j in jobs])
 
     try:

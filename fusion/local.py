@@ -51,9 +51,10 @@ class LocalDeployment:
     """Context manager: the router runs in a thread of this process, one subprocess per planned worker."""
 
     def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, frontend: str, backend: str,
-                 supervisor: SupervisorConfig | None = None, log=None):
+                 supervisor: SupervisorConfig | None = None, log=None, curve_keys: str | None = None,
+                 insecure: bool = False):
         self.fusion, self.plan = fusion, plan
-        self.config = RouterConfig(frontend=frontend, backend=backend)
+        self.config = RouterConfig(frontend=frontend, backend=backend, curve_keys=curve_keys, insecure=insecure)
         self.supervisor = supervisor or SupervisorConfig()
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.router: Router | None = None
@@ -88,9 +89,21 @@ class LocalDeployment:
         self._watcher.start()
         return self
 
+    @classmethod
+    def from_runconfig(cls, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict) -> LocalDeployment:
+        return cls(fusion, plan, run["frontend"], run["backend"], SupervisorConfig(max_restarts=run["max_restarts"]),
+                   curve_keys=run["curve_keys"], insecure=run["insecure"])
+
+    def client_kw(self) -> dict:
+        """What a client of this deployment needs besides the address."""
+        return {"curve_keys": self.config.curve_keys} if self.config.curve_keys else {}
+
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend", self.router.backend_addr,
-                                 "--parent-pid", str(os.getpid())])
+        cmd = [sys.executable, "-m", "workers.worker", "--backend", self.router.backend_addr,
+               "--parent-pid", str(os.getpid())]
+        if self.config.curve_keys:
+            cmd += ["--curve-keys", self.config.curve_keys]
+        return subprocess.Popen(cmd)
 
     def _supervise(self) -> None:
         cfg = self.supervisor
@@ -138,7 +151,7 @@ class LocalDeployment:
         deadline = time.monotonic() + timeout
         n = len(self.plan.workers)
         while time.monotonic() < deadline:
-            with Client(self.frontend, timeout=10) as c:  # ask over the socket: the router owns its state
+            with Client(self.frontend, timeout=10, **self.client_kw()) as c:  # the router owns its state
                 st = c.status()
             if sum(w["alive"] and w["loaded"] for w in st["workers"]) >= n:
                 return

@@ -16,6 +16,9 @@ RUNCONFIG_DEFAULTS = {
     "backend": "tcp://127.0.0.1:5556",
     "inference_steps": None,
     "threads_per_worker": None,
+    "curve_keys": None,  # CurveZMQ keys directory (python -m routing.security DIR); needed off loopback
+    "insecure": False,  # bind off loopback without CurveZMQ
+    "max_restarts": 5,  # a crashed worker is started again at most this many times
 }
 MODEL_KEYS = {"source", "dtype", "start_token", "end_token", "max_tokens", "loop_dim", "temperature", "top_p",
               "top_k", "max_model_len", "max_batch_size", "max_batch_tokens", "deltat_scaling_factor"}

@@ -274,7 +274,7 @@ def build_jobs(fusion: MultiModelFusion, model_dir: str | Path, inference_steps:
 
 
 def run_predict(frontend: str, jobs: list, timeout: float = 3600, stream=None,
-                bars: bool | None = None) -> tuple[list, list[str]]:
+                bars: bool | None = None, client_kw: dict | None = None) -> tuple[list, list[str]]:
     """Run the jobs against a router; returns (jobs, per-model summary lines)."""
     totals: Counter = Counter()
     for j in jobs:
@@ -282,7 +282,7 @@ def run_predict(frontend: str, jobs: list, timeout: float = 3600, stream=None,
     progress = Progress(dict(totals), stream=stream, bars=bars)
 
     async def go():
-        async with AsyncClient(frontend, timeout=timeout) as client:
+        async with AsyncClient(frontend, timeout=timeout, **(client_kw or {})) as client:
             await asyncio.gather(*[j.run(client, progress) for j in jobs])
 
     try:

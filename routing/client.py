@@ -27,11 +27,23 @@ import zmq
 import zmq.asyncio
 
 from routing import protocol as P
+from routing.security import connect_curve
+
+_WATCH = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
-def _lost() -> dict:
-    return P.error(None, P.ROUTER_LOST, "the connection to the router dropped with this request in flight; "
-                                        "it may be sent again")
+def _lost(frames: list[bytes]) -> dict:
+    """The error for a connection event: the router went away, or refused our handshake."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    event = parse_monitor_message(frames)["event"]
+    if event == zmq.EVENT_DISCONNECTED:
+        return P.error(None, P.ROUTER_LOST, "the connection to the router dropped with this request in flight; "
+                                            "it may be sent again")
+    return P.error(None, P.REFUSED, "the router refused the connection (CurveZMQ handshake failed: is this "
+                                    "client's key in the router's authorized_clients, and the router's server.key "
+                                    "the one given here?)")
 
 
 class RouterError(RuntimeError):
@@ -64,12 +76,14 @@ class Client(_Base):
     """Blocking client. One request at a time per Client; use one per thread."""
 
     def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 60.0,
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, curve_keys: str | None = None, curve_name: str = "client"):
         super().__init__(address, timeout)
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if curve_keys:
+            connect_curve(self.sock, curve_keys, curve_name)
+        self.monitor = self.sock.get_monitor_socket(_WATCH)
         self.sock.connect(address)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -98,8 +112,7 @@ class Client(_Base):
                 raise TimeoutError(f"no answer from {self.address} within {self.timeout}s")
             if self.sock in events:
                 return P.unpack(self.sock.recv(), {P.CHUNK, P.RESULT, P.REPLY, P.ERROR})
-            self.monitor.recv_multipart()
-            return _lost()
+            return _lost(self.monitor.recv_multipart())
 
     def _deadline(self) -> float | None:
         return None if self.timeout is None else time.monotonic() + self.timeout
@@ -110,7 +123,7 @@ class Client(_Base):
         deadline = self._deadline()
         while True:
             msg = self.recv(deadline)
-            if msg.get("id") == rid or msg.get("code") == P.ROUTER_LOST:
+            if msg.get("id") == rid or msg.get("code") in (P.ROUTER_LOST, P.REFUSED):
                 return _check(msg)["data"]
 
     def models(self) -> list[dict]:
@@ -126,7 +139,7 @@ class Client(_Base):
         try:
             while True:
                 msg = self.recv(deadline)
-                if msg.get("id") != rid and msg.get("code") != P.ROUTER_LOST:
+                if msg.get("id") != rid and msg.get("code") not in (P.ROUTER_LOST, P.REFUSED):
                     continue  # a late answer to an earlier, timed-out request
                 _check(msg)
                 yield msg
@@ -153,14 +166,17 @@ class Client(_Base):
 class AsyncClient(_Base):
     """asyncio client with the same methods; many requests may be in flight at once."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 60.0):
+    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 60.0,
+                 curve_keys: str | None = None, curve_name: str = "client"):
         import asyncio
 
         super().__init__(address, timeout)
         self.ctx = zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if curve_keys:
+            connect_curve(self.sock, curve_keys, curve_name)
+        self.monitor = self.sock.get_monitor_socket(_WATCH)
         self.sock.connect(address)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader = None
@@ -185,9 +201,9 @@ class AsyncClient(_Base):
         while True:
             events = dict(await poller.poll())
             if self.monitor in events:
-                await self.monitor.recv_multipart()
+                err = _lost(await self.monitor.recv_multipart())
                 for q in self._queues.values():  # every request in flight: the router that had it is gone
-                    q.put_nowait(_lost())
+                    q.put_nowait(err)
             while self.sock in events:
                 try:
                     frame = await self.sock.recv(zmq.NOBLOCK)
@@ -265,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--models", action="store_true", help="list the models")
     ap.add_argument("--status", action="store_true", help="show the workers")
+    ap.add_argument("--curve-keys", help="CurveZMQ keys directory (server.key + clients/NAME.key_secret)")
+    ap.add_argument("--curve-name", default="client")
     args = ap.parse_args(argv)
-    with Client(args.router, timeout=args.timeout) as c:
+    with Client(args.router, timeout=args.timeout, curve_keys=args.curve_keys, curve_name=args.curve_name) as c:
         try:
             if args.models or args.status:
                 print(json.dumps(c.models() if args.models else c.status(), indent=2))

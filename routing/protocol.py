@@ -45,6 +45,7 @@ WORKER_LOST = "worker_lost"
 TOO_LARGE = "too_large"
 INTERNAL = "internal"
 ROUTER_LOST = "router_lost"  # raised by the client itself: the connection dropped with requests in flight
+REFUSED = "refused"  # raised by the client itself: the router refused its CurveZMQ handshake
 
 
 class ProtocolError(ValueError):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from routing import protocol as P
+from routing.security import check_bind, serve_curve
 
 
 @dataclass(slots=True)
@@ -36,6 +37,8 @@ class RouterConfig:
     max_redispatch: int = 2  # resends of one request after losing its worker (a request that kills
     # every worker it reaches must not take down the whole deployment)
     hard_message_limit: int = 64 * 1024 * 1024  # the socket drops peers beyond this (ZMQ_MAXMSGSIZE)
+    curve_keys: str | None = None  # CurveZMQ keys directory (routing.security): both sockets then need keys
+    insecure: bool = False  # allow binding off loopback without CurveZMQ
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_inflight", "liveness"):
@@ -89,7 +92,11 @@ class Router:
         self.by_name: dict[str, list[int]] = {}
         for m in models:
             self.by_name.setdefault(m.name, []).append(m.model_id)
-        self.ctx = ctx or zmq.Context.instance()
+        for addr in (self.config.frontend, self.config.backend):
+            check_bind(addr, self.config.curve_keys, self.config.insecure)
+        # CURVE installs an authenticator on its context: give it a context of its own
+        self.ctx = ctx or (zmq.Context() if self.config.curve_keys else zmq.Context.instance())
+        self.auth = None
         # the deployment plan's per-worker settings (device, threads, batch limits), by registration order
         self.worker_overrides = worker_overrides or []
         self.workers: dict[bytes, WorkerState] = {}
@@ -100,24 +107,38 @@ class Router:
         self.resent = 0  # requests sent again after losing their worker
         self._stop = False
         self._release_workers = True
-        self.frontend = self._bind(self.config.frontend)
-        self.backend = self._bind(self.config.backend)
+        self.frontend = self._socket()
+        self.backend = self._socket()
+        try:
+            if self.config.curve_keys:
+                self.auth = serve_curve(self.ctx, [self.frontend, self.backend], self.config.curve_keys)
+            self._bind(self.frontend, self.config.frontend)
+            self._bind(self.backend, self.config.backend)
+        except Exception:
+            self.frontend.close(linger=0)
+            self.backend.close(linger=0)
+            if self.auth is not None:
+                self.auth.stop()
+            raise
         # a supervisor that saw a worker process exit says so here: no waiting for missed heartbeats
         self.control = self.ctx.socket(zmq.PULL)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control_addr = f"inproc://router-control-{id(self)}"
         self.control.bind(self.control_addr)
 
-    def _bind(self, addr: str) -> zmq.Socket:
+    def _socket(self) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, self.config.hard_message_limit)
         s.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        return s
+
+    def _bind(self, s: zmq.Socket, addr: str) -> None:
         deadline = time.monotonic() + 5.0
         while True:  # a restarted router may find its port still held by the closing previous socket
             try:
                 s.bind(addr)
-                return s
+                return
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                     s.close(linger=0)
@@ -179,6 +200,9 @@ class Router:
         for sock in (self.frontend, self.backend, self.control):
             if not sock.closed:
                 sock.close(linger=100)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
     # --- clients ---------------------------------------------------------------------------------
     def _reply(self, client: bytes, msg: dict) -> None:
@@ -441,9 +465,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--frontend", default=defaults.frontend)
     ap.add_argument("--backend", default=defaults.backend)
     ap.add_argument("--models", nargs="+", required=True, help="model sources; model ID i is the i-th")
+    ap.add_argument("--curve-keys", help="CurveZMQ keys directory (python -m routing.security DIR)")
+    ap.add_argument("--insecure", action="store_true", help="allow binding off loopback without CurveZMQ")
     args = ap.parse_args(argv)
     router = Router([ModelEntry(i, name, {"name": name, "source": name}) for i, name in enumerate(args.models)],
-                    RouterConfig(frontend=args.frontend, backend=args.backend))
+                    RouterConfig(frontend=args.frontend, backend=args.backend, curve_keys=args.curve_keys,
+                                 insecure=args.insecure))
     signal.signal(signal.SIGTERM, lambda *_: router.stop())
     signal.signal(signal.SIGINT, lambda *_: router.stop())
     print(f"router: clients {router.frontend_addr}, workers {router.backend_addr}", flush=True)

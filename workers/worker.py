@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import zmq
 
 from routing import protocol as P
+from routing.security import connect_curve
 
 
 @dataclass(slots=True)
@@ -33,6 +34,8 @@ class WorkerConfig:
     num_threads: int | None = None
     parent_pid: int | None = None  # exit when this process is gone (no orphans)
     echo: bool = False  # answer without a model: for router benchmarks and tests
+    curve_keys: str | None = None  # CurveZMQ keys directory, when the router requires it
+    curve_name: str = "worker"  # this worker's keypair: <curve_keys>/clients/<name>.key_secret
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.liveness < 1:
@@ -198,6 +201,8 @@ class Worker:
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.config.curve_keys:
+            connect_curve(sock, self.config.curve_keys, self.config.curve_name)
         sock.connect(self.config.backend)
         sock.send(P.pack({"type": P.READY, "capabilities": self._capabilities()}))
         return sock
@@ -290,13 +295,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--heartbeat", type=float, default=defaults.heartbeat_interval)
     ap.add_argument("--echo", action="store_true", help="answer requests without a model")
+    ap.add_argument("--curve-keys", help="CurveZMQ keys directory (when the router requires it)")
+    ap.add_argument("--curve-name", default=defaults.curve_name, help="this worker's keypair name in it")
     args = ap.parse_args(argv)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     Worker(WorkerConfig(backend=args.backend, num_threads=args.threads, parent_pid=args.parent_pid,
-                        heartbeat_interval=args.heartbeat, echo=args.echo)).run()
+                        heartbeat_interval=args.heartbeat, echo=args.echo, curve_keys=args.curve_keys,
+                        curve_name=args.curve_name)).run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,126 @@
+"""CurveZMQ for connections off loopback: key generation, the router's side, the peers' side.
+
+A keys directory, as `python -m routing.security DIR` writes it:
+
+    DIR/server.key, DIR/server.key_secret      the router's keypair (give server.key to peers)
+    DIR/clients/NAME.key, NAME.key_secret      one keypair per client or worker (give each its own)
+    DIR/authorized_clients/NAME.key            the public keys the router accepts (zmq.auth)
+
+The router binds loopback by default. Binding any other interface needs a keys directory (both of
+its sockets then speak CURVE and accept only the authorized keys), or an explicit `insecure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import shutil
+import sys
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+
+class SecurityError(ValueError):
+    pass
+
+
+def is_loopback(address: str) -> bool:
+    """True for tcp on 127.0.0.0/8, localhost or ::1, and for ipc/inproc (never leave the machine);
+    False for `*`, other addresses, interface and host names."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    if not address.startswith("tcp://"):
+        return False
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(address: str, curve_keys: str | None, insecure: bool) -> None:
+    if is_loopback(address) or curve_keys or insecure:
+        return
+    raise SecurityError(f"binding {address} would accept connections from other machines: give a CurveZMQ keys "
+                        "directory (--curve_keys DIR, made by `python -m routing.security DIR`) or pass --insecure "
+                        "explicitly")
+
+
+def _keys(dir_: str | Path) -> Path:
+    d = Path(dir_)
+    if not (d / "server.key_secret").exists():
+        raise SecurityError(f"{d}: no server.key_secret; make a keys directory with `python -m routing.security {d}`")
+    return d
+
+
+def serve_curve(ctx: zmq.Context, sockets: list[zmq.Socket], keys_dir: str | Path):
+    """Make `sockets` CURVE servers that accept only DIR/authorized_clients. Returns the
+    authenticator thread (stop it when done). Call before binding."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    d = _keys(keys_dir)
+    public, secret = zmq.auth.load_certificate(str(d / "server.key_secret"))
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(d / "authorized_clients"))
+    for s in sockets:
+        s.curve_secretkey = secret
+        s.curve_publickey = public
+        s.curve_server = True
+    return auth
+
+
+def connect_curve(sock: zmq.Socket, keys_dir: str | Path, name: str) -> None:
+    """Make `sock` a CURVE client with DIR/clients/NAME.key_secret, trusting DIR/server.key. Call
+    before connecting."""
+    d = Path(keys_dir)
+    server_public, _ = zmq.auth.load_certificate(str(d / "server.key"))
+    secret_file = d / "clients" / f"{name}.key_secret"
+    if not secret_file.exists():
+        raise SecurityError(f"{secret_file} does not exist: make it with `python -m routing.security {d} --client "
+                            f"{name}` (and keep its public key in authorized_clients)")
+    public, secret = zmq.auth.load_certificate(str(secret_file))
+    sock.curve_serverkey = server_public
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+
+
+def generate(keys_dir: str | Path, clients: list[str], authorize: bool = True) -> list[Path]:
+    """Create the server keypair (once) and a keypair per client; authorize the clients."""
+    d = Path(keys_dir)
+    for sub in ("clients", "authorized_clients"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    made = []
+    if not (d / "server.key_secret").exists():
+        zmq.auth.create_certificates(str(d), "server")
+        made.append(d / "server.key")
+    for name in clients:
+        if not (d / "clients" / f"{name}.key_secret").exists():
+            zmq.auth.create_certificates(str(d / "clients"), name)
+            made.append(d / "clients" / f"{name}.key_secret")
+        if authorize:
+            shutil.copy(d / "clients" / f"{name}.key", d / "authorized_clients" / f"{name}.key")
+    (d / "server.key_secret").chmod(0o600)
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("keys_dir")
+    ap.add_argument("--client", action="append", default=None,
+                    help="a client or worker keypair to create and authorize (repeatable; default: client, worker)")
+    args = ap.parse_args(argv)
+    made = generate(args.keys_dir, args.client or ["client", "worker"])
+    for p in made:
+        print(f"wrote {p}")
+    print(f"router: --curve_keys {args.keys_dir}; peers need {args.keys_dir}/server.key and their own "
+          f"clients/NAME.key_secret")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

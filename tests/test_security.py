@@ -1,0 +1,91 @@
+"""Security: loopback by default, CurveZMQ off loopback, key generation, unknown clients refused."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+from routing import protocol as P
+from routing.client import Client, RouterError
+from routing.router import ModelEntry, Router, RouterConfig
+from routing.security import SecurityError, generate, is_loopback
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("addr,local", [
+    ("tcp://127.0.0.1:5555", True), ("tcp://127.3.2.1:*", True), ("tcp://localhost:5555", True),
+    ("tcp://[::1]:5555", True), ("ipc:///tmp/x", True), ("inproc://x", True),
+    ("tcp://0.0.0.0:5555", False), ("tcp://*:5555", False), ("tcp://10.1.2.3:5555", False),
+    ("tcp://eth0:5555", False), ("tcp://example.com:5555", False),
+])
+def test_is_loopback(addr, local):
+    assert is_loopback(addr) is local
+
+
+def test_defaults_bind_loopback_and_off_loopback_needs_keys_or_insecure():
+    cfg = RouterConfig()
+    assert is_loopback(cfg.frontend) and is_loopback(cfg.backend)
+    with pytest.raises(SecurityError, match=r"binding tcp://0.0.0.0:\* .*--curve_keys DIR.*--insecure"):
+        Router([ModelEntry(0, "m", {})], RouterConfig(frontend="tcp://0.0.0.0:*", backend="tcp://127.0.0.1:*"))
+    r = Router([ModelEntry(0, "m", {})], RouterConfig(frontend="tcp://0.0.0.0:*", backend="tcp://127.0.0.1:*",
+                                                      insecure=True))
+    r.shutdown()
+
+
+def test_run_mm_refuses_off_loopback_before_starting_anything(tmp_path):
+    out = subprocess.run([sys.executable, "run_mm.py", "--mode", "serve", "--params", "configs/tiny.yaml",
+                          "--frontend", f"tcp://0.0.0.0:{free_port()}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "--insecure" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_keygen_cli(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "routing.security", str(tmp_path / "k"), "--client", "alice"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    k = tmp_path / "k"
+    assert (k / "server.key").exists() and (k / "server.key_secret").exists()
+    assert (k / "clients" / "alice.key_secret").exists() and (k / "authorized_clients" / "alice.key").exists()
+    assert oct((k / "server.key_secret").stat().st_mode & 0o777) == "0o600"
+
+
+def test_curve_refuses_unknown_clients_and_serves_allowed_ones(tmp_path):
+    keys, other = tmp_path / "keys", tmp_path / "other"
+    generate(keys, ["client", "worker"])
+    generate(other, ["mallory"])  # a well-formed keypair the router has never been told about
+    (keys / "clients" / "mallory.key_secret").write_bytes((other / "clients" / "mallory.key_secret").read_bytes())
+    box: queue.Queue = queue.Queue()
+
+    def serve():
+        r = Router([ModelEntry(0, "echo", {})], RouterConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*",
+                                                             curve_keys=str(keys)))
+        box.put(r)
+        r.run()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    router = box.get(timeout=10)
+    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend", router.backend_addr, "--echo",
+                               "--parent-pid", str(os.getpid()), "--curve-keys", str(keys)], cwd=ROOT)
+    try:
+        with Client(router.frontend_addr, timeout=30, curve_keys=str(keys)) as ok:
+            assert ok.complete(model="echo", prompt="hi")["choices"][0]["text"] == "hi"  # worker and client allowed
+        for kw in ({"curve_keys": str(keys), "curve_name": "mallory"}, {}):  # unknown key; no CURVE at all
+            with Client(router.frontend_addr, timeout=10, **kw) as bad:
+                with pytest.raises(RouterError) as info:
+                    bad.status()
+                assert info.value.code == P.REFUSED  # at once, not at a timeout
+        with Client(router.frontend_addr, timeout=30, curve_keys=str(keys)) as ok:
+            assert ok.status()["workers"][0]["alive"]  # still serving
+    finally:
+        router.stop()
+        t.join(10)
+        worker.wait(10)
