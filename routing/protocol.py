@@ -7,7 +7,7 @@ Clients (DEALER) <-> router frontend (ROUTER):
   router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}   error {id, code, message}
 
 Workers (DEALER) <-> router backend (ROUTER):
-  worker -> router   ready {capabilities}   loaded {model_id}   heartbeat {}
+  worker -> router   ready {capabilities}   loaded {model_id}   load_failed {model_id, message}   heartbeat {}
   router -> worker   assign {worker_id, model_id, model}   cancel {id}   heartbeat {}   shutdown {}
   data path, two frames [header, body] so the router never re-encodes a body:
   router -> worker   [pack([request, key]), the client's complete frame as received]
@@ -33,9 +33,10 @@ MAX_SAMPLES = 1024  # per-sample entries in a chunk header
 COMPLETE, CANCEL, MODELS, STATUS = "complete", "cancel", "models", "status"
 CHUNK, RESULT, REPLY, ERROR = "chunk", "result", "reply", "error"
 READY, LOADED, HEARTBEAT, ASSIGN, REQUEST, SHUTDOWN = "ready", "loaded", "heartbeat", "assign", "request", "shutdown"
+LOAD_FAILED = "load_failed"  # worker -> router: {model_id, worker_id, message}; it stays up, unloaded
 WORKER_EXITED = "worker_exited"  # supervisor -> router (inproc control socket): {pid, host}
 CLIENT_TYPES = {COMPLETE, CANCEL, MODELS, STATUS}
-WORKER_TYPES = {READY, LOADED, HEARTBEAT}
+WORKER_TYPES = {READY, LOADED, LOAD_FAILED, HEARTBEAT}
 
 # error codes
 BAD_REQUEST = "bad_request"  # undecodable, wrong shape, invalid parameter
@@ -80,7 +81,7 @@ def unpack(frame: bytes, allowed: set[str]) -> dict:
         raise ProtocolError(f"protocol version {msg.get('v')!r} is not supported (expected {VERSION})",
                             request_id=rid)
     mtype = msg.get("type")
-    if mtype not in allowed:
+    if not isinstance(mtype, str) or mtype not in allowed:
         raise ProtocolError(f"unknown message type {mtype!r}; expected one of {sorted(allowed)}", request_id=rid)
     return msg
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,6 +68,7 @@ class WorkerState:
     served: int = 0
     tokens: int = 0
     errors: int = 0
+    load_error: str | None = None
 
 
 @dataclass(slots=True)
@@ -105,6 +107,7 @@ class Router:
         self._keys = itertools.count()
         self._registrations = 0
         self.resent = 0  # requests sent again after losing their worker
+        self.internal_errors = 0
         self._stop = False
         self._release_workers = True
         self.frontend = self._socket()
@@ -187,11 +190,15 @@ class Router:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) == 2:
-                handler(frames[0], frames[1])
-            elif len(frames) == 3 and sock is self.backend:
-                self._on_worker_data(frames[0], frames[1], frames[2])
-            # anything else is a peer speaking another protocol: nothing sensible to answer
+            try:
+                if len(frames) == 2:
+                    handler(frames[0], frames[1])
+                elif len(frames) == 3 and sock is self.backend:
+                    self._on_worker_data(frames[0], frames[1], frames[2])
+                # anything else is a peer speaking another protocol: nothing sensible to answer
+            except Exception:  # a bug here must cost one message, never the router
+                self.internal_errors += 1
+                traceback.print_exc()
 
     def shutdown(self) -> None:
         for w in self.workers.values():
@@ -215,7 +222,8 @@ class Router:
             if mtype == P.COMPLETE:
                 self._on_complete(client, msg, frame)
             elif mtype == P.CANCEL:
-                self._on_cancel(client, msg.get("id"))
+                if isinstance(msg.get("id"), str):
+                    self._on_cancel(client, msg["id"])
             elif mtype == P.MODELS:
                 self._reply(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.models_info()})
             elif mtype == P.STATUS:
@@ -357,7 +365,10 @@ class Router:
         w.last_seen = time.monotonic()
         if mtype == P.LOADED:
             w.loaded = True
+            w.load_error = None
             self._drain_queue(w.model_id)
+        elif mtype == P.LOAD_FAILED:
+            w.load_error = str(msg.get("message"))[:2000]  # shown in status; the model's queue keeps waiting
 
     def _on_worker_data(self, ident: bytes, head: bytes, body: bytes) -> None:
         w = self.workers.get(ident)
@@ -447,11 +458,12 @@ class Router:
         return {
             "workers": [{"id": w.worker_id, "model_id": w.model_id, "alive": w.alive, "loaded": w.loaded,
                          "served": w.served, "tokens": w.tokens, "errors": w.errors, "inflight": len(w.inflight),
-                         "pid": w.capabilities.get("pid")}
+                         "pid": w.capabilities.get("pid"), "load_error": w.load_error}
                         for w in sorted(self.workers.values(), key=lambda w: w.worker_id)],
             "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
             "pending": len(self.pending),
             "resent": self.resent,
+            "internal_errors": self.internal_errors,
         }
 
 
@@ -465,10 +477,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--frontend", default=defaults.frontend)
     ap.add_argument("--backend", default=defaults.backend)
     ap.add_argument("--models", nargs="+", required=True, help="model sources; model ID i is the i-th")
+    ap.add_argument("--dtype", default="auto", help="the workers' dtype (auto, bfloat16, float32, ...)")
     ap.add_argument("--curve-keys", help="CurveZMQ keys directory (python -m routing.security DIR)")
     ap.add_argument("--insecure", action="store_true", help="allow binding off loopback without CurveZMQ")
     args = ap.parse_args(argv)
-    router = Router([ModelEntry(i, name, {"name": name, "source": name}) for i, name in enumerate(args.models)],
+    router = Router([ModelEntry(i, name, {"name": name, "source": name, "dtype": args.dtype})
+                     for i, name in enumerate(args.models)],
                     RouterConfig(frontend=args.frontend, backend=args.backend, curve_keys=args.curve_keys,
                                  insecure=args.insecure))
     signal.signal(signal.SIGTERM, lambda *_: router.stop())

@@ -32,6 +32,9 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.stop_token_ids, int):
             self.stop_token_ids = [self.stop_token_ids]
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name) or [], (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {type(getattr(self, name)).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_int("max_tokens", self.max_tokens, 0)

@@ -16,6 +16,7 @@ import queue
 import socket
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import zmq
@@ -68,10 +69,24 @@ class EngineThread(threading.Thread):
                 except queue.Empty:
                     pass
                 if self.engine is not None and self.engine.has_unfinished():
-                    for res in self.engine.step():
+                    try:
+                        results = self.engine.step()
+                    except Exception as exc:  # a bug must cost the requests in this batch, not the worker
+                        self._fail_all(out, f"{type(exc).__name__}: {exc}")
+                        continue
+                    for res in results:
                         self._emit(res, out)
         finally:
             out.close(linger=0)
+
+    def _fail_all(self, out, why: str) -> None:
+        traceback.print_exc()
+        for key, info in list(self.requests.items()):
+            self.engine.abort(key)
+            self._send_data(out, P.ERROR, key, P.error(info["id"], P.INTERNAL, f"the engine failed: {why}"))
+        self.requests.clear()
+        for key in list(self.engine.scheduler.groups):
+            self.engine.abort(key)
 
     def _send(self, out, msg: dict) -> None:
         out.send(P.pack(msg))
@@ -95,12 +110,17 @@ class EngineThread(threading.Thread):
         from workers.models import load_model
 
         spec = msg["model"]
-        if self.spec != spec:
-            self.engine = None
-            lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
-                            max_model_len=spec.get("max_model_len"))
-            cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads)
-            self.engine, self.spec = Engine(lm, cfg), spec
+        try:
+            if self.spec != spec:
+                lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
+                                max_model_len=spec.get("max_model_len"))
+                cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads)
+                self.engine, self.spec = Engine(lm, cfg), spec
+        except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
+            traceback.print_exc()
+            self._send(out, {"type": P.LOAD_FAILED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
+                             "message": f"{type(exc).__name__}: {exc}"})
+            return
         self._send(out, {"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"]})
 
     def _add(self, key: str, msg: dict, out) -> None:
@@ -260,9 +280,14 @@ class Worker:
     def _on_request(self, sock, head: bytes, frame: bytes) -> None:
         try:
             _, key, _ = P.unpack_header(head)
-            msg = P.unpack(frame, {P.COMPLETE})
         except P.ProtocolError:
-            return  # the router validated it; nothing else sends here
+            return  # no key to answer to; the router never sends this
+        try:
+            msg = P.unpack(frame, {P.COMPLETE})
+            P.CompleteRequest.from_msg(msg)
+        except P.ProtocolError as exc:
+            sock.send_multipart([P.header(P.ERROR, key), P.pack(P.error(None, exc.code, str(exc)))])
+            return
         if self.engine is None:
             sock.send_multipart([P.header(P.RESULT, key), P.pack(echo_response(msg))])
         else:
@@ -277,12 +302,15 @@ class Worker:
         if mtype == P.SHUTDOWN:
             return False
         if mtype == P.ASSIGN:
+            if not (isinstance(msg.get("model"), dict) and isinstance(msg["model"].get("source"), str)
+                    and isinstance(msg.get("worker_id"), int) and isinstance(msg.get("model_id"), int)):
+                return True  # not an assignment we can act on; the router only sends valid ones
             self.worker_id, self.model_id = msg["worker_id"], msg["model_id"]
             if self.engine is None:
                 sock.send(P.pack({"type": P.LOADED, "model_id": self.model_id, "worker_id": self.worker_id}))
             else:
                 self.engine.inbox.put(("assign", msg))
-        elif mtype == P.CANCEL and self.engine is not None:
+        elif mtype == P.CANCEL and self.engine is not None and isinstance(msg.get("id"), str):
             self.engine.inbox.put(("cancel", msg))
         return True
 
