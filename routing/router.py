@@ -69,6 +69,7 @@ class WorkerState:
     tokens: int = 0
     errors: int = 0
     load_error: str | None = None
+    engine: dict = field(default_factory=dict)  # the worker's own counters, from its heartbeats
 
 
 @dataclass(slots=True)
@@ -363,6 +364,8 @@ class Router:
         if w is None or not w.alive:
             return  # a worker we dropped: it re-registers when our heartbeats stop reaching it
         w.last_seen = time.monotonic()
+        if mtype == P.HEARTBEAT and isinstance(msg.get("engine"), dict):
+            w.engine = {k: v for k, v in msg["engine"].items() if k in ("running", "aborted") and isinstance(v, int)}
         if mtype == P.LOADED:
             w.loaded = True
             w.load_error = None
@@ -458,7 +461,8 @@ class Router:
         return {
             "workers": [{"id": w.worker_id, "model_id": w.model_id, "alive": w.alive, "loaded": w.loaded,
                          "served": w.served, "tokens": w.tokens, "errors": w.errors, "inflight": len(w.inflight),
-                         "pid": w.capabilities.get("pid"), "load_error": w.load_error}
+                         "pid": w.capabilities.get("pid"), "load_error": w.load_error,
+                         "engine": w.engine}
                         for w in sorted(self.workers.values(), key=lambda w: w.worker_id)],
             "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
             "pending": len(self.pending),

@@ -112,6 +112,25 @@ def test_no_replica_left_gives_worker_lost_at_once():
         worker.wait(10)
 
 
+def test_client_timeout_reaches_the_worker_and_frees_the_slot():
+    router, thread = start_router()
+    worker = start_worker(router.backend_addr)
+    try:
+        with Client(router.frontend_addr, timeout=60) as c:
+            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
+            with Client(router.frontend_addr, timeout=0.3) as impatient:
+                with pytest.raises(TimeoutError):
+                    impatient.complete("llama", [1, 2, 3], max_tokens=480, ignore_eos=True)
+            # the cancel reached the engine while the request ran (it was aborted, not finished)
+            wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)
+            wait_for(lambda: c.status()["workers"][0]["engine"]["running"] == 0 and c.status()["pending"] == 0)
+            assert c.complete("llama", [4, 5], max_tokens=2)["usage"]["completion_tokens"] == 2
+    finally:
+        router.stop()
+        thread.join(10)
+        worker.wait(10)
+
+
 def test_router_restart_fails_in_flight_at_once_and_serves_new_requests():
     probe_port = free_port()
     backend, front = f"tcp://127.0.0.1:{probe_port}", None

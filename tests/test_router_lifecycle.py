@@ -85,6 +85,7 @@ def test_dead_worker_is_dropped_and_cancel_frees_the_slot():
             next(stream)
             stream.close()  # the client gives up: a cancel reaches the worker and frees its slot
             wait_for(lambda: c.status()["workers"][0]["inflight"] == 0 and c.status()["pending"] == 0)
+            wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)  # slot freed
             assert c.complete(model="llama", prompt=[4], max_tokens=2)["usage"]["completion_tokens"] == 2
             worker.kill()
             worker.wait()

@@ -54,6 +54,7 @@ class EngineThread(threading.Thread):
         self.engine = None
         self.spec: dict | None = None
         self.requests: dict[str, dict] = {}  # request key -> {stream, echo, logprobs, sent_text}
+        self.aborted = 0  # requests cancelled while they ran (their batch slots freed)
 
     def run(self) -> None:
         out = self.ctx.socket(zmq.PAIR)
@@ -101,8 +102,8 @@ class EngineThread(threading.Thread):
         elif kind == "request":
             self._add(*msg, out)
         elif kind == "cancel":
-            if self.engine is not None:
-                self.engine.abort(msg["id"])
+            if self.engine is not None and self.engine.abort(msg["id"]):
+                self.aborted += 1
             self.requests.pop(msg["id"], None)
 
     def _load(self, msg: dict, out) -> None:
@@ -218,6 +219,13 @@ class Worker:
                 "threads": self.config.num_threads or torch.get_num_threads(),
                 "cuda_devices": torch.cuda.device_count()}
 
+    def _engine_stats(self) -> dict:
+        """Read from the engine thread's counters (plain ints): for the router's status."""
+        e = self.engine
+        if e is None:
+            return {}
+        return {"running": len(e.requests), "aborted": e.aborted}
+
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -259,7 +267,7 @@ class Worker:
                     while self.pair.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         sock.send_multipart(self.pair.recv_multipart())
                 if now >= next_beat:
-                    sock.send(P.pack({"type": P.HEARTBEAT}))
+                    sock.send(P.pack({"type": P.HEARTBEAT, "engine": self._engine_stats()}))
                     next_beat = now + cfg.heartbeat_interval
                     if not self._parent_alive():
                         return
