@@ -25,7 +25,7 @@ from routing.client import AsyncClient, RouterError
 
 HDF5, JSONL = "GptHDF5MapDataProcessor", "JsonlCompletions"
 PROCESSORS = (HDF5, JSONL)
-TRANSIENT = {"busy", "worker_lost"}  # worth sending again; other router errors are the request's fault
+TRANSIENT = {"busy", "worker_lost", "router_lost"}  # worth sending again; other errors are the request's fault
 
 
 class Transient(RuntimeError):

@@ -113,6 +113,9 @@ class EngineThread(threading.Thread):
         spec = msg["model"]
         try:
             if self.spec != spec:
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.disable_progress_bar()  # per-tensor GGUF bars from every worker would bury the log
                 lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
                                 max_model_len=spec.get("max_model_len"))
                 cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads)
@@ -310,7 +313,8 @@ class Worker:
         if mtype == P.SHUTDOWN:
             return False
         if mtype == P.ASSIGN:
-            if not (isinstance(msg.get("model"), dict) and isinstance(msg["model"].get("source"), str)
+            model = msg.get("model")
+            if not (isinstance(model, dict) and (self.engine is None or isinstance(model.get("source"), str))
                     and isinstance(msg.get("worker_id"), int) and isinstance(msg.get("model_id"), int)):
                 return True  # not an assignment we can act on; the router only sends valid ones
             self.worker_id, self.model_id = msg["worker_id"], msg["model_id"]
