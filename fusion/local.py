@@ -103,7 +103,8 @@ class LocalDeployment:
                "--parent-pid", str(os.getpid())]
         if self.config.curve_keys:
             cmd += ["--curve-keys", self.config.curve_keys]
-        return subprocess.Popen(cmd)
+        # per-tensor GGUF conversion bars from every worker would bury the run's own progress
+        return subprocess.Popen(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
 
     def _supervise(self) -> None:
         cfg = self.supervisor

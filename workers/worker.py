@@ -113,9 +113,6 @@ class EngineThread(threading.Thread):
         spec = msg["model"]
         try:
             if self.spec != spec:
-                from transformers.utils import logging as hf_logging
-
-                hf_logging.disable_progress_bar()  # per-tensor GGUF bars from every worker would bury the log
                 lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
                                 max_model_len=spec.get("max_model_len"))
                 cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads)
