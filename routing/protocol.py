@@ -7,7 +7,8 @@ Clients (DEALER) <-> router frontend (ROUTER):
   router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}   error {id, code, message}
 
 Workers (DEALER) <-> router backend (ROUTER):
-  worker -> router   ready {capabilities}   loaded {model_id}   load_failed {model_id, message}   heartbeat {}
+  worker -> router   ready {capabilities}   loaded {model_id}   load_failed {model_id, message}
+                     heartbeat {engine: {running, aborted}}
   router -> worker   assign {worker_id, model_id, model}   cancel {id}   heartbeat {}   shutdown {}
   data path, two frames [header, body] so the router never re-encodes a body:
   router -> worker   [pack([request, key]), the client's complete frame as received]
@@ -16,6 +17,10 @@ Workers (DEALER) <-> router backend (ROUTER):
   the router keeps how much of each stream reached the client, so that a request it sends again
   after losing its worker carries `resume` ([[index, tokens already sent], ...]) and the new worker
   streams only what comes after (the request is deterministic: the router fixes a stream's seed).
+
+Supervisor -> router (inproc control socket, same process): worker_exited {pid, host}.
+Errors a client raises by itself, without a message: router_lost (the connection dropped with
+requests in flight), refused (the router refused the CurveZMQ handshake).
 """
 
 from __future__ import annotations
