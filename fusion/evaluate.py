@@ -20,7 +20,7 @@ from pathlib import Path
 from fusion.data.hdf5 import DataError
 from fusion.data.jsonl import find_files, parse_file
 from fusion.model_info import MultiModelFusion
-from fusion.predict import HDF5, Transient, complete, hdf5_processor, processor_name, variant_groups
+from fusion.predict import HDF5, Transient, complete, hdf5_processor, processor_name, run_jobs, variant_groups
 from fusion.progress import Progress
 from routing.client import AsyncClient, RouterError
 
@@ -125,15 +125,7 @@ def build_eval_jobs(fusion: MultiModelFusion, model_dir: str | Path, inference_s
 def run_eval(frontend: str, jobs: list[EvalJob], timeout: float = 3600, stream=None,
              bars: bool | None = None, client_kw: dict | None = None) -> list[str]:
     progress = Progress({j.name: len(j.samples) for j in jobs}, stream=stream, bars=bars)
-
-    async def go():
-        async with AsyncClient(frontend, timeout=timeout, **(client_kw or {})) as client:
-            await asyncio.gather(*[j.run(client, progress) for j in jobs])
-
-    try:
-        asyncio.run(go())
-    finally:
-        progress.close()
+    run_jobs(frontend, jobs, progress, timeout, client_kw)
     lines = []
     for j in jobs:
         rep = j.report()

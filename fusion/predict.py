@@ -273,14 +273,10 @@ def build_jobs(fusion: MultiModelFusion, model_dir: str | Path, inference_steps:
     return jobs
 
 
-def run_predict(frontend: str, jobs: list, timeout: float = 3600, stream=None,
-                bars: bool | None = None, client_kw: dict | None = None) -> tuple[list, list[str]]:
-    """Run the jobs against a router; returns (jobs, per-model summary lines)."""
-    totals: Counter = Counter()
-    for j in jobs:
-        totals.update(j.totals())
-    progress = Progress(dict(totals), stream=stream, bars=bars)
-
+def run_jobs(frontend: str, jobs: list, progress: Progress, timeout: float = 3600,
+             client_kw: dict | None = None) -> list[str]:
+    """Run jobs (each with `async run(client, progress)`) concurrently over one connection to the
+    router; returns the per-model summary lines."""
     async def go():
         async with AsyncClient(frontend, timeout=timeout, **(client_kw or {})) as client:
             await asyncio.gather(*[j.run(client, progress) for j in jobs])
@@ -289,4 +285,14 @@ def run_predict(frontend: str, jobs: list, timeout: float = 3600, stream=None,
         asyncio.run(go())
     finally:
         summary = progress.close()
-    return jobs, summary
+    return summary
+
+
+def run_predict(frontend: str, jobs: list, timeout: float = 3600, stream=None,
+                bars: bool | None = None, client_kw: dict | None = None) -> tuple[list, list[str]]:
+    """Run the jobs against a router; returns (jobs, per-model summary lines)."""
+    totals: Counter = Counter()
+    for j in jobs:
+        totals.update(j.totals())
+    progress = Progress(dict(totals), stream=stream, bars=bars)
+    return jobs, run_jobs(frontend, jobs, progress, timeout, client_kw)
