@@ -198,3 +198,24 @@ def test_serve_shuts_down_cleanly(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_stream_texts_add_up_to_the_final_text_with_stop_strings(two_archs):
+    """Chunks never carry half a character or the start of a stop string the final text cuts."""
+    eng = Engine(tiny("llama", "float32"), EngineConfig(max_batch_size=4, max_batch_tokens=64))
+    prompt = "stop here please"
+    full = eng.generate([prompt], sampling_params({"max_tokens": 40, "temperature": 0.0})[0])[0].outputs[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    with Client(two_archs.frontend, timeout=60) as c:
+        for params in ({"max_tokens": 40, "temperature": 0.0, "stop": [stop]},
+                       {"max_tokens": 40, "temperature": 0.9, "seed": 5, "n": 2}):
+            texts: dict[int, str] = {}
+            for msg in c._run("llama", prompt, True, params):
+                if msg["type"] == P.CHUNK:
+                    for out in msg["outputs"]:
+                        texts[out["index"]] = texts.get(out["index"], "") + out["text"]
+                else:
+                    final = {ch["index"]: ch["text"] for ch in msg["response"]["choices"]}
+            assert texts == final
+            if "stop" in params:
+                assert stop not in final[0] and full.startswith(final[0]) and len(final[0]) < len(full)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.params import SamplingParams
 
@@ -32,6 +33,7 @@ class Sequence:
     text: str = ""
     stop_checked_len: int = 0  # chars of text already scanned for stop strings
     text_cut: bool = False  # text was cut at a stop string: keep it as is
+    detok: Any = None  # IncrementalText of the output, made on the first stop-string check
 
     @property
     def length(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from workers.detok import IncrementalText
 from workers.sequence import Sequence
 
 
@@ -18,7 +19,10 @@ def finish_reason(seq: Sequence, token: int, eos_ids: list[int], max_model_len: 
 
 
 def _match_stop(seq: Sequence, tokenizer) -> bool:
-    seq.text = tokenizer.decode(seq.output, skip_special_tokens=True)
+    if seq.detok is None:
+        seq.detok = IncrementalText(tokenizer)
+    seq.detok.extend(seq.output[len(seq.detok.ids):])  # a few tokens decoded, not the whole output
+    seq.text = seq.detok.text
     longest = max(len(s) for s in seq.group.params.stop)
     # Only text not yet scanned (plus the overlap a stop string could straddle) can hold a new match.
     begin = max(0, seq.stop_checked_len - longest + 1)

@@ -23,6 +23,7 @@ import zmq
 
 from routing import protocol as P
 from routing.security import connect_curve
+from workers.detok import IncrementalText
 
 
 @dataclass(slots=True)
@@ -141,7 +142,7 @@ class EngineThread(threading.Thread):
             return
         self.requests[key] = {"id": cid, "stream": bool(msg.get("stream")), "echo": echo,
                               "token_ids": bool(msg.get("params", {}).get("return_token_ids")),
-                              "logprobs": params.logprobs is not None, "sent": {},
+                              "logprobs": params.logprobs is not None, "sent": {}, "detok": {},
                               # sent again after a lost worker: these tokens already reached the client
                               "skip": P.resume_counts(msg.get("resume")),
                               "hold": max((len(x) for x in params.stop), default=1) - 1}
@@ -162,10 +163,13 @@ class EngineThread(threading.Thread):
                 if total <= skip:
                     continue
                 hold = info["hold"]
-                text = c.text if c.finish_reason else stream_text(tok, c.token_ids, hold)
-                prev = info["sent"].get(c.index)
-                if prev is None:  # a resent request: the client has the text of the first `skip` tokens
-                    prev = stream_text(tok, c.token_ids[:skip], hold) if skip else ""
+                inc = info["detok"].get(c.index)
+                if inc is None:  # a resent request: the client has the text of the first `skip` tokens
+                    inc = info["detok"][c.index] = IncrementalText(tok, c.token_ids[:skip])
+                    info["sent"][c.index] = held(inc.text, hold)
+                inc.extend(c.token_ids[len(inc.ids):])
+                text = c.text if c.finish_reason else held(inc.text, hold)
+                prev = info["sent"][c.index]
                 delta = text[len(prev):]
                 info["sent"][c.index] = prev + delta
                 outputs.append({"index": c.index, "token_ids": c.token_ids[max(skip, total - len(c.new_token_ids)):],
@@ -182,12 +186,10 @@ class EngineThread(threading.Thread):
                             response["usage"]["completion_tokens"])
 
 
-def stream_text(tokenizer, token_ids: list[int], hold: int) -> str:
-    """The text of a stream that is safe to send before it ends: never an incomplete UTF-8 sequence
-    (its replacement character would change), never the last `hold` characters (they may begin a
-    stop string, which the final text cuts). So the chunks' texts add up to the final text."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    text = text.rstrip("\ufffd")
+def held(text: str, hold: int) -> str:
+    """The part of a stream's stable text that is safe to send before it ends: not the last `hold`
+    characters, which may begin a stop string that the final text cuts. (IncrementalText never
+    holds an incomplete UTF-8 sequence.) So the chunks' texts add up to the final text."""
     return text[: len(text) - hold] if hold else text
 
 

@@ -1,0 +1,38 @@
+"""Incremental detokenization for streams: the text of a growing token list, decoding a few tokens
+per new token instead of the whole list (which made a stream's cost quadratic in its length).
+
+As in vLLM's detokenizer: decode the window from `prefix_offset` with and without the new tokens
+and keep the difference. Both decodes start at the same token, so tokenizers that drop a leading
+space at the start of a decode treat them alike. Text is only taken once it does not end in an
+incomplete UTF-8 sequence, so it never changes after it is taken.
+"""
+
+from __future__ import annotations
+
+
+class IncrementalText:
+    def __init__(self, tokenizer, token_ids: list[int] | tuple[int, ...] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # the stable text so far
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text is in self.text
+        self.extend(token_ids)
+
+    def extend(self, new_ids) -> str:
+        """Add tokens one at a time (so the result never depends on how they were grouped); return
+        the text that became stable."""
+        before = len(self.text)
+        for t in new_ids:
+            self.ids.append(t)
+            prefix = self._decode(self._prefix, self._read)
+            full = self._decode(self._prefix, len(self.ids))
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                self.text += full[len(prefix):]
+                self._prefix, self._read = self._read, len(self.ids)
+        return self.text[before:]
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
