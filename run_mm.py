@@ -17,13 +17,15 @@ import signal
 import sys
 import threading
 
+import zmq
+
 from fusion.data.hdf5 import DataError
 from fusion.deploy import build_fusion
 from fusion.local import LocalDeployment
 from fusion.params import ParamsError, load_params
 from fusion.plan import make_plan
 from fusion.predict import build_jobs, run_predict
-from routing.security import check_bind
+from routing.security import SecurityError, check_bind
 
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
 
@@ -153,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "eval":
             return evaluate(params, fusion, plan)
         return compile_models(fusion, plan)
-    except DataError as exc:
+    except (DataError, SecurityError) as exc:  # bad input: nothing ran
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, TimeoutError, zmq.ZMQError) as exc:  # workers that never came up, an address taken
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
