@@ -80,23 +80,21 @@ def serve(params: dict, fusion, plan) -> int:
     return 0
 
 
-def _against_router(params: dict, fusion, plan, work) -> None:
-    """Run work(frontend, client_kw) against the configured router, or a local one with its workers."""
+def _against_router(params: dict, fusion, plan, work):
+    """Return work(frontend, client_kw), run against the configured router or a local one with its workers."""
     run = params["runconfig"]
     if run["router"]:
-        work(run["router"], {"curve_keys": run["curve_keys"]} if run["curve_keys"] else {})
-        return
+        return work(run["router"], {"curve_keys": run["curve_keys"]} if run["curve_keys"] else {})
     with LocalDeployment.from_runconfig(fusion, plan, run) as dep:
         dep.wait_loaded()
-        work(dep.frontend, dep.client_kw())
+        return work(dep.frontend, dep.client_kw())
 
 
 def predict(params: dict, fusion, plan) -> int:
     run = params["runconfig"]
     jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"])  # checks the data before any load
-    box: dict = {}
-    _against_router(params, fusion, plan, lambda fe, kw: box.update(summary=run_predict(fe, jobs, client_kw=kw)[1]))
-    for line in box["summary"]:
+    _, summary = _against_router(params, fusion, plan, lambda fe, kw: run_predict(fe, jobs, client_kw=kw))
+    for line in summary:
         print(line, flush=True)
     failed = sum(j.failed for j in jobs)
     for j in jobs:
@@ -113,9 +111,7 @@ def evaluate(params: dict, fusion, plan) -> int:
 
     run = params["runconfig"]
     jobs = build_eval_jobs(fusion, run["model_dir"], run["inference_steps"])
-    box: dict = {}
-    _against_router(params, fusion, plan, lambda fe, kw: box.update(lines=run_eval(fe, jobs, client_kw=kw)))
-    for line in box["lines"]:
+    for line in _against_router(params, fusion, plan, lambda fe, kw: run_eval(fe, jobs, client_kw=kw)):
         print(line, flush=True)
     return 0
 

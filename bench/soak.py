@@ -123,6 +123,8 @@ def main() -> int:
     ap.add_argument("--kill-every", type=float, nargs=2, default=(3.0, 8.0))
     ap.add_argument("--timeout", type=float, default=60.0, help="a request unanswered this long is lost")
     args = ap.parse_args()
+    if args.duration <= 0 or args.clients < 1 or not 0 < args.kill_every[0] <= args.kill_every[1]:
+        ap.error("need --duration > 0, --clients >= 1 and 0 < --kill-every MIN <= MAX")
     work = cases()
     front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     serve = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(PARAMS),

@@ -19,10 +19,10 @@ import psutil
 import torch
 
 from fusion.data.hdf5 import DataError
-from fusion.data.jsonl import find_files, parse_file
+from fusion.evaluate import eval_samples
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan, available_bytes
-from fusion.predict import HDF5, hdf5_processor, processor_name, variant_groups
+from fusion.predict import variant_groups
 
 
 @dataclass(slots=True)
@@ -49,22 +49,18 @@ class CompileReport:
 
 def first_batch(fusion: MultiModelFusion, name: str, batch_size: int) -> list:
     """The prompts of the variant's first batch; its data must be readable (errors name the file)."""
-    if processor_name(fusion, name) == HDF5:
-        batch = next(hdf5_processor(fusion, name, 1).batches())
-        return [p for p in batch.prompts if p is not None]
-    info = fusion.models[variant_groups(fusion)[name][0]]
-    prompts: list = []
-    for path in find_files((info.params.get("inference_input") or {}).get("data_dir", "")):
-        prompts += [ln.request["prompt"] for ln in parse_file(path, name, {name}, {}, routed=False).lines
-                    if ln.error is None]
+    prompts = [s.prompt for s in eval_samples(fusion, name, inference_steps=1) if s.error is None]
     if not prompts:
-        raise DataError(f"variant {name!r}: no valid request in its JSONL input")
-    return (prompts * batch_size)[:batch_size]  # a short file is repeated to fill the batch
+        raise DataError(f"variant {name!r}: no valid sample in its input")
+    return (prompts * batch_size)[:batch_size]  # a short input is repeated to fill the batch
 
 
 def _in_fresh_process(fn, *args):
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+        try:
+            return pool.submit(fn, *args).result()
+        except ValueError as exc:  # the loader's errors name the source and what to do
+            raise DataError(str(exc)) from None
 
 
 def _convert(source: str, dtype: str, device: str) -> float:

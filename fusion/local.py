@@ -107,17 +107,17 @@ class LocalDeployment:
         return subprocess.Popen(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
 
     def _supervise(self) -> None:
-        cfg = self.supervisor
-        due: dict[int, float] = {}  # worker slot -> when to start it again
-        tell = self.router.ctx.socket(zmq.PUSH)
+        tell = self.router.ctx.socket(zmq.PUSH)  # the router's control socket: "this worker exited"
         tell.setsockopt(zmq.LINGER, 0)
         tell.connect(self.router.control_addr)
         try:
-            self._watch(cfg, due, tell)
+            self._watch(tell)
         finally:
             tell.close(linger=0)
 
-    def _watch(self, cfg: SupervisorConfig, due: dict, tell: zmq.Socket) -> None:
+    def _watch(self, tell: zmq.Socket) -> None:
+        cfg = self.supervisor
+        due: dict[int, float] = {}  # worker slot -> when to start it again
         host = socket.gethostname()
         while not self._closing.wait(cfg.poll_interval):
             now = time.monotonic()
@@ -151,15 +151,19 @@ class LocalDeployment:
 
         deadline = time.monotonic() + timeout
         n = len(self.plan.workers)
-        while time.monotonic() < deadline:
-            with Client(self.frontend, timeout=10, **self.client_kw()) as c:  # the router owns its state
-                st = c.status()
-            if sum(w["alive"] and w["loaded"] for w in st["workers"]) >= n:
-                return
-            if self.gave_up:
-                raise RuntimeError(f"{len(self.gave_up)} worker process(es) kept exiting while loading; "
-                                   "see their output above")
-            time.sleep(0.2)
+        with Client(self.frontend, timeout=10, **self.client_kw()) as c:  # the router owns its state
+            while time.monotonic() < deadline:
+                workers = c.status()["workers"]
+                if sum(w["alive"] and w["loaded"] for w in workers) >= n:
+                    return
+                failed = [w for w in workers if w["alive"] and w.get("load_error")]
+                if failed:
+                    w = failed[0]
+                    raise RuntimeError(f"worker {w['id']} could not load model {w['model_id']}: {w['load_error']}")
+                if self.gave_up:
+                    raise RuntimeError(f"{len(self.gave_up)} worker process(es) kept exiting while loading; "
+                                       "see their output above")
+                time.sleep(0.2)
         raise TimeoutError(f"workers not loaded within {timeout}s")
 
     def __exit__(self, *exc) -> None:

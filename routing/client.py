@@ -59,10 +59,31 @@ def _check(msg: dict) -> dict:
 
 
 class _Base:
-    def __init__(self, address: str, timeout: float | None):
+    """The connection both clients share: a DEALER (CURVE when given keys) and a monitor of it that
+    reports a dropped or refused connection."""
+
+    def __init__(self, address: str, timeout: float | None, ctx: zmq.Context, curve_keys: str | None,
+                 curve_name: str):
         self.address, self.timeout = address, timeout
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self.ctx = ctx
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if curve_keys:
+            connect_curve(self.sock, curve_keys, curve_name)
+        self.monitor = self.sock.get_monitor_socket(_WATCH)
+        self.sock.connect(address)
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+    @staticmethod
+    def _answers(msg: dict, rid: str) -> bool:
+        """Whether `msg` is for request `rid`: its own answer, or a connection failure (for all)."""
+        return msg.get("id") == rid or msg.get("code") in (P.ROUTER_LOST, P.REFUSED)
 
     def _new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
@@ -77,22 +98,10 @@ class Client(_Base):
 
     def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 60.0,
                  ctx: zmq.Context | None = None, curve_keys: str | None = None, curve_name: str = "client"):
-        super().__init__(address, timeout)
-        self.ctx = ctx or zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if curve_keys:
-            connect_curve(self.sock, curve_keys, curve_name)
-        self.monitor = self.sock.get_monitor_socket(_WATCH)
-        self.sock.connect(address)
+        super().__init__(address, timeout, ctx or zmq.Context.instance(), curve_keys, curve_name)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
-
-    def close(self) -> None:
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
 
     def __enter__(self) -> Client:
         return self
@@ -123,7 +132,7 @@ class Client(_Base):
         deadline = self._deadline()
         while True:
             msg = self.recv(deadline)
-            if msg.get("id") == rid or msg.get("code") in (P.ROUTER_LOST, P.REFUSED):
+            if self._answers(msg, rid):
                 return _check(msg)["data"]
 
     def models(self) -> list[dict]:
@@ -139,7 +148,7 @@ class Client(_Base):
         try:
             while True:
                 msg = self.recv(deadline)
-                if msg.get("id") != rid and msg.get("code") not in (P.ROUTER_LOST, P.REFUSED):
+                if not self._answers(msg, rid):
                     continue  # a late answer to an earlier, timed-out request
                 _check(msg)
                 yield msg
@@ -170,14 +179,7 @@ class AsyncClient(_Base):
                  curve_keys: str | None = None, curve_name: str = "client"):
         import asyncio
 
-        super().__init__(address, timeout)
-        self.ctx = zmq.asyncio.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if curve_keys:
-            connect_curve(self.sock, curve_keys, curve_name)
-        self.monitor = self.sock.get_monitor_socket(_WATCH)
-        self.sock.connect(address)
+        super().__init__(address, timeout, zmq.asyncio.Context.instance(), curve_keys, curve_name)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader = None
 
@@ -190,9 +192,7 @@ class AsyncClient(_Base):
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        self.sock.disable_monitor()
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        super().close()
 
     async def _read_loop(self) -> None:
         poller = zmq.asyncio.Poller()
@@ -246,29 +246,33 @@ class AsyncClient(_Base):
     async def status(self) -> dict:
         return await self._admin(P.STATUS)
 
-    async def complete(self, model, prompt, **params) -> dict:
+    async def _run(self, model, prompt, stream: bool, params: dict):
+        """The request's messages, up to and including its result (as Client._run)."""
         rid = await self._open()
         try:
-            await self.sock.send(P.pack(self._complete_msg(rid, model, prompt, False, params)))
+            await self.sock.send(P.pack(self._complete_msg(rid, model, prompt, stream, params)))
             while True:
                 msg = await self._get(rid)
+                yield msg
                 if msg["type"] == P.RESULT:
-                    return msg["response"]
+                    return
         finally:
             self._queues.pop(rid, None)
 
+    async def complete(self, model, prompt, **params) -> dict:
+        response = None
+        async for msg in self._run(model, prompt, False, params):  # ends right after the result
+            if msg["type"] == P.RESULT:
+                response = msg["response"]
+        if response is None:
+            raise RouterError(P.INTERNAL, "stream ended without a result")
+        return response
+
     async def stream(self, model, prompt, **params):
-        rid = await self._open()
-        try:
-            await self.sock.send(P.pack(self._complete_msg(rid, model, prompt, True, params)))
-            while True:
-                msg = await self._get(rid)
-                if msg["type"] == P.RESULT:
-                    return
+        async for msg in self._run(model, prompt, True, params):
+            if msg["type"] == P.CHUNK:
                 for out in msg["outputs"]:
                     yield out
-        finally:
-            self._queues.pop(rid, None)
 
 
 def main(argv: list[str] | None = None) -> int:

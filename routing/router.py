@@ -400,6 +400,7 @@ class Router:
     def _drop(self, w: WorkerState, why: str) -> None:
         w.alive = False
         lost = f"worker {w.worker_id} serving model {w.model_id} was lost ({why})"
+        requeued: set[int] = set()
         for key in list(w.inflight):
             w.inflight.discard(key)
             p = self.pending.get(key)
@@ -409,12 +410,13 @@ class Router:
             live = [mid for mid in p.candidates if self._has_live_worker(mid)]
             if live and p.resends < self.config.max_redispatch:
                 self._resend(p, min(live, key=self._load))
+                requeued.add(p.model_id)
                 continue
             self._finish(key)
             more = "" if live else "; no other live worker serves it"
             self._reply(p.client, P.error(p.client_id, P.WORKER_LOST, lost + more))
         w.inflight.clear()
-        for mid in {p.model_id for p in self.pending.values() if p.worker is None}:
+        for mid in requeued:
             self._drain_queue(mid)
 
     def _has_live_worker(self, model_id: int) -> bool:

@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client", action="append", default=None,
                     help="a client or worker keypair to create and authorize (repeatable; default: client, worker)")
     args = ap.parse_args(argv)
-    made = generate(args.keys_dir, args.client or ["client", "worker"])
+    try:
+        made = generate(args.keys_dir, args.client or ["client", "worker"])
+    except OSError as exc:
+        print(f"error: cannot write keys to {args.keys_dir}: {exc}", file=sys.stderr)
+        return 2
     for p in made:
         print(f"wrote {p}")
     print(f"router: --curve_keys {args.keys_dir}; peers need {args.keys_dir}/server.key and their own "

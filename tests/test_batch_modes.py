@@ -344,3 +344,16 @@ def test_predict_finishes_correctly_when_a_worker_crashes(tmp_path, crash_case):
     assert proc.returncode == 0, err
     assert err.count("killed by SIGKILL") == 2 and err.count("started again") == 2
     _same_outputs(pred, clean)
+
+
+def test_a_model_that_cannot_load_is_an_error_not_a_hang(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "r.jsonl").write_text('{"prompt": "one"}\n')
+    variant = tiny_variant("llama", "JsonlCompletions", data)
+    variant["model"]["source"] = "no-such-model"
+    params = write_params(tmp_path, {"llama": variant})
+    out = run_mm(params, "predict", ["llama,1"], tmp_path / "md", timeout=120)
+    assert out.returncode == 1 and "could not load model 0: ValueError: unknown model source 'no-such-model'" in out.stderr
+    out = run_mm(params, "compile_only", ["llama,1"], tmp_path / "md", timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().startswith("error: unknown model source 'no-such-model'")

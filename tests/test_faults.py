@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port, tiny
-from test_router_lifecycle import start_router, start_worker, wait_for
+from test_router_lifecycle import one_worker, start_router, start_worker, wait_for
 
 from routing import protocol as P
 from routing.client import Client, RouterError
@@ -87,48 +87,32 @@ def test_worker_killed_mid_stream_is_redispatched_without_duplicates():
 
 
 def test_no_replica_left_gives_worker_lost_at_once():
-    router, thread = start_router()
-    worker = start_worker(router.backend_addr)
-    try:
-        with Client(router.frontend_addr, timeout=60) as c:
-            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
-            started = threading.Event()
-            with ThreadPoolExecutor(4) as pool:
-                futs = [pool.submit(run_stream, router.frontend_addr, [1, 2, 3 + i], started, max_tokens=480,
-                                    ignore_eos=True, temperature=0.0) for i in range(4)]
-                assert started.wait(60)
-                worker.kill()
-                killed = time.monotonic()
-                for f in futs:
-                    with pytest.raises(RouterError) as info:
-                        f.result(timeout=30)
-                    assert info.value.code == P.WORKER_LOST and "no other live worker" in str(info.value)
-            # liveness is 6 heartbeats of 0.2 s: the errors come right after, not at a client timeout
-            assert time.monotonic() - killed < 5
-            assert c.status()["pending"] == 0
-    finally:
-        router.stop()
-        thread.join(10)
-        worker.wait(10)
+    with one_worker() as (router, worker, c):
+        started = threading.Event()
+        with ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(run_stream, router.frontend_addr, [1, 2, 3 + i], started, max_tokens=480,
+                                ignore_eos=True, temperature=0.0) for i in range(4)]
+            assert started.wait(60)
+            worker.kill()
+            killed = time.monotonic()
+            for f in futs:
+                with pytest.raises(RouterError) as info:
+                    f.result(timeout=30)
+                assert info.value.code == P.WORKER_LOST and "no other live worker" in str(info.value)
+        # liveness is 6 heartbeats of 0.2 s: the errors come right after, not at a client timeout
+        assert time.monotonic() - killed < 5
+        assert c.status()["pending"] == 0
 
 
 def test_client_timeout_reaches_the_worker_and_frees_the_slot():
-    router, thread = start_router()
-    worker = start_worker(router.backend_addr)
-    try:
-        with Client(router.frontend_addr, timeout=60) as c:
-            wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"])
-            with Client(router.frontend_addr, timeout=0.3) as impatient:
-                with pytest.raises(TimeoutError):
-                    impatient.complete("llama", [1, 2, 3], max_tokens=480, ignore_eos=True)
-            # the cancel reached the engine while the request ran (it was aborted, not finished)
-            wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)
-            wait_for(lambda: c.status()["workers"][0]["engine"]["running"] == 0 and c.status()["pending"] == 0)
-            assert c.complete("llama", [4, 5], max_tokens=2)["usage"]["completion_tokens"] == 2
-    finally:
-        router.stop()
-        thread.join(10)
-        worker.wait(10)
+    with one_worker() as (router, _, c):
+        with Client(router.frontend_addr, timeout=0.3) as impatient:
+            with pytest.raises(TimeoutError):
+                impatient.complete("llama", [1, 2, 3], max_tokens=480, ignore_eos=True)
+        # the cancel reached the engine while the request ran (it was aborted, not finished)
+        wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)
+        wait_for(lambda: c.status()["workers"][0]["engine"]["running"] == 0 and c.status()["pending"] == 0)
+        assert c.complete("llama", [4, 5], max_tokens=2)["usage"]["completion_tokens"] == 2
 
 
 def test_router_restart_fails_in_flight_at_once_and_serves_new_requests():

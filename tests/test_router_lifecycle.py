@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,22 @@ def wait_loaded(c: Client, timeout=60.0) -> None:
     wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"], timeout)
 
 
+@contextmanager
+def one_worker(**cfg):
+    """A router thread and one loaded tiny-Llama worker process; yields (router, worker, client)."""
+    router, thread = start_router(**cfg)
+    worker = start_worker(router.backend_addr)
+    try:
+        with Client(router.frontend_addr, timeout=60) as c:
+            wait_loaded(c)
+            yield router, worker, c
+    finally:
+        router.stop()
+        thread.join(10)
+        if worker.poll() is None:
+            worker.wait(10)
+
+
 def test_queue_until_workers_are_up_then_busy():
     router, thread = start_router(max_queue=2)
     worker = None
@@ -76,24 +93,17 @@ def test_queue_until_workers_are_up_then_busy():
 
 
 def test_dead_worker_is_dropped_and_cancel_frees_the_slot():
-    router, thread = start_router()
-    worker = start_worker(router.backend_addr)
-    try:
-        with Client(router.frontend_addr, timeout=60) as c:
-            wait_loaded(c)
-            stream = c.stream(model="llama", prompt=[1, 2, 3], max_tokens=400, ignore_eos=True)
-            next(stream)
-            stream.close()  # the client gives up: a cancel reaches the worker and frees its slot
-            wait_for(lambda: c.status()["workers"][0]["inflight"] == 0 and c.status()["pending"] == 0)
-            wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)  # slot freed
-            assert c.complete(model="llama", prompt=[4], max_tokens=2)["usage"]["completion_tokens"] == 2
-            worker.kill()
-            worker.wait()
-            wait_for(lambda: not c.status()["workers"][0]["alive"], timeout=10)
-            assert c.models()[0]["workers"] == []
-    finally:
-        router.stop()
-        thread.join(10)
+    with one_worker() as (router, worker, c):
+        stream = c.stream(model="llama", prompt=[1, 2, 3], max_tokens=400, ignore_eos=True)
+        next(stream)
+        stream.close()  # the client gives up: a cancel reaches the worker and frees its slot
+        wait_for(lambda: c.status()["workers"][0]["inflight"] == 0 and c.status()["pending"] == 0)
+        wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)  # slot freed
+        assert c.complete(model="llama", prompt=[4], max_tokens=2)["usage"]["completion_tokens"] == 2
+        worker.kill()
+        worker.wait()
+        wait_for(lambda: not c.status()["workers"][0]["alive"], timeout=10)
+        assert c.models()[0]["workers"] == []
 
 
 def test_worker_reconnects_after_router_restart():
@@ -118,11 +128,7 @@ def test_worker_reconnects_after_router_restart():
 
 
 def test_client_cli():
-    router, thread = start_router()
-    worker = start_worker(router.backend_addr)
-    try:
-        with Client(router.frontend_addr, timeout=60) as c:
-            wait_loaded(c)
+    with one_worker() as (router, _, _):
         out = subprocess.run([sys.executable, "-m", "routing.client", "--router", router.frontend_addr, "--model",
                               "llama", "--max-tokens", "4", "Hello"], cwd=ROOT, capture_output=True, text=True,
                              timeout=60)
@@ -130,7 +136,3 @@ def test_client_cli():
         bad = subprocess.run([sys.executable, "-m", "routing.client", "--router", router.frontend_addr, "--model",
                               "nope", "Hello"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "unknown_model" in bad.stderr
-    finally:
-        router.stop()
-        thread.join(10)
-        worker.wait(10)

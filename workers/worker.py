@@ -83,12 +83,11 @@ class EngineThread(threading.Thread):
 
     def _fail_all(self, out, why: str) -> None:
         traceback.print_exc()
-        for key, info in list(self.requests.items()):
-            self.engine.abort(key)
-            self._send_data(out, P.ERROR, key, P.error(info["id"], P.INTERNAL, f"the engine failed: {why}"))
-        self.requests.clear()
         for key in list(self.engine.scheduler.groups):
             self.engine.abort(key)
+            info = self.requests.pop(key, None)
+            if info is not None:
+                self._send_data(out, P.ERROR, key, P.error(info["id"], P.INTERNAL, f"the engine failed: {why}"))
 
     def _send(self, out, msg: dict) -> None:
         out.send(P.pack(msg))
