@@ -2,7 +2,9 @@
 
 The worker processes are supervised: one that exits while the deployment runs is logged with its
 cause and started again after a capped backoff, up to `max_restarts` times per worker. The new
-process registers with the router like any worker and takes back the model ID left without one.
+process registers with the router naming its slot in the plan, so it takes back its planned model
+ID and device. The router hears of every exit at once, and of the supervisor giving up on a slot
+(its model's queued requests then fail with `no_worker` instead of waiting).
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ class LocalDeployment:
 
     def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, frontend: str, backend: str,
                  supervisor: SupervisorConfig | None = None, log=None, curve_keys: str | None = None,
-                 insecure: bool = False):
+                 insecure: bool = False, restart_wait: float = 30.0):
         self.fusion, self.plan = fusion, plan
-        self.config = RouterConfig(frontend=frontend, backend=backend, curve_keys=curve_keys, insecure=insecure)
+        self.config = RouterConfig(frontend=frontend, backend=backend, curve_keys=curve_keys, insecure=insecure,
+                                   restart_wait=restart_wait)
         self.supervisor = supervisor or SupervisorConfig()
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.router: Router | None = None
@@ -70,7 +73,8 @@ class LocalDeployment:
 
         def serve():
             try:
-                r = Router(model_entries(self.fusion), self.config, worker_overrides=worker_overrides(self.plan))
+                r = Router(model_entries(self.fusion), self.config, worker_overrides=worker_overrides(self.plan),
+                           log=self.log)
             except Exception as exc:  # e.g. the address is taken: report it to the caller
                 box.put(exc)
                 return
@@ -83,7 +87,7 @@ class LocalDeployment:
         if isinstance(got, Exception):
             raise got
         self.router = got
-        self.procs = [self._spawn() for _ in self.plan.workers]
+        self.procs = [self._spawn(i) for i in range(len(self.plan.workers))]
         self.restarts = [0] * len(self.procs)
         self._watcher = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         self._watcher.start()
@@ -92,15 +96,15 @@ class LocalDeployment:
     @classmethod
     def from_runconfig(cls, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict) -> LocalDeployment:
         return cls(fusion, plan, run["frontend"], run["backend"], SupervisorConfig(max_restarts=run["max_restarts"]),
-                   curve_keys=run["curve_keys"], insecure=run["insecure"])
+                   curve_keys=run["curve_keys"], insecure=run["insecure"], restart_wait=run["restart_wait"])
 
     def client_kw(self) -> dict:
         """What a client of this deployment needs besides the address."""
         return {"curve_keys": self.config.curve_keys} if self.config.curve_keys else {}
 
-    def _spawn(self) -> subprocess.Popen:
+    def _spawn(self, slot: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "workers.worker", "--backend", self.router.backend_addr,
-               "--parent-pid", str(os.getpid())]
+               "--parent-pid", str(os.getpid()), "--slot", str(slot)]
         if self.config.curve_keys:
             cmd += ["--curve-keys", self.config.curve_keys]
         # per-tensor GGUF conversion bars from every worker would bury the run's own progress
@@ -125,9 +129,11 @@ class LocalDeployment:
                 if i in self.gave_up or proc.poll() is None:
                     continue
                 if i not in due:
-                    tell.send(P.pack({"type": P.WORKER_EXITED, "pid": proc.pid, "host": host}))
                     n = self.restarts[i]
-                    if n >= cfg.max_restarts:
+                    restart = n < cfg.max_restarts and not self._closing.is_set()
+                    tell.send(P.pack({"type": P.WORKER_EXITED, "pid": proc.pid, "host": host, "slot": i,
+                                      "restart": restart}))
+                    if not restart:
                         self.gave_up.add(i)
                         self.log(f"supervisor: worker process {proc.pid} (slot {i}) {exit_cause(proc.returncode)}; "
                                  f"not restarting it: it was restarted {n} times already (max_restarts)")
@@ -139,7 +145,7 @@ class LocalDeployment:
                 elif now >= due[i] and not self._closing.is_set():
                     del due[i]
                     self.restarts[i] += 1
-                    self.procs[i] = self._spawn()
+                    self.procs[i] = self._spawn(i)
                     self.log(f"supervisor: worker slot {i} started again as process {self.procs[i].pid}")
 
     @property

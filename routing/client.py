@@ -8,10 +8,12 @@
     python -m routing.client --router tcp://127.0.0.1:5555 --model smollm2 "Once upon a time"
 
 Errors from the router raise `RouterError` (with `.code`: bad_request, unknown_model, busy,
-worker_lost, too_large); a timeout raises TimeoutError and cancels the request on the worker.
-When the connection to the router drops (the router restarted), requests in flight raise
-RouterError `router_lost` at once instead of waiting for their timeout; the socket reconnects by
-itself, and a request sent again is served by the new router.
+worker_lost, no_worker, too_large); a timeout raises TimeoutError and cancels the request on the
+worker, as does leaving a stream early. When the connection to the router drops (the router
+restarted), requests in flight raise RouterError `router_lost` at once instead of waiting for
+their timeout; the socket reconnects by itself, and the next request (even after a long idle time)
+is served by the new router. A reply that can't be decoded or is too large fails only the request
+it belongs to (`bad_reply`, `too_large`); the others go on.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import sys
 import time
 import uuid
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -44,6 +48,28 @@ def _lost(frames: list[bytes]) -> dict:
     return P.error(None, P.REFUSED, "the router refused the connection (CurveZMQ handshake failed: is this "
                                     "client's key in the router's authorized_clients, and the router's server.key "
                                     "the one given here?)")
+
+
+log = logging.getLogger(__name__)
+REPLY_TYPES = {P.CHUNK, P.RESULT, P.REPLY, P.ERROR}
+BAD_REPLY = "bad_reply"
+
+
+def decode_reply(frame: bytes) -> dict:
+    """A reply, or an error message for the request it names when it can't be accepted (too large,
+    malformed); its id is None when not even that can be read."""
+    try:
+        return P.unpack(frame, REPLY_TYPES)
+    except P.ProtocolError as exc:
+        rid = exc.request_id
+        if rid is None:
+            try:  # unbounded, to find the id of an oversized reply: its request must hear why it failed
+                whole = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+                rid = whole.get("id") if isinstance(whole, dict) else None
+            except Exception:
+                rid = None
+        code = exc.code if exc.code == P.TOO_LARGE else BAD_REPLY
+        return P.error(rid if isinstance(rid, str) else None, code, f"the router's reply could not be used: {exc}")
 
 
 class RouterError(RuntimeError):
@@ -79,6 +105,21 @@ class _Base:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
+
+    def _forget_stale_events(self) -> None:
+        """Connection events from while no request was in flight (an idle client whose router
+        restarted): they concern no request, and the socket has reconnected by itself."""
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if isinstance(frames, list):
+                continue
+            try:  # the asyncio socket answers with a future that is already settled
+                frames.result()
+            except zmq.Again:
+                return
 
     @staticmethod
     def _answers(msg: dict, rid: str) -> bool:
@@ -120,7 +161,7 @@ class Client(_Base):
             if not events:
                 raise TimeoutError(f"no answer from {self.address} within {self.timeout}s")
             if self.sock in events:
-                return P.unpack(self.sock.recv(), {P.CHUNK, P.RESULT, P.REPLY, P.ERROR})
+                return decode_reply(self.sock.recv())
             return _lost(self.monitor.recv_multipart())
 
     def _deadline(self) -> float | None:
@@ -128,6 +169,7 @@ class Client(_Base):
 
     def _admin(self, mtype: str):
         rid = self._new_id()
+        self._forget_stale_events()
         self.sock.send(P.pack({"type": mtype, "id": rid}))
         deadline = self._deadline()
         while True:
@@ -143,6 +185,7 @@ class Client(_Base):
 
     def _run(self, model, prompt, stream: bool, params: dict):
         rid = self._new_id()
+        self._forget_stale_events()
         self.sock.send(P.pack(self._complete_msg(rid, model, prompt, stream, params)))
         deadline = self._deadline()
         try:
@@ -182,6 +225,8 @@ class AsyncClient(_Base):
         super().__init__(address, timeout, zmq.asyncio.Context.instance(), curve_keys, curve_name)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader = None
+        self.reader_errors = 0  # exceptions the reader survived
+        self.bad_replies = 0  # undecodable replies that named no request in flight
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -195,29 +240,45 @@ class AsyncClient(_Base):
         super().close()
 
     async def _read_loop(self) -> None:
+        import asyncio
+
         poller = zmq.asyncio.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
         while True:
-            events = dict(await poller.poll())
-            if self.monitor in events:
-                err = _lost(await self.monitor.recv_multipart())
-                for q in self._queues.values():  # every request in flight: the router that had it is gone
-                    q.put_nowait(err)
-            while self.sock in events:
-                try:
-                    frame = await self.sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msg = P.unpack(frame, {P.CHUNK, P.RESULT, P.REPLY, P.ERROR})
-                q = self._queues.get(msg.get("id"))
-                if q is not None:
-                    q.put_nowait(msg)
+            try:
+                await self._read_once(poller)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the one reader of every request in flight must outlive any bad moment
+                self.reader_errors += 1
+                log.exception("AsyncClient reader: an error, going on")
+                await asyncio.sleep(0.01)
+
+    async def _read_once(self, poller) -> None:
+        events = dict(await poller.poll())
+        if self.monitor in events:
+            err = _lost(await self.monitor.recv_multipart())
+            for q in self._queues.values():  # every request in flight: the router that had it is gone
+                q.put_nowait(err)
+        while self.sock in events:
+            try:
+                frame = await self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = decode_reply(frame)
+            q = self._queues.get(msg.get("id"))
+            if q is not None:
+                q.put_nowait(msg)
+            elif msg.get("type") == P.ERROR and msg.get("code") in (BAD_REPLY, P.TOO_LARGE):
+                self.bad_replies += 1
+                log.warning("AsyncClient: a reply for no known request was dropped: %s", msg.get("message"))
 
     async def _open(self):
         import asyncio
 
-        if self._reader is None:
+        if self._reader is None or self._reader.done():
+            self._forget_stale_events()
             self._reader = asyncio.ensure_future(self._read_loop())
         rid = self._new_id()
         self._queues[rid] = asyncio.Queue()
@@ -247,17 +308,37 @@ class AsyncClient(_Base):
         return await self._admin(P.STATUS)
 
     async def _run(self, model, prompt, stream: bool, params: dict):
-        """The request's messages, up to and including its result (as Client._run)."""
+        """The request's messages, up to and including its result (as Client._run). Left early (a
+        consumer that stops iterating, a cancelled task), it cancels the request on the worker."""
         rid = await self._open()
+        done = False
         try:
             await self.sock.send(P.pack(self._complete_msg(rid, model, prompt, stream, params)))
             while True:
-                msg = await self._get(rid)
-                yield msg
+                try:
+                    msg = await self._get(rid)
+                except (RouterError, TimeoutError):
+                    done = True  # the router has forgotten it already (a timeout sent its own cancel)
+                    raise
                 if msg["type"] == P.RESULT:
+                    done = True
+                yield msg
+                if done:
                     return
         finally:
             self._queues.pop(rid, None)
+            if not done:
+                self._cancel_nowait(rid)
+
+    def _cancel_nowait(self, rid: str) -> None:
+        """Usable where awaiting is not (a generator being closed): the write happens at once or
+        not at all (the socket's queue full, or closed)."""
+        try:
+            fut = self.sock.send(P.pack({"type": P.CANCEL, "id": rid}), zmq.NOBLOCK)
+            if hasattr(fut, "exception") and fut.done():
+                fut.exception()
+        except zmq.ZMQError:
+            pass
 
     async def complete(self, model, prompt, **params) -> dict:
         response = None

@@ -5,9 +5,10 @@ Every message is one ZeroMQ frame holding a msgpack map with at least {"v": VERS
 Clients (DEALER) <-> router frontend (ROUTER):
   client -> router   complete {id, model, prompt, params, stream}   cancel {id}   models {id}   status {id}
   router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}   error {id, code, message}
+  The router fixes the seed of every request that has none (unless temperature is 0) on arrival.
 
 Workers (DEALER) <-> router backend (ROUTER):
-  worker -> router   ready {capabilities}   loaded {model_id}   load_failed {model_id, message}
+  worker -> router   ready {capabilities: pid, host, slot (its planned worker, if any), ...}   loaded {model_id}   load_failed {model_id, message}
                      heartbeat {engine: {running, aborted}}
   router -> worker   assign {worker_id, model_id, model}   cancel {id}   heartbeat {}   shutdown {}
   data path, two frames [header, body] so the router never re-encodes a body:
@@ -18,7 +19,11 @@ Workers (DEALER) <-> router backend (ROUTER):
   after losing its worker carries `resume` ([[index, tokens already sent], ...]) and the new worker
   streams only what comes after (the request is deterministic: the router fixes a stream's seed).
 
-Supervisor -> router (inproc control socket, same process): worker_exited {pid, host}.
+Request keys are `<router epoch>-<n>`: unique across router lifetimes, so a worker's late output
+for an earlier router can never match a request of this one.
+
+Supervisor -> router (inproc control socket, same process): worker_exited {pid, host, slot, restart}
+(restart false: the supervisor gave up on that worker).
 Errors a client raises by itself, without a message: router_lost (the connection dropped with
 requests in flight), refused (the router refused the CurveZMQ handshake).
 """
@@ -48,6 +53,7 @@ BAD_REQUEST = "bad_request"  # undecodable, wrong shape, invalid parameter
 UNKNOWN_MODEL = "unknown_model"
 BUSY = "busy"  # the model's queue is full: retry later (like HTTP 429)
 WORKER_LOST = "worker_lost"
+NO_WORKER = "no_worker"  # queued, but no worker served the model within restart_wait (or none will)
 TOO_LARGE = "too_large"
 INTERNAL = "internal"
 ROUTER_LOST = "router_lost"  # raised by the client itself: the connection dropped with requests in flight

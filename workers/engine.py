@@ -115,8 +115,9 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.last_plan = None  # None after a failed schedule(): the caller can't tell what it touched
         plan = self.scheduler.schedule()
-        self.last_plan = plan  # kept for inspection (tests, metrics)
+        self.last_plan = plan  # kept for inspection (tests, metrics) and to fail only this step's requests
         if plan.empty:
             return []
         result = self.runner.execute(plan)

@@ -63,6 +63,11 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.decode and not self.prefill
 
+    def request_ids(self) -> set[str]:
+        """The requests whose state this step touches (what a failed step may have left half-done)."""
+        return ({s.group.request_id for s in self.decode} | {c.seq.group.request_id for c in self.prefill}
+                | {g.request_id for g in self.admitted})
+
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
     n = min(len(a), len(b), limit)

@@ -5,7 +5,12 @@ model loads): the main thread owns the DEALER socket (register, heartbeat, recon
 backoff, as in the ZeroMQ guide's Paranoid Pirate worker); the engine thread owns the Engine,
 takes requests from a queue and hands messages back through an inproc PAIR socket.
 
-    python -m workers.worker --backend tcp://127.0.0.1:5556 [--threads N] [--echo]
+Every (re)assignment drops the work of the previous one: after a reconnect the router has resent
+it elsewhere. Writes never block: a router that is gone costs the messages meant for it, never a
+hang, and a worker whose parent died exits. On exit the engine thread is joined and the zmq
+context terminated.
+
+    python -m workers.worker --backend tcp://127.0.0.1:5556 [--threads N] [--slot K] [--echo]
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -38,6 +44,8 @@ class WorkerConfig:
     echo: bool = False  # answer without a model: for router benchmarks and tests
     curve_keys: str | None = None  # CurveZMQ keys directory, when the router requires it
     curve_name: str = "worker"  # this worker's keypair: <curve_keys>/clients/<name>.key_secret
+    slot: int | None = None  # the deployment plan's worker this process is: the router assigns its planned model
+    join_timeout: float = 30.0  # how long exit waits for the engine thread to finish its step
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.liveness < 1:
@@ -48,6 +56,7 @@ class EngineThread(threading.Thread):
     """Owns the Engine: load on assignment, then step while there is work."""
 
     def __init__(self, ctx: zmq.Context, out_addr: str, num_threads: int | None):
+        # daemon only as a last resort: exit joins it (Worker.run), and never leaves it running
         super().__init__(daemon=True, name="engine")
         self.inbox: queue.Queue = queue.Queue()
         self.ctx, self.out_addr, self.num_threads = ctx, out_addr, num_threads
@@ -56,9 +65,11 @@ class EngineThread(threading.Thread):
         self.spec: dict | None = None
         self.requests: dict[str, dict] = {}  # request key -> {stream, echo, logprobs, sent_text}
         self.aborted = 0  # requests cancelled while they ran (their batch slots freed)
+        self.dropped = 0  # requests dropped because the worker was assigned again
 
     def run(self) -> None:
         out = self.ctx.socket(zmq.PAIR)
+        out.setsockopt(zmq.LINGER, 0)
         out.connect(self.out_addr)
         try:
             while not self.stop.is_set():
@@ -73,31 +84,51 @@ class EngineThread(threading.Thread):
                 if self.engine is not None and self.engine.has_unfinished():
                     try:
                         results = self.engine.step()
-                    except Exception as exc:  # a bug must cost the requests in this batch, not the worker
-                        self._fail_all(out, f"{type(exc).__name__}: {exc}")
+                    except Exception as exc:  # a bug must cost the requests of this step, not the worker
+                        self._fail_step(out, f"{type(exc).__name__}: {exc}")
                         continue
                     for res in results:
                         self._emit(res, out)
         finally:
             out.close(linger=0)
 
-    def _fail_all(self, out, why: str) -> None:
+    def _fail_step(self, out, why: str) -> None:
+        """Fail the requests the failed step touched; the others were left as they were and go on."""
         traceback.print_exc()
-        for key in list(self.engine.scheduler.groups):
+        plan = self.engine.last_plan
+        keys = plan.request_ids() if plan is not None else set(self.engine.scheduler.groups)
+        for key in sorted(keys):
             self.engine.abort(key)
             info = self.requests.pop(key, None)
             if info is not None:
                 self._send_data(out, P.ERROR, key, P.error(info["id"], P.INTERNAL, f"the engine failed: {why}"))
 
+    def _drop_all(self) -> None:
+        """A new assignment: the router resent everything we held; finishing it would only waste steps."""
+        if self.engine is not None:
+            for key in list(self.engine.scheduler.groups):
+                self.engine.abort(key)
+        self.dropped += len(self.requests)
+        self.requests.clear()
+
     def _send(self, out, msg: dict) -> None:
-        out.send(P.pack(msg))
+        self._put(out, [P.pack(msg)])
 
     def _send_data(self, out, mtype: str, key: str, body: dict, tokens: int | list = 0) -> None:
-        out.send_multipart([P.header(mtype, key, tokens), P.pack(body)])
+        self._put(out, [P.header(mtype, key, tokens), P.pack(body)])
+
+    def _put(self, out, frames: list[bytes]) -> None:
+        while not self.stop.is_set():  # the main thread drains the pair; it may be exiting
+            try:
+                out.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                time.sleep(0.001)
 
     def _handle(self, item, out) -> None:
         kind, msg = item
         if kind == "assign":
+            self._drop_all()
             self._load(msg, out)
         elif kind == "request":
             self._add(*msg, out)
@@ -212,11 +243,12 @@ class Worker:
         self.engine = None if config.echo else EngineThread(self.ctx, self.out_addr, config.num_threads)
         self.worker_id: int | None = None
         self.model_id: int | None = None
+        self.unsent = 0  # messages dropped because the router was not reading
 
     def _capabilities(self) -> dict:
         import torch
 
-        return {"pid": os.getpid(), "host": socket.gethostname(), "echo": self.config.echo,
+        return {"pid": os.getpid(), "host": socket.gethostname(), "echo": self.config.echo, "slot": self.config.slot,
                 "threads": self.config.num_threads or torch.get_num_threads(),
                 "cuda_devices": torch.cuda.device_count()}
 
@@ -225,7 +257,7 @@ class Worker:
         e = self.engine
         if e is None:
             return {}
-        return {"running": len(e.requests), "aborted": e.aborted}
+        return {"running": len(e.requests), "aborted": e.aborted, "dropped": e.dropped}
 
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -233,14 +265,41 @@ class Worker:
         if self.config.curve_keys:
             connect_curve(sock, self.config.curve_keys, self.config.curve_name)
         sock.connect(self.config.backend)
-        sock.send(P.pack({"type": P.READY, "capabilities": self._capabilities()}))
+        self._send(sock, [P.pack({"type": P.READY, "capabilities": self._capabilities()})])
         return sock
 
     def _parent_alive(self) -> bool:
         pp = self.config.parent_pid
         return pp is None or os.getppid() == pp
 
+    def _send(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        """Never blocks: with the router gone (or not reading) the message is lost, which the router
+        handles (it resends a lost worker's requests), where blocking would hang this worker."""
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self.unsent += 1
+
     def run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        e = self.engine
+        if e is not None and e.is_alive():
+            e.stop.set()
+            e.join(self.config.join_timeout)
+            if e.is_alive():  # stuck in a step: its socket stays open, so the context can't be terminated
+                print(f"worker: engine thread did not stop within {self.config.join_timeout}s; exiting anyway",
+                      file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)
+        self.pair.close(linger=0)
+        self.ctx.term()
+
+    def _serve(self) -> None:
         cfg = self.config
         if self.engine is not None:
             self.engine.start()
@@ -266,12 +325,12 @@ class Worker:
                             return
                 if self.pair in events:
                     while self.pair.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        sock.send_multipart(self.pair.recv_multipart())
+                        self._send(sock, self.pair.recv_multipart())
+                if not self._parent_alive():
+                    return
                 if now >= next_beat:
-                    sock.send(P.pack({"type": P.HEARTBEAT, "engine": self._engine_stats()}))
+                    self._send(sock, [P.pack({"type": P.HEARTBEAT, "engine": self._engine_stats()})])
                     next_beat = now + cfg.heartbeat_interval
-                    if not self._parent_alive():
-                        return
                 if now - last_heard > cfg.heartbeat_interval * cfg.liveness:
                     # router silent: reconnect with capped exponential backoff, then register again
                     poller.unregister(sock)
@@ -282,8 +341,6 @@ class Worker:
                     poller.register(sock, zmq.POLLIN)
                     last_heard = time.monotonic()
         finally:
-            if self.engine is not None:
-                self.engine.stop.set()
             sock.close(linger=0)
 
     def _on_request(self, sock, head: bytes, frame: bytes) -> None:
@@ -295,10 +352,10 @@ class Worker:
             msg = P.unpack(frame, {P.COMPLETE})
             P.CompleteRequest.from_msg(msg)
         except P.ProtocolError as exc:
-            sock.send_multipart([P.header(P.ERROR, key), P.pack(P.error(None, exc.code, str(exc)))])
+            self._send(sock, [P.header(P.ERROR, key), P.pack(P.error(None, exc.code, str(exc)))])
             return
         if self.engine is None:
-            sock.send_multipart([P.header(P.RESULT, key), P.pack(echo_response(msg))])
+            self._send(sock, [P.header(P.RESULT, key), P.pack(echo_response(msg))])
         else:
             self.engine.inbox.put(("request", (key, msg)))
 
@@ -317,7 +374,7 @@ class Worker:
                 return True  # not an assignment we can act on; the router only sends valid ones
             self.worker_id, self.model_id = msg["worker_id"], msg["model_id"]
             if self.engine is None:
-                sock.send(P.pack({"type": P.LOADED, "model_id": self.model_id, "worker_id": self.worker_id}))
+                self._send(sock, [P.pack({"type": P.LOADED, "model_id": self.model_id, "worker_id": self.worker_id})])
             else:
                 self.engine.inbox.put(("assign", msg))
         elif mtype == P.CANCEL and self.engine is not None and isinstance(msg.get("id"), str):
@@ -335,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--echo", action="store_true", help="answer requests without a model")
     ap.add_argument("--curve-keys", help="CurveZMQ keys directory (when the router requires it)")
     ap.add_argument("--curve-name", default=defaults.curve_name, help="this worker's keypair name in it")
+    ap.add_argument("--slot", type=int, default=None, help="the deployment plan's worker this process is")
     args = ap.parse_args(argv)
     if args.threads:
         import torch
@@ -342,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     Worker(WorkerConfig(backend=args.backend, num_threads=args.threads, parent_pid=args.parent_pid,
                         heartbeat_interval=args.heartbeat, echo=args.echo, curve_keys=args.curve_keys,
-                        curve_name=args.curve_name)).run()
+                        curve_name=args.curve_name, slot=args.slot)).run()
 
 
 if __name__ == "__main__":

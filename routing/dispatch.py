@@ -1,0 +1,500 @@
+"""The router's state and decisions, without sockets: unit tests drive it directly.
+
+Every input (a client frame, a worker frame, a supervisor notice, a clock tick, a message the
+socket could not deliver) is a method call; every output is a `Send` appended to `outbox`, which
+the router's I/O loop (routing/router.py) writes to its sockets and empties.
+
+- A worker's READY gets a worker ID and a model ID: its planned slot's model when it names a
+  slot (a restarted local worker comes back on its planned model and device), else round-robin
+  in registration order, filling a model left without a worker first.
+- Request keys are `<epoch>-<n>`, the epoch new for every router: a worker still holding work from
+  an earlier router can never answer a request of this one. Data is accepted only from the worker
+  a request was given to.
+- Requests name a model (any copy: the least loaded) or a model ID (that copy). A model without a
+  live worker queues them in a bounded queue for at most `restart_wait` seconds, then they fail
+  with `no_worker` (at once when the supervisor has given up on the model's last worker).
+- A lost worker's in-flight requests go to another live worker that may serve them (the router
+  fixes every unseeded request's seed on arrival, so a resend gives the same tokens); the resend
+  carries how many tokens of each stream the client already has. With no such worker, or after
+  `max_redispatch` resends, or with every such queue full, the client gets `worker_lost` at once.
+- A message the frontend cannot deliver (the client's queue is full, or it is gone) cancels its
+  request on the worker and is counted (`undeliverable`) and logged: nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from routing import protocol as P
+
+FRONT, BACK = "front", "back"
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    frontend: str = "tcp://127.0.0.1:5555"
+    backend: str = "tcp://127.0.0.1:5556"
+    heartbeat_interval: float = 0.5
+    liveness: int = 6
+    max_queue: int = 1024  # waiting requests per model (resent ones included) before `busy`
+    max_inflight: int = 256  # requests one worker holds at once; the rest wait in the model's queue
+    max_redispatch: int = 2  # resends of one request after losing its worker (a request that kills
+    # every worker it reaches must not take down the whole deployment)
+    restart_wait: float = 30.0  # how long queued requests wait for a model without a live worker
+    keep_dead: int = 64  # lost workers kept for `status`; older ones are pruned
+    hard_message_limit: int = 64 * 1024 * 1024  # the socket drops peers beyond this (ZMQ_MAXMSGSIZE)
+    curve_keys: str | None = None  # CurveZMQ keys directory (routing.security): both sockets then need keys
+    insecure: bool = False  # allow binding off loopback without CurveZMQ
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue", "max_inflight", "liveness", "keep_dead"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.heartbeat_interval > 0:
+            raise ValueError(f"RouterConfig.heartbeat_interval must be > 0, got {self.heartbeat_interval!r}")
+        if not self.restart_wait >= 0:
+            raise ValueError(f"RouterConfig.restart_wait must be >= 0 seconds, got {self.restart_wait!r}")
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    model_id: int
+    name: str
+    spec: dict  # sent to the worker in ASSIGN: source, dtype, engine config, defaults
+    queue: deque = field(default_factory=deque)
+    orphan_since: float | None = None  # since when no live worker serves it
+    abandoned: bool = False  # the supervisor gave up on its last worker: queued requests fail at once
+
+
+@dataclass(slots=True)
+class WorkerState:
+    ident: bytes
+    worker_id: int
+    model_id: int
+    capabilities: dict
+    slot: int | None = None  # the deployment plan's worker this process is (local supervisor)
+    alive: bool = True
+    loaded: bool = False
+    last_seen: float = 0.0
+    inflight: set = field(default_factory=set)
+    served: int = 0
+    tokens: int = 0
+    errors: int = 0
+    load_error: str | None = None
+    lost: str | None = None  # why it was dropped
+    engine: dict = field(default_factory=dict)  # the worker's own counters, from its heartbeats
+
+
+@dataclass(slots=True)
+class Pending:
+    key: str
+    client: bytes
+    client_id: str
+    model_id: int
+    frame: bytes  # the client's request (seed fixed), forwarded to the worker as is
+    queued_at: float
+    candidates: list[int] = field(default_factory=list)  # model IDs that may serve it
+    worker: bytes | None = None
+    streamed: dict = field(default_factory=dict)  # sample index -> tokens the client already has
+    resends: int = 0
+
+
+@dataclass(slots=True)
+class Send:
+    side: str  # FRONT (a client) or BACK (a worker)
+    frames: list[bytes]  # [peer identity, *message frames]
+    key: str | None = None  # the request a frontend data message belongs to
+
+
+class Dispatch:
+    def __init__(self, models: list[ModelEntry], config: RouterConfig | None = None,
+                 worker_overrides: list[dict] | None = None, log=None):
+        if not models:
+            raise ValueError("the router needs at least one model")
+        self.config = config or RouterConfig()
+        self.models = {m.model_id: m for m in models}
+        self.by_name: dict[str, list[int]] = {}
+        for m in models:
+            self.by_name.setdefault(m.name, []).append(m.model_id)
+        # the deployment plan's per-worker settings (model ID, device, threads, batch limits), by slot
+        self.worker_overrides = worker_overrides or []
+        self.log = log or (lambda line: None)
+        self.epoch = uuid.uuid4().hex[:12]
+        self.outbox: list[Send] = []
+        self.workers: dict[bytes, WorkerState] = {}  # live workers only
+        self.dead: deque[WorkerState] = deque(maxlen=self.config.keep_dead)
+        self.pending: dict[str, Pending] = {}
+        self.client_keys: dict[tuple[bytes, str], str] = {}
+        self._keys = itertools.count()
+        self._registrations = 0
+        self._used_ids: set[int] = set()
+        self._next_id = 0
+        self.resent = 0  # requests sent again after losing their worker
+        self.undeliverable = 0  # messages the frontend could not deliver (slow or vanished client)
+        self.stray = 0  # data from a worker the request was not given to (ignored)
+        self.no_worker = 0  # queued requests failed because no worker came for their model
+        self.internal_errors = 0
+
+    def take(self) -> list[Send]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _to_client(self, client: bytes, msg: dict) -> None:
+        self.outbox.append(Send(FRONT, [client, P.pack(msg)]))
+
+    def _to_worker(self, ident: bytes, *frames: bytes) -> None:
+        self.outbox.append(Send(BACK, [ident, *frames]))
+
+    # --- clients ---------------------------------------------------------------------------------
+    def client(self, client: bytes, frame: bytes, now: float) -> None:
+        try:
+            msg = P.unpack(frame, P.CLIENT_TYPES)
+            mtype = msg["type"]
+            if mtype == P.COMPLETE:
+                self._on_complete(client, msg, now)
+            elif mtype == P.CANCEL:
+                if isinstance(msg.get("id"), str):
+                    self._on_cancel(client, msg["id"])
+            elif mtype == P.MODELS:
+                self._to_client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.models_info()})
+            elif mtype == P.STATUS:
+                self._to_client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.status()})
+        except P.ProtocolError as exc:
+            self._to_client(client, P.error(exc.request_id, exc.code, str(exc)))
+
+    def _resolve(self, model, rid) -> list[int]:
+        if isinstance(model, int):
+            if model not in self.models:
+                raise P.ProtocolError(f"unknown model ID {model}; known IDs: {sorted(self.models)}",
+                                      P.UNKNOWN_MODEL, rid)
+            return [model]
+        if model not in self.by_name:
+            raise P.ProtocolError(f"unknown model {model!r}; known models: {sorted(self.by_name)}",
+                                  P.UNKNOWN_MODEL, rid)
+        return self.by_name[model]
+
+    def _load(self, model_id: int) -> tuple[float, int]:
+        """Pending work per live worker, then requests served: idle copies take turns."""
+        ws = [w for w in self.workers.values() if w.loaded and w.model_id == model_id]
+        queued = len(self.models[model_id].queue)
+        served = sum(w.served + len(w.inflight) for w in self.workers.values() if w.model_id == model_id)
+        if not ws:
+            return 1e9 + queued, served
+        return (sum(len(w.inflight) for w in ws) + queued) / len(ws), served
+
+    def _on_complete(self, client: bytes, msg: dict, now: float) -> None:
+        req = P.CompleteRequest.from_msg(msg)
+        candidates = self._resolve(req.model, req.id)
+        if (client, req.id) in self.client_keys:
+            raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
+        if all(self.models[m].abandoned and not self._usable(m) for m in candidates):
+            raise P.ProtocolError(f"no worker serves model {req.model!r}: its workers kept failing and were not "
+                                  "restarted (see the deployment's log)", P.NO_WORKER, req.id)
+        model_id = min(candidates, key=self._load)
+        key = f"{self.epoch}-{next(self._keys)}"
+        if req.params.get("seed") is None and req.params.get("temperature") != 0:
+            # fixed here, once: a resent or retried request then gives the same tokens anywhere
+            msg["params"] = {**req.params, "seed": random.getrandbits(63)}
+        p = Pending(key, client, req.id, model_id, P.pack(msg), now, list(candidates))
+        worker = self._pick_worker(model_id)
+        if worker is None:
+            q = self.models[model_id].queue
+            if len(q) >= self.config.max_queue:
+                raise P.ProtocolError(f"model {self.models[model_id].name!r} (ID {model_id}) is busy: "
+                                      f"{len(q)} requests queued; retry later", P.BUSY, req.id)
+            q.append(p)
+        else:
+            self._dispatch(p, worker)
+        self.pending[key] = p
+        self.client_keys[(client, req.id)] = key
+
+    def _pick_worker(self, model_id: int) -> WorkerState | None:
+        ws = [w for w in self.workers.values()
+              if w.loaded and w.model_id == model_id and len(w.inflight) < self.config.max_inflight]
+        return min(ws, key=lambda w: (len(w.inflight), w.served)) if ws else None
+
+    def _dispatch(self, p: Pending, w: WorkerState) -> None:
+        p.worker = w.ident
+        w.inflight.add(p.key)
+        self._to_worker(w.ident, P.header(P.REQUEST, p.key), p.frame)
+
+    def _drain_queue(self, model_id: int) -> None:
+        q = self.models[model_id].queue
+        while q:
+            w = self._pick_worker(model_id)
+            if w is None:
+                return
+            self._dispatch(q.popleft(), w)
+
+    def _on_cancel(self, client: bytes, client_id: str) -> None:
+        key = self.client_keys.get((client, client_id))
+        if key is not None:
+            self._cancel(key)
+
+    def _cancel(self, key: str) -> None:
+        p = self._finish(key)
+        if p is None:
+            return
+        if p.worker is not None and p.worker in self.workers:
+            self._to_worker(p.worker, P.pack({"type": P.CANCEL, "id": key}))
+        else:
+            q = self.models[p.model_id].queue
+            if p in q:
+                q.remove(p)
+
+    def _finish(self, key: str) -> Pending | None:
+        p = self.pending.pop(key, None)
+        if p is None:
+            return None
+        self.client_keys.pop((p.client, p.client_id), None)
+        w = self.workers.get(p.worker) if p.worker else None
+        if w is not None:
+            w.inflight.discard(key)
+            self._drain_queue(w.model_id)
+        return p
+
+    def _fail(self, p: Pending, code: str, message: str) -> None:
+        self._finish(p.key)
+        self._to_client(p.client, P.error(p.client_id, code, message))
+
+    def undeliverable_send(self, send: Send, why: str) -> None:
+        """The socket could not deliver `send` (full queue, peer gone): never lose it silently."""
+        if send.side == BACK:
+            w = self.workers.get(send.frames[0])
+            if w is not None:
+                self._drop(w, f"unreachable: {why}")
+            return
+        self.undeliverable += 1
+        p = self.pending.get(send.key) if send.key else None
+        if p is not None:
+            self.log(f"router: cannot deliver to client of request {p.client_id!r} ({why}); cancelling it")
+            self._cancel(p.key)
+        else:
+            self.log(f"router: cannot deliver a reply to a client ({why})")
+
+    # --- workers ---------------------------------------------------------------------------------
+    def _assign_model(self, slot: int | None) -> int:
+        if slot is not None:
+            planned = self.worker_overrides[slot].get("model_id")
+            if planned in self.models:
+                return planned
+        live = {mid: 0 for mid in self.models}
+        for w in self.workers.values():
+            live[w.model_id] += 1
+        ids = sorted(self.models)
+        rr = ids[self._registrations % len(ids)]
+        orphaned = [mid for mid in ids if live[mid] == 0]
+        return rr if live[rr] == 0 or not orphaned else orphaned[0]
+
+    def _new_worker_id(self, slot: int | None) -> int:
+        """A planned worker's first process gets its slot number; restarts and unplanned workers get
+        IDs past the plan's."""
+        if slot is not None and slot not in self._used_ids:
+            wid = slot
+        else:
+            wid = max(self._next_id, len(self.worker_overrides))
+            while wid in self._used_ids:
+                wid += 1
+            self._next_id = wid + 1
+        self._used_ids.add(wid)
+        return wid
+
+    def _spec_for(self, w: WorkerState) -> dict:
+        spec = dict(self.models[w.model_id].spec)
+        if self.worker_overrides:
+            if w.slot is not None:
+                o = self.worker_overrides[w.slot]
+            else:
+                o = self.worker_overrides[w.worker_id % len(self.worker_overrides)]
+            if o.get("model_id", w.model_id) != w.model_id:
+                # a worker that takes over a model ID out of turn: use that model's planned settings
+                o = next((x for x in self.worker_overrides if x.get("model_id") == w.model_id), {})
+            spec.update({k: v for k, v in o.items() if k != "model_id"})
+        return spec
+
+    def worker(self, ident: bytes, frame: bytes, now: float) -> None:
+        try:
+            msg = P.unpack(frame, P.WORKER_TYPES)
+        except P.ProtocolError:
+            return
+        w = self.workers.get(ident)
+        mtype = msg["type"]
+        if mtype == P.READY:
+            if w is not None:
+                self._drop(w, "re-registered")
+            caps = msg.get("capabilities") if isinstance(msg.get("capabilities"), dict) else {}
+            slot = caps.get("slot")
+            slot = slot if isinstance(slot, int) and not isinstance(slot, bool) else None
+            if slot is not None and not 0 <= slot < len(self.worker_overrides):
+                slot = None  # not a slot of this deployment's plan
+            w = WorkerState(ident, self._new_worker_id(slot), 0, caps, slot, last_seen=now)
+            w.model_id = self._assign_model(slot)
+            self._registrations += 1
+            self.workers[ident] = w
+            self.models[w.model_id].abandoned = False
+            self._to_worker(ident, P.pack({"type": P.ASSIGN, "worker_id": w.worker_id, "model_id": w.model_id,
+                                           "model": self._spec_for(w)}))
+            return
+        if w is None:
+            return  # a worker we dropped: it registers again when our heartbeats stop reaching it
+        w.last_seen = now
+        if mtype == P.HEARTBEAT and isinstance(msg.get("engine"), dict):
+            w.engine = {k: v for k, v in msg["engine"].items() if k in ("running", "aborted") and isinstance(v, int)}
+        if mtype == P.LOADED:
+            w.loaded = True
+            w.load_error = None
+            self._drain_queue(w.model_id)
+        elif mtype == P.LOAD_FAILED:
+            # shown in status; the model's queue waits restart_wait for a worker that can load it
+            w.load_error = str(msg.get("message"))[:2000]
+
+    def worker_data(self, ident: bytes, head: bytes, body: bytes, now: float) -> None:
+        w = self.workers.get(ident)
+        if w is None:
+            return
+        w.last_seen = now
+        try:
+            mtype, key, tokens = P.unpack_header(head)
+        except P.ProtocolError:
+            return
+        p = self.pending.get(key)
+        if p is None:
+            return  # cancelled meanwhile, or from an earlier router's epoch
+        if p.worker != ident:
+            self.stray += 1  # another worker's request (a dropped worker's late output): never cross results
+            return
+        if mtype == P.CHUNK and isinstance(tokens, list):
+            for index, total in tokens:
+                p.streamed[index] = max(total, p.streamed.get(index, 0))
+        elif mtype == P.RESULT:
+            w.served += 1
+            w.tokens += tokens if isinstance(tokens, int) else 0
+        elif mtype == P.ERROR:
+            w.errors += 1
+        if mtype != P.CHUNK:
+            self._finish(key)
+        self.outbox.append(Send(FRONT, [p.client, body], key))
+
+    def _usable(self, model_id: int) -> bool:
+        """A live worker serves it, loaded or loading (not failed to load)."""
+        return any(w.model_id == model_id and w.load_error is None for w in self.workers.values())
+
+    def _has_loaded_worker(self, model_id: int) -> bool:
+        return any(w.loaded and w.model_id == model_id for w in self.workers.values())
+
+    def _drop(self, w: WorkerState, why: str) -> None:
+        w.alive, w.loaded, w.lost = False, False, why
+        self.workers.pop(w.ident, None)
+        self.dead.append(w)
+        lost = f"worker {w.worker_id} serving model {w.model_id} was lost ({why})"
+        requeued: set[int] = set()
+        for key in sorted(w.inflight):
+            p = self.pending.get(key)
+            if p is None:
+                continue
+            p.worker = None
+            live = [mid for mid in p.candidates if self._has_loaded_worker(mid)]
+            room = [mid for mid in live if len(self.models[mid].queue) < self.config.max_queue]
+            if room and p.resends < self.config.max_redispatch:
+                self._resend(p, min(room, key=self._load))
+                requeued.add(p.model_id)
+                continue
+            more = ("; no other live worker serves it" if not live else
+                    "; every other copy's queue is full" if not room else
+                    f"; it was sent again {p.resends} times already (max_redispatch)")
+            self._fail(p, P.WORKER_LOST, lost + more)
+        w.inflight.clear()
+        for mid in requeued:
+            self._drain_queue(mid)
+
+    def _resend(self, p: Pending, model_id: int) -> None:
+        p.resends += 1
+        self.resent += 1
+        p.model_id = model_id
+        p.queued_at = time.monotonic()
+        if p.streamed:
+            msg = P.unpack(p.frame, {P.COMPLETE})
+            msg["resume"] = [[i, n] for i, n in sorted(p.streamed.items())]
+            p.frame = P.pack(msg)
+        self.models[model_id].queue.appendleft(p)  # ahead of new requests: it was admitted earlier
+
+    def control(self, frame: bytes, now: float) -> None:
+        """The local supervisor: worker_exited {pid, host, slot, restart}."""
+        try:
+            msg = P.unpack(frame, {P.WORKER_EXITED})
+        except P.ProtocolError:
+            return
+        model_id = None
+        slot = msg.get("slot")
+        if isinstance(slot, int) and 0 <= slot < len(self.worker_overrides):
+            model_id = self.worker_overrides[slot].get("model_id")
+        for w in list(self.workers.values()):
+            if w.capabilities.get("pid") == msg.get("pid") and w.capabilities.get("host") == msg.get("host"):
+                model_id = w.model_id
+                self._drop(w, "its process exited")
+        if msg.get("restart") is False and model_id in self.models and not self._usable(model_id):
+            m = self.models[model_id]
+            m.abandoned = True
+            self._expire_queue(m, now)
+
+    def tick(self, now: float) -> None:
+        """Heartbeats out, silent workers dropped, queued requests of workerless models expired."""
+        deadline = self.config.heartbeat_interval * self.config.liveness
+        beat = P.pack({"type": P.HEARTBEAT})
+        for w in list(self.workers.values()):
+            if now - w.last_seen > deadline:
+                self._drop(w, "no heartbeat")
+            else:
+                self._to_worker(w.ident, beat)
+        for m in self.models.values():
+            if self._usable(m.model_id):
+                m.orphan_since = None
+            else:
+                if m.orphan_since is None:
+                    m.orphan_since = now
+                self._expire_queue(m, now)
+
+    def _expire_queue(self, m: ModelEntry, now: float) -> None:
+        wait = self.config.restart_wait
+        failed = [w for w in self.workers.values() if w.model_id == m.model_id and w.load_error]
+        why = f"; its worker could not load it: {failed[0].load_error}" if failed else ""
+        for p in list(m.queue):
+            since = max(p.queued_at, m.orphan_since if m.orphan_since is not None else now)
+            if m.abandoned or now - since >= wait:
+                m.queue.remove(p)
+                self.no_worker += 1
+                self._fail(p, P.NO_WORKER, f"no worker served model {m.name!r} (ID {m.model_id}) within "
+                                           f"restart_wait ({wait:g}s){why}")
+
+    def shutdown_messages(self) -> None:
+        for w in self.workers.values():
+            self._to_worker(w.ident, P.pack({"type": P.SHUTDOWN}))
+
+    # --- admin -----------------------------------------------------------------------------------
+    def models_info(self) -> list[dict]:
+        return [{"id": m.model_id, "name": m.name,
+                 "workers": sorted(w.worker_id for w in self.workers.values() if w.model_id == m.model_id)}
+                for m in self.models.values()]
+
+    def status(self) -> dict:
+        ws = sorted([*self.workers.values(), *self.dead], key=lambda w: w.worker_id)
+        return {
+            "epoch": self.epoch,
+            "workers": [{"id": w.worker_id, "model_id": w.model_id, "alive": w.alive, "loaded": w.loaded,
+                         "slot": w.slot, "served": w.served, "tokens": w.tokens, "errors": w.errors,
+                         "inflight": len(w.inflight), "pid": w.capabilities.get("pid"),
+                         "device": self._spec_for(w).get("device") if w.alive else None,
+                         "load_error": w.load_error, "lost": w.lost, "engine": w.engine} for w in ws],
+            "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
+            "pending": len(self.pending),
+            "resent": self.resent,
+            "undeliverable": self.undeliverable,
+            "stray": self.stray,
+            "no_worker": self.no_worker,
+            "internal_errors": self.internal_errors,
+        }
