@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 
-from fusion.data.hdf5 import DataError
-from fusion.evaluate import eval_samples
+from fusion.data.files import DataError
+from fusion.inputs import variant_samples
+from fusion.jobs import variant_groups
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan, available_bytes
-from fusion.predict import variant_groups
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class CompileReport:
 
 def first_batch(fusion: MultiModelFusion, name: str, batch_size: int) -> list:
     """The prompts of the variant's first batch; its data must be readable (errors name the file)."""
-    prompts = [s.prompt for s in eval_samples(fusion, name, inference_steps=1) if s.error is None]
+    prompts = [s.prompt for s in variant_samples(fusion, name, inference_steps=1) if s.error is None]
     if not prompts:
         raise DataError(f"variant {name!r}: no valid sample in its input")
     return (prompts * batch_size)[:batch_size]  # a short input is repeated to fill the batch

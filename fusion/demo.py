@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-import run_mm
+from fusion import cli
 
 PARAMS = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep and (out / "predictions").exists():
         shutil.rmtree(out / "predictions")
     t = time.perf_counter()
-    rc = run_mm.main(["--mode", "predict", "--params", str(PARAMS), "--model_dir", str(out)])
+    rc = cli.main(["--mode", "predict", "--params", str(PARAMS), "--model_dir", str(out)])
     if rc != 0:
         return rc
     print(f"\ndemo finished in {time.perf_counter() - t:.0f}s; outputs under {out / 'predictions'}")

@@ -12,18 +12,24 @@ from workers.params import SamplingParams
 _DIRECT = {"max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids",
            "ignore_eos"}
 _HANDLED = _DIRECT | {"logprobs", "echo"}
-# accepted for compatibility, no effect here
-_IGNORED = {"user", "stream", "model", "engine", "prompt", "presence_penalty", "frequency_penalty", "logit_bias",
-            "suffix", "return_token_ids"}  # return_token_ids: read by the worker, adds choices[i]["token_ids"]
+# no effect on sampling: routing and bookkeeping fields (return_token_ids is read by the worker and adds
+# choices[i]["token_ids"])
+_IGNORED = {"user", "stream", "model", "engine", "prompt", "return_token_ids"}
+# OpenAI parameters not implemented: accepted only at their no-op value, refused otherwise, never ignored
+_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
 
 
 def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
     """SamplingParams and `echo` from OpenAI-style parameters. ValueError names a bad key."""
     merged = dict(defaults or {})
     merged.update(req)
-    unknown = sorted(set(merged) - _HANDLED - _IGNORED)
+    unknown = sorted(set(merged) - _HANDLED - _IGNORED - set(_UNSUPPORTED))
     if unknown:
         raise ValueError(f"unknown parameter {unknown[0]!r}")
+    for key, noop in _UNSUPPORTED.items():
+        if merged.get(key) not in (None, noop):
+            raise ValueError(f"{key} is not supported by this server (got {merged[key]!r}); leave it out or "
+                             f"set it to {noop!r}")
     kw = {k: merged[k] for k in _DIRECT if merged.get(k) is not None}
     if "max_tokens" not in kw:
         kw["max_tokens"] = 16  # OpenAI's default

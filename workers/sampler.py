@@ -54,7 +54,7 @@ def _sample_row(logits: torch.Tensor, spec: SampleSpec) -> int:
         probs = probs * keep
     cum = torch.cumsum(probs, dim=-1)
     u = uniform(spec.seed, spec.sample_index, spec.token_index) * float(cum[-1])
-    idx = int(torch.searchsorted(cum, torch.tensor([u], dtype=cum.dtype), right=True)[0])
+    idx = int(torch.searchsorted(cum, torch.tensor([u], dtype=cum.dtype, device=cum.device), right=True)[0])
     idx = min(idx, int((probs > 0).sum()) - 1)
     return int(order[idx])
 

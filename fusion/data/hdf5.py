@@ -9,17 +9,15 @@ start token; dummy rows (padding the last batch to batch_size) are all start tok
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from fusion.data.files import DataError, atomic_write
 
-class DataError(ValueError):
-    pass
+__all__ = ["DataError", "GptHDF5MapDataProcessor", "as_list", "write_npz_atomic"]
 
 
 def as_list(value, name: str) -> list[int]:
@@ -119,14 +117,5 @@ class GptHDF5MapDataProcessor:
 
 
 def write_npz_atomic(path: str | Path, global_step: int, predictions: np.ndarray) -> None:
-    """Write to a temp file in the same directory, then rename: a half-written file never appears."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, global_step=np.int64(global_step), predictions=predictions)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """A half-written file never appears under its name, and a written one survives a crash."""
+    atomic_write(path, lambda f: np.savez(f, global_step=np.int64(global_step), predictions=predictions))

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fusion.data.hdf5 import DataError
+from fusion.data.files import DataError, atomic_write, durable_replace, read_whole_lines
 
 ROUTE_KEYS = ("model", "engine")
 
@@ -105,35 +105,30 @@ def output_path(predictions_dir: Path, input_path: Path) -> Path:
     return predictions_dir / f"output_{input_path.stem}.jsonl"
 
 
+RETRY = "retry"  # set in an error record for a transient failure: a rerun serves that line again
+
+
+def is_retry(record: dict) -> bool:
+    err = record.get("error")
+    return isinstance(err, dict) and bool(err.get(RETRY))
+
+
 class ResumableWriter:
-    """Appends output lines in input order to `<final>.partial`; renames it when all are written."""
+    """Output lines in input order, appended to `<final>.partial` and renamed to `final` when all are
+    written. A rerun resumes after the last whole line and serves again the lines whose record is a
+    transient error (`retry`); their new records replace the old ones in place."""
 
     def __init__(self, final: Path):
         self.final = final
         self.partial = final.with_name(final.name + ".partial")
         final.parent.mkdir(parents=True, exist_ok=True)
-        self.done = self._recover()
+        if final.exists() and not self.partial.exists():
+            os.replace(final, self.partial)  # finished output: a rerun only retries its transient errors
+        records = read_whole_lines(self.partial)
+        self.done = len(records)
+        self.retry = [i for i, r in enumerate(records) if is_retry(r)]  # positions to serve again
+        self._replaced: dict[int, dict] = {}
         self._fh = None
-
-    def _recover(self) -> int:
-        """Whole lines already written by an earlier run; a torn last line is cut off."""
-        if not self.partial.exists():
-            return 0
-        data = self.partial.read_bytes()
-        keep, count = 0, 0
-        for line in data.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break
-            try:
-                json.loads(line)
-            except ValueError:
-                break
-            keep += len(line)
-            count += 1
-        if keep != len(data):
-            with open(self.partial, "r+b") as f:
-                f.truncate(keep)
-        return count
 
     def write(self, record: dict) -> None:
         if self._fh is None:
@@ -141,21 +136,34 @@ class ResumableWriter:
         self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
         self.done += 1
 
+    def replace(self, position: int, record: dict) -> None:
+        """The new record of a line written earlier (a retried transient error); applied by finish()."""
+        self._replaced[position] = record
+
     def flush(self) -> None:
         if self._fh is not None:
             self._fh.flush()
             os.fsync(self._fh.fileno())
 
     def finish(self) -> None:
-        if self._fh is None:
+        self.close()
+        if not self.partial.exists():
             self.partial.touch()  # an input with no lines still gets its (empty) output
-        else:
-            self.flush()
-            self._fh.close()
-            self._fh = None
-        os.replace(self.partial, self.final)
+        if not self._replaced:
+            durable_replace(self.partial, self.final)
+            return
+
+        def merged(f):
+            with open(self.partial, "rb") as src:
+                for pos, line in enumerate(src):
+                    rec = self._replaced.get(pos)
+                    f.write(line if rec is None else (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+
+        atomic_write(self.final, merged)
+        self.partial.unlink()
 
     def close(self) -> None:
         if self._fh is not None:
+            self.flush()
             self._fh.close()
             self._fh = None

@@ -1,0 +1,172 @@
+"""Multi-model fusion host: check a deployment, serve it, or run its models over their data.
+(`run_mm.py` at the top of the repository is this module's command line.)
+
+    python run_mm.py --mode validate_only --params configs/demo.yaml --variants smollm2,2 gemma3,1
+    python run_mm.py --mode compile_only  --params configs/demo.yaml --variants smollm2,1 gemma3,1
+    python run_mm.py --mode predict       --params configs/demo.yaml --variants smollm2,2 gemma3,1
+    python run_mm.py --mode eval          --params configs/demo.yaml --variants smollm2,1 gemma3,1
+    python run_mm.py --mode serve         --params configs/demo.yaml --variants smollm2,2 gemma3,1
+
+Flags override the params file's `runconfig` keys of the same name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+import zmq
+
+from fusion.data.files import DataError
+from fusion.deploy import build_fusion
+from fusion.local import LocalDeployment
+from fusion.params import ParamsError, load_params
+from fusion.plan import make_plan
+from fusion.predict import build_jobs, run_predict
+from routing.security import SecurityError, check_bind
+
+MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", "-m", choices=MODES, default="validate_only")
+    ap.add_argument("--params", "-p", required=True)
+    ap.add_argument("--model_dir", "-o")
+    ap.add_argument("--variants", nargs="+", help="NAME,COUNT ...")
+    ap.add_argument("--num_workers", type=int)
+    ap.add_argument("--devices")
+    ap.add_argument("--router")
+    ap.add_argument("--frontend")
+    ap.add_argument("--backend")
+    ap.add_argument("--inference_steps", type=int)
+    ap.add_argument("--threads_per_worker", type=int)
+    ap.add_argument("--curve_keys", help="CurveZMQ keys directory (python -m routing.security DIR)")
+    ap.add_argument("--insecure", action="store_true", default=None,
+                    help="allow binding the router off loopback without CurveZMQ")
+    ap.add_argument("--max_restarts", type=int, help="restarts of a crashed worker before giving up")
+    ap.add_argument("--restart_wait", type=float,
+                    help="seconds queued requests wait for a model with no live worker before failing (no_worker)")
+    return ap
+
+
+def configure(args) -> tuple[dict, object, object]:
+    params = load_params(args.params)
+    run = params["runconfig"]
+    for key in ("model_dir", "variants", "num_workers", "devices", "router", "frontend", "backend",
+                "inference_steps", "threads_per_worker", "curve_keys", "insecure", "max_restarts",
+                "restart_wait"):
+        val = getattr(args, key, None)
+        if val is not None:
+            run[key] = val
+    if not run["router"]:  # before anything starts: a router bound off loopback needs keys
+        for addr in (run["frontend"], run["backend"]):
+            check_bind(addr, run["curve_keys"], bool(run["insecure"]))
+    fusion = build_fusion(params, run["variants"])
+    plan = make_plan(fusion, run["num_workers"], run["devices"], run["threads_per_worker"])
+    return params, fusion, plan
+
+
+def serve(params: dict, fusion, plan) -> int:
+    run = params["runconfig"]
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(plan.describe())
+    with LocalDeployment.from_runconfig(fusion, plan, run) as dep:
+        print(f"serving: clients connect to {dep.frontend} (workers: {dep.router.backend_addr})", flush=True)
+        while not stop.wait(0.5):
+            pass
+    print("stopped", flush=True)  # every worker was told to shut down and has exited
+    return 0
+
+
+def _against_router(params: dict, fusion, plan, work):
+    """Return work(frontend, client_kw), run against the configured router or a local one with its workers."""
+    run = params["runconfig"]
+    if run["router"]:
+        return work(run["router"], {"curve_keys": run["curve_keys"]} if run["curve_keys"] else {})
+    with LocalDeployment.from_runconfig(fusion, plan, run) as dep:
+        dep.wait_loaded()
+        return work(dep.frontend, dep.client_kw())
+
+
+def predict(params: dict, fusion, plan) -> int:
+    run = params["runconfig"]
+    jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"])  # checks the data before any load
+    _, summary = _against_router(params, fusion, plan, lambda fe, kw: run_predict(fe, jobs, client_kw=kw))
+    for line in summary:
+        print(line, flush=True)
+    failed = sum(j.failed for j in jobs)
+    for j in jobs:
+        print(f"outputs: {j.output}", flush=True)
+    if failed:
+        print(f"error: {failed} batches or lines failed for a transient reason (see above); rerun the same command "
+              "to finish them", file=sys.stderr)
+        return 1
+    return 0
+
+
+def evaluate(params: dict, fusion, plan) -> int:
+    from fusion.evaluate import build_eval_jobs, run_eval
+
+    run = params["runconfig"]
+    jobs = build_eval_jobs(fusion, run["model_dir"], run["inference_steps"])
+    for line in _against_router(params, fusion, plan, lambda fe, kw: run_eval(fe, jobs, client_kw=kw)):
+        print(line, flush=True)
+    failed = sum(j.failed for j in jobs)
+    if failed:
+        print(f"error: {failed} samples failed for a transient reason (see above); rerun the same command to "
+              "score them", file=sys.stderr)
+        return 1
+    return 0
+
+
+def compile_models(fusion, plan) -> int:
+    from fusion.compile import compile_only
+
+    print(plan.describe(), flush=True)
+    reports, devices = compile_only(fusion, plan)
+    for r in reports:
+        before = f"{r.load_s_before_cache:.1f}s before the cache, " if r.load_s_before_cache is not None else ""
+        print(f"{r.variant} ({r.source}, {r.dtype} on {r.device}): start {before}{r.load_s:.1f}s"
+              f"{' from ' + r.cache if r.cache else ''}; batch of {r.batch_size} x {r.max_tokens} tokens in "
+              f"{r.batch_s}s; measured {r.measured_bytes / 2**20:.0f} MiB (estimated {r.estimated_bytes / 2**20:.0f}"
+              f" MiB); {'fits' if r.fits else 'DOES NOT FIT: ' + str(r.error)}", flush=True)
+        print(json.dumps(r.as_dict()), flush=True)
+    for d in devices:
+        print(json.dumps(d), flush=True)
+    return 0 if all(d["fits"] for d in devices) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        params, fusion, plan = configure(args)
+    except (ParamsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.mode == "validate_only":
+        print(plan.describe())
+        return 0
+    try:
+        if args.mode == "serve":
+            return serve(params, fusion, plan)
+        if args.mode in ("predict", "infer"):
+            return predict(params, fusion, plan)
+        if args.mode == "eval":
+            return evaluate(params, fusion, plan)
+        return compile_models(fusion, plan)
+    except (DataError, SecurityError) as exc:  # bad input: nothing ran
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError, zmq.ZMQError) as exc:  # workers that never came up, an address taken
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""What the batch jobs' files share: the input error, atomic durable writes, an append-only record log.
+
+An atomic write goes to a temp file in the same directory, is fsynced, renamed over the target,
+and the directory fsynced: after a crash the target is either the old file or the whole new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+class DataError(ValueError):
+    """Bad input data or settings; the message names the file and the row, line or key."""
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_replace(src: str | Path, dst: str | Path) -> None:
+    """Rename src over dst once src's bytes are on disk, then make the rename itself durable."""
+    with open(src, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(src, dst)
+    fsync_dir(Path(dst).parent)
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    """write(f) fills a temp file beside `path`, which then replaces `path` durably."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix + ".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    atomic_write(path, lambda f: f.write(json.dumps(obj, ensure_ascii=False).encode("utf-8")))
+
+
+def read_whole_lines(path: Path) -> list[dict]:
+    """The JSON records of a log written line by line; a torn or unreadable last line (a run killed
+    mid-write) is cut off the file, so appending goes on after the last whole record."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    keep, records = 0, []
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            break
+        keep += len(line)
+    if keep != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    return records
+
+
+class RecordLog:
+    """Append-only JSON lines, each fsynced as written: what a killed run had finished survives."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.records = read_whole_lines(path)
+        self._fh = None
+
+    def append(self, record: dict) -> None:
+        if self._fh is None:
+            self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self.records.append(record)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def remove(self) -> None:
+        self.close()
+        self.path.unlink(missing_ok=True)
