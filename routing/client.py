@@ -19,6 +19,7 @@ it belongs to (`bad_reply`, `too_large`); the others go on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -198,7 +199,11 @@ class Client(_Base):
                 if msg["type"] == P.RESULT:
                     return
         except (TimeoutError, GeneratorExit):
-            self.sock.send(P.pack({"type": P.CANCEL, "id": rid}))
+            if not self.sock.closed:
+                try:
+                    self.sock.send(P.pack({"type": P.CANCEL, "id": rid}), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the router is unreachable: it cancels on its own when it can't deliver
             raise
 
     def complete(self, model, prompt, **params) -> dict:
@@ -342,18 +347,22 @@ class AsyncClient(_Base):
 
     async def complete(self, model, prompt, **params) -> dict:
         response = None
-        async for msg in self._run(model, prompt, False, params):  # ends right after the result
-            if msg["type"] == P.RESULT:
-                response = msg["response"]
+        async with contextlib.aclosing(self._run(model, prompt, False, params)) as msgs:
+            async for msg in msgs:  # ends right after the result
+                if msg["type"] == P.RESULT:
+                    response = msg["response"]
         if response is None:
             raise RouterError(P.INTERNAL, "stream ended without a result")
         return response
 
     async def stream(self, model, prompt, **params):
-        async for msg in self._run(model, prompt, True, params):
-            if msg["type"] == P.CHUNK:
-                for out in msg["outputs"]:
-                    yield out
+        """Yield {"index", "token_ids", "text", "finish_reason"} per new token and sample; closing it
+        early (aclose, or a cancelled task) cancels the request on the worker."""
+        async with contextlib.aclosing(self._run(model, prompt, True, params)) as msgs:
+            async for msg in msgs:
+                if msg["type"] == P.CHUNK:
+                    for out in msg["outputs"]:
+                        yield out
 
 
 def main(argv: list[str] | None = None) -> int:

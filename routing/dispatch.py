@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,7 +66,7 @@ class ModelEntry:
     name: str
     spec: dict  # sent to the worker in ASSIGN: source, dtype, engine config, defaults
     queue: deque = field(default_factory=deque)
-    orphan_since: float | None = None  # since when no live worker serves it
+    orphan_since: float | None = None  # when it lost its last live worker (None: it has one, or never had)
     abandoned: bool = False  # the supervisor gave up on its last worker: queued requests fail at once
 
 
@@ -262,12 +261,12 @@ class Dispatch:
         self._finish(p.key)
         self._to_client(p.client, P.error(p.client_id, code, message))
 
-    def undeliverable_send(self, send: Send, why: str) -> None:
+    def undeliverable_send(self, send: Send, why: str, now: float) -> None:
         """The socket could not deliver `send` (full queue, peer gone): never lose it silently."""
         if send.side == BACK:
             w = self.workers.get(send.frames[0])
             if w is not None:
-                self._drop(w, f"unreachable: {why}")
+                self._drop(w, f"unreachable: {why}", now)
             return
         self.undeliverable += 1
         p = self.pending.get(send.key) if send.key else None
@@ -326,7 +325,7 @@ class Dispatch:
         mtype = msg["type"]
         if mtype == P.READY:
             if w is not None:
-                self._drop(w, "re-registered")
+                self._drop(w, "re-registered", now)
             caps = msg.get("capabilities") if isinstance(msg.get("capabilities"), dict) else {}
             slot = caps.get("slot")
             slot = slot if isinstance(slot, int) and not isinstance(slot, bool) else None
@@ -337,6 +336,7 @@ class Dispatch:
             self._registrations += 1
             self.workers[ident] = w
             self.models[w.model_id].abandoned = False
+            self.models[w.model_id].orphan_since = None
             self._to_worker(ident, P.pack({"type": P.ASSIGN, "worker_id": w.worker_id, "model_id": w.model_id,
                                            "model": self._spec_for(w)}))
             return
@@ -344,7 +344,7 @@ class Dispatch:
             return  # a worker we dropped: it registers again when our heartbeats stop reaching it
         w.last_seen = now
         if mtype == P.HEARTBEAT and isinstance(msg.get("engine"), dict):
-            w.engine = {k: v for k, v in msg["engine"].items() if k in ("running", "aborted") and isinstance(v, int)}
+            w.engine = {k: v for k, v in msg["engine"].items() if k in ("running", "aborted", "dropped") and isinstance(v, int)}
         if mtype == P.LOADED:
             w.loaded = True
             w.load_error = None
@@ -352,6 +352,7 @@ class Dispatch:
         elif mtype == P.LOAD_FAILED:
             # shown in status; the model's queue waits restart_wait for a worker that can load it
             w.load_error = str(msg.get("message"))[:2000]
+            self._note_orphan(w.model_id, now)
 
     def worker_data(self, ident: bytes, head: bytes, body: bytes, now: float) -> None:
         w = self.workers.get(ident)
@@ -387,10 +388,16 @@ class Dispatch:
     def _has_loaded_worker(self, model_id: int) -> bool:
         return any(w.loaded and w.model_id == model_id for w in self.workers.values())
 
-    def _drop(self, w: WorkerState, why: str) -> None:
+    def _note_orphan(self, model_id: int, now: float) -> None:
+        m = self.models[model_id]
+        if not self._usable(model_id) and m.orphan_since is None:
+            m.orphan_since = now
+
+    def _drop(self, w: WorkerState, why: str, now: float) -> None:
         w.alive, w.loaded, w.lost = False, False, why
         self.workers.pop(w.ident, None)
         self.dead.append(w)
+        self._note_orphan(w.model_id, now)
         lost = f"worker {w.worker_id} serving model {w.model_id} was lost ({why})"
         requeued: set[int] = set()
         for key in sorted(w.inflight):
@@ -401,7 +408,7 @@ class Dispatch:
             live = [mid for mid in p.candidates if self._has_loaded_worker(mid)]
             room = [mid for mid in live if len(self.models[mid].queue) < self.config.max_queue]
             if room and p.resends < self.config.max_redispatch:
-                self._resend(p, min(room, key=self._load))
+                self._resend(p, min(room, key=self._load), now)
                 requeued.add(p.model_id)
                 continue
             more = ("; no other live worker serves it" if not live else
@@ -412,11 +419,11 @@ class Dispatch:
         for mid in requeued:
             self._drain_queue(mid)
 
-    def _resend(self, p: Pending, model_id: int) -> None:
+    def _resend(self, p: Pending, model_id: int, now: float) -> None:
         p.resends += 1
         self.resent += 1
         p.model_id = model_id
-        p.queued_at = time.monotonic()
+        p.queued_at = now
         if p.streamed:
             msg = P.unpack(p.frame, {P.COMPLETE})
             msg["resume"] = [[i, n] for i, n in sorted(p.streamed.items())]
@@ -436,7 +443,7 @@ class Dispatch:
         for w in list(self.workers.values()):
             if w.capabilities.get("pid") == msg.get("pid") and w.capabilities.get("host") == msg.get("host"):
                 model_id = w.model_id
-                self._drop(w, "its process exited")
+                self._drop(w, "its process exited", now)
         if msg.get("restart") is False and model_id in self.models and not self._usable(model_id):
             m = self.models[model_id]
             m.abandoned = True
@@ -448,15 +455,13 @@ class Dispatch:
         beat = P.pack({"type": P.HEARTBEAT})
         for w in list(self.workers.values()):
             if now - w.last_seen > deadline:
-                self._drop(w, "no heartbeat")
+                self._drop(w, "no heartbeat", now)
             else:
                 self._to_worker(w.ident, beat)
         for m in self.models.values():
             if self._usable(m.model_id):
                 m.orphan_since = None
             else:
-                if m.orphan_since is None:
-                    m.orphan_since = now
                 self._expire_queue(m, now)
 
     def _expire_queue(self, m: ModelEntry, now: float) -> None:
@@ -464,7 +469,7 @@ class Dispatch:
         failed = [w for w in self.workers.values() if w.model_id == m.model_id and w.load_error]
         why = f"; its worker could not load it: {failed[0].load_error}" if failed else ""
         for p in list(m.queue):
-            since = max(p.queued_at, m.orphan_since if m.orphan_since is not None else now)
+            since = max(p.queued_at, m.orphan_since or 0.0)
             if m.abandoned or now - since >= wait:
                 m.queue.remove(p)
                 self.no_worker += 1

@@ -153,11 +153,11 @@ class Router:
         try:
             sock.send_multipart(send.frames, zmq.NOBLOCK)
         except zmq.Again:
-            self.dispatch.undeliverable_send(send, "its receive queue is full")
+            self.dispatch.undeliverable_send(send, "its receive queue is full", time.monotonic())
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            self.dispatch.undeliverable_send(send, "it is no longer connected")
+            self.dispatch.undeliverable_send(send, "it is no longer connected", time.monotonic())
 
     def shutdown(self) -> None:
         if self._release_workers and not self.backend.closed:

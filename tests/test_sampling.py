@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
+import torch
 from conftest import tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams
-from workers.sampler import uniform
+from workers.sampler import SampleSpec, sample, uniform
 
 
 def _engine(lm, **kw):
@@ -68,3 +70,61 @@ def test_uniform_is_keyed_and_spread():
     assert all(0 <= v < 1 for v in vals)
     assert abs(sum(vals) / len(vals) - 0.5) < 0.05
     assert uniform(42, 1, 7) == uniform(42, 1, 7) != uniform(42, 2, 7)
+
+
+def _draws(logits: torch.Tensor, n: int, **kw) -> Counter:
+    """n tokens drawn from one logits row, each with its own (seed, token index) key."""
+    opts = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, **kw}
+    specs = [SampleSpec(row=i, seed=99, sample_index=0, token_index=i, num_top=None, **opts) for i in range(n)]
+    tokens, _, _ = sample(logits.expand(n, -1).contiguous(), specs)
+    return Counter(tokens)
+
+
+def _chi_square(counts: Counter, probs: list[float], n: int) -> float:
+    return sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in enumerate(probs) if p > 0)
+
+
+# chi-square critical values at p = 0.001: the draws are deterministic (fixed seeds), so this
+# threshold only has to separate "the right distribution" from a wrong one, never flake
+CHI2_999 = {1: 10.83, 3: 16.27, 7: 24.32}
+
+
+def test_sampled_tokens_follow_the_tempered_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    n = 4000
+    for temperature in (1.0, 0.5, 2.0):
+        probs = torch.softmax(logits / temperature, -1).tolist()
+        got = _draws(logits, n, temperature=temperature)
+        assert _chi_square(got, probs, n) < CHI2_999[7], (temperature, got)
+    # and it is not just any distribution: the same draws against the untempered one fail the test
+    assert _chi_square(_draws(logits, n, temperature=2.0), torch.softmax(logits, -1).tolist(), n) > CHI2_999[7]
+
+
+def test_top_p_keeps_the_smallest_head_reaching_p_and_renormalizes():
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    logits = probs.log()
+    n = 4000
+    # sorted: 0.4, 0.3 | 0.2, 0.1. The head before 0.3 holds 0.4 < 0.6, so 0.3 stays; 0.2 is past it.
+    got = _draws(logits, n, top_p=0.6)
+    assert set(got) == {1, 3}
+    assert _chi_square(got, [0, 4 / 7, 0, 3 / 7], n) < CHI2_999[1]
+    got = _draws(logits, n, top_p=0.75)  # 0.4 + 0.3 = 0.7 < 0.75: the 0.2 token is needed too
+    assert set(got) == {1, 2, 3}
+    assert _chi_square(got, [0, 4 / 9, 2 / 9, 3 / 9], n) < 13.82  # df 2
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
+    got = _draws(logits, 2000, top_k=2)
+    assert set(got) == {1, 3}
+
+
+def test_sampler_makes_its_tensors_on_the_logits_device():
+    """A tensor created without the logits' device lands on `meta` here, and mixing devices raises:
+    the CPU stand-in for a CUDA run (where a CPU tensor among CUDA ones fails every sampled request)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    specs = [SampleSpec(row=r, temperature=0.7, top_k=10, top_p=0.9, seed=1, sample_index=0, token_index=r,
+                        num_top=2) for r in (2, 0)]
+    with torch.device("meta"):
+        tokens, chosen, tops = sample(logits, specs)
+    assert all(0 <= t < 50 for t in tokens) and all(x <= 0 for x in chosen) and all(len(t) == 2 for t in tops)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import hf_greedy, tiny
 
@@ -44,8 +46,8 @@ def test_end_token_is_kept_and_stops(lm, reference, as_list):
 def test_model_eos_stops_unless_ignored(lm, reference):
     eos = lm.eos_token_ids[0]
     if eos not in reference:
-        # make the reference's 4th token this model's EOS for the test
-        lm.eos_token_ids = [reference[3]]
+        # the reference's 4th token as this model's EOS, on a copy: the module's fixture stays as it is
+        lm = dataclasses.replace(lm, eos_token_ids=[reference[3]])
         eos = reference[3]
     first = reference.index(eos)
     stopped = _run(lm, max_tokens=40)
