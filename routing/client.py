@@ -53,6 +53,7 @@ def _lost(frames: list[bytes]) -> dict:
 
 log = logging.getLogger(__name__)
 REPLY_TYPES = {P.CHUNK, P.RESULT, P.REPLY, P.ERROR}
+RECEIVE_QUEUE = 100_000  # messages: one connection may carry many streams (AsyncClient, the HTTP gateway)
 BAD_REPLY = "bad_reply"
 
 
@@ -97,6 +98,7 @@ class _Base:
         self.ctx = ctx
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         if curve_keys:
             connect_curve(self.sock, curve_keys, curve_name)
         self.monitor = self.sock.get_monitor_socket(_WATCH)

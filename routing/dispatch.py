@@ -46,12 +46,16 @@ class RouterConfig:
     # every worker it reaches must not take down the whole deployment)
     restart_wait: float = 30.0  # how long queued requests wait for a model without a live worker
     keep_dead: int = 64  # lost workers kept for `status`; older ones are pruned
+    # messages queued for one peer before a write to it fails (and is handled, never dropped silently):
+    # one client connection may carry hundreds of streams (the HTTP gateway), so its queue is deep
+    client_queue: int = 100_000
+    worker_queue: int = 10_000
     hard_message_limit: int = 64 * 1024 * 1024  # the socket drops peers beyond this (ZMQ_MAXMSGSIZE)
     curve_keys: str | None = None  # CurveZMQ keys directory (routing.security): both sockets then need keys
     insecure: bool = False  # allow binding off loopback without CurveZMQ
 
     def __post_init__(self) -> None:
-        for name in ("max_queue", "max_inflight", "liveness", "keep_dead"):
+        for name in ("max_queue", "max_inflight", "liveness", "keep_dead", "client_queue", "worker_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.heartbeat_interval > 0:

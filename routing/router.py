@@ -36,8 +36,8 @@ class Router:
         self.auth = None
         self._stop = False
         self._release_workers = True
-        self.frontend = self._socket()
-        self.backend = self._socket()
+        self.frontend = self._socket(self.config.client_queue)
+        self.backend = self._socket(self.config.worker_queue)
         try:
             if self.config.curve_keys:
                 self.auth = serve_curve(self.ctx, [self.frontend, self.backend], self.config.curve_keys)
@@ -59,9 +59,10 @@ class Router:
     def status(self) -> dict:
         return self.dispatch.status()
 
-    def _socket(self) -> zmq.Socket:
+    def _socket(self, queue: int) -> zmq.Socket:
         s = self.ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, queue)
         s.setsockopt(zmq.MAXMSGSIZE, self.config.hard_message_limit)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable or over the high-water mark: an error, not a drop
         return s
