@@ -160,6 +160,11 @@ def test_serve_restarts_a_crashed_worker():
             os.kill(gpt2["pid"], signal.SIGKILL)
             wait_for(lambda: any(w["model_id"] == 1 and w["alive"] and w["loaded"] and w["pid"] != gpt2["pid"]
                                  for w in c.status()["workers"]), timeout=120)
+            back = next(w for w in c.status()["workers"] if w["alive"] and w["pid"] != gpt2["pid"]
+                        and w["model_id"] == 1)
+            # the restarted process names its slot: same planned model and device, a new worker ID
+            assert (back["slot"], back["device"]) == (gpt2["slot"], gpt2["device"]) == (1, "cpu")
+            assert back["id"] not in (0, 1)
             assert c.models()[1]["workers"] and c.complete(model="gpt2", prompt=[1, 2], max_tokens=2)["choices"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

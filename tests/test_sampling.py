@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 import torch
 from conftest import tiny
 
@@ -128,3 +129,13 @@ def test_sampler_makes_its_tensors_on_the_logits_device():
     with torch.device("meta"):
         tokens, chosen, tops = sample(logits, specs)
     assert all(0 <= t < 50 for t in tokens) and all(x <= 0 for x in chosen) and all(len(t) == 2 for t in tops)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampler_on_cuda_matches_cpu():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    specs = [SampleSpec(row=r, temperature=0.8, top_k=40, top_p=0.9, seed=7, sample_index=0, token_index=r,
+                        num_top=3) for r in range(4)]
+    cpu = sample(logits, specs)
+    gpu = sample(logits.cuda(), specs)
+    assert gpu[0] == cpu[0]
