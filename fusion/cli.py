@@ -26,6 +26,7 @@ from fusion.local import LocalDeployment
 from fusion.params import ParamsError, load_params
 from fusion.plan import make_plan
 from fusion.predict import build_jobs, run_predict
+from routing.http.server import GatewayError
 from routing.security import SecurityError, check_bind
 
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
@@ -48,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--insecure", action="store_true", default=None,
                     help="allow binding the router off loopback without CurveZMQ")
     ap.add_argument("--max_restarts", type=int, help="restarts of a crashed worker before giving up")
+    ap.add_argument("--http", help="HOST:PORT: serve also starts the OpenAI-compatible HTTP gateway there")
+    ap.add_argument("--api-key", "--api_key", action="append", dest="api_key",
+                    help="an API key the HTTP gateway accepts (repeatable)")
+    ap.add_argument("--api_keys_file", help="a file of API keys the HTTP gateway accepts, one per line")
     ap.add_argument("--restart_wait", type=float,
                     help="seconds queued requests wait for a model with no live worker before failing (no_worker)")
     return ap
@@ -65,6 +70,14 @@ def configure(args) -> tuple[dict, object, object]:
     if not run["router"]:  # before anything starts: a router bound off loopback needs keys
         for addr in (run["frontend"], run["backend"]):
             check_bind(addr, run["curve_keys"], bool(run["insecure"]))
+    run["http"] = getattr(args, "http", None) or run["http"]
+    if run["http"]:  # the same for the HTTP gateway: off loopback it needs API keys
+        from routing.http.server import api_keys, check_listen, parse_listen
+
+        keys = api_keys([*(run["api_keys"] or []), *(getattr(args, "api_key", None) or [])],
+                        getattr(args, "api_keys_file", None))
+        run["api_keys"] = list(keys)
+        check_listen(parse_listen(run["http"])[0], keys, bool(run["insecure"]))
     fusion = build_fusion(params, run["variants"])
     plan = make_plan(fusion, run["num_workers"], run["devices"], run["threads_per_worker"])
     return params, fusion, plan
@@ -78,8 +91,21 @@ def serve(params: dict, fusion, plan) -> int:
     print(plan.describe())
     with LocalDeployment.from_runconfig(fusion, plan, run) as dep:
         print(f"serving: clients connect to {dep.frontend} (workers: {dep.router.backend_addr})", flush=True)
-        while not stop.wait(0.5):
-            pass
+        gateway = None
+        if run["http"]:
+            from routing.http.app import GatewaySettings
+            from routing.http.server import GatewayThread, parse_listen
+
+            settings = GatewaySettings(router=dep.frontend, api_keys=tuple(run["api_keys"] or ()),
+                                       curve_keys=run["curve_keys"])
+            gateway = GatewayThread(settings, *parse_listen(run["http"])).start()
+            print(f"serving: OpenAI-compatible HTTP at {gateway.url}/v1", flush=True)
+        try:
+            while not stop.wait(0.5):
+                pass
+        finally:
+            if gateway is not None:
+                gateway.stop()
     print("stopped", flush=True)  # every worker was told to shut down and has exited
     return 0
 
@@ -160,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "eval":
             return evaluate(params, fusion, plan)
         return compile_models(fusion, plan)
-    except (DataError, SecurityError) as exc:  # bad input: nothing ran
+    except (DataError, SecurityError, GatewayError) as exc:  # bad input: nothing ran
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, TimeoutError, zmq.ZMQError) as exc:  # workers that never came up, an address taken

@@ -19,7 +19,9 @@ RUNCONFIG_DEFAULTS = {
     "curve_keys": None,  # CurveZMQ keys directory (python -m routing.security DIR); needed off loopback
     "insecure": False,  # bind off loopback without CurveZMQ
     "max_restarts": 5,  # a crashed worker is started again at most this many times
-    "restart_wait": 30.0,  # seconds queued requests wait for a model with no live worker, then fail (no_worker)
+    "restart_wait": 30.0,
+    "http": None,  # HOST:PORT: serve also starts the OpenAI-compatible HTTP gateway there
+    "api_keys": None,  # accepted API keys of the HTTP gateway (needed off loopback, unless insecure)  # seconds queued requests wait for a model with no live worker, then fail (no_worker)
 }
 MODEL_KEYS = {"source", "dtype", "start_token", "end_token", "max_tokens", "loop_dim", "temperature", "top_p",
               "top_k", "max_model_len", "max_batch_size", "max_batch_tokens", "deltat_scaling_factor"}

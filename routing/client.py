@@ -314,13 +314,16 @@ class AsyncClient(_Base):
     async def status(self) -> dict:
         return await self._admin(P.STATUS)
 
-    async def _run(self, model, prompt, stream: bool, params: dict):
+    async def _run(self, model, prompt, stream: bool, params: dict, task: str = P.GENERATE):
         """The request's messages, up to and including its result (as Client._run). Left early (a
         consumer that stops iterating, a cancelled task), it cancels the request on the worker."""
         rid = await self._open()
         done = False
         try:
-            await self.sock.send(P.pack(self._complete_msg(rid, model, prompt, stream, params)))
+            msg = self._complete_msg(rid, model, prompt, stream, params)
+            if task != P.GENERATE:
+                msg["task"] = task
+            await self.sock.send(P.pack(msg))
             while True:
                 try:
                     msg = await self._get(rid)
@@ -347,9 +350,17 @@ class AsyncClient(_Base):
         except zmq.ZMQError:
             pass
 
-    async def complete(self, model, prompt, **params) -> dict:
+    async def events(self, model, prompt, stream: bool = True, task: str = P.GENERATE, **params):
+        """The raw messages of one request: chunks (when streamed), then the result; a RouterError
+        for an error. Closing it early cancels the request on the worker."""
+        async with contextlib.aclosing(self._run(model, prompt, stream, params, task)) as msgs:
+            async for msg in msgs:
+                yield msg
+
+    async def complete(self, model, prompt, task: str = P.GENERATE, **params) -> dict:
+        """An OpenAI completions response dict (or, for another task, that task's answer)."""
         response = None
-        async with contextlib.aclosing(self._run(model, prompt, False, params)) as msgs:
+        async with contextlib.aclosing(self._run(model, prompt, False, params, task)) as msgs:
             async for msg in msgs:  # ends right after the result
                 if msg["type"] == P.RESULT:
                     response = msg["response"]

@@ -3,7 +3,11 @@
 Every message is one ZeroMQ frame holding a msgpack map with at least {"v": VERSION, "type": T}.
 
 Clients (DEALER) <-> router frontend (ROUTER):
-  client -> router   complete {id, model, prompt, params, stream}   cancel {id}   models {id}   status {id}
+  client -> router   complete {id, model, prompt, params, stream, task}   cancel {id}   models {id}   status {id}
+  task (default generate): generate (prompt: text or token IDs), chat (prompt: [{role, content}, ...],
+  rendered with the model's chat template), tokenize (prompt: text or messages), detokenize (prompt:
+  token IDs), tokenizer_info (no prompt). Every task is routed like a completion; its answer is a
+  result whose response is the task's output.
   router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}   error {id, code, message}
   The router fixes the seed of every request that has none (unless temperature is 0) on arrival.
 
@@ -47,6 +51,10 @@ LOAD_FAILED = "load_failed"  # worker -> router: {model_id, worker_id, message};
 WORKER_EXITED = "worker_exited"  # supervisor -> router (inproc control socket): {pid, host}
 CLIENT_TYPES = {COMPLETE, CANCEL, MODELS, STATUS}
 WORKER_TYPES = {READY, LOADED, LOAD_FAILED, HEARTBEAT}
+
+# tasks of a complete request
+GENERATE, CHAT, TOKENIZE, DETOKENIZE, TOKENIZER_INFO = "generate", "chat", "tokenize", "detokenize", "tokenizer_info"
+TASKS = (GENERATE, CHAT, TOKENIZE, DETOKENIZE, TOKENIZER_INFO)
 
 # error codes
 BAD_REQUEST = "bad_request"  # undecodable, wrong shape, invalid parameter
@@ -103,9 +111,10 @@ class CompleteRequest:
 
     id: str
     model: str | int
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict] | None
     params: dict
     stream: bool
+    task: str = GENERATE
 
     @classmethod
     def from_msg(cls, msg: dict) -> CompleteRequest:
@@ -115,18 +124,36 @@ class CompleteRequest:
         model = msg.get("model")
         if isinstance(model, bool) or not isinstance(model, (str, int)):
             raise ProtocolError("model must be a model name or an integer model ID", request_id=rid)
+        task = msg.get("task", GENERATE)
+        if task not in TASKS:
+            raise ProtocolError(f"task must be one of {', '.join(TASKS)}, got {task!r}", request_id=rid)
         prompt = msg.get("prompt")
-        if isinstance(prompt, list):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if task == CHAT or (task == TOKENIZE and isinstance(prompt, list)):
+            if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
+                raise ProtocolError("messages must be a non-empty list of {role, content} objects", request_id=rid)
+        elif task == DETOKENIZE:
+            if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
+                raise ProtocolError("tokens must be a list of integer token IDs", request_id=rid)
+        elif task == TOKENIZE:
+            if not isinstance(prompt, str):
+                raise ProtocolError("prompt must be text (or messages a list of {role, content} objects)",
+                                    request_id=rid)
+        elif task == GENERATE:
+            if isinstance(prompt, list):
+                if not all(_is_int(t) for t in prompt):
+                    raise ProtocolError("prompt must be text or a list of integer token IDs", request_id=rid)
+            elif not isinstance(prompt, str):
                 raise ProtocolError("prompt must be text or a list of integer token IDs", request_id=rid)
-        elif not isinstance(prompt, str):
-            raise ProtocolError("prompt must be text or a list of integer token IDs", request_id=rid)
-        if not prompt:
-            raise ProtocolError("prompt must not be empty", request_id=rid)
+            if not prompt:
+                raise ProtocolError("prompt must not be empty", request_id=rid)
         params = msg.get("params", {})
         if not isinstance(params, dict):
             raise ProtocolError("params must be a map", request_id=rid)
-        return cls(rid, model, prompt, params, bool(msg.get("stream", False)))
+        return cls(rid, model, prompt, params, bool(msg.get("stream", False)), task)
+
+
+def _is_int(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 def header(mtype: str, key: str, tokens: int | list = 0) -> bytes:

@@ -11,8 +11,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 # Byte-level vocabulary: 256 byte symbols plus the specials below.
-SPECIALS = ["<|endoftext|>", "<|pad|>"]
+SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 TINY_VOCAB = 320
+# ChatML, as SmolLM2 uses it. GPT-2 gets none, like the real GPT-2: a model without a chat template.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 # Shared shape: small enough to be fast, big enough for GQA (4 heads over 2 KV heads).
 _HIDDEN, _LAYERS, _HEADS, _KV_HEADS, _FFN, _CTX = 64, 2, 4, 2, 128, 512
@@ -42,7 +45,7 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
+def byte_tokenizer(chat: bool = True) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with no merges: every byte is a token, built offline."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
@@ -52,14 +55,17 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=SPECIALS[0], pad_token=SPECIALS[1])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=SPECIALS[0], pad_token=SPECIALS[1])
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 def build_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """Return (model, tokenizer) for a random-weight model of architecture `arch`."""
     if arch not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_CONFIGS)}")
-    tok = byte_tokenizer()
+    tok = byte_tokenizer(chat=arch != "gpt2")
     kwargs = dict(TINY_CONFIGS[arch])
     model_type = kwargs.pop("model_type")
     config = AutoConfig.for_model(

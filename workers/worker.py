@@ -155,15 +155,37 @@ class EngineThread(threading.Thread):
             return
         self._send(out, {"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"]})
 
+    def _task(self, task: str, prompt, params: dict) -> dict:
+        """A tokenizer task's answer, computed here and now (no engine step)."""
+        from workers import tasks
+
+        e, name = self.engine, self.spec["name"]
+        if task == P.TOKENIZE:
+            return tasks.tokenize(e.tokenizer, prompt, params, name, e.lm.max_model_len)
+        if task == P.DETOKENIZE:
+            return tasks.detokenize(e.tokenizer, prompt, e.lm.vocab_size)
+        return tasks.tokenizer_info(e.tokenizer, name, e.lm.max_model_len)
+
     def _add(self, key: str, msg: dict, out) -> None:
         from workers.completions import sampling_params
+        from workers.tasks import chat_prompt, end_of_turn_ids
 
         cid = msg.get("id")
+        task = msg.get("task", P.GENERATE)
         try:
             if self.engine is None:
                 raise RuntimeError("no model loaded")
+            if task in (P.TOKENIZE, P.DETOKENIZE, P.TOKENIZER_INFO):
+                answer = self._task(task, msg.get("prompt"), msg.get("params", {}))
+                self._send_data(out, P.RESULT, key, {"type": P.RESULT, "id": cid, "response": answer})
+                return
+            prompt = msg["prompt"]
+            if task == P.CHAT:
+                prompt = chat_prompt(self.engine.tokenizer, prompt, self.spec["name"])
             params, echo = sampling_params(msg.get("params", {}), self.spec.get("defaults"))
-            self.engine.add_request(key, msg["prompt"], params)
+            if task == P.CHAT and not params.ignore_eos:  # the reply ends with the template's end of turn
+                params.stop_token_ids = sorted(set(params.stop_token_ids) | set(end_of_turn_ids(self.engine.tokenizer)))
+            self.engine.add_request(key, prompt, params)
         except ValueError as exc:
             self._send_data(out, P.ERROR, key, P.error(cid, P.BAD_REQUEST, str(exc)))
             return

@@ -1,0 +1,5 @@
+import sys
+
+from routing.http.server import main
+
+sys.exit(main())

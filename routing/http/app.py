@@ -1,0 +1,410 @@
+"""The gateway's routes. Every HTTP request becomes router requests over one shared `AsyncClient`
+connection; a client that goes away has its requests cancelled on the workers; every error is
+OpenAI's error object with the status the router's code maps to (routing/http/openai.py).
+
+Each model also has a base URL of its own, `/models/<model>/...` (`/v1/completions`,
+`/v1/chat/completions`, `/tokenize`, `/detokenize`, `/tokenizer_info`), where `<model>` is what a
+request's `model` would be: tools that send no model (lm-evaluation-harness's remote tokenizer)
+reach one chosen model of a multi-model deployment that way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from routing import protocol as P
+from routing.client import AsyncClient, RouterError
+from routing.http import openai as O
+from routing.http.metrics import Metrics
+
+log = logging.getLogger("mmfusion.http")
+OPEN_PATHS = ("/health", "/metrics")  # answered without an API key (probes, scrapers)
+CLIENT_GONE = 499  # nginx's code for "the client closed the connection": recorded in metrics only
+
+
+@dataclass(slots=True)
+class GatewaySettings:
+    router: str
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout: float = 600.0  # a router request with no answer for this long fails (504)
+    probe_timeout: float = 5.0  # /health and /metrics ask the router at most this long
+    curve_keys: str | None = None
+    curve_name: str = "client"
+    models_ttl: float = 5.0  # seconds the router's model table is reused before asking again
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if not self.request_timeout > 0 or not self.probe_timeout > 0:
+            raise ValueError("request_timeout and probe_timeout must be > 0 seconds")
+
+
+class ApiKeys:
+    """ASGI middleware: `Authorization: Bearer <key>` on every path but the open ones."""
+
+    def __init__(self, app, keys: tuple[str, ...]):
+        self.app, self.keys = app, [k.encode() for k in keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.keys and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not any(hmac.compare_digest(token.strip(), k) for k in self.keys):
+                err = O.OpenAIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
+                                    code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+@dataclass(slots=True)
+class Gateway:
+    settings: GatewaySettings
+    metrics: Metrics = field(default_factory=Metrics)
+    client: AsyncClient | None = None
+    _models: list[dict] = field(default_factory=list)
+    _models_at: float = -1e9
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.settings
+        kw = {"curve_keys": s.curve_keys, "curve_name": s.curve_name} if s.curve_keys else {}
+        self.client = AsyncClient(s.router, timeout=s.request_timeout, **kw)
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    def app(self) -> Starlette:
+        routes = []
+        for prefix in ("", "/models/{model:path}"):
+            routes += [Route(prefix + "/v1/completions", self.completions, methods=["POST"]),
+                       Route(prefix + "/v1/chat/completions", self.chat, methods=["POST"]),
+                       Route(prefix + "/tokenize", self.tokenize, methods=["POST"]),
+                       Route(prefix + "/detokenize", self.detokenize, methods=["POST"]),
+                       Route(prefix + "/tokenizer_info", self.tokenizer_info, methods=["GET"])]
+        routes += [Route("/v1/models", self.list_models, methods=["GET"]),
+                   Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
+                   Route("/health", self.health, methods=["GET"]),
+                   Route("/metrics", self.prometheus, methods=["GET"])]
+        app = Starlette(routes=routes, lifespan=self.lifespan)
+        if self.settings.api_keys:
+            app.add_middleware(ApiKeys, keys=self.settings.api_keys)
+        return app
+
+    # --- helpers ---------------------------------------------------------------------------------
+    async def models(self, refresh: bool = False) -> list[dict]:
+        if refresh or time.monotonic() - self._models_at > self.settings.models_ttl:
+            self._models = await asyncio.wait_for(self.client.models(), self.settings.probe_timeout)
+            self._models_at = time.monotonic()
+        return self._models
+
+    async def target(self, request: Request, body: dict | None) -> O.Target:
+        """The model a request names: in its path (`/models/<model>/...`), else in its body (or
+        query), else the only variant when there is just one."""
+        value = request.path_params.get("model") or (body or {}).get("model") or request.query_params.get("model")
+        models = await self.models()
+        names = list(dict.fromkeys(m["name"] for m in models))
+        default = names[0] if len(names) == 1 and request.url.path.split("/")[-1] in (
+            "tokenize", "detokenize", "tokenizer_info") else None
+        try:
+            return O.resolve_model(value, models, default)
+        except O.OpenAIError as exc:
+            if exc.status != 404:
+                raise
+            return O.resolve_model(value, await self.models(refresh=True), default)  # a model table gone stale
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.settings.max_body_bytes
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > limit:
+            raise O.OpenAIError(413, f"request body of {length} bytes exceeds the limit of {limit}", code="too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise O.OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
+        try:
+            data = json.loads(body)
+        except ValueError as exc:
+            raise O.OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise O.OpenAIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        request.state.params = [k for k in data if k not in ("model", "prompt", "messages")]
+        return data
+
+    @staticmethod
+    async def until_cancelled_by_client(request: Request, coro):
+        """Run `coro`; if the client disconnects first, cancel it (which cancels on the workers)."""
+        work = asyncio.ensure_future(coro)
+
+        async def gone():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watch = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RouterError):
+                await work
+            raise ClientGone()
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+
+    @staticmethod
+    async def all_of(coros) -> list:
+        """gather, but a failure cancels the others (and so their work on the workers)."""
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    def error_response(self, exc: Exception, params=()) -> Response:
+        if isinstance(exc, O.OpenAIError):
+            err = exc
+        elif isinstance(exc, RouterError):
+            err = O.from_router(exc.code, str(exc).split(": ", 1)[-1], params)
+        elif isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+            err = O.OpenAIError(504, f"no answer from the router within {self.settings.request_timeout:g}s",
+                                code="timeout")
+        else:
+            log.exception("gateway: unexpected error")
+            err = O.OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal")
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    async def handle(self, request: Request, endpoint: str, work) -> Response:
+        """Run an endpoint's work; count it, time it, turn its failure into an OpenAI error."""
+        t0 = time.perf_counter()
+        label = "unknown"
+        try:
+            resp, label = await work(t0)
+        except ClientGone:
+            resp = Response(status_code=CLIENT_GONE)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an error object, never a crash
+            resp = self.error_response(exc, getattr(request.state, "params", ()))
+        self.metrics.requests.labels(label, endpoint, str(resp.status_code)).inc()
+        if not isinstance(resp, StreamingResponse):
+            self.metrics.e2e.labels(label).observe(time.perf_counter() - t0)
+        return resp
+
+    # --- OpenAI endpoints --------------------------------------------------------------------------
+    async def list_models(self, request: Request) -> Response:
+        async def work(t0):
+            return JSONResponse(O.model_list(await self.models(), int(time.time()))), "-"
+        return await self.handle(request, "models", work)
+
+    async def get_model(self, request: Request) -> Response:
+        async def work(t0):
+            target = O.resolve_model(request.path_params["model"], await self.models())
+            entry = next(m for m in O.model_list(await self.models(), int(time.time()))["data"]
+                         if m["id"] == target.name)
+            return JSONResponse(entry), target.name
+        return await self.handle(request, "models", work)
+
+    async def completions(self, request: Request) -> Response:
+        async def work(t0):
+            body = await self.read_json(request)
+            target = await self.target(request, body)
+            job = O.completion_job(body)
+            if job.stream.stream:
+                return await self.stream_response(request, target, job.prompts, job.params, job.n,
+                                                  job.stream.include_usage, P.GENERATE, t0), target.name
+            results = await self.until_cancelled_by_client(request, self.all_of(
+                self.client.complete(target.router_model, p, **job.params) for p in job.prompts))
+            out = O.merge_completions(results, target.name, job.n)
+            self.metrics.observe_usage(target.name, out["usage"])
+            return JSONResponse(out), target.name
+        return await self.handle(request, "completions", work)
+
+    async def chat(self, request: Request) -> Response:
+        async def work(t0):
+            body = await self.read_json(request)
+            target = await self.target(request, body)
+            job = O.chat_job(body)
+            if job.stream.stream:
+                return await self.stream_response(request, target, [job.messages], job.params, job.n,
+                                                  job.stream.include_usage, P.CHAT, t0), target.name
+            result = await self.until_cancelled_by_client(
+                request, self.client.complete(target.router_model, job.messages, task=P.CHAT, **job.params))
+            self.metrics.observe_usage(target.name, result["usage"])
+            return JSONResponse(O.chat_completion(result, target.name)), target.name
+        return await self.handle(request, "chat", work)
+
+    async def stream_response(self, request, target: O.Target, prompts: list, params: dict, n: int,
+                              include_usage: bool, task: str, t0: float) -> Response:
+        """An SSE stream of chunks. The first event is awaited before answering, so that a request
+        the worker refuses gets its HTTP error status; later failures are an error event, then
+        [DONE]. Closing the connection cancels every part of it on the workers."""
+        chat = task == P.CHAT
+        state = O.StreamState(O.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), target.name)
+        events = self.merged_events(target, prompts, params, task)
+        try:
+            first = await events.__anext__()
+        except BaseException:
+            await events.aclose()
+            raise
+        return StreamingResponse(self.sse(events, first, state, n, include_usage, chat, t0),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def merged_events(self, target: O.Target, prompts: list, params: dict, task: str):
+        """(prompt index, router message) of every prompt's stream, as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i, prompt):
+            try:
+                async for msg in self.client.events(target.router_model, prompt, True, task, **params):
+                    await queue.put((i, msg))
+                await queue.put((i, done))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
+                await queue.put((i, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await queue.get()
+                if item is done:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def sse(self, events, first, state: O.StreamState, n: int, include_usage: bool, chat: bool, t0: float):
+        model, m = state.model, self.metrics
+        last = None
+        try:
+            pending = [first]
+            while True:
+                i, msg = pending.pop() if pending else await events.__anext__()
+                if msg["type"] == P.RESULT:
+                    state.usage.add(msg["response"]["usage"])
+                    continue
+                now = time.perf_counter()
+                for out in msg["outputs"]:
+                    index = i * n + out["index"]
+                    if out["token_ids"]:
+                        if last is None:
+                            m.ttft.labels(model).observe(now - t0)
+                        else:
+                            m.itl.labels(model).observe((now - last) / len(out["token_ids"]))
+                        last = now
+                    if chat:
+                        if index not in state.started:
+                            state.started.add(index)
+                            yield _sse(O.chat_chunk(state.id, state.created, model, index,
+                                                    {"role": "assistant", "content": ""}))
+                        if out["text"]:
+                            yield _sse(O.chat_chunk(state.id, state.created, model, index, {"content": out["text"]}))
+                        if out["finish_reason"]:
+                            yield _sse(O.chat_chunk(state.id, state.created, model, index, {}, out["finish_reason"]))
+                    elif out["text"] or out["finish_reason"]:
+                        yield _sse(O.completion_chunk(state.id, state.created, model, index, out["text"],
+                                                      out["finish_reason"]))
+        except StopAsyncIteration:
+            if include_usage:
+                yield _sse(O.usage_chunk(state.id, state.created, model,
+                                         "chat.completion.chunk" if chat else "text_completion", state.usage))
+            m.observe_usage(model, state.usage.as_dict())
+        except Exception as exc:  # noqa: BLE001 - a stream that fails part-way: an error event, then [DONE]
+            resp = self.error_response(exc)
+            m.requests.labels(model, "stream", str(resp.status_code)).inc()
+            yield b"data: " + resp.body + b"\n\n"
+        finally:
+            await events.aclose()
+            m.e2e.labels(model).observe(time.perf_counter() - t0)
+        yield SSE_DONE
+
+    # --- tokenizer endpoints -------------------------------------------------------------------------
+    async def _task(self, request: Request, endpoint: str, task: str, body_needed: bool, build) -> Response:
+        async def work(t0):
+            body = await self.read_json(request) if body_needed else {}
+            target = await self.target(request, body)
+            prompt, params = build(body)
+            answer = await self.until_cancelled_by_client(
+                request, self.client.complete(target.router_model, prompt, task=task, **params))
+            return JSONResponse(answer), target.name
+        return await self.handle(request, endpoint, work)
+
+    async def tokenize(self, request: Request) -> Response:
+        def build(body):
+            if "messages" in body:
+                return body["messages"], {}
+            if not isinstance(body.get("prompt"), str):
+                raise O.bad("prompt", "prompt must be a string (or give messages)")
+            add = body.get("add_special_tokens", True)
+            return body["prompt"], {"add_special_tokens": add}
+        return await self._task(request, "tokenize", P.TOKENIZE, True, build)
+
+    async def detokenize(self, request: Request) -> Response:
+        def build(body):
+            return body.get("tokens"), {}
+        return await self._task(request, "detokenize", P.DETOKENIZE, True, build)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return await self._task(request, "tokenizer_info", P.TOKENIZER_INFO, False, lambda body: (None, {}))
+
+    # --- operations ----------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        try:
+            models = await self.models()
+            status = await asyncio.wait_for(self.client.status(), self.settings.probe_timeout)
+        except Exception as exc:  # noqa: BLE001 - unhealthy, whatever the reason
+            return JSONResponse({"status": "unavailable", "error": f"the router did not answer: {exc!r}"}, 503)
+        missing = [f"{m['name']}:{m['id']}" for m in models
+                   if not any(w["alive"] and w["loaded"] and w["model_id"] == m["id"] for w in status["workers"])]
+        if missing:
+            return JSONResponse({"status": "unavailable", "models_without_worker": missing}, 503)
+        return JSONResponse({"status": "ok", "models": [f"{m['name']}:{m['id']}" for m in models]})
+
+    async def prometheus(self, request: Request) -> Response:
+        try:
+            models = await self.models()
+            self.metrics.router_state(models, await asyncio.wait_for(self.client.status(),
+                                                                     self.settings.probe_timeout))
+        except Exception as exc:  # noqa: BLE001 - the gateway's own metrics are still worth serving
+            log.warning("gateway: router state for /metrics unavailable: %r", exc)
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,45 @@
+"""Prometheus metrics of one gateway, in a registry of its own (several gateways, or tests, in one
+process never share counters). Router-side figures (queue depth, in flight, live workers) are read
+from the router's status at each scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mmfusion_http_requests", "HTTP requests by model, endpoint and status",
+                                ["model", "endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("mmfusion_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("mmfusion_generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("mmfusion_time_to_first_token_seconds", "Time to the first streamed token",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("mmfusion_inter_token_latency_seconds", "Time between streamed tokens", ["model"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("mmfusion_e2e_request_latency_seconds", "Request time, arrival to last byte",
+                             ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queued = Gauge("mmfusion_queue_depth", "Requests waiting in the router's queue, per model copy",
+                            ["model"], registry=r)
+        self.inflight = Gauge("mmfusion_inflight_requests", "Requests on workers, per model copy", ["model"],
+                              registry=r)
+        self.live_workers = Gauge("mmfusion_live_workers", "Live, loaded workers per model copy", ["model"],
+                                  registry=r)
+
+    def observe_usage(self, model: str, usage: dict) -> None:
+        self.prompt_tokens.labels(model).inc(usage.get("prompt_tokens", 0))
+        self.generation_tokens.labels(model).inc(usage.get("completion_tokens", 0))
+
+    def router_state(self, models: list[dict], status: dict) -> None:
+        for m in models:
+            label = f"{m['name']}:{m['id']}"
+            ws = [w for w in status["workers"] if w["alive"] and w["model_id"] == m["id"]]
+            self.live_workers.labels(label).set(sum(w["loaded"] for w in ws))
+            self.inflight.labels(label).set(sum(w["inflight"] for w in ws))
+            self.queued.labels(label).set(status["queued"].get(str(m["id"]), 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

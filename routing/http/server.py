@@ -1,0 +1,127 @@
+"""Running the gateway: uvicorn in the foreground (the CLI) or in a thread (run_mm serve --http).
+
+    python -m routing.http --router tcp://127.0.0.1:5555 --http 127.0.0.1:8000 [--api-key KEY ...]
+
+It binds 127.0.0.1 by default. Any other address needs API keys (`--api-key`, `--api-keys-file`
+with one key per line, or MMFUSION_API_KEYS, comma-separated) or an explicit `--insecure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from routing.http.app import Gateway, GatewaySettings
+
+KEYS_ENV = "MMFUSION_API_KEYS"
+
+
+class GatewayError(ValueError):
+    """A gateway that must not start as asked (bad address, off loopback without keys)."""
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise GatewayError(f"--http must be HOST:PORT (e.g. 127.0.0.1:8000), got {value!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_keys(keys: list[str] | None = None, keys_file: str | None = None, env: dict | None = None) -> tuple[str, ...]:
+    """Keys from the flags, a file (one per line, # comments) and the environment, in that order."""
+    out = [k for k in (keys or []) if k]
+    if keys_file:
+        try:
+            lines = Path(keys_file).read_text().splitlines()
+        except OSError as exc:
+            raise GatewayError(f"api keys file {keys_file}: {exc.strerror}") from None
+        out += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    out += [k.strip() for k in (env if env is not None else os.environ).get(KEYS_ENV, "").split(",") if k.strip()]
+    return tuple(dict.fromkeys(out))
+
+
+def check_listen(host: str, keys: tuple[str, ...], insecure: bool) -> None:
+    if not is_loopback(host) and not keys and not insecure:
+        raise GatewayError(f"the HTTP gateway would listen on {host}, off loopback, with no API key: give "
+                           f"--api-key (or --api-keys-file, or {KEYS_ENV}), or --insecure to allow it")
+
+
+def make_server(settings: GatewaySettings, host: str, port: int, log_level: str = "warning") -> uvicorn.Server:
+    app = Gateway(settings).app()
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
+                            lifespan="on", access_log=False, timeout_keep_alive=30)
+    return uvicorn.Server(config)
+
+
+class GatewayThread:
+    """The gateway on a thread of this process (run_mm serve): start() returns once it listens."""
+
+    def __init__(self, settings: GatewaySettings, host: str, port: int):
+        self.server = make_server(settings, host, port)
+        self.thread = threading.Thread(target=self.server.run, name="http-gateway", daemon=True)
+        self.host, self.port = host, port
+
+    def start(self, timeout: float = 30.0) -> GatewayThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise GatewayError(f"the HTTP gateway could not start on {self.host}:{self.port} (see above)")
+            if time.monotonic() > deadline:
+                raise GatewayError(f"the HTTP gateway did not start on {self.host}:{self.port} within {timeout}s")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def add_arguments(ap: argparse.ArgumentParser, router: bool = True) -> None:
+    if router:
+        ap.add_argument("--router", default="tcp://127.0.0.1:5555", help="the router's client endpoint")
+        ap.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT to listen on")
+        ap.add_argument("--insecure", action="store_true", help="listen off loopback without API keys")
+        ap.add_argument("--curve-keys", help="CurveZMQ keys directory, when the router requires it")
+    ap.add_argument("--api-key", action="append", dest="api_key", help="an accepted API key (repeatable)")
+    ap.add_argument("--api-keys-file", help="a file of accepted API keys, one per line")
+    ap.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    try:
+        host, port = parse_listen(args.http)
+        keys = api_keys(args.api_key, args.api_keys_file)
+        check_listen(host, keys, args.insecure)
+        settings = GatewaySettings(router=args.router, api_keys=keys, max_body_bytes=args.max_body_bytes,
+                                   curve_keys=args.curve_keys)
+    except (GatewayError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"gateway: http://{host}:{port} -> router {args.router}", flush=True)
+    make_server(settings, host, port, args.log_level).run()
+    return 0

@@ -1,0 +1,305 @@
+"""The OpenAI-compatible HTTP gateway against a running deployment (router thread, worker
+processes, tiny models), with the `openai` package, httpx and prometheus_client's parser as clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import free_port, plain_logits, tiny
+from prometheus_client.parser import text_string_to_metric_families
+from test_router_lifecycle import TINY, wait_for
+from test_routing import Deployment, engine_reference
+
+from routing.client import Client
+from routing.http import openai as O
+from routing.http.app import GatewaySettings
+from routing.http.server import GatewayError, GatewayThread, api_keys, check_listen, parse_listen
+from routing.router import ModelEntry, Router, RouterConfig
+from workers.tasks import chat_prompt, end_of_turn_ids
+
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def dep():
+    d = Deployment(["llama,1", "gpt2,1"], num_workers=2)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def gw(dep):
+    g = GatewayThread(GatewaySettings(router=dep.frontend, max_body_bytes=64 * 1024), "127.0.0.1", free_port()).start()
+    yield g
+    g.stop()
+
+
+@pytest.fixture()
+def oai(gw):
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_variants_and_copies(oai):
+    ids = [m.id for m in oai.models.list().data]
+    assert ids == ["llama", "gpt2", "llama:0", "gpt2:1"]
+    assert oai.models.retrieve("gpt2:1").id == "gpt2:1"
+
+
+def test_completion_equals_the_engine_and_every_prompt_form_is_indexed(oai):
+    r = oai.completions.create(model="llama", prompt="Hello there", max_tokens=6, **GREEDY)
+    lm = tiny("llama", "float32")
+    want = engine_reference("llama", "Hello there", max_tokens=6, **GREEDY)
+    assert r.choices[0].text == lm.tokenizer.decode(want, skip_special_tokens=True)
+    assert r.usage.completion_tokens == 6 and r.object == "text_completion" and r.model == "llama"
+    prompts = [[5, 6, 7], [8, 9]]
+    many = oai.completions.create(model="llama:0", prompt=prompts, max_tokens=3, n=2, **GREEDY)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]  # prompt x n + sample
+    for c in many.choices:
+        ids = engine_reference("llama", prompts[c.index // 2], max_tokens=3, **GREEDY)
+        assert c.text == lm.tokenizer.decode(ids, skip_special_tokens=True)
+    texts = oai.completions.create(model="gpt2", prompt=["a", "b", "c"], max_tokens=2, **GREEDY)
+    assert [c.index for c in texts.choices] == [0, 1, 2] and texts.usage.completion_tokens == 6
+
+
+def test_lm_eval_style_scoring_carries_every_prompt_position(oai):
+    prompt = [11, 22, 33, 44, 55]
+    r = oai.completions.create(model="llama", prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None
+    logp = torch.log_softmax(plain_logits(tiny("llama", "float32").model, prompt), -1)
+    want = [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert lp.token_logprobs[1:len(prompt)] == pytest.approx(want, abs=1e-4)
+    assert len(lp.top_logprobs) == len(prompt) + 1
+
+
+def test_stream_deltas_add_up_to_the_completion_and_usage_comes_last(oai):
+    kw = dict(model="llama", prompt=[3, 1, 4, 1, 5], max_tokens=20, **GREEDY)
+    whole = oai.completions.create(**kw)
+    chunks = list(oai.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_renders_the_template_and_streams_role_then_content(oai):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = oai.chat.completions.create(model="llama", messages=msgs, max_tokens=8, **GREEDY)
+    lm = tiny("llama", "float32")
+    ids = chat_prompt(lm.tokenizer, msgs, "llama")
+    want = engine_reference("llama", ids, max_tokens=8, stop_token_ids=end_of_turn_ids(lm.tokenizer), **GREEDY)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == lm.tokenizer.decode(want, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(oai.chat.completions.create(model="llama", messages=msgs, max_tokens=8, stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+    lp = oai.chat.completions.create(model="llama", messages=msgs, max_completion_tokens=3, logprobs=True,
+                                     top_logprobs=2, **GREEDY)
+    content = lp.choices[0].logprobs.content
+    # (two byte tokens may decode to the same text, and the completions format keys alternatives by text)
+    assert len(content) == 3 and all(1 <= len(t.top_logprobs) <= 2 and t.logprob <= 0 for t in content)
+    assert [t.token for t in content] == [lm.tokenizer.decode([i]) for i in want[:3]]
+
+
+def test_async_client(gw):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        a, b = await asyncio.gather(
+            client.completions.create(model="gpt2", prompt=[1, 2, 3], max_tokens=4, **GREEDY),
+            client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}], max_tokens=2))
+        await client.close()
+        return a, b
+
+    a, b = asyncio.run(go())
+    assert a.usage.completion_tokens == 4 and b.choices[0].message.role == "assistant"
+
+
+def test_errors_are_openai_error_objects(oai, gw):
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.completions.create(model="gpt-4", prompt="x")
+    assert "llama:0" in info.value.message and info.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model="llama", prompt="x", temperature=-1)
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model="llama", prompt="x", max_tokens=2, extra_body={"frobnicate": 1})
+    assert info.value.body["param"] == "frobnicate"
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        oai.chat.completions.create(model="gpt2", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        oai.completions.create(model="llama", prompt="x", presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        oai.completions.create(model="llama", prompt=[])
+    with pytest.raises(openai.BadRequestError) as info:  # the worker refuses it before the stream starts
+        list(oai.completions.create(model="llama", prompt="x", stream=True, top_p=7))
+    assert info.value.status_code == 400
+    bad = httpx.post(gw.url + "/v1/completions", content=b"{not json", timeout=10)
+    assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    big = httpx.post(gw.url + "/v1/completions", json={"model": "llama", "prompt": "x" * 70_000}, timeout=10)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "too_large"
+
+
+def test_router_codes_map_to_http_statuses():
+    busy = O.from_router("busy", "model 'llama' (ID 0) is busy")
+    assert (busy.status, busy.headers["Retry-After"], busy.type) == (429, "1", "rate_limit_error")
+    assert [O.from_router(c, "m").status for c in ("unknown_model", "too_large", "worker_lost", "no_worker",
+                                                   "router_lost", "bad_request")] == [404, 413, 503, 503, 503, 400]
+
+
+def _engine_counts(frontend: str) -> tuple[int, int]:
+    with Client(frontend, timeout=10) as c:
+        w = next(w for w in c.status()["workers"] if w["alive"] and w["model_id"] == 0)
+        return w["inflight"], w["engine"].get("aborted", 0)
+
+
+def test_a_closed_connection_cancels_the_request_on_the_worker(gw, dep):
+    _, aborted = _engine_counts(dep.frontend)
+    body = {"model": "llama:0", "prompt": [1, 2, 3], "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as h, h.stream("POST", gw.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        wait_for(lambda: _engine_counts(dep.frontend)[0] == 1, timeout=10)
+    wait_for(lambda: _engine_counts(dep.frontend) == (0, aborted + 1), timeout=10)
+    # and a non-streamed request whose client gives up
+    with pytest.raises(httpx.ReadTimeout):  # 8 x 480 tokens take seconds
+        httpx.post(gw.url + "/v1/completions", json={**body, "stream": False, "n": 8}, timeout=0.3)
+    wait_for(lambda: _engine_counts(dep.frontend) == (0, aborted + 2), timeout=10)
+
+
+def test_metrics_parse_and_count(oai, gw):
+    oai.completions.create(model="gpt2", prompt="metrics", max_tokens=3, **GREEDY)
+    list(oai.completions.create(model="gpt2", prompt="metrics", max_tokens=3, stream=True, **GREEDY))
+    text = httpx.get(gw.url + "/metrics", timeout=10).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    reqs = {(s.labels["model"], s.labels["endpoint"], s.labels["status"]): s.value
+            for s in fams["mmfusion_http_requests"].samples if s.name.endswith("_total")}
+    assert reqs[("gpt2", "completions", "200")] >= 2
+    assert any(v >= 1 for (m, e, st), v in reqs.items() if st == "404")
+    live = {s.labels["model"]: s.value for s in fams["mmfusion_live_workers"].samples}
+    assert live == {"llama:0": 1.0, "gpt2:1": 1.0}
+    gen = {s.labels["model"]: s.value for s in fams["mmfusion_generation_tokens"].samples
+           if s.name.endswith("_total")}
+    assert gen["gpt2"] >= 6
+    ttft = [s for s in fams["mmfusion_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    assert any(s.labels["model"] == "gpt2" and s.value >= 1 for s in ttft)
+    assert {"mmfusion_queue_depth", "mmfusion_inflight_requests", "mmfusion_e2e_request_latency_seconds",
+            "mmfusion_inter_token_latency_seconds", "mmfusion_prompt_tokens"} <= set(fams)
+
+
+def test_tokenizer_endpoints_and_per_model_base_urls(gw):
+    lm = tiny("llama", "float32")
+    with httpx.Client(base_url=gw.url, timeout=10) as h:
+        tok = h.post("/models/llama/tokenize", json={"prompt": "hey there", "add_special_tokens": False}).json()
+        assert tok["tokens"] == lm.tokenizer("hey there", add_special_tokens=False).input_ids
+        assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+        assert h.post("/detokenize", json={"model": "llama", "tokens": tok["tokens"]}).json() == {"prompt": "hey there"}
+        info = h.get("/models/gpt2:1/tokenizer_info").json()
+        assert info["eos_token"] == "<|endoftext|>" and info["chat_template"] is None
+        no_model = h.post("/tokenize", json={"prompt": "x"})  # two variants: which one?
+        assert no_model.status_code == 400 and "model" in no_model.json()["error"]["message"]
+        r = h.post("/models/gpt2/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}).json()
+        assert r["model"] == "gpt2" and r["usage"]["completion_tokens"] == 2
+        chat = h.post("/models/llama/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert chat["tokens"] == chat_prompt(lm.tokenizer, [{"role": "user", "content": "hi"}], "llama")
+
+
+def test_health_names_models_without_a_worker(gw):
+    assert httpx.get(gw.url + "/health", timeout=10).json() == {"status": "ok", "models": ["llama:0", "gpt2:1"]}
+    box: list = []
+
+    def serve():  # a router whose only model has no worker
+        r = Router([ModelEntry(0, "lonely", TINY)], RouterConfig(frontend="tcp://127.0.0.1:*",
+                                                                 backend="tcp://127.0.0.1:*"))
+        box.append(r)
+        r.run()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    wait_for(lambda: box, 10)
+    g = GatewayThread(GatewaySettings(router=box[0].frontend_addr), "127.0.0.1", free_port()).start()
+    try:
+        r = httpx.get(g.url + "/health", timeout=10)
+        assert r.status_code == 503 and r.json()["models_without_worker"] == ["lonely:0"]
+    finally:
+        g.stop()
+        box[0].stop()
+        t.join(10)
+
+
+def test_api_keys(dep):
+    g = GatewayThread(GatewaySettings(router=dep.frontend, api_keys=("s3cret",)), "127.0.0.1", free_port()).start()
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=g.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=g.url + "/v1", api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model="gpt2", prompt="x", max_tokens=1).usage.completion_tokens == 1
+        assert httpx.get(g.url + "/health", timeout=10).status_code == 200  # probes need no key
+        assert httpx.post(g.url + "/tokenize", json={"model": "gpt2", "prompt": "x"}).status_code == 401
+    finally:
+        g.stop()
+
+
+def test_listening_off_loopback_needs_keys(tmp_path, monkeypatch):
+    assert parse_listen("0.0.0.0:8000") == ("0.0.0.0", 8000)
+    with pytest.raises(GatewayError, match="HOST:PORT"):
+        parse_listen("8000")
+    with pytest.raises(GatewayError, match="API key"):
+        check_listen("0.0.0.0", (), insecure=False)
+    check_listen("0.0.0.0", (), insecure=True)
+    check_listen("127.0.0.1", (), insecure=False)
+    keys = tmp_path / "keys"
+    keys.write_text("# ops\nk1\n\nk2\n")
+    assert api_keys(["k0"], str(keys), env={"MMFUSION_API_KEYS": "k3, k1"}) == ("k0", "k1", "k2", "k3")
+
+
+def test_run_mm_serve_refuses_http_off_loopback_without_keys(tmp_path):
+    import subprocess
+    import sys
+
+    from test_routing import CONFIG, ROOT
+
+    out = subprocess.run([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(CONFIG), "--http",
+                          "0.0.0.0:8000"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "API key" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_with_http_end_to_end(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from test_routing import CONFIG, ROOT
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(CONFIG), "--variants",
+                             "llama,1", "--devices", "cpu", "--frontend", f"tcp://127.0.0.1:{free_port()}",
+                             "--backend", f"tcp://127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{port}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy():
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, timeout=120)
+        r = httpx.post(url + "/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and json.loads(r.text)["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert "terminate called" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        time.sleep(0)
