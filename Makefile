@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test lint bench clean
+.PHONY: install run serve test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ install: $(STAMP)
 
 run: install
 	$(PY) -m fusion.demo
+
+# the demo models behind the OpenAI-compatible HTTP gateway at 127.0.0.1:8000 (Ctrl-C stops it)
+serve: install
+	$(PY) run_mm.py --mode serve --params configs/demo.yaml --variants smollm2,2 gemma3,1 --http 127.0.0.1:8000
 
 test: install
 	$(PY) -m pytest -q

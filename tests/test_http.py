@@ -142,6 +142,9 @@ def test_errors_are_openai_error_objects(oai, gw):
     with pytest.raises(openai.BadRequestError) as info:  # the worker refuses it before the stream starts
         list(oai.completions.create(model="llama", prompt="x", stream=True, top_p=7))
     assert info.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model="llama", prompt="x", stream=True, logprobs=1)
+    assert info.value.body["param"] == "logprobs"
     bad = httpx.post(gw.url + "/v1/completions", content=b"{not json", timeout=10)
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
     big = httpx.post(gw.url + "/v1/completions", json={"model": "llama", "prompt": "x" * 70_000}, timeout=10)
@@ -303,3 +306,28 @@ def test_serve_with_http_end_to_end(tmp_path):
         if proc.poll() is None:
             proc.kill()
         time.sleep(0)
+
+
+@pytest.mark.slow
+def test_real_chat_ends_at_the_end_of_turn_token():
+    """SmolLM2-Instruct through its own ChatML template: the reply ends at <|im_end|> (finish_reason
+    stop), which the content never shows."""
+    from fusion.deploy import build_fusion
+    from fusion.local import LocalDeployment
+    from fusion.plan import make_plan
+
+    params = {"variants": {"smollm2": {"model": {"source": "smollm2-135m", "dtype": "float32"}}},
+              "runconfig": {}, "_path": "test"}
+    fusion = build_fusion(params, ["smollm2,1"])
+    with LocalDeployment(fusion, make_plan(fusion, None, "cpu", 2), "tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as d:
+        d.wait_loaded(300)
+        g = GatewayThread(GatewaySettings(router=d.frontend), "127.0.0.1", free_port()).start()
+        try:
+            client = openai.OpenAI(base_url=g.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            r = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=64,
+                                               messages=[{"role": "user", "content": "What is 2+2? Answer briefly."}])
+            c = r.choices[0]
+            assert c.finish_reason == "stop" and "4" in c.message.content and "<|im_end|>" not in c.message.content
+            assert r.usage.completion_tokens < 64
+        finally:
+            g.stop()

@@ -151,6 +151,8 @@ def completion_job(body: dict) -> CompletionJob:
     lp = body.get("logprobs")
     if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
         raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+    if lp is not None and opts.stream:
+        raise bad("logprobs", "logprobs is not supported together with stream")
     n = body.get("n", 1)
     return CompletionJob(prompts, params, opts, n if _is_int(n) and n > 0 else 1)
 

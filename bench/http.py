@@ -1,0 +1,246 @@
+"""HTTP gateway benchmarks, printing JSON lines; every figure is measured against the ZeroMQ client
+on the same deployment in the same run.
+
+(a) short: a tiny model, `max_tokens: 1`, 64 concurrent closed-loop clients. Requests/s and
+    latency p50/p99 through the HTTP gateway (64 keep-alive connections, a lean HTTP/1.1 client)
+    and through the ZeroMQ client (64 DEALER connections); added latency = HTTP minus ZeroMQ.
+    Targets: >= 2,000 req/s over HTTP, <= 2 ms added at p50.
+(b) engine: the bench/engine.py workload (SmolLM2-135M bf16, 64 requests) as 64 concurrent
+    streaming HTTP requests, against the same 64 requests through the ZeroMQ AsyncClient.
+    Target: HTTP >= 0.9x the ZeroMQ client's tokens/s. Best of `--repeats`, alternating.
+
+    python bench/http.py [--seconds 5] [--repeats 2] [--skip-engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.router import emit, free_port, pct  # noqa: E402
+from routing import protocol as P  # noqa: E402
+
+
+def serve(params: dict, variants: str, threads: int) -> tuple[subprocess.Popen, str, str, Path]:
+    cfg = ROOT / "bench" / f"_http_{variants.split(',')[0]}.yaml"
+    params["runconfig"] = {"threads_per_worker": threads}
+    cfg.write_text(json.dumps(params))
+    front, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(cfg), "--variants",
+                             variants, "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}",
+                             "--devices", "cpu", "--http", http], cwd=ROOT, stdout=subprocess.DEVNULL)
+    import httpx
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://{http}/health", timeout=2).status_code == 200:
+                return proc, front, f"http://{http}", cfg
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError("run_mm.py serve exited")
+        time.sleep(0.5)
+    raise TimeoutError("the deployment did not become healthy")
+
+
+def stop(proc: subprocess.Popen, cfg: Path) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
+    cfg.unlink(missing_ok=True)
+
+
+# --- (a) short requests ------------------------------------------------------------------------
+
+def zmq_load(addr: str, clients: int, seconds: float, body: dict) -> tuple[int, list[float], float]:
+    """Closed loop over `clients` DEALER connections, one thread (as bench/router.py)."""
+    ctx = zmq.Context.instance()
+    socks = []
+    for _ in range(clients):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        socks.append(s)
+    poller = zmq.Poller()
+    for s in socks:
+        poller.register(s, zmq.POLLIN)
+    sent, lat, counter = {}, [], 0
+
+    def fire(s):
+        nonlocal counter
+        counter += 1
+        sent[s] = time.perf_counter()
+        s.send(P.pack({"type": P.COMPLETE, "id": str(counter), "model": body["model"], "prompt": body["prompt"],
+                       "params": {k: v for k, v in body.items() if k not in ("model", "prompt")}}))
+
+    start = time.perf_counter()
+    stop_at = start + seconds
+    for s in socks:
+        fire(s)
+    while sent:
+        for s, _ in poller.poll(5000):
+            msg = P.unpack(s.recv(), {P.RESULT, P.ERROR})
+            if msg["type"] != P.RESULT:
+                raise RuntimeError(f"zmq request failed: {msg}")
+            now = time.perf_counter()
+            lat.append(now - sent.pop(s))
+            if now < stop_at:
+                fire(s)
+    wall = time.perf_counter() - start
+    for s in socks:
+        s.close()
+    return len(lat), lat, wall
+
+
+async def _http_conn(host: str, port: int, request: bytes, stop_at: float, lat: list[float]) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        while time.perf_counter() < stop_at:
+            t = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = head[9:12]
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line[:15].lower() == b"content-length:":
+                    length = int(line[15:])
+            body = await reader.readexactly(length)
+            if status != b"200":
+                raise RuntimeError(f"HTTP {status.decode()}: {body[:300]!r}")
+            lat.append(time.perf_counter() - t)
+    finally:
+        writer.close()
+
+
+def http_load(url: str, clients: int, seconds: float, body: dict) -> tuple[int, list[float], float]:
+    """Closed loop over `clients` keep-alive connections: pre-encoded requests, minimal parsing, so
+    that the load generator is not what is measured."""
+    hostport = url.removeprefix("http://")
+    host, port = hostport.split(":")
+    payload = json.dumps(body).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
+    lat: list[float] = []
+
+    async def go():
+        start = time.perf_counter()
+        await asyncio.gather(*[_http_conn(host, int(port), request, start + seconds, lat) for _ in range(clients)])
+        return time.perf_counter() - start
+
+    import uvloop
+
+    wall = uvloop.run(go())
+    return len(lat), lat, wall
+
+
+def bench_short(seconds: float, clients: int) -> None:
+    params = {"variants": {"tiny": {"model": {"source": "tiny:llama", "dtype": "float32", "max_batch_size": 64,
+                                              "max_batch_tokens": 512}}}}
+    proc, front, url, cfg = serve(params, "tiny,1", 1)
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0.0}
+    try:
+        zmq_load(front, clients, 1.0, body)  # warm-up
+        http_load(url, clients, 1.0, body)
+        z = zmq_load(front, clients, seconds, body)
+        h = http_load(url, clients, seconds, body)
+    finally:
+        stop(proc, cfg)
+    zn, zl, zw = z
+    hn, hl, hw = h
+    emit(bench="http_short", clients=clients, http_requests=hn, http_requests_per_s=round(hn / hw, 1),
+         http_p50_ms=round(pct(hl, 0.5) * 1e3, 3), http_p99_ms=round(pct(hl, 0.99) * 1e3, 3),
+         zmq_requests_per_s=round(zn / zw, 1), zmq_p50_ms=round(pct(zl, 0.5) * 1e3, 3),
+         zmq_p99_ms=round(pct(zl, 0.99) * 1e3, 3),
+         added_latency_p50_ms=round((pct(hl, 0.5) - pct(zl, 0.5)) * 1e3, 3),
+         added_latency_p99_ms=round((pct(hl, 0.99) - pct(zl, 0.99)) * 1e3, 3),
+         target_requests_per_s=2000, target_added_p50_ms=2.0)
+
+
+# --- (b) the engine workload ---------------------------------------------------------------------
+
+async def _zmq_engine(front: str, prompts, max_tokens) -> tuple[float, int]:
+    from routing.client import AsyncClient
+
+    async with AsyncClient(front, timeout=900) as c:
+        t = time.perf_counter()
+        res = await asyncio.gather(*[c.complete("m", p, max_tokens=m, temperature=0.0, ignore_eos=True)
+                                     for p, m in zip(prompts, max_tokens)])
+        return time.perf_counter() - t, sum(r["usage"]["completion_tokens"] for r in res)
+
+
+async def _http_engine(url: str, prompts, max_tokens) -> tuple[float, int]:
+    import httpx
+
+    async def one(h, p, m):
+        body = {"model": "m", "prompt": p, "max_tokens": m, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        tokens = 0
+        async with h.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"usage"' in line:
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+        return tokens
+
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as h:
+        t = time.perf_counter()
+        got = await asyncio.gather(*[one(h, p, m) for p, m in zip(prompts, max_tokens)])
+        return time.perf_counter() - t, sum(got)
+
+
+def bench_engine(n: int, model: str, dtype: str, repeats: int) -> None:
+    from bench.engine import workload
+    from workers.models import load_model
+
+    vocab = load_model(model, dtype=dtype).vocab_size
+    prompts, max_tokens = workload(n, vocab)
+    useful = sum(max_tokens)
+    params = {"variants": {"m": {"model": {"source": model, "dtype": dtype, "max_batch_size": 64,
+                                           "max_batch_tokens": 512}}}}
+    proc, front, url, cfg = serve(params, "m,1", 2)
+    best = {"zmq": float("inf"), "http": float("inf")}
+    try:
+        asyncio.run(_zmq_engine(front, [prompts[0][:16]], [2]))  # warm-up
+        for _ in range(repeats):
+            for name, run in (("zmq", lambda: _zmq_engine(front, prompts, max_tokens)),
+                              ("http", lambda: _http_engine(url, prompts, max_tokens))):
+                wall, got = asyncio.run(run())
+                if got != useful:
+                    raise RuntimeError(f"{name}: served {got} tokens, wanted {useful}")
+                best[name] = min(best[name], wall)
+    finally:
+        stop(proc, cfg)
+    emit(bench="http_engine", model=model, dtype=dtype, requests=n, tokens=useful, streams=n,
+         http_tokens_per_s=round(useful / best["http"], 2), zmq_tokens_per_s=round(useful / best["zmq"], 2),
+         ratio=round(best["zmq"] / best["http"], 3), target_ratio=0.9, repeats=repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    if args.seconds <= 0 or args.clients < 1 or args.repeats < 1:
+        ap.error("--seconds must be > 0, --clients and --repeats >= 1")
+    bench_short(args.seconds, args.clients)
+    if not args.skip_engine:
+        bench_engine(args.n, args.model, args.dtype, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
