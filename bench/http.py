@@ -14,18 +14,21 @@ on the same deployment in the same run.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import zmq
-
+# run as a script, this file's folder comes first on sys.path, and this file would shadow the
+# standard library's `http` package that httpx and uvicorn import: put the repository there instead
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+import zmq  # noqa: E402
 
 from bench.router import emit, free_port, pct  # noqa: E402
 from routing import protocol as P  # noqa: E402
@@ -36,22 +39,26 @@ def serve(params: dict, variants: str, threads: int) -> tuple[subprocess.Popen, 
     params["runconfig"] = {"threads_per_worker": threads}
     cfg.write_text(json.dumps(params))
     front, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    import httpx
+
     proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(cfg), "--variants",
                              variants, "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}",
                              "--devices", "cpu", "--http", http], cwd=ROOT, stdout=subprocess.DEVNULL)
-    import httpx
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://{http}/health", timeout=2).status_code == 200:
-                return proc, front, f"http://{http}", cfg
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError("run_mm.py serve exited")
-        time.sleep(0.5)
-    raise TimeoutError("the deployment did not become healthy")
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://{http}/health", timeout=2).status_code == 200:
+                    return proc, front, f"http://{http}", cfg
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError("run_mm.py serve exited")
+            time.sleep(0.5)
+        raise TimeoutError("the deployment did not become healthy")
+    except BaseException:
+        stop(proc, cfg)
+        raise
 
 
 def stop(proc: subprocess.Popen, cfg: Path) -> None:
@@ -148,22 +155,22 @@ def bench_short(seconds: float, clients: int) -> None:
                                               "max_batch_tokens": 512}}}}
     proc, front, url, cfg = serve(params, "tiny,1", 1)
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0.0}
+    rows = []
     try:
         zmq_load(front, clients, 1.0, body)  # warm-up
         http_load(url, clients, 1.0, body)
-        z = zmq_load(front, clients, seconds, body)
-        h = http_load(url, clients, seconds, body)
+        for n in sorted({1, clients}):  # one client: the gateway's own cost; many: its cost under load
+            rows.append((n, zmq_load(front, n, seconds, body), http_load(url, n, seconds, body)))
     finally:
         stop(proc, cfg)
-    zn, zl, zw = z
-    hn, hl, hw = h
-    emit(bench="http_short", clients=clients, http_requests=hn, http_requests_per_s=round(hn / hw, 1),
-         http_p50_ms=round(pct(hl, 0.5) * 1e3, 3), http_p99_ms=round(pct(hl, 0.99) * 1e3, 3),
-         zmq_requests_per_s=round(zn / zw, 1), zmq_p50_ms=round(pct(zl, 0.5) * 1e3, 3),
-         zmq_p99_ms=round(pct(zl, 0.99) * 1e3, 3),
-         added_latency_p50_ms=round((pct(hl, 0.5) - pct(zl, 0.5)) * 1e3, 3),
-         added_latency_p99_ms=round((pct(hl, 0.99) - pct(zl, 0.99)) * 1e3, 3),
-         target_requests_per_s=2000, target_added_p50_ms=2.0)
+    for n, (zn, zl, zw), (hn, hl, hw) in rows:
+        emit(bench="http_short", clients=n, http_requests=hn, http_requests_per_s=round(hn / hw, 1),
+             http_p50_ms=round(pct(hl, 0.5) * 1e3, 3), http_p99_ms=round(pct(hl, 0.99) * 1e3, 3),
+             zmq_requests_per_s=round(zn / zw, 1), zmq_p50_ms=round(pct(zl, 0.5) * 1e3, 3),
+             zmq_p99_ms=round(pct(zl, 0.99) * 1e3, 3),
+             added_latency_p50_ms=round((pct(hl, 0.5) - pct(zl, 0.5)) * 1e3, 3),
+             added_latency_p99_ms=round((pct(hl, 0.99) - pct(zl, 0.99)) * 1e3, 3),
+             target_requests_per_s=2000, target_added_p50_ms=2.0)
 
 
 # --- (b) the engine workload ---------------------------------------------------------------------

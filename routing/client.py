@@ -294,8 +294,14 @@ class AsyncClient(_Base):
     async def _get(self, rid: str) -> dict:
         import asyncio
 
+        q = self._queues[rid]
+        if not q.empty():  # the common case under load: no timer, no task
+            return _check(q.get_nowait())
         try:
-            return _check(await asyncio.wait_for(self._queues[rid].get(), self.timeout))
+            if hasattr(asyncio, "timeout"):  # 3.11+: a timer on this task, not a task per wait
+                async with asyncio.timeout(self.timeout):
+                    return _check(await q.get())
+            return _check(await asyncio.wait_for(q.get(), self.timeout))
         except asyncio.TimeoutError:
             await self.sock.send(P.pack({"type": P.CANCEL, "id": rid}))
             raise TimeoutError(f"no answer from {self.address} within {self.timeout}s") from None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from routing.http.app import Gateway, GatewaySettings
+from routing.http.app import MAX_BODY_BYTES, Gateway, GatewaySettings
 
 KEYS_ENV = "MMFUSION_API_KEYS"
 
@@ -105,7 +105,7 @@ def add_arguments(ap: argparse.ArgumentParser, router: bool = True) -> None:
         ap.add_argument("--curve-keys", help="CurveZMQ keys directory, when the router requires it")
     ap.add_argument("--api-key", action="append", dest="api_key", help="an accepted API key (repeatable)")
     ap.add_argument("--api-keys-file", help="a file of accepted API keys, one per line")
-    ap.add_argument("--max-body-bytes", type=int, default=GatewaySettings.max_body_bytes)
+    ap.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
 
 
 def main(argv: list[str] | None = None) -> int:
