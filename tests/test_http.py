@@ -331,3 +331,27 @@ def test_real_chat_ends_at_the_end_of_turn_token():
             assert r.usage.completion_tokens < 64
         finally:
             g.stop()
+
+
+def test_a_stream_that_fails_part_way_ends_with_an_error_event_then_done():
+    from test_router_lifecycle import one_worker
+
+    with one_worker() as (router, worker, _):
+        g = GatewayThread(GatewaySettings(router=router.frontend_addr), "127.0.0.1", free_port()).start()
+        try:
+            body = {"model": "llama", "prompt": [1, 2, 3], "max_tokens": 480, "ignore_eos": True, "stream": True}
+            events = []
+            with httpx.Client(timeout=30) as h, h.stream("POST", g.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line:
+                        continue
+                    events.append(line)
+                    if len(events) == 2:
+                        worker.kill()  # the only worker: the router answers worker_lost mid-stream
+            assert events[-1] == "data: [DONE]"
+            err = json.loads(events[-2].removeprefix("data: "))
+            assert err["error"]["code"] == "worker_lost" and "lost" in err["error"]["message"]
+            assert all("choices" in json.loads(e.removeprefix("data: ")) for e in events[:-2])
+        finally:
+            g.stop()
