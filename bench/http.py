@@ -28,10 +28,8 @@ import json  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
-import zmq  # noqa: E402
-
 from bench.router import emit, free_port, pct  # noqa: E402
-from routing import protocol as P  # noqa: E402
+from bench.router import load as zmq_load  # noqa: E402
 
 
 def serve(params: dict, variants: str, threads: int) -> tuple[subprocess.Popen, str, str, Path]:
@@ -68,46 +66,6 @@ def stop(proc: subprocess.Popen, cfg: Path) -> None:
 
 
 # --- (a) short requests ------------------------------------------------------------------------
-
-def zmq_load(addr: str, clients: int, seconds: float, body: dict) -> tuple[int, list[float], float]:
-    """Closed loop over `clients` DEALER connections, one thread (as bench/router.py)."""
-    ctx = zmq.Context.instance()
-    socks = []
-    for _ in range(clients):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(addr)
-        socks.append(s)
-    poller = zmq.Poller()
-    for s in socks:
-        poller.register(s, zmq.POLLIN)
-    sent, lat, counter = {}, [], 0
-
-    def fire(s):
-        nonlocal counter
-        counter += 1
-        sent[s] = time.perf_counter()
-        s.send(P.pack({"type": P.COMPLETE, "id": str(counter), "model": body["model"], "prompt": body["prompt"],
-                       "params": {k: v for k, v in body.items() if k not in ("model", "prompt")}}))
-
-    start = time.perf_counter()
-    stop_at = start + seconds
-    for s in socks:
-        fire(s)
-    while sent:
-        for s, _ in poller.poll(5000):
-            msg = P.unpack(s.recv(), {P.RESULT, P.ERROR})
-            if msg["type"] != P.RESULT:
-                raise RuntimeError(f"zmq request failed: {msg}")
-            now = time.perf_counter()
-            lat.append(now - sent.pop(s))
-            if now < stop_at:
-                fire(s)
-    wall = time.perf_counter() - start
-    for s in socks:
-        s.close()
-    return len(lat), lat, wall
-
 
 async def _http_conn(host: str, port: int, request: bytes, stop_at: float, lat: list[float]) -> None:
     reader, writer = await asyncio.open_connection(host, port)

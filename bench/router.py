@@ -49,8 +49,11 @@ def direct_echo_server(addr: str) -> None:
         s.send_multipart([ident, P.pack(echo_response(msg))])
 
 
-def load(addr: str, clients: int, seconds: float) -> tuple[int, list[float], float]:
-    """`clients` connections, each with one request in flight (closed loop), driven by one thread."""
+def load(addr: str, clients: int, seconds: float, body: dict | None = None) -> tuple[int, list[float], float]:
+    """`clients` connections, each with one request in flight (closed loop), driven by one thread.
+    body: {"model", "prompt", **params} (default: the echo worker's request); an error answer raises."""
+    body = body or {"model": "echo", "prompt": [1, 2, 3]}
+    params = {k: v for k, v in body.items() if k not in ("model", "prompt")}
     ctx = zmq.Context.instance()
     socks = []
     for _ in range(clients):
@@ -69,15 +72,18 @@ def load(addr: str, clients: int, seconds: float) -> tuple[int, list[float], flo
         nonlocal counter
         counter += 1
         sent[s] = time.perf_counter()
-        s.send(P.pack({"type": P.COMPLETE, "id": str(counter), "model": "echo", "prompt": [1, 2, 3], "params": {}}))
+        s.send(P.pack({"type": P.COMPLETE, "id": str(counter), "model": body["model"], "prompt": body["prompt"],
+                       "params": params}))
 
     start = time.perf_counter()
     stop_at = start + seconds
     for s in socks:
         fire(s)
     while sent:
-        for s, _ in poller.poll(1000):
-            s.recv()
+        for s, _ in poller.poll(5000):
+            msg = P.unpack(s.recv(), {P.RESULT, P.ERROR})
+            if msg["type"] != P.RESULT:
+                raise RuntimeError(f"request failed: {msg}")
             now = time.perf_counter()
             lat.append(now - sent.pop(s))
             if now < stop_at:

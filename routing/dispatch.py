@@ -139,7 +139,7 @@ class Dispatch:
         self._next_id = 0
         self.resent = 0  # requests sent again after losing their worker
         self.undeliverable = 0  # messages the frontend could not deliver (slow or vanished client)
-        self.stray = 0  # data from a worker the request was not given to (ignored)
+        self.stray = 0  # data from a worker the request was not given to, or from a dropped one (refused)
         self.no_worker = 0  # queued requests failed because no worker came for their model
         self.internal_errors = 0
 
@@ -361,6 +361,7 @@ class Dispatch:
     def worker_data(self, ident: bytes, head: bytes, body: bytes, now: float) -> None:
         w = self.workers.get(ident)
         if w is None:
+            self.stray += 1  # a dropped worker's late output (its requests went elsewhere): refused
             return
         w.last_seen = now
         try:

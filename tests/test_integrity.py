@@ -99,8 +99,10 @@ def test_a_stalled_worker_that_registers_again_never_crosses_results():
                 return next((w for w in c.status()["workers"]
                              if w["pid"] == victim["pid"] and w["alive"] and w["id"] != victim["id"]), None)
 
-            wait_for(lambda: back() is not None and back()["engine"].get("dropped", 0) >= 1, timeout=20)
-            assert back()["engine"]["running"] == 0
+            # it registered again (a new worker ID for the same process). Whether it still held stale
+            # work when assigned again, or finished it first and had that output refused, depends on
+            # timing (the router restart test above forces the first; test_dispatch tests the refusal)
+            wait_for(lambda: back() is not None and back()["engine"].get("running") == 0, timeout=20)
             assert c.status()["resent"] >= victim["inflight"]
             # served again under its new registration
             assert _complete_all(router.frontend_addr, [[3, 1, 4, 1, 5]] * 4, max_tokens=6, **GREEDY) == \

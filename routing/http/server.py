@@ -9,7 +9,6 @@ with one key per line, or MMFUSION_API_KEYS, comma-separated) or an explicit `--
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 import threading
@@ -19,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from routing.http.app import MAX_BODY_BYTES, Gateway, GatewaySettings
+from routing.security import is_loopback
 
 KEYS_ENV = "MMFUSION_API_KEYS"
 
@@ -32,15 +32,6 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise GatewayError(f"--http must be HOST:PORT (e.g. 127.0.0.1:8000), got {value!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def api_keys(keys: list[str] | None = None, keys_file: str | None = None, env: dict | None = None) -> tuple[str, ...]:
@@ -57,7 +48,7 @@ def api_keys(keys: list[str] | None = None, keys_file: str | None = None, env: d
 
 
 def check_listen(host: str, keys: tuple[str, ...], insecure: bool) -> None:
-    if not is_loopback(host) and not keys and not insecure:
+    if not is_loopback(f"tcp://[{host}]:0") and not keys and not insecure:
         raise GatewayError(f"the HTTP gateway would listen on {host}, off loopback, with no API key: give "
                            f"--api-key (or --api-keys-file, or {KEYS_ENV}), or --insecure to allow it")
 
