@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+# run as a script, bench/ is first on sys.path, where bench/http.py would shadow the standard
+# library's http package (which torch, httpx and uvicorn import): the repository root goes there
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
 
 from workers.attention import hf_attention  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402

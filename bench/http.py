@@ -17,10 +17,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# run as a script, this file's folder comes first on sys.path, and this file would shadow the
-# standard library's `http` package that httpx and uvicorn import: put the repository there instead
+# run as a script, bench/ is first on sys.path, where bench/http.py would shadow the standard
+# library's http package (which torch, httpx and uvicorn import): the repository root goes there
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402

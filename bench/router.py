@@ -20,10 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-import zmq
-
+# run as a script, bench/ is first on sys.path, where bench/http.py would shadow the standard
+# library's http package (which torch, httpx and uvicorn import): the repository root goes there
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+
+import zmq  # noqa: E402
 
 from routing import protocol as P  # noqa: E402
 

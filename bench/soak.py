@@ -27,10 +27,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
-
+# run as a script, bench/ is first on sys.path, where bench/http.py would shadow the standard
+# library's http package (which torch, httpx and uvicorn import): the repository root goes there
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
 
 from routing.client import AsyncClient, Client, RouterError  # noqa: E402
 
