@@ -37,11 +37,15 @@ def _complete_all(front: str, prompts: list, **params) -> list[list[int]]:
         return list(pool.map(one, prompts))
 
 
-def test_a_router_restart_never_hands_old_work_to_new_requests():
+def _router_at_fixed_addresses():
+    """A router thread and one worker process, on addresses that a restarted router can bind again."""
     backend = f"tcp://127.0.0.1:{free_port()}"
     router, thread = start_router(backend=backend)
-    front = router.frontend_addr
-    worker = start_worker(backend)
+    return router, thread, backend, router.frontend_addr, start_worker(backend)
+
+
+def test_a_router_restart_never_hands_old_work_to_new_requests():
+    router, thread, backend, front, worker = _router_at_fixed_addresses()
     try:
         with Client(front, timeout=60) as c:
             wait_loaded(c)
@@ -204,10 +208,7 @@ def test_one_bad_reply_fails_only_its_own_request():
 
 
 def test_idle_clients_are_served_by_a_restarted_router():
-    backend = f"tcp://127.0.0.1:{free_port()}"
-    router, thread = start_router(backend=backend)
-    front = router.frontend_addr
-    worker = start_worker(backend)
+    router, thread, backend, front, worker = _router_at_fixed_addresses()
     try:
         with Client(front, timeout=60) as c:
             wait_loaded(c)

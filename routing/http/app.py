@@ -239,9 +239,9 @@ class Gateway:
 
     async def get_model(self, request: Request) -> Response:
         async def work(t0):
-            target = O.resolve_model(request.path_params["model"], await self.models())
-            entry = next(m for m in O.model_list(await self.models(), int(time.time()))["data"]
-                         if m["id"] == target.name)
+            models = await self.models()
+            target = O.resolve_model(request.path_params["model"], models)
+            entry = next(m for m in O.model_list(models, int(time.time()))["data"] if m["id"] == target.name)
             return JSONResponse(entry), target.name
         return await self.handle(request, "models", work)
 

@@ -162,7 +162,6 @@ class ChatJob:
     messages: list
     params: dict
     stream: StreamOptions
-    logprobs: bool = False
     n: int = 1
 
 
@@ -188,7 +187,7 @@ def chat_job(body: dict) -> ChatJob:
             raise bad("logprobs", "logprobs is not supported together with stream")
         params["logprobs"] = top or 0
     n = body.get("n", 1)
-    return ChatJob(messages, params, opts, bool(want), n if _is_int(n) and n > 0 else 1)
+    return ChatJob(messages, params, opts, n if _is_int(n) and n > 0 else 1)
 
 
 # --- responses --------------------------------------------------------------------------------------

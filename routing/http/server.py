@@ -108,11 +108,29 @@ def main(argv: list[str] | None = None) -> int:
         host, port = parse_listen(args.http)
         keys = api_keys(args.api_key, args.api_keys_file)
         check_listen(host, keys, args.insecure)
+        check_router_address(args.router)
         settings = GatewaySettings(router=args.router, api_keys=keys, max_body_bytes=args.max_body_bytes,
                                    curve_keys=args.curve_keys)
     except (GatewayError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"gateway: http://{host}:{port} -> router {args.router}", flush=True)
-    make_server(settings, host, port, args.log_level).run()
-    return 0
+    server = make_server(settings, host, port, args.log_level)
+    server.run()
+    return 0 if server.started else 1  # uvicorn has said why (e.g. the port is taken)
+
+
+def check_router_address(address: str) -> None:
+    """A router endpoint zmq can connect to (tcp://host:port, ipc://...), checked before serving."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(address)
+    except zmq.ZMQError as exc:
+        raise GatewayError(f"--router {address!r} is not an endpoint to connect to ({exc.strerror}); "
+                           "give e.g. tcp://127.0.0.1:5555") from None
+    finally:
+        sock.close(linger=0)
+        ctx.term()
