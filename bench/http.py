@@ -4,7 +4,9 @@ on the same deployment in the same run.
 (a) short: a tiny model, `max_tokens: 1`, 64 concurrent closed-loop clients. Requests/s and
     latency p50/p99 through the HTTP gateway (64 keep-alive connections, a lean HTTP/1.1 client)
     and through the ZeroMQ client (64 DEALER connections); added latency = HTTP minus ZeroMQ.
-    Targets: >= 2,000 req/s over HTTP, <= 2 ms added at p50.
+    Targets: >= 2,000 req/s over HTTP, <= 2 ms added at p50. Closed loops at saturation differ in
+    latency by their throughput (64 clients / req/s), so a third line paces the same 64 clients at
+    one offered load (--rate, default 1,000 req/s) through both: the latency the gateway adds there.
 (b) engine: the bench/engine.py workload (SmolLM2-135M bf16, 64 requests) as 64 concurrent
     streaming HTTP requests, against the same 64 requests through the ZeroMQ AsyncClient.
     Target: HTTP >= 0.9x the ZeroMQ client's tokens/s. Best of `--repeats`, alternating.
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
+import random  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 
@@ -67,10 +70,13 @@ def stop(proc: subprocess.Popen, cfg: Path) -> None:
 
 # --- (a) short requests ------------------------------------------------------------------------
 
-async def _http_conn(host: str, port: int, request: bytes, stop_at: float, lat: list[float]) -> None:
+async def _http_conn(host: str, port: int, request: bytes, stop_at: float, lat: list[float],
+                     gap: float | None, rng: random.Random) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     try:
         while time.perf_counter() < stop_at:
+            if gap:
+                await asyncio.sleep(rng.expovariate(1 / gap))
             t = time.perf_counter()
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
@@ -87,9 +93,10 @@ async def _http_conn(host: str, port: int, request: bytes, stop_at: float, lat: 
         writer.close()
 
 
-def http_load(url: str, clients: int, seconds: float, body: dict) -> tuple[int, list[float], float]:
+def http_load(url: str, clients: int, seconds: float, body: dict,
+              rate: float | None = None) -> tuple[int, list[float], float]:
     """Closed loop over `clients` keep-alive connections: pre-encoded requests, minimal parsing, so
-    that the load generator is not what is measured."""
+    that the load generator is not what is measured. rate: as in bench.router.load (paced)."""
     hostport = url.removeprefix("http://")
     host, port = hostport.split(":")
     payload = json.dumps(body).encode()
@@ -99,7 +106,10 @@ def http_load(url: str, clients: int, seconds: float, body: dict) -> tuple[int, 
 
     async def go():
         start = time.perf_counter()
-        await asyncio.gather(*[_http_conn(host, int(port), request, start + seconds, lat) for _ in range(clients)])
+        rng = random.Random(0)
+        gap = clients / rate if rate else None
+        await asyncio.gather(*[_http_conn(host, int(port), request, start + seconds, lat, gap, rng)
+                               for _ in range(clients)])
         return time.perf_counter() - start
 
     import uvloop
@@ -108,7 +118,7 @@ def http_load(url: str, clients: int, seconds: float, body: dict) -> tuple[int, 
     return len(lat), lat, wall
 
 
-def bench_short(seconds: float, clients: int) -> None:
+def bench_short(seconds: float, clients: int, rate: float) -> None:
     params = {"variants": {"tiny": {"model": {"source": "tiny:llama", "dtype": "float32", "max_batch_size": 64,
                                               "max_batch_tokens": 512}}}}
     proc, front, url, cfg = serve(params, "tiny,1", 1)
@@ -118,11 +128,16 @@ def bench_short(seconds: float, clients: int) -> None:
         zmq_load(front, clients, 1.0, body)  # warm-up
         http_load(url, clients, 1.0, body)
         for n in sorted({1, clients}):  # one client: the gateway's own cost; many: its cost under load
-            rows.append((n, zmq_load(front, n, seconds, body), http_load(url, n, seconds, body)))
+            rows.append((n, None, zmq_load(front, n, seconds, body), http_load(url, n, seconds, body)))
+        # closed loops at saturation differ by throughput: 64 clients / rate is the latency; the
+        # latency the gateway adds is read at the same offered load, below either's saturation
+        rows.append((clients, rate, zmq_load(front, clients, seconds, body, rate),
+                     http_load(url, clients, seconds, body, rate)))
     finally:
         stop(proc, cfg)
-    for n, (zn, zl, zw), (hn, hl, hw) in rows:
-        emit(bench="http_short", clients=n, http_requests=hn, http_requests_per_s=round(hn / hw, 1),
+    for n, offered, (zn, zl, zw), (hn, hl, hw) in rows:
+        emit(bench="http_short", clients=n, offered_requests_per_s=offered or "closed loop",
+             http_requests=hn, http_requests_per_s=round(hn / hw, 1),
              http_p50_ms=round(pct(hl, 0.5) * 1e3, 3), http_p99_ms=round(pct(hl, 0.99) * 1e3, 3),
              zmq_requests_per_s=round(zn / zw, 1), zmq_p50_ms=round(pct(zl, 0.5) * 1e3, 3),
              zmq_p99_ms=round(pct(zl, 0.99) * 1e3, 3),
@@ -195,6 +210,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=1000.0,
+                    help="offered requests/s (all clients) for the added-latency line at a set load")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
@@ -202,7 +219,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.seconds <= 0 or args.clients < 1 or args.repeats < 1:
         ap.error("--seconds must be > 0, --clients and --repeats >= 1")
-    bench_short(args.seconds, args.clients)
+    bench_short(args.seconds, args.clients, args.rate)
     if not args.skip_engine:
         bench_engine(args.n, args.model, args.dtype, args.repeats)
 

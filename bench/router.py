@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -51,9 +52,12 @@ def direct_echo_server(addr: str) -> None:
         s.send_multipart([ident, P.pack(echo_response(msg))])
 
 
-def load(addr: str, clients: int, seconds: float, body: dict | None = None) -> tuple[int, list[float], float]:
+def load(addr: str, clients: int, seconds: float, body: dict | None = None,
+         rate: float | None = None) -> tuple[int, list[float], float]:
     """`clients` connections, each with one request in flight (closed loop), driven by one thread.
-    body: {"model", "prompt", **params} (default: the echo worker's request); an error answer raises."""
+    body: {"model", "prompt", **params} (default: the echo worker's request); an error answer raises.
+    rate: offered requests/s in all; each client then waits a random (exponential) gap between the
+    answer to one request and the next instead of sending at once (latency at a set load)."""
     body = body or {"model": "echo", "prompt": [1, 2, 3]}
     params = {k: v for k, v in body.items() if k not in ("model", "prompt")}
     ctx = zmq.Context.instance()
@@ -77,19 +81,30 @@ def load(addr: str, clients: int, seconds: float, body: dict | None = None) -> t
         s.send(P.pack({"type": P.COMPLETE, "id": str(counter), "model": body["model"], "prompt": body["prompt"],
                        "params": params}))
 
+    rng = random.Random(0)
+    due: dict = {}  # socket -> when its next request goes (paced)
+
+    def next_at(now: float) -> float:
+        return now + (rng.expovariate(rate / clients) if rate else 0.0)
+
     start = time.perf_counter()
     stop_at = start + seconds
     for s in socks:
-        fire(s)
-    while sent:
-        for s, _ in poller.poll(5000):
+        due[s] = next_at(start)
+    while sent or due:
+        now = time.perf_counter()
+        for s in [s for s, t in due.items() if t <= now]:
+            del due[s]
+            fire(s)
+        wait = max(0.0, min(due.values()) - now) if due else 5.0
+        for s, _ in poller.poll(wait * 1000):
             msg = P.unpack(s.recv(), {P.RESULT, P.ERROR})
             if msg["type"] != P.RESULT:
                 raise RuntimeError(f"request failed: {msg}")
             now = time.perf_counter()
             lat.append(now - sent.pop(s))
             if now < stop_at:
-                fire(s)
+                due[s] = next_at(now)
     wall = time.perf_counter() - start
     for s in socks:
         s.close()

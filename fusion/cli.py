@@ -93,16 +93,15 @@ def serve(params: dict, fusion, plan) -> int:
         print(f"serving: clients connect to {dep.frontend} (workers: {dep.router.backend_addr})", flush=True)
         gateway = None
         if run["http"]:
-            from routing.http.app import GatewaySettings
-            from routing.http.server import GatewayThread, parse_listen
+            from routing.http.process import GatewayProcess
 
-            settings = GatewaySettings(router=dep.frontend, api_keys=tuple(run["api_keys"] or ()),
-                                       curve_keys=run["curve_keys"])
-            gateway = GatewayThread(settings, *parse_listen(run["http"])).start()
+            gateway = GatewayProcess(dep.frontend, run["http"], tuple(run["api_keys"] or ()), run["curve_keys"],
+                                     bool(run["insecure"])).start()
             print(f"serving: OpenAI-compatible HTTP at {gateway.url}/v1", flush=True)
         try:
             while not stop.wait(0.5):
-                pass
+                if gateway is not None:
+                    gateway.check()  # a Ctrl-C reaches it too: this loop has ended before it could restart
         finally:
             if gateway is not None:
                 gateway.stop()

@@ -19,6 +19,7 @@ it belongs to (`bad_reply`, `too_large`); the others go on.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import itertools
 import json
@@ -29,7 +30,6 @@ import uuid
 
 import msgpack
 import zmq
-import zmq.asyncio
 
 from routing import protocol as P
 from routing.security import connect_curve
@@ -114,13 +114,7 @@ class _Base:
         restarted): they concern no request, and the socket has reconnected by itself."""
         while True:
             try:
-                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if isinstance(frames, list):
-                continue
-            try:  # the asyncio socket answers with a future that is already settled
-                frames.result()
+                self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
 
@@ -222,16 +216,39 @@ class Client(_Base):
                 yield from msg["outputs"]
 
 
+class _Inbox:
+    """One request's replies: a deque and at most one waiter (lighter than an asyncio.Queue, which
+    the gateway would build and tear down for every HTTP request)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self):
+        self.items: collections.deque = collections.deque()
+        self.waiter = None
+
+    def put(self, msg: dict) -> None:
+        self.items.append(msg)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
 class AsyncClient(_Base):
-    """asyncio client with the same methods; many requests may be in flight at once."""
+    """asyncio client with the same methods; many requests may be in flight at once.
+
+    The socket is a plain (blocking-API) zmq socket driven from the event loop: its file descriptor
+    is watched with `loop.add_reader`, replies are drained without blocking, and writes use NOBLOCK.
+    zmq.asyncio would make a future, and a poll, per message; at gateway rates that was most of the
+    cost of a request."""
 
     def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 60.0,
                  curve_keys: str | None = None, curve_name: str = "client"):
-        import asyncio
-
-        super().__init__(address, timeout, zmq.asyncio.Context.instance(), curve_keys, curve_name)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._reader = None
+        super().__init__(address, timeout, zmq.Context.instance(), curve_keys, curve_name)
+        self.sock.setsockopt(zmq.SNDHWM, RECEIVE_QUEUE)
+        self._queues: dict[str, _Inbox] = {}
+        self._loop = None  # the event loop whose reader watches the socket
+        self._fds: tuple[int, int] = (self.sock.getsockopt(zmq.FD), self.monitor.getsockopt(zmq.FD))
+        self._recheck = False
         self.reader_errors = 0  # exceptions the reader survived
         self.bad_replies = 0  # undecodable replies that named no request in flight
 
@@ -242,74 +259,107 @@ class AsyncClient(_Base):
         self.close()
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        self._unwatch()
         super().close()
 
-    async def _read_loop(self) -> None:
+    # --- reading: one callback drains both sockets ---------------------------------------------------
+    def _watch(self) -> None:
         import asyncio
 
-        poller = zmq.asyncio.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        while True:
-            try:
-                await self._read_once(poller)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the one reader of every request in flight must outlive any bad moment
-                self.reader_errors += 1
-                log.exception("AsyncClient reader: an error, going on")
-                await asyncio.sleep(0.01)
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        self._unwatch()  # a loop from an earlier asyncio.run
+        self._forget_stale_events()
+        for fd in self._fds:
+            loop.add_reader(fd, self._readable)
+        self._loop = loop
 
-    async def _read_once(self, poller) -> None:
-        events = dict(await poller.poll())
-        if self.monitor in events:
-            err = _lost(await self.monitor.recv_multipart())
+    def _unwatch(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            for fd in self._fds:
+                loop.remove_reader(fd)
+
+    def _readable(self) -> None:
+        self._recheck = False
+        try:
+            self._drain()
+        except Exception:  # the one reader of every request in flight must outlive any bad moment
+            self.reader_errors += 1
+            log.exception("AsyncClient reader: an error, going on")
+
+    def _after_send(self) -> None:
+        """zmq's descriptor is edge-triggered, and a send may take in replies without it firing:
+        look once more, soon (once per loop turn, however many sends)."""
+        if not self._recheck and self._loop is not None:
+            self._recheck = True
+            self._loop.call_soon(self._readable)
+
+    def _drain(self) -> None:
+        while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            err = _lost(self.monitor.recv_multipart(zmq.NOBLOCK))
             for q in self._queues.values():  # every request in flight: the router that had it is gone
-                q.put_nowait(err)
-        while self.sock in events:
-            try:
-                frame = await self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            msg = decode_reply(frame)
+                q.put(err)
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = decode_reply(self.sock.recv(zmq.NOBLOCK))
             q = self._queues.get(msg.get("id"))
             if q is not None:
-                q.put_nowait(msg)
+                q.put(msg)
             elif msg.get("type") == P.ERROR and msg.get("code") in (BAD_REPLY, P.TOO_LARGE):
                 self.bad_replies += 1
                 log.warning("AsyncClient: a reply for no known request was dropped: %s", msg.get("message"))
 
-    async def _open(self):
+    # --- writing ---------------------------------------------------------------------------------------
+    async def _send(self, msg: dict) -> None:
+        """Write without blocking the loop; a full queue (RECEIVE_QUEUE messages unsent: the router
+        is not reading) is waited out, up to the timeout."""
         import asyncio
 
-        if self._reader is None or self._reader.done():
-            self._forget_stale_events()
-            self._reader = asyncio.ensure_future(self._read_loop())
+        frame = P.pack(msg)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            try:
+                self.sock.send(frame, zmq.NOBLOCK)
+                self._after_send()
+                return
+            except zmq.Again:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"could not send to {self.address} within {self.timeout}s") from None
+                await asyncio.sleep(0.005)
+
+    def _open(self) -> str:
+        self._watch()
         rid = self._new_id()
-        self._queues[rid] = asyncio.Queue()
+        self._queues[rid] = _Inbox()
         return rid
 
     async def _get(self, rid: str) -> dict:
         import asyncio
 
         q = self._queues[rid]
-        if not q.empty():  # the common case under load: no timer, no task
-            return _check(q.get_nowait())
+        if q.items:  # the common case under load: no future, no timer
+            return _check(q.items.popleft())
+        q.waiter = self._loop.create_future()
         try:
-            if hasattr(asyncio, "timeout"):  # 3.11+: a timer on this task, not a task per wait
+            if self.timeout is None:
+                await q.waiter
+            elif hasattr(asyncio, "timeout"):  # 3.11+: a timer on this task, no task of its own
                 async with asyncio.timeout(self.timeout):
-                    return _check(await q.get())
-            return _check(await asyncio.wait_for(q.get(), self.timeout))
-        except asyncio.TimeoutError:
-            await self.sock.send(P.pack({"type": P.CANCEL, "id": rid}))
+                    await q.waiter
+            else:
+                await asyncio.wait_for(q.waiter, self.timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            self._cancel_nowait(rid)
             raise TimeoutError(f"no answer from {self.address} within {self.timeout}s") from None
+        finally:
+            q.waiter = None
+        return _check(q.items.popleft())
 
     async def _admin(self, mtype: str):
-        rid = await self._open()
+        rid = self._open()
         try:
-            await self.sock.send(P.pack({"type": mtype, "id": rid}))
+            await self._send({"type": mtype, "id": rid})
             return (await self._get(rid))["data"]
         finally:
             self._queues.pop(rid, None)
@@ -323,13 +373,13 @@ class AsyncClient(_Base):
     async def _run(self, model, prompt, stream: bool, params: dict, task: str = P.GENERATE):
         """The request's messages, up to and including its result (as Client._run). Left early (a
         consumer that stops iterating, a cancelled task), it cancels the request on the worker."""
-        rid = await self._open()
+        rid = self._open()
         done = False
         try:
             msg = self._complete_msg(rid, model, prompt, stream, params)
             if task != P.GENERATE:
                 msg["task"] = task
-            await self.sock.send(P.pack(msg))
+            await self._send(msg)
             while True:
                 try:
                     msg = await self._get(rid)
@@ -350,9 +400,7 @@ class AsyncClient(_Base):
         """Usable where awaiting is not (a generator being closed): the write happens at once or
         not at all (the socket's queue full, or closed)."""
         try:
-            fut = self.sock.send(P.pack({"type": P.CANCEL, "id": rid}), zmq.NOBLOCK)
-            if hasattr(fut, "exception") and fut.done():
-                fut.exception()
+            self.sock.send(P.pack({"type": P.CANCEL, "id": rid}), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 

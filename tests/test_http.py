@@ -280,6 +280,7 @@ def test_serve_with_http_end_to_end(tmp_path):
     import subprocess
     import sys
 
+    import psutil
     from test_routing import CONFIG, ROOT
 
     port = free_port()
@@ -296,11 +297,26 @@ def test_serve_with_http_end_to_end(tmp_path):
             except httpx.HTTPError:
                 return False
 
+        def completes():
+            r = httpx.post(url + "/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 3},
+                           timeout=30)
+            return r.status_code == 200 and json.loads(r.text)["usage"]["completion_tokens"] == 3
+
+        def gateways():
+            return [c for c in psutil.Process(proc.pid).children() if "routing.http" in " ".join(c.cmdline())]
+
         wait_for(healthy, timeout=120)
-        r = httpx.post(url + "/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 3}, timeout=30)
-        assert r.status_code == 200 and json.loads(r.text)["usage"]["completion_tokens"] == 3
+        assert completes()
+        # the gateway is a process of its own (no GIL shared with the router), restarted when it dies
+        (first,) = gateways()
+        first.kill()
+        first.wait(10)
+        wait_for(lambda: len(gateways()) == 1 and healthy(), timeout=60)
+        assert gateways()[0].pid != first.pid and completes()
+        second = gateways()[0]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
+        assert not second.is_running() or second.status() == psutil.STATUS_ZOMBIE
         assert "terminate called" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
@@ -355,3 +371,30 @@ def test_a_stream_that_fails_part_way_ends_with_an_error_event_then_done():
             assert all("choices" in json.loads(e.removeprefix("data: ")) for e in events[:-2])
         finally:
             g.stop()
+
+
+def test_gateway_process_exits_with_its_parent():
+    """A gateway started by run_mm serve (--parent-pid) leaves no orphan when serve is SIGKILLed."""
+    import subprocess
+    import sys
+
+    import psutil
+    from test_routing import ROOT
+
+    port = free_port()
+    spawn = ("import os, subprocess, sys, time; "
+             "p = subprocess.Popen([sys.executable, '-m', 'routing.http', '--router', 'tcp://127.0.0.1:9', "
+             f"'--http', '127.0.0.1:{port}', '--parent-pid', str(os.getpid()), '--log-level', 'warning'], "
+             "stdout=subprocess.PIPE, text=True); "
+             "print(p.pid, flush=True); print(p.stdout.readline(), end='', flush=True); "
+             "print(p.stdout.readline(), end='', flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", spawn], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        gw = psutil.Process(int(parent.stdout.readline()))
+        lines = parent.stdout.readline() + parent.stdout.readline()
+        assert f"gateway: listening on http://127.0.0.1:{port}" in lines
+        parent.kill()
+        parent.wait()
+        gw.wait(15)  # raises psutil.TimeoutExpired if it outlived its parent
+    finally:
+        parent.kill()

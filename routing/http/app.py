@@ -137,7 +137,7 @@ class Gateway:
         value = request.path_params.get("model") or (body or {}).get("model") or request.query_params.get("model")
         models = await self.models()
         names = list(dict.fromkeys(m["name"] for m in models))
-        default = names[0] if len(names) == 1 and request.url.path.split("/")[-1] in (
+        default = names[0] if len(names) == 1 and request.scope["path"].rsplit("/", 1)[-1] in (
             "tokenize", "detokenize", "tokenizer_info") else None
         try:
             return O.resolve_model(value, models, default)

@@ -1,4 +1,5 @@
-"""Running the gateway: uvicorn in the foreground (the CLI) or in a thread (run_mm serve --http).
+"""Running the gateway: uvicorn in the foreground (the CLI, which run_mm serve --http starts as a
+process of its own: routing/http/process.py) or in a thread (tests).
 
     python -m routing.http --router tcp://127.0.0.1:5555 --http 127.0.0.1:8000 [--api-key KEY ...]
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -21,6 +23,7 @@ from routing.http.app import MAX_BODY_BYTES, Gateway, GatewaySettings
 from routing.security import is_loopback
 
 KEYS_ENV = "MMFUSION_API_KEYS"
+READY_LINE = "gateway: listening"  # printed once uvicorn listens: what a supervising process waits for
 
 
 class GatewayError(ValueError):
@@ -103,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (no orphans)")
     args = ap.parse_args(argv)
     try:
         host, port = parse_listen(args.http)
@@ -116,8 +120,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"gateway: http://{host}:{port} -> router {args.router}", flush=True)
     server = make_server(settings, host, port, args.log_level)
+    threading.Thread(target=_watch, args=(server, args.parent_pid), name="gateway-watch", daemon=True).start()
     server.run()
     return 0 if server.started else 1  # uvicorn has said why (e.g. the port is taken)
+
+
+def _watch(server: uvicorn.Server, parent_pid: int | None, interval: float = 0.5) -> None:
+    """Say when the gateway listens; stop it when the parent that started it is gone."""
+    while not server.started and not server.should_exit:
+        time.sleep(0.02)
+    if server.started:
+        print(f"{READY_LINE} on http://{server.config.host}:{server.config.port}", flush=True)
+    while parent_pid is not None and not server.should_exit:
+        if os.getppid() != parent_pid:
+            server.should_exit = True
+            os.kill(os.getpid(), signal.SIGTERM)  # wakes uvicorn's loop at once
+        time.sleep(interval)
 
 
 def check_router_address(address: str) -> None:
