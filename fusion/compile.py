@@ -42,6 +42,8 @@ class CompileReport:
     estimated_bytes: int  # what the plan assumed
     fits: bool
     error: str | None = None
+    weight_bytes: int = 0
+    shared_weights: bool = False  # one mapping for every copy on a device (counted once there)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,7 +77,7 @@ def _convert(source: str, dtype: str, device: str) -> float:
 
 
 def _measure(source: str, dtype: str, device: str, max_model_len: int | None, engine_kw: dict, prompts: list,
-             max_tokens: int) -> dict:
+             max_tokens: int, share_weights: bool = False) -> dict:
     """Load as a worker would and run one batch; the memory it took and the times."""
     from workers.engine import Engine, EngineConfig
     from workers.models import load_model
@@ -84,9 +86,10 @@ def _measure(source: str, dtype: str, device: str, max_model_len: int | None, en
     dev = torch.device(device)
     base = psutil.Process().memory_info().rss
     t = time.perf_counter()
-    lm = load_model(source, dtype=dtype, device=device, max_model_len=max_model_len)
+    lm = load_model(source, dtype=dtype, device=device, max_model_len=max_model_len, share_weights=share_weights)
     out = {"load_s": round(time.perf_counter() - t, 3), "dtype": str(lm.dtype).removeprefix("torch."),
-           "batch_s": None, "tokens_generated": 0, "fits": False, "error": None}
+           "batch_s": None, "tokens_generated": 0, "fits": False, "error": None,
+           "weight_bytes": lm.weights.bytes, "shared_weights": lm.weights.shared}
     try:
         engine = Engine(lm, EngineConfig(**engine_kw))
         t = time.perf_counter()
@@ -121,11 +124,12 @@ def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -
         before = round(_in_fresh_process(_convert, info.source, dtype, w.device), 3)
     engine_kw = {"max_batch_size": w.max_batch_size, "max_batch_tokens": w.max_batch_tokens, "num_threads": w.threads}
     m = _in_fresh_process(_measure, info.source, dtype, w.device, p.get("max_model_len"), engine_kw, prompts,
-                          max_tokens)
+                          max_tokens, w.shares_weights)
     cache = _gguf_cache_dir(gguf) if gguf is not None else None
     return CompileReport(name, info.source, w.device, m["dtype"], m["load_s"], before,
                          str(cache) if cache else None, len(prompts), max_tokens, m["batch_s"], m["tokens_generated"],
-                         m["measured_bytes"], w.est_bytes, m["fits"], m["error"])
+                         m["measured_bytes"], w.est_bytes, m["fits"], m["error"], m["weight_bytes"],
+                         m["shared_weights"])
 
 
 def compile_only(fusion: MultiModelFusion, plan: DeploymentPlan) -> tuple[list[CompileReport], list[dict]]:
@@ -135,7 +139,15 @@ def compile_only(fusion: MultiModelFusion, plan: DeploymentPlan) -> tuple[list[C
     devices = []
     for dev in plan.devices:
         workers = [w for w in plan.workers if w.device == dev]
-        need = sum(by_model[w.model_id].measured_bytes for w in workers)
+        need, groups = 0, {}
+        for w in workers:
+            r = by_model[w.model_id]
+            if r.shared_weights:  # the copies of a variant map one set of weights: counted once
+                need += r.measured_bytes - r.weight_bytes
+                groups[r.variant] = r.weight_bytes
+            else:
+                need += r.measured_bytes
+        need += sum(groups.values())
         avail = available_bytes(dev)
         ok = all(by_model[w.model_id].fits for w in workers) and (avail is None or need <= avail)
         devices.append({"device": dev, "workers": len(workers), "measured_bytes": need, "available_bytes": avail,

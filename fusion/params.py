@@ -24,7 +24,8 @@ RUNCONFIG_DEFAULTS = {
     "api_keys": None,  # accepted API keys of the HTTP gateway (needed off loopback, unless insecure)  # seconds queued requests wait for a model with no live worker, then fail (no_worker)
 }
 MODEL_KEYS = {"source", "dtype", "start_token", "end_token", "max_tokens", "loop_dim", "temperature", "top_p",
-              "top_k", "max_model_len", "max_batch_size", "max_batch_tokens", "deltat_scaling_factor"}
+              "top_k", "max_model_len", "max_batch_size", "max_batch_tokens", "deltat_scaling_factor",
+              "share_weights"}
 
 
 class ParamsError(ValueError):

@@ -3,7 +3,9 @@
 Worker k serves model ID k mod M. Workers go round-robin over the devices; on CPU the workers of
 a device split its cores as torch threads. Workers sharing a device split its batch capacity in
 proportion to their models' deltat_scaling_factor. Memory per device is estimated from the
-weights plus the KV cache budget (max_batch_size x max_model_len) and checked before any load.
+weights plus the KV cache budget (max_batch_size x max_model_len) plus a process overhead per
+worker, and checked before any load. Copies of one (source, dtype) on a CPU device that share
+their weights (`share_weights`, the default: workers.shared_weights) count the weights once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "auto": 2}
 # parameters and KV bytes per token (at 2 bytes) of the embedded models, to plan without loading
 KNOWN = {"smollm2-135m": (134.5e6, 30 * 2 * 3 * 64 * 2), "gemma3-270m": (268e6, 18 * 2 * 1 * 256 * 2)}
 DEFAULT_BATCH, DEFAULT_TOKENS, DEFAULT_CTX = 32, 512, 2048
+# a worker process before its model (interpreter, torch, transformers, zmq), as PSS when several
+# run together: measured by bench/memory.py
+OVERHEAD_BYTES = 280 * 2**20
 
 
 @dataclass(slots=True)
@@ -29,7 +34,9 @@ class WorkerPlan:
     threads: int | None
     max_batch_size: int
     max_batch_tokens: int
-    est_bytes: int
+    est_bytes: int  # this worker alone: weights + KV cache + overhead
+    weight_bytes: int = 0
+    shares_weights: bool = False  # its weights are one mapping with the other copies on its device
 
 
 @dataclass(slots=True)
@@ -50,6 +57,9 @@ class DeploymentPlan:
             avail = info["available_bytes"]
             lines.append(f"  {d}: estimated {info['estimated_bytes'] / 2**20:.0f} MiB"
                          + (f" of {avail / 2**20:.0f} MiB available" if avail else ""))
+            for g in info.get("shared_weights", []):
+                lines.append(f"    weights of {g['source']} ({g['dtype']}), {g['bytes'] / 2**20:.0f} MiB: counted once, "
+                             f"shared by {g['copies']} copies (without sharing: {g['copies'] * g['bytes'] / 2**20:.0f} MiB)")
         return "\n".join(lines)
 
 
@@ -85,14 +95,14 @@ def available_bytes(device: str) -> int | None:
     return torch.cuda.mem_get_info(torch.device(device))[0]
 
 
-def estimate_bytes(source: str, dtype: str, max_batch_size: int, max_model_len: int) -> int:
-    """Weights plus a full KV cache, without loading the model."""
+def estimate_parts(source: str, dtype: str, max_batch_size: int, max_model_len: int) -> tuple[int, int]:
+    """(weight bytes, full KV cache bytes), without loading the model."""
     wbytes = BYTES.get(dtype, 2)
     if source in KNOWN:
         n_params, kv_per_token = KNOWN[source]
-        return int(n_params * wbytes + kv_per_token * wbytes / 2 * max_batch_size * max_model_len)
+        return int(n_params * wbytes), int(kv_per_token * wbytes / 2 * max_batch_size * max_model_len)
     if source.startswith("tiny:"):
-        return 16 * 2**20
+        return 2 * 2**20, 14 * 2**20
     path = Path(source)
     if path.is_dir() and (path / "config.json").exists():
         cfg = json.loads((path / "config.json").read_text())
@@ -103,10 +113,15 @@ def estimate_bytes(source: str, dtype: str, max_batch_size: int, max_model_len: 
         heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 12
         kvh = cfg.get("num_key_value_heads") or heads
         kv = layers * 2 * kvh * (hidden // heads) * wbytes
-        return int(weights + kv * max_batch_size * max_model_len)
+        return int(weights), int(kv * max_batch_size * max_model_len)
     if path.suffix == ".gguf" and path.exists():
-        return int(path.stat().st_size * 4 * wbytes / 2)  # 4-bit blocks unpacked to 16-bit
-    return 0
+        return int(path.stat().st_size * 4 * wbytes / 2), 0  # 4-bit blocks unpacked to 16-bit
+    return 0, 0
+
+
+def estimate_bytes(source: str, dtype: str, max_batch_size: int, max_model_len: int) -> int:
+    """Weights plus a full KV cache, without loading the model."""
+    return sum(estimate_parts(source, dtype, max_batch_size, max_model_len))
 
 
 def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices="auto",
@@ -138,16 +153,29 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         share = info.deltat_scaling_factor / mean_f
         batch = max(1, round(p.get("max_batch_size", DEFAULT_BATCH) * share))
         tokens = max(batch, round(p.get("max_batch_tokens", DEFAULT_TOKENS) * share))
-        est = estimate_bytes(info.source, p.get("dtype", "auto"), batch, p.get("max_model_len", DEFAULT_CTX))
-        workers.append(WorkerPlan(k, mid, dev, threads, batch, tokens, est))
+        weights, kv = estimate_parts(info.source, p.get("dtype", "auto"), batch, p.get("max_model_len", DEFAULT_CTX))
+        shares = dev == "cpu" and bool(p.get("share_weights", True))  # CUDA copies: not yet (README)
+        workers.append(WorkerPlan(k, mid, dev, threads, batch, tokens, weights + kv + OVERHEAD_BYTES, weights,
+                                  shares))
     dev_info = {}
     for d, ks in by_dev.items():
-        need = sum(workers[k].est_bytes for k in ks)
+        groups: dict[tuple, dict] = {}  # (source, dtype) -> the weights its sharing copies hold once
+        need = 0
+        for k in ks:
+            w = workers[k]
+            need += w.est_bytes - (w.weight_bytes if w.shares_weights else 0)
+            if w.shares_weights:
+                info = fusion.models[w.model_id]
+                key = (info.source, info.params.get("dtype", "auto"))
+                g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0})
+                g["copies"] += 1
+        need += sum(g["bytes"] for g in groups.values())
         avail = available_bytes(d)
         if avail is not None and need > avail:
             raise ValueError(f"device {d}: the {len(ks)} workers planned there need ~{need / 2**30:.1f} GiB "
-                             f"(weights + KV cache) but {avail / 2**30:.1f} GiB is available; use fewer workers, "
-                             "smaller max_batch_size/max_model_len, or more devices")
-        dev_info[d] = {"estimated_bytes": need, "available_bytes": avail}
+                             f"(weights + KV cache + process overhead) but {avail / 2**30:.1f} GiB is available; "
+                             "use fewer workers, smaller max_batch_size/max_model_len, or more devices")
+        dev_info[d] = {"estimated_bytes": need, "available_bytes": avail,
+                       "shared_weights": [g for g in groups.values() if g["copies"] > 1]}
     models = [{"model_id": i, "name": mi.name, "source": mi.source} for i, mi in enumerate(fusion.models)]
     return DeploymentPlan(models, workers, dev_info)

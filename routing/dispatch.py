@@ -91,6 +91,7 @@ class WorkerState:
     load_error: str | None = None
     lost: str | None = None  # why it was dropped
     engine: dict = field(default_factory=dict)  # the worker's own counters, from its heartbeats
+    weights: dict = field(default_factory=dict)  # {"bytes", "shared", "path"} from its LOADED
 
 
 @dataclass(slots=True)
@@ -352,6 +353,8 @@ class Dispatch:
         if mtype == P.LOADED:
             w.loaded = True
             w.load_error = None
+            if isinstance(msg.get("weights"), dict):
+                w.weights = {k: v for k, v in msg["weights"].items() if k in ("bytes", "shared", "path")}
             self._drain_queue(w.model_id)
         elif mtype == P.LOAD_FAILED:
             # shown in status; the model's queue waits restart_wait for a worker that can load it
@@ -499,7 +502,8 @@ class Dispatch:
                          "slot": w.slot, "served": w.served, "tokens": w.tokens, "errors": w.errors,
                          "inflight": len(w.inflight), "pid": w.capabilities.get("pid"),
                          "device": self._spec_for(w).get("device") if w.alive else None,
-                         "load_error": w.load_error, "lost": w.lost, "engine": w.engine} for w in ws],
+                         "load_error": w.load_error, "lost": w.lost, "engine": w.engine,
+                         "weights": w.weights} for w in ws],
             "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
             "pending": len(self.pending),
             "resent": self.resent,

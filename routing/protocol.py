@@ -12,7 +12,8 @@ Clients (DEALER) <-> router frontend (ROUTER):
   The router fixes the seed of every request that has none (unless temperature is 0) on arrival.
 
 Workers (DEALER) <-> router backend (ROUTER):
-  worker -> router   ready {capabilities: pid, host, slot (its planned worker, if any), ...}   loaded {model_id}   load_failed {model_id, message}
+  worker -> router   ready {capabilities: pid, host, slot (its planned worker, if any), ...}
+                     loaded {model_id, weights: {bytes, shared, path}}   load_failed {model_id, message}
                      heartbeat {engine: {running, aborted}}
   router -> worker   assign {worker_id, model_id, model}   cancel {id}   heartbeat {}   shutdown {}
   data path, two frames [header, body] so the router never re-encodes a body:

@@ -56,9 +56,9 @@ class Engine:
 
     @classmethod
     def from_source(cls, source: str, dtype: str = "auto", device: str = "cpu",
-                    max_model_len: int | None = None, **config) -> Engine:
-        return cls(load_model(source, dtype=dtype, device=device, max_model_len=max_model_len),
-                   EngineConfig(**config))
+                    max_model_len: int | None = None, share_weights: bool = False, **config) -> Engine:
+        return cls(load_model(source, dtype=dtype, device=device, max_model_len=max_model_len,
+                              share_weights=share_weights), EngineConfig(**config))
 
     # --- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -38,6 +38,7 @@ class LoadedModel:
     device: torch.device
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
+    weights: Any = None  # shared_weights.WeightsInfo: bytes, and whether shared with other copies
 
     @property
     def vocab_size(self) -> int:
@@ -131,27 +132,10 @@ def write_gguf_cache(lm: LoadedModel, gguf: Path) -> Path:
     return dest
 
 
-def _context_len(config) -> int:
-    cfg = config.get_text_config()
-    for key in ("max_position_embeddings", "n_positions", "seq_length"):
-        val = getattr(cfg, key, None)
-        if isinstance(val, int) and val > 0:
-            return val
-    return 2048  # ALiBi models (BLOOM) have no fixed limit; choose a sane default.
-
-
-def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               max_model_len: int | None = None, use_cache: bool = True) -> LoadedModel:
-    """Load `source` (see module doc) with its tokenizer; never touches the network.
-
-    A GGUF source loads from its safetensors cache (see write_gguf_cache) when one exists and
-    `use_cache` is true."""
+def _load_private(source: str, dt: torch.dtype, use_cache: bool):
+    """(model, tokenizer) with weights of this process's own, on CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dev = torch.device(device)
-    dt = resolve_dtype(dtype, dev)
-    if not isinstance(source, str) or not source:
-        raise ValueError(f"model source must be a non-empty string, got {source!r}")
     if source.startswith("tiny:"):
         parts = source.split(":")
         seed = int(parts[2]) if len(parts) > 2 else 0
@@ -190,7 +174,37 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
         else:
             raise ValueError(f"model source {source!r} is a file but not .gguf")
         model.eval()
-    model.to(dev)
+    return model, tok
+
+
+def _context_len(config) -> int:
+    cfg = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "seq_length"):
+        val = getattr(cfg, key, None)
+        if isinstance(val, int) and val > 0:
+            return val
+    return 2048  # ALiBi models (BLOOM) have no fixed limit; choose a sane default.
+
+
+def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               max_model_len: int | None = None, use_cache: bool = True, share_weights: bool = False) -> LoadedModel:
+    """Load `source` (see module doc) with its tokenizer; never touches the network.
+
+    A GGUF source loads from its safetensors cache (see write_gguf_cache) when one exists and
+    `use_cache` is true. With `share_weights` on CPU, the weights are a read-only mapping that
+    every copy of this (source, dtype) shares (workers.shared_weights)."""
+    from workers import shared_weights
+
+    dev = torch.device(device)
+    dt = resolve_dtype(dtype, dev)
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"model source must be a non-empty string, got {source!r}")
+    if share_weights and dev.type == "cpu":
+        model, tok, weights = shared_weights.load_shared(source, dt, lambda: _load_private(source, dt, use_cache))
+    else:  # own weights: sharing off, or a CUDA device (see README: shared weights on CUDA)
+        model, tok = _load_private(source, dt, use_cache)
+        model.to(dev)
+        weights = shared_weights.private_info(model)
     ctx = _context_len(model.config)
     if max_model_len is not None:
         if max_model_len <= 0:
@@ -201,4 +215,4 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
         eos = tok.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     return LoadedModel(model=model, tokenizer=tok, source=source, dtype=dt, device=dev,
-                       max_model_len=ctx, eos_token_ids=eos_ids)
+                       max_model_len=ctx, eos_token_ids=eos_ids, weights=weights)

@@ -145,7 +145,8 @@ class EngineThread(threading.Thread):
         try:
             if self.spec != spec:
                 lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
-                                max_model_len=spec.get("max_model_len"))
+                                max_model_len=spec.get("max_model_len"),
+                                share_weights=spec.get("share_weights", True))
                 cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads)
                 self.engine, self.spec = Engine(lm, cfg), spec
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
@@ -153,7 +154,8 @@ class EngineThread(threading.Thread):
             self._send(out, {"type": P.LOAD_FAILED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
                              "message": f"{type(exc).__name__}: {exc}"})
             return
-        self._send(out, {"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"]})
+        self._send(out, {"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
+                         "weights": self.engine.lm.weights.as_dict()})
 
     def _task(self, task: str, prompt, params: dict) -> dict:
         """A tokenizer task's answer, computed here and now (no engine step)."""

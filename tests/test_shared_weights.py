@@ -1,0 +1,203 @@
+"""Copies of a model on one CPU share one read-only mapping of its weights (workers.shared_weights):
+in-process checks of the mapping, then real worker processes of a deployment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import ARCHS, free_port  # noqa: F401
+
+from fusion.deploy import build_fusion
+from fusion.local import LocalDeployment
+from fusion.plan import make_plan
+from routing.client import Client
+from workers import shared_weights as S
+from workers.completions import sampling_params
+from workers.engine import Engine
+from workers.models import load_model
+
+PROMPTS = [[5, 17, 33, 2, 99, 4], [100, 7, 8], [42] * 12]
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_copy_computes_exactly_what_a_private_one_does(arch, cache):
+    private = load_model(f"tiny:{arch}", dtype="float32")
+    first = load_model(f"tiny:{arch}", dtype="float32", share_weights=True)  # writes the file, then maps it
+    second = load_model(f"tiny:{arch}", dtype="float32", share_weights=True)  # maps it, no load
+    assert first.weights.shared and second.weights.shared and first.weights.path == second.weights.path
+    assert not private.weights.shared
+    with torch.inference_mode():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            want = private.model(ids).logits
+            assert torch.equal(first.model(ids).logits, want) and torch.equal(second.model(ids).logits, want)
+    assert second.tokenizer.chat_template == private.tokenizer.chat_template
+    assert second.eos_token_ids == private.eos_token_ids
+    # every parameter is a view of the mapping (no private copy made by a cast or a re-tie)
+    path = Path(second.weights.path)
+    header, _, start = S.read_header(path)
+    size = path.stat().st_size
+    views = [p for p in second.model.parameters()]
+    base = min(p.data_ptr() for p in views)
+    assert all(0 <= p.data_ptr() - base < size for p in views)
+    tied = second.model.get_output_embeddings().weight is second.model.get_input_embeddings().weight
+    assert tied == (private.model.get_output_embeddings().weight is private.model.get_input_embeddings().weight)
+
+
+def test_engine_greedy_unchanged_in_mixed_batches(cache):
+    sp, _ = sampling_params({"max_tokens": 12, "temperature": 0.0, "ignore_eos": True})
+    outs = []
+    for share in (False, True):
+        eng = Engine.from_source("tiny:llama", dtype="float32", share_weights=share, max_batch_size=4,
+                                 max_batch_tokens=64)
+        outs.append([o.outputs[0].token_ids for o in eng.generate(PROMPTS, sp)])
+    assert outs[0] == outs[1]
+
+
+def test_a_stale_or_corrupt_file_is_written_again(cache):
+    lm = load_model("tiny:gpt2", dtype="float32", share_weights=True)
+    path = Path(lm.weights.path)
+    del lm
+    path.write_bytes(path.read_bytes()[:1000])  # truncated: the header no longer fits the data
+    again = load_model("tiny:gpt2", dtype="float32", share_weights=True)
+    ref = load_model("tiny:gpt2", dtype="float32")
+    with torch.inference_mode():
+        assert torch.equal(again.model(torch.tensor([PROMPTS[0]])).logits, ref.model(torch.tensor([PROMPTS[0]])).logits)
+    # a file for another model is refused by the check, not bound
+    other = load_model("tiny:llama", dtype="float32")
+    with pytest.raises(S.SharedWeightsError):
+        S.attach(other.model, Path(again.weights.path))
+
+
+def test_the_dtype_is_part_of_the_key(cache):
+    a = load_model("tiny:llama", dtype="float32", share_weights=True)
+    b = load_model("tiny:llama", dtype="bfloat16", share_weights=True)
+    assert a.weights.path != b.weights.path and b.weights.bytes * 2 == a.weights.bytes
+    assert next(b.model.parameters()).dtype == torch.bfloat16
+
+
+# --- the plan ---------------------------------------------------------------------------------------------
+
+def _fusion(share: bool, copies: int):
+    params = {"variants": {"m": {"model": {"source": "smollm2-135m", "dtype": "bfloat16", "share_weights": share,
+                                           "max_batch_size": 8, "max_model_len": 512}}},
+              "runconfig": {}, "_path": "test"}
+    return build_fusion(params, [f"m,{copies}"])
+
+
+def test_plan_counts_shared_weights_once_per_device(monkeypatch):
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: None)
+    shared = make_plan(_fusion(True, 8), None, "cpu", 1)
+    full = make_plan(_fusion(False, 8), None, "cpu", 1)
+    w = shared.workers[0]
+    assert all(x.shares_weights for x in shared.workers) and not any(x.shares_weights for x in full.workers)
+    assert full.devices["cpu"]["estimated_bytes"] - shared.devices["cpu"]["estimated_bytes"] == 7 * w.weight_bytes
+    assert "counted once, shared by 8 copies" in shared.describe()
+    # a device with room for the shared plan but not for 8 full copies: one fits, the other is refused
+    room = (shared.devices["cpu"]["estimated_bytes"] + full.devices["cpu"]["estimated_bytes"]) // 2
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: room)
+    make_plan(_fusion(True, 8), None, "cpu", 1)
+    with pytest.raises(ValueError, match="need ~"):
+        make_plan(_fusion(False, 8), None, "cpu", 1)
+
+
+# --- real worker processes --------------------------------------------------------------------------------
+
+def _mapping(pid: int, path: str) -> dict | None:
+    """The smaps entry of `path` in process `pid`: its device:inode, permissions, Rss and Pss (kB)."""
+    found, current = None, None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and "-" in parts[0] and ":" in parts[3]:  # a mapping's header line
+            current = None
+            if len(parts) >= 6 and parts[5] == path:
+                found = current = found or {"perms": parts[1], "inode": (parts[3], parts[4]), "Rss": 0, "Pss": 0}
+        elif current is not None and parts and parts[0] in ("Rss:", "Pss:"):
+            current[parts[0][:-1]] += int(parts[1])
+    return found
+
+
+def _deployment(share: bool, copies: int) -> LocalDeployment:
+    params = {"variants": {"m": {"model": {"source": "tiny:llama", "dtype": "float32", "share_weights": share,
+                                           "max_batch_size": 8, "max_batch_tokens": 64}}},
+              "runconfig": {}, "_path": "test"}
+    fusion = build_fusion(params, [f"m,{copies}"])
+    d = LocalDeployment(fusion, make_plan(fusion, None, "cpu", threads_per_worker=1), "tcp://127.0.0.1:*",
+                        "tcp://127.0.0.1:*")
+    d.__enter__()
+    try:
+        d.wait_loaded(120)
+    except BaseException:
+        d.__exit__(None, None, None)
+        raise
+    return d
+
+
+def _answers(c: Client, copies: int, ids=None) -> list[list[int]]:
+    return [c.complete(mid, PROMPTS[0], max_tokens=8, temperature=0.0, ignore_eos=True,
+                       return_token_ids=True)["choices"][0]["token_ids"]
+            for mid in (ids if ids is not None else range(copies))]
+
+
+def test_four_copies_map_one_set_of_pages_and_survive_a_killed_copy(cache):
+    shm_before = set(os.listdir("/dev/shm"))
+    ref = Engine.from_source("tiny:llama", dtype="float32", max_batch_size=4, max_batch_tokens=64)
+    sp, _ = sampling_params({"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+    want = ref.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids
+    d = _deployment(True, 4)
+    try:
+        with Client(d.frontend, timeout=60) as c:
+            assert _answers(c, 4) == [want] * 4
+            workers = [w for w in c.status()["workers"] if w["alive"]]
+            assert all(w["weights"]["shared"] and w["weights"]["bytes"] > 0 for w in workers)
+            (path,) = {w["weights"]["path"] for w in workers}
+            maps = [_mapping(w["pid"], path) for w in workers]
+            assert all(m is not None for m in maps)
+            assert len({m["inode"] for m in maps}) == 1  # one file: one set of pages in the page cache
+            assert all(m["perms"].startswith("r-") and "w" not in m["perms"] for m in maps)  # read-only
+            rss = max(m["Rss"] for m in maps)
+            assert sum(m["Pss"] for m in maps) <= rss + 4 * 4  # each page counted once in all (+ rounding)
+
+            victim = workers[1]
+            os.kill(victim["pid"], signal.SIGKILL)
+            # the other copies keep serving while it is gone; then a new process maps the same file
+            assert [_answers(c, 4, ids=(0, 2, 3))] == [[want] * 3]
+            deadline = time.monotonic() + 60
+            while True:
+                ws = [w for w in c.status()["workers"] if w["alive"] and w["loaded"]]
+                if len(ws) == 4 and victim["pid"] not in {w["pid"] for w in ws}:
+                    break
+                assert time.monotonic() < deadline, "the killed copy did not come back"
+                time.sleep(0.2)
+            new = next(w for w in ws if w["pid"] not in {x["pid"] for x in workers})
+            assert _mapping(new["pid"], path)["inode"] == maps[0]["inode"]
+            assert _answers(c, 4) == [want] * 4
+            pids = [w["pid"] for w in ws]
+    finally:
+        d.__exit__(None, None, None)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert set(os.listdir("/dev/shm")) - shm_before == set()  # nothing left in shared memory
+
+
+def test_sharing_turned_off_gives_full_copies(cache):
+    d = _deployment(False, 2)
+    try:
+        with Client(d.frontend, timeout=60) as c:
+            workers = [w for w in c.status()["workers"] if w["alive"]]
+            assert all(not w["weights"]["shared"] and w["weights"]["path"] is None for w in workers)
+            assert _answers(c, 2)[0] == _answers(c, 2)[1]
+    finally:
+        d.__exit__(None, None, None)
+    assert not (cache / "shared").exists() or not any((cache / "shared").iterdir())

@@ -1,0 +1,256 @@
+"""Copies of a model on one CPU hold one set of weights: a read-only file mapping they all share.
+
+The first copy to load a (model source, dtype) writes its weights, exactly as loaded and already in
+the serving dtype, to `$MMFUSION_CACHE/shared/<key>-<dtype>/` (safetensors, with the model's
+config, generation config and tokenizer beside them), renamed into place only when complete.
+Every copy then builds the model on the `meta` device and binds each parameter and buffer to a
+view of that file mapped read-only: the page cache holds the bytes once, however many processes
+map them, and a copy that tried to write its weights would fault instead of corrupting the others.
+
+What would quietly turn the views into private copies is kept out: the file is written in the
+serving dtype (no cast), tensors are bound as views (no `.contiguous()`), and tied weights (an
+embedding shared with the LM head) are stored once and bound to one Parameter.
+
+The file lives on in the cache like the GGUF conversion does, so a restarted copy (or the next
+run) attaches without loading; its pages are ordinary page cache, which the kernel reclaims once
+no process maps them. Nothing goes to /dev/shm, so nothing is left there after any exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("mmfusion.shared_weights")
+WEIGHTS_FILE = "model.safetensors"
+FORMAT = "mmfusion-shared-1"  # bump when the layout changes: older directories are then rebuilt
+ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool}
+DTYPE_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+class SharedWeightsError(RuntimeError):
+    """The shared file does not fit the model (stale, or written by another version)."""
+
+
+@dataclass(slots=True)
+class WeightsInfo:
+    """What status shows per worker: how many bytes of weights, and whether they are shared."""
+
+    bytes: int
+    shared: bool
+    path: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"bytes": self.bytes, "shared": self.shared, "path": self.path}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MMFUSION_CACHE", str(Path.home() / ".cache" / "mmfusion")))
+
+
+def source_key(source: str) -> str:
+    """A name for a source's weights that changes when they may: GGUF and HF files by size and
+    modification time, tiny models by seed and the library versions that initialise them."""
+    from workers.models import source_gguf
+
+    if source.startswith("tiny:"):
+        import transformers
+
+        tag = f"{source}|{transformers.__version__}|{torch.__version__}"
+        return f"tiny-{source.split(':')[1]}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
+    gguf = source_gguf(source)
+    path = gguf or Path(source).expanduser().resolve()
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + [
+        path / "config.json"]
+    tag = "|".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.exists())
+    return f"{path.stem}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
+
+
+def shared_dir(source: str, dtype: torch.dtype) -> Path:
+    return cache_root() / "shared" / f"{source_key(source)}-{str(dtype).removeprefix('torch.')}"
+
+
+# --- writing ---------------------------------------------------------------------------------------------
+
+def _unique_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The state dict with each storage once; aliases (tied weights) name the tensor they share."""
+    tensors, aliases, seen = {}, {}, {}
+    for name, t in model.state_dict(keep_vars=False).items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            tensors[name] = t.detach().to("cpu").contiguous()
+    return tensors, aliases
+
+
+def publish(model: torch.nn.Module, tokenizer, dest: Path) -> None:
+    """Write model + tokenizer to `dest` through a temporary directory renamed into place."""
+    from safetensors.torch import save_file
+
+    tensors, aliases = _unique_tensors(model)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+    try:
+        meta = {"format": FORMAT, "class": type(model).__name__, "aliases": json.dumps(aliases)}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
+        model.config.save_pretrained(str(tmp))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        with open(tmp / WEIGHTS_FILE, "rb") as f:
+            os.fsync(f.fileno())
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --- mapping -----------------------------------------------------------------------------------------------
+
+def read_header(path: Path) -> tuple[dict, dict, int]:
+    """(tensor table, metadata, data start) of a safetensors file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", {}) or {}
+    return header, meta, 8 + n
+
+
+def map_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every tensor of the file as a read-only view of one shared mapping (no copy)."""
+    header, meta, start = read_header(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    out = {}
+    with warnings.catch_warnings():  # "non-writable buffer": read-only is the point
+        warnings.simplefilter("ignore", UserWarning)
+        for name, info in header.items():
+            dtype = ST_DTYPES[info["dtype"]]
+            a, b = info["data_offsets"]
+            numel = (b - a) // dtype.itemsize
+            t = torch.frombuffer(mm, dtype=dtype, count=numel, offset=start + a) if numel else torch.empty(0, dtype=dtype)
+            out[name] = t.view(info["shape"])
+    return out, meta
+
+
+def _bind(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters:
+        old = mod._parameters[attr]
+        if old is not None and (tuple(old.shape) != tuple(tensor.shape) or old.dtype != tensor.dtype):
+            raise SharedWeightsError(f"{name}: shared {tuple(tensor.shape)} {tensor.dtype}, model wants "
+                                     f"{tuple(old.shape)} {old.dtype}")
+        mod._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    elif attr in mod._buffers:
+        mod._buffers[attr] = tensor
+    else:
+        raise SharedWeightsError(f"{name}: the model has no such parameter or buffer")
+
+
+def attach(model: torch.nn.Module, path: Path) -> int:
+    """Bind every parameter and persistent buffer of `model` to the mapped file; returns its bytes.
+    Fails (SharedWeightsError) unless the file covers the model exactly."""
+    tensors, meta = map_tensors(path)
+    if meta.get("format") != FORMAT:
+        raise SharedWeightsError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    aliases = json.loads(meta.get("aliases", "{}"))
+    wanted = set(model.state_dict(keep_vars=True))
+    have = set(tensors) | set(aliases)
+    if wanted != have:
+        missing, extra = sorted(wanted - have), sorted(have - wanted)
+        raise SharedWeightsError(f"{path} does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, t in tensors.items():
+        _bind(model, name, t)
+    for name, target in aliases.items():  # the same Parameter object: tied stays tied
+        mod_name, _, attr = target.rpartition(".")
+        src = model.get_submodule(mod_name) if mod_name else model
+        value = src._parameters.get(attr, src._buffers.get(attr))
+        a_mod, _, a_attr = name.rpartition(".")
+        dst = model.get_submodule(a_mod) if a_mod else model
+        (dst._parameters if a_attr in dst._parameters else dst._buffers)[a_attr] = value
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta:
+            raise SharedWeightsError(f"{path}: parameter {name} was left unbound")
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _trim() -> None:
+    """Give freed private weights back to the OS (glibc keeps small freed blocks otherwise)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def build_attached(path_dir: Path, dtype: torch.dtype):
+    """(model, tokenizer) from a shared directory: the model built on `meta`, then bound."""
+    import transformers
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    _, meta, _ = read_header(path_dir / WEIGHTS_FILE)
+    cls = getattr(transformers, meta.get("class", ""), None)
+    if cls is None:
+        raise SharedWeightsError(f"{path_dir}: unknown model class {meta.get('class')!r}")
+    config = AutoConfig.from_pretrained(str(path_dir), local_files_only=True)
+    with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed as usual
+        model = cls._from_config(config, dtype=dtype)
+    nbytes = attach(model, path_dir / WEIGHTS_FILE)
+    if (path_dir / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(str(path_dir), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+    return model.eval(), tok, nbytes
+
+
+def load_shared(source: str, dtype: torch.dtype, load_private):
+    """(model, tokenizer, WeightsInfo) for a CPU copy that shares its weights.
+
+    `load_private()` loads the model the usual way; it runs only when no shared file exists yet,
+    and one copy at a time (a file lock), so that several copies starting together write it once."""
+    dest = shared_dir(source, dtype)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if (dest / WEIGHTS_FILE).exists():
+                try:
+                    model, tok, nbytes = build_attached(dest, dtype)
+                    return model, tok, WeightsInfo(nbytes, True, str(dest / WEIGHTS_FILE))
+                except (SharedWeightsError, OSError, ValueError) as exc:
+                    log.warning("shared weights %s unusable (%s): writing them again", dest, exc)
+            model, tok = load_private()
+            publish(model, tok, dest)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    del model
+    _trim()
+    model, tok, nbytes = build_attached(dest, dtype)
+    return model, tok, WeightsInfo(nbytes, True, str(dest / WEIGHTS_FILE))
+
+
+def private_info(model: torch.nn.Module) -> WeightsInfo:
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return WeightsInfo(total, False)
