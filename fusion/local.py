@@ -23,6 +23,7 @@ import zmq
 
 from fusion.deploy import model_entries, worker_overrides
 from fusion.model_info import MultiModelFusion
+from fusion.owners import WeightOwners
 from fusion.plan import DeploymentPlan
 from routing import protocol as P
 from routing.router import Router, RouterConfig
@@ -67,14 +68,19 @@ class LocalDeployment:
         self.gave_up: set[int] = set()
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.owners = WeightOwners(fusion, plan, self.log)
 
     def __enter__(self) -> LocalDeployment:
         box: queue.Queue = queue.Queue()
 
+        self.owners.start()
+        overrides = worker_overrides(self.plan)
+        for k, address in self.owners.overrides().items():
+            overrides[k]["weights_owner"] = address
+
         def serve():
             try:
-                r = Router(model_entries(self.fusion), self.config, worker_overrides=worker_overrides(self.plan),
-                           log=self.log)
+                r = Router(model_entries(self.fusion), self.config, worker_overrides=overrides, log=self.log)
             except Exception as exc:  # e.g. the address is taken: report it to the caller
                 box.put(exc)
                 return
@@ -108,7 +114,7 @@ class LocalDeployment:
         if self.config.curve_keys:
             cmd += ["--curve-keys", self.config.curve_keys]
         # per-tensor GGUF conversion bars from every worker would bury the run's own progress
-        return subprocess.Popen(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
+        return subprocess.Popen(cmd, env={**os.environ, **self.owners.env, "TQDM_DISABLE": "1"})
 
     def _supervise(self) -> None:
         tell = self.router.ctx.socket(zmq.PUSH)  # the router's control socket: "this worker exited"
@@ -124,6 +130,7 @@ class LocalDeployment:
         due: dict[int, float] = {}  # worker slot -> when to start it again
         host = socket.gethostname()
         while not self._closing.wait(cfg.poll_interval):
+            self.owners.check()
             now = time.monotonic()
             for i, proc in enumerate(self.procs):
                 if i in self.gave_up or proc.poll() is None:
@@ -187,3 +194,4 @@ class LocalDeployment:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.owners.stop()  # last: no worker uses the weights any more

@@ -92,6 +92,10 @@ def available_bytes(device: str) -> int | None:
 
     if not torch.cuda.is_available():
         return None
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"devices: {device} does not exist: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return torch.cuda.mem_get_info(torch.device(device))[0]
 
 
@@ -154,7 +158,7 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         batch = max(1, round(p.get("max_batch_size", DEFAULT_BATCH) * share))
         tokens = max(batch, round(p.get("max_batch_tokens", DEFAULT_TOKENS) * share))
         weights, kv = estimate_parts(info.source, p.get("dtype", "auto"), batch, p.get("max_model_len", DEFAULT_CTX))
-        shares = dev == "cpu" and bool(p.get("share_weights", True))  # CUDA copies: not yet (README)
+        shares = bool(p.get("share_weights", True))  # CPU: one mapped file; CUDA: one owner process
         workers.append(WorkerPlan(k, mid, dev, threads, batch, tokens, weights + kv + OVERHEAD_BYTES, weights,
                                   shares))
     dev_info = {}

@@ -187,21 +187,27 @@ def _context_len(config) -> int:
 
 
 def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
-               max_model_len: int | None = None, use_cache: bool = True, share_weights: bool = False) -> LoadedModel:
+               max_model_len: int | None = None, use_cache: bool = True, share_weights: bool = False,
+               owner: str | None = None) -> LoadedModel:
     """Load `source` (see module doc) with its tokenizer; never touches the network.
 
     A GGUF source loads from its safetensors cache (see write_gguf_cache) when one exists and
     `use_cache` is true. With `share_weights` on CPU, the weights are a read-only mapping that
-    every copy of this (source, dtype) shares (workers.shared_weights)."""
+    every copy of this (source, dtype) shares (workers.shared_weights); on CUDA they are the
+    device's owner process's memory, reached through CUDA IPC at `owner` (workers.weight_owner)."""
     from workers import shared_weights
 
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
     if not isinstance(source, str) or not source:
         raise ValueError(f"model source must be a non-empty string, got {source!r}")
-    if share_weights and dev.type == "cpu":
+    if share_weights and owner:  # CUDA: attach to the weights the device's owner process holds
+        from workers.weight_owner import KEY_ENV, attach_remote
+
+        model, tok, weights = attach_remote(owner, os.environ.get(KEY_ENV, "").encode())
+    elif share_weights and dev.type == "cpu":
         model, tok, weights = shared_weights.load_shared(source, dt, lambda: _load_private(source, dt, use_cache))
-    else:  # own weights: sharing off, or a CUDA device (see README: shared weights on CUDA)
+    else:  # own weights: sharing off, or a device with no owner (a worker started by hand)
         model, tok = _load_private(source, dt, use_cache)
         model.to(dev)
         weights = shared_weights.private_info(model)

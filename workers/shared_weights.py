@@ -87,7 +87,7 @@ def shared_dir(source: str, dtype: torch.dtype) -> Path:
 
 # --- writing ---------------------------------------------------------------------------------------------
 
-def _unique_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def unique_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The state dict with each storage once; aliases (tied weights) name the tensor they share."""
     tensors, aliases, seen = {}, {}, {}
     for name, t in model.state_dict(keep_vars=False).items():
@@ -96,7 +96,7 @@ def _unique_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
             aliases[name] = seen[key]
         else:
             seen[key] = name
-            tensors[name] = t.detach().to("cpu").contiguous()
+            tensors[name] = t.detach()
     return tensors, aliases
 
 
@@ -104,7 +104,8 @@ def publish(model: torch.nn.Module, tokenizer, dest: Path) -> None:
     """Write model + tokenizer to `dest` through a temporary directory renamed into place."""
     from safetensors.torch import save_file
 
-    tensors, aliases = _unique_tensors(model)
+    tensors, aliases = unique_tensors(model)
+    tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
     try:
@@ -152,7 +153,8 @@ def map_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return out, meta
 
 
-def _bind(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+def bind(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make `tensor` (a view of shared memory) the model's parameter or buffer `name`, as is."""
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
     if attr in mod._parameters:
@@ -165,6 +167,23 @@ def _bind(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
         mod._buffers[attr] = tensor
     else:
         raise SharedWeightsError(f"{name}: the model has no such parameter or buffer")
+
+
+def bind_aliases(model: torch.nn.Module, aliases: dict[str, str]) -> None:
+    """Tied names get the very object their target has (one Parameter: tied stays tied)."""
+    for name, target in aliases.items():
+        mod_name, _, attr = target.rpartition(".")
+        src = model.get_submodule(mod_name) if mod_name else model
+        value = src._parameters.get(attr, src._buffers.get(attr))
+        a_mod, _, a_attr = name.rpartition(".")
+        dst = model.get_submodule(a_mod) if a_mod else model
+        (dst._parameters if a_attr in dst._parameters else dst._buffers)[a_attr] = value
+
+
+def check_bound(model: torch.nn.Module, where) -> None:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta:
+            raise SharedWeightsError(f"{where}: parameter {name} was left unbound")
 
 
 def attach(model: torch.nn.Module, path: Path) -> int:
@@ -180,17 +199,9 @@ def attach(model: torch.nn.Module, path: Path) -> int:
         missing, extra = sorted(wanted - have), sorted(have - wanted)
         raise SharedWeightsError(f"{path} does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
     for name, t in tensors.items():
-        _bind(model, name, t)
-    for name, target in aliases.items():  # the same Parameter object: tied stays tied
-        mod_name, _, attr = target.rpartition(".")
-        src = model.get_submodule(mod_name) if mod_name else model
-        value = src._parameters.get(attr, src._buffers.get(attr))
-        a_mod, _, a_attr = name.rpartition(".")
-        dst = model.get_submodule(a_mod) if a_mod else model
-        (dst._parameters if a_attr in dst._parameters else dst._buffers)[a_attr] = value
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p.is_meta:
-            raise SharedWeightsError(f"{path}: parameter {name} was left unbound")
+        bind(model, name, t)
+    bind_aliases(model, aliases)
+    check_bound(model, path)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -200,8 +211,8 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def build_attached(path_dir: Path, dtype: torch.dtype):
-    """(model, tokenizer) from a shared directory: the model built on `meta`, then bound."""
+def build_meta(path_dir: Path, dtype: torch.dtype):
+    """(model on `meta`, tokenizer) from a shared directory: nothing allocated for the weights."""
     import transformers
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -213,10 +224,15 @@ def build_attached(path_dir: Path, dtype: torch.dtype):
     config = AutoConfig.from_pretrained(str(path_dir), local_files_only=True)
     with init_empty_weights(include_buffers=False):  # buffers (rotary tables) are computed as usual
         model = cls._from_config(config, dtype=dtype)
-    nbytes = attach(model, path_dir / WEIGHTS_FILE)
     if (path_dir / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(str(path_dir), local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+    return model, AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+
+
+def build_attached(path_dir: Path, dtype: torch.dtype):
+    """(model, tokenizer, weight bytes) from a shared directory, bound to its mapped file."""
+    model, tok = build_meta(path_dir, dtype)
+    nbytes = attach(model, path_dir / WEIGHTS_FILE)
     return model.eval(), tok, nbytes
 
 

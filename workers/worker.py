@@ -146,7 +146,7 @@ class EngineThread(threading.Thread):
             if self.spec != spec:
                 lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
                                 max_model_len=spec.get("max_model_len"),
-                                share_weights=spec.get("share_weights", True))
+                                share_weights=spec.get("share_weights", True), owner=spec.get("weights_owner"))
                 cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads)
                 self.engine, self.spec = Engine(lm, cfg), spec
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN

@@ -1,0 +1,90 @@
+"""The weight owners of a local deployment: one process per (CUDA device, source, dtype) whose
+copies share their weights (workers.weight_owner). Started before the workers, given back their
+socket address in each worker's assignment, started again if one dies, stopped last.
+
+CPU copies need no owner: they map one file (workers.shared_weights)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from fusion.model_info import MultiModelFusion
+from fusion.plan import DeploymentPlan
+from workers.weight_owner import KEY_ENV, remove_ipc_files
+
+
+def owner_groups(fusion: MultiModelFusion, plan: DeploymentPlan) -> dict[tuple, list[int]]:
+    """(device, source, dtype) -> the planned workers that attach to one owner there."""
+    groups: dict[tuple, list[int]] = {}
+    for w in plan.workers:
+        if w.shares_weights and w.device != "cpu":
+            info = fusion.models[w.model_id]
+            groups.setdefault((w.device, info.source, info.params.get("dtype", "auto")), []).append(w.worker_id)
+    return groups
+
+
+class WeightOwners:
+    def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, log):
+        self.groups = owner_groups(fusion, plan)
+        self.log = log
+        self.key = secrets.token_hex(16)
+        self.dir: Path | None = None
+        self.procs: dict[tuple, subprocess.Popen] = {}
+        self.address: dict[tuple, str] = {}
+        self.pids: list[int] = []
+
+    @property
+    def env(self) -> dict:
+        """What every worker process (and owner) needs: the deployment's owner key."""
+        return {KEY_ENV: self.key} if self.groups else {}
+
+    def overrides(self) -> dict[int, str]:
+        """Worker ID -> its owner's address."""
+        return {k: self.address[g] for g, ks in self.groups.items() for k in ks}
+
+    def start(self) -> None:
+        if not self.groups:
+            return
+        self.dir = Path(tempfile.mkdtemp(prefix="mmfusion-owners-"))  # 0700: the sockets are ours alone
+        for i, g in enumerate(self.groups):
+            self.address[g] = str(self.dir / f"owner-{i}.sock")
+            self._spawn(g)
+
+    def _spawn(self, g: tuple) -> None:
+        device, source, dtype = g
+        cmd = [sys.executable, "-m", "workers.weight_owner", "--source", source, "--dtype", str(dtype),
+               "--device", device, "--address", self.address[g], "--parent-pid", str(os.getpid())]
+        Path(self.address[g]).unlink(missing_ok=True)
+        self.procs[g] = subprocess.Popen(cmd, env={**os.environ, **self.env, "TQDM_DISABLE": "1"})
+        self.pids.append(self.procs[g].pid)
+
+    def check(self) -> None:
+        """An owner that died is started again; its copies fail and are restarted by the supervisor,
+        and attach to the new one."""
+        for g, p in list(self.procs.items()):
+            if p.poll() is not None:
+                remove_ipc_files(p.pid)
+                self.log(f"weight owner for {g[1]} on {g[0]} (process {p.pid}) exited with code {p.returncode}; "
+                         "starting it again")
+                self._spawn(g)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for pid in self.pids:  # every owner this deployment ran, restarted ones too
+            remove_ipc_files(pid)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,201 @@
+"""The weight owner (workers.weight_owner): one process holds a model's weights, copies attach.
+On CPU the seam is torch's file_system sharing; the CUDA test (only where CUDA is present) runs the
+same path over CUDA IPC."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from workers.models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [5, 17, 33, 2, 99, 4]
+COPY = """
+import json, sys, torch
+from workers.weight_owner import attach_remote
+model, tok, info = attach_remote(sys.argv[1], sys.argv[2].encode(), timeout=120)
+dev = next(model.parameters()).device
+before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+with torch.inference_mode():
+    logits = model(torch.tensor([PROMPT], device=dev)).logits[0].float().cpu()
+print(json.dumps({"logits": logits.tolist(), "shared": info.shared, "bytes": info.bytes, "device": str(dev),
+                  "all_shared": all(p.is_shared() for p in model.parameters()),
+                  "cuda_allocated_by_copy": before, "eos": tok.eos_token_id}), flush=True)
+sys.stdin.readline()  # hold the weights until told to go
+""".replace("PROMPT", str(PROMPT))
+
+
+def _owner(tmp_path: Path, device: str, source: str = "tiny:llama"):
+    key = secrets.token_hex(16)
+    addr = str(tmp_path / "owner.sock")
+    env = {**os.environ, "MMFUSION_OWNER_KEY": key, "MMFUSION_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "workers.weight_owner", "--source", source, "--dtype", "float32",
+                             "--device", device, "--address", addr, "--parent-pid", str(os.getpid())],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    assert "weight owner:" in proc.stdout.readline()
+    return proc, addr, key, env
+
+
+def _copy(addr: str, key: str, env: dict) -> tuple[subprocess.Popen, dict]:
+    p = subprocess.Popen([sys.executable, "-c", COPY, addr, key], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line, "the copy could not attach"
+    return p, json.loads(line)
+
+
+def _check_owner(tmp_path: Path, device: str) -> None:
+    from workers.weight_owner import ipc_files, remove_ipc_files
+
+    ref = load_model("tiny:llama", dtype="float32", device=device)
+    with torch.inference_mode():
+        want = ref.model(torch.tensor([PROMPT], device=device)).logits[0].float().cpu()
+    owner, addr, key, env = _owner(tmp_path, device)
+    copies = []
+    try:
+        a, ra = _copy(addr, key, env)
+        b, rb = _copy(addr, key, env)
+        copies += [a, b]
+        for r in (ra, rb):
+            assert r["shared"] and r["all_shared"] and r["device"].startswith(device.split(":")[0])
+            assert torch.equal(torch.tensor(r["logits"]), want)
+            assert r["cuda_allocated_by_copy"] < r["bytes"]  # the weights are the owner's memory
+        a.kill()  # a copy that dies leaves the weights to the others, and a new copy attaches
+        a.wait()
+        c, rc = _copy(addr, key, env)
+        copies.append(c)
+        assert torch.equal(torch.tensor(rc["logits"]), want) and owner.poll() is None
+        # a wrong key gets nothing, and the owner goes on serving
+        from multiprocessing import AuthenticationError
+
+        from workers.weight_owner import attach_remote
+
+        with pytest.raises(AuthenticationError):
+            attach_remote(addr, b"wrong", timeout=10)
+        time.sleep(0.5)
+        assert owner.poll() is None
+    finally:
+        for p in copies:
+            if p.poll() is None:
+                p.communicate("\n", timeout=60)
+        owner.terminate()
+        owner.wait(30)
+    remove_ipc_files(owner.pid)  # what the deployment does once an owner has exited (fusion.owners)
+    pids = [owner.pid, *(p.pid for p in copies)]
+    deadline = time.monotonic() + 10
+    while any(ipc_files(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)  # torch's shared-memory manager removes its files once its last user is gone
+    assert [f for p in pids for f in ipc_files(p)] == []
+
+
+def test_owner_shares_weights_with_its_copies_on_cpu(tmp_path):
+    _check_owner(tmp_path, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the same path over CUDA IPC")
+def test_owner_shares_weights_over_cuda_ipc(tmp_path):
+    _check_owner(tmp_path, "cuda:0")
+
+
+def test_owner_exits_with_its_parent(tmp_path):
+    key = secrets.token_hex(16)
+    env = {**os.environ, "MMFUSION_OWNER_KEY": key, "MMFUSION_CACHE": str(tmp_path / "cache")}
+    spawn = ("import os, subprocess, sys, time; "
+             "p = subprocess.Popen([sys.executable, '-m', 'workers.weight_owner', '--source', 'tiny:gpt2', "
+             f"'--device', 'cpu', '--address', {str(tmp_path / 'o.sock')!r}, '--parent-pid', str(os.getpid())]); "
+             "print(p.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", spawn], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        owner = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "o.sock").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        parent.kill()
+        parent.wait()
+        owner.wait(15)
+    finally:
+        parent.kill()
+
+
+def _plan(devices: str, copies: int, share: bool = True):
+    from fusion.deploy import build_fusion
+    from fusion.plan import make_plan
+
+    params = {"variants": {"m": {"model": {"source": "tiny:llama", "dtype": "float32", "share_weights": share,
+                                           "max_batch_size": 8, "max_batch_tokens": 64}},
+                           "g": {"model": {"source": "tiny:gpt2", "dtype": "float32"}}},
+              "runconfig": {}, "_path": "test"}
+    fusion = build_fusion(params, [f"m,{copies}", "g,1"])
+    return fusion, make_plan(fusion, None, devices, threads_per_worker=1)
+
+
+def test_one_owner_per_device_source_and_dtype(monkeypatch):
+    from fusion.owners import WeightOwners, owner_groups
+
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: None)  # plan for GPUs this machine lacks
+    fusion, plan = _plan("cuda:0,cuda:1", 4)  # planning needs no GPU: workers alternate devices
+    groups = owner_groups(fusion, plan)
+    # worker k serves model k mod 5 (four llama copies, then gpt2) on device k mod 2
+    assert groups == {("cuda:0", "tiny:llama", "float32"): [0, 2], ("cuda:1", "tiny:llama", "float32"): [1, 3],
+                      ("cuda:0", "tiny:gpt2", "float32"): [4]}
+    owners = WeightOwners(fusion, plan, print)
+    owners.address = {g: f"/x/{i}" for i, g in enumerate(groups)}
+    assert owners.overrides() == {0: "/x/0", 2: "/x/0", 1: "/x/1", 3: "/x/1", 4: "/x/2"}
+    assert owner_groups(*_plan("cpu", 4)) == {}  # CPU copies map a file: no owner
+    assert owner_groups(*_plan("cuda:0", 2, share=False)) == {("cuda:0", "tiny:gpt2", "float32"): [2]}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copies on one GPU attach to its owner")
+def test_deployment_copies_on_one_gpu_share_an_owner(tmp_path, monkeypatch):
+    import signal
+
+    from fusion.local import LocalDeployment
+    from routing.client import Client
+    from workers.completions import sampling_params
+    from workers.engine import Engine
+
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "cache"))
+    fusion, plan = _plan("cuda:0", 3)
+    sp, _ = sampling_params({"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+    want = Engine.from_source("tiny:llama", dtype="float32", device="cuda:0", max_batch_size=4,
+                              max_batch_tokens=64).generate([PROMPT], sp)[0].outputs[0].token_ids
+    d = LocalDeployment(fusion, plan, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    d.__enter__()
+    try:
+        d.wait_loaded(300)
+        owner_pids = [p.pid for p in d.owners.procs.values()]
+        with Client(d.frontend, timeout=120) as c:
+            def answers(ids):
+                return [c.complete(i, PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True,
+                                   return_token_ids=True)["choices"][0]["token_ids"] for i in ids]
+
+            assert answers([0, 1, 2]) == [want] * 3  # the three llama copies (model 3 is gpt2)
+            ws = [w for w in c.status()["workers"] if w["alive"] and w["model_id"] in (0, 1, 2)]
+            assert all(w["weights"]["shared"] and w["weights"]["path"].startswith("owner:") for w in ws)
+            print(subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv"],
+                                 capture_output=True, text=True).stdout)
+            victim = ws[0]
+            os.kill(victim["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while not any(w["alive"] and w["loaded"] and w["model_id"] == victim["model_id"]
+                          and w["pid"] != victim["pid"] for w in c.status()["workers"]):
+                assert time.monotonic() < deadline, "the killed copy did not come back"
+                time.sleep(0.5)
+            assert answers([0, 1, 2]) == [want] * 3  # the restarted copy attached again
+    finally:
+        d.__exit__(None, None, None)
+    from workers.weight_owner import ipc_files
+
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in owner_pids)
+    assert [f for p in owner_pids for f in ipc_files(p)] == []
