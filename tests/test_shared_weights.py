@@ -81,6 +81,21 @@ def test_a_stale_or_corrupt_file_is_written_again(cache):
         S.attach(other.model, Path(again.weights.path))
 
 
+def test_copies_of_a_hugging_face_directory_share_too(cache, tmp_path):
+    src = load_model("tiny:mistral", dtype="float32")
+    hf = tmp_path / "hf-mistral"
+    src.model.save_pretrained(str(hf))
+    src.tokenizer.save_pretrained(str(hf))
+    a = load_model(str(hf), dtype="float32", share_weights=True)
+    b = load_model(str(hf), dtype="float32", share_weights=True)
+    assert a.weights.shared and a.weights.path == b.weights.path and "hf-mistral" in a.weights.path
+    with torch.inference_mode():
+        ids = torch.tensor([PROMPTS[2]])
+        assert torch.equal(b.model(ids).logits, src.model(ids).logits)
+    (hf / "config.json").touch()  # the directory changed: its key changes, nothing stale is used
+    assert load_model(str(hf), dtype="float32", share_weights=True).weights.path != a.weights.path
+
+
 def test_the_dtype_is_part_of_the_key(cache):
     a = load_model("tiny:llama", dtype="float32", share_weights=True)
     b = load_model("tiny:llama", dtype="bfloat16", share_weights=True)

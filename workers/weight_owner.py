@@ -103,16 +103,20 @@ class WeightOwner:
             time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGTERM)  # the deployment is gone: so are the copies that used these weights
 
-    def serve(self, ready=None) -> None:
+    def serve(self) -> None:
         # a clean exit on SIGTERM: torch and the CUDA driver then remove their IPC bookkeeping
         # files from /dev/shm, which a process killed outright would leave behind
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            self._serve()
+        finally:  # its parent may be gone (SIGKILLed): nobody else would remove these
+            remove_ipc_files(os.getpid())
+
+    def _serve(self) -> None:
         answer = self.load()
         with Listener(self.address, family="AF_UNIX", authkey=self.authkey) as listener:
             threading.Thread(target=self._watch_parent, daemon=True).start()
             print(f"weight owner: {self.source} on {self.device} at {self.address}", flush=True)
-            if ready is not None:
-                ready()
             while True:
                 try:
                     conn = listener.accept()
