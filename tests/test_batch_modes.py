@@ -190,7 +190,9 @@ def test_compile_only_runs_one_batch_and_reports_memory(tmp_path):
     assert rep["variant"] == "llama" and rep["fits"] and rep["error"] is None
     assert rep["batch_size"] == 5 and rep["tokens_generated"] == 5 * 7  # a short file is repeated to fill it
     assert rep["measured_bytes"] > 0 and rep["load_s"] > 0 and rep["load_s_before_cache"] is None
-    assert dev == {"device": "cpu", "workers": 2, "measured_bytes": 2 * rep["measured_bytes"],
+    # the two copies map one set of weights: the device counts them once
+    assert rep["shared_weights"] and rep["weight_bytes"] > 0
+    assert dev == {"device": "cpu", "workers": 2, "measured_bytes": 2 * rep["measured_bytes"] - rep["weight_bytes"],
                    "available_bytes": dev["available_bytes"], "fits": True}
 
 

@@ -292,6 +292,12 @@ class Gateway:
 
     async def merged_events(self, target: O.Target, prompts: list, params: dict, task: str):
         """(prompt index, router message) of every prompt's stream, as they come."""
+        if len(prompts) == 1:  # the common case: no pump task, no queue between the two
+            async with contextlib.aclosing(self.client.events(target.router_model, prompts[0], True, task,
+                                                              **params)) as msgs:
+                async for msg in msgs:
+                    yield 0, msg
+            return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
