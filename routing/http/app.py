@@ -70,11 +70,38 @@ class ApiKeys:
         await self.app(scope, receive, send)
 
 
+def parse_body(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise O.OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise O.OpenAIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    return data
+
+
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+class FastPath:
+    """ASGI: POST /v1/completions straight to Gateway.fast_completions, the rest to Starlette."""
+
+    def __init__(self, gateway, app: Starlette):
+        self.gateway, self.app = gateway, app
+        self.keys = ApiKeys(self._dispatch, gateway.settings.api_keys) if gateway.settings.api_keys else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/v1/completions" and scope["method"] == "POST":
+            await (self.keys or self._dispatch)(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)  # lifespan too
+
+    async def _dispatch(self, scope, receive, send):
+        await self.gateway.fast_completions(scope, receive, send, self.app)
 
 
 class ClientGone(Exception):
@@ -107,7 +134,61 @@ class Gateway:
         finally:
             await self.stop()
 
-    def app(self) -> Starlette:
+    async def fast_completions(self, scope, receive, send, app) -> None:
+        """POST /v1/completions without Starlette's routing and request objects: the hot endpoint of
+        the short-request load. A streamed request goes on to the Starlette route, its body replayed."""
+        t0 = time.perf_counter()
+        label, params = "unknown", ()
+        try:
+            body = await self._read_raw(scope, receive)
+            data = parse_body(body)
+            params = [k for k in data if k not in ("model", "prompt", "messages")]
+            job = O.completion_job(data)
+            if job.stream.stream:
+                sent = False
+
+                async def replay():
+                    nonlocal sent
+                    if sent:
+                        return await receive()
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+
+                await app(scope, replay, send)
+                return
+            target = await self.target_for(data.get("model"), scope["path"])
+            label = target.name
+            results = await self.until_cancelled_by_client(receive, self.all_of(
+                self.client.complete(target.router_model, p, **job.params) for p in job.prompts))
+            out = O.merge_completions(results, target.name, job.n)
+            self.metrics.observe_usage(target.name, out["usage"])
+            resp = JSONResponse(out)
+        except ClientGone:
+            resp = Response(status_code=CLIENT_GONE)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an error object, never a crash
+            resp = self.error_response(exc, params)
+        self.metrics.requests.labels(label, "completions", str(resp.status_code)).inc()
+        self.metrics.e2e.labels(label).observe(time.perf_counter() - t0)
+        await resp(scope, receive, send)
+
+    async def _read_raw(self, scope, receive) -> bytes:
+        limit = self.settings.max_body_bytes
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                raise O.OpenAIError(413, f"request body of {int(v)} bytes exceeds the limit of {limit}",
+                                    code="too_large")
+        body = b""
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise ClientGone()
+            body += msg.get("body", b"")
+            if len(body) > limit:
+                raise O.OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
+            if not msg.get("more_body"):
+                return body
+
+    def app(self) -> FastPath:
         routes = []
         for prefix in ("", "/models/{model:path}"):
             routes += [Route(prefix + "/v1/completions", self.completions, methods=["POST"]),
@@ -121,8 +202,8 @@ class Gateway:
                    Route("/metrics", self.prometheus, methods=["GET"])]
         app = Starlette(routes=routes, lifespan=self.lifespan)
         if self.settings.api_keys:
-            app.add_middleware(ApiKeys, keys=self.settings.api_keys)
-        return app
+            app.add_middleware(ApiKeys, keys=self.settings.api_keys)  # outermost: the fast path is inside
+        return FastPath(self, app)
 
     # --- helpers ---------------------------------------------------------------------------------
     async def models(self, refresh: bool = False) -> list[dict]:
@@ -135,9 +216,12 @@ class Gateway:
         """The model a request names: in its path (`/models/<model>/...`), else in its body (or
         query), else the only variant when there is just one."""
         value = request.path_params.get("model") or (body or {}).get("model") or request.query_params.get("model")
+        return await self.target_for(value, request.scope["path"])
+
+    async def target_for(self, value, path: str) -> O.Target:
         models = await self.models()
         names = list(dict.fromkeys(m["name"] for m in models))
-        default = names[0] if len(names) == 1 and request.scope["path"].rsplit("/", 1)[-1] in (
+        default = names[0] if len(names) == 1 and path.rsplit("/", 1)[-1] in (
             "tokenize", "detokenize", "tokenizer_info") else None
         try:
             return O.resolve_model(value, models, default)
@@ -156,25 +240,22 @@ class Gateway:
             body += chunk
             if len(body) > limit:
                 raise O.OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
-        try:
-            data = json.loads(body)
-        except ValueError as exc:
-            raise O.OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise O.OpenAIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        data = parse_body(body)
         request.state.params = [k for k in data if k not in ("model", "prompt", "messages")]
         return data
 
     @staticmethod
-    async def until_cancelled_by_client(request: Request, coro):
+    async def until_cancelled_by_client(request, coro):
         """Await `coro`; if the client disconnects first, cancel it (which cancels on the workers).
-        One watcher task per request, which cancels this one: cheaper than racing two tasks."""
+        One watcher task per request, which cancels this one: cheaper than racing two tasks.
+        `request`: a Starlette Request, or an ASGI receive callable."""
         me = asyncio.current_task()
         gone = False
+        receive = getattr(request, "receive", request)
 
         async def watch():
             nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
+            while (await receive())["type"] != "http.disconnect":
                 pass
             gone = True
             me.cancel()
