@@ -51,7 +51,8 @@ class DeploymentPlan:
         lines.append("workers:")
         lines += [f"  worker {w.worker_id} -> model {w.model_id} on {w.device}"
                   f" (threads {w.threads or 'default'}, max_batch_size {w.max_batch_size},"
-                  f" max_batch_tokens {w.max_batch_tokens}, ~{w.est_bytes / 2**20:.0f} MiB)" for w in self.workers]
+                  f" max_batch_tokens {w.max_batch_tokens}, ~{w.est_bytes / 2**20:.0f} MiB"
+                  f"{', weights shared' if w.shares_weights else ''})" for w in self.workers]
         lines.append("memory per device:")
         for d, info in self.devices.items():
             avail = info["available_bytes"]
