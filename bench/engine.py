@@ -1,7 +1,11 @@
 """Engine throughput against transformers on one workload, all measured in this run.
 
 Prints one JSON line per system (useful tokens/s), a forward-only line (the engine's own
-schedule of model calls replayed alone) and a summary line with the ratios.
+schedule of model calls replayed alone) and a summary line with the ratios; then
+  single_stream: one 64-token prompt, 128 new tokens, ms/token of the engine and of transformers
+                 `generate` (target for a compiled engine: <= 0.4x transformers);
+  ceiling:       the workload's model FLOPs over a bf16 GEMM rate measured in this run, as
+                 tokens/s, with each system's fraction of it (target: >= 75%).
 
     python bench/engine.py [--model smollm2-135m] [--dtype bfloat16] [--n 64] [--threads 2]
 """
@@ -113,6 +117,67 @@ def run_hf_cb(model, prompts, max_tokens):
     return time.perf_counter() - t, useful
 
 
+def gemm_rate(dtype: torch.dtype, hidden: int, inter: int, rows: int = 512, repeats: int = 5) -> dict:
+    """GFLOP/s of this machine's matmul now: the model's MLP shape at `rows` tokens, and a square."""
+    out = {}
+    for name, (m, k, n) in {"mlp": (rows, hidden, inter), "square_2048": (2048, 2048, 2048)}.items():
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(10):
+                a @ b
+            best = min(best, (time.perf_counter() - t) / 10)
+        out[name] = 2 * m * k * n / best / 1e9
+    return out
+
+
+def model_flops(cfg, prompts, max_tokens) -> float:
+    """Forward FLOPs of the workload: every prompt and generated token through the layers (linear
+    layers and attention over its context), plus the LM head for each sampled token."""
+    h, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or h // heads
+    kvh = getattr(cfg, "num_key_value_heads", None) or heads
+    inter = getattr(cfg, "intermediate_size", None) or 4 * h
+    linear = 2 * layers * (h * heads * head_dim * 2 + 2 * h * kvh * head_dim + 3 * h * inter)
+    total = 0.0
+    for p, m in zip(prompts, max_tokens):
+        n = len(p) + m - 1  # the last generated token is never fed back
+        total += n * linear + 2 * 2 * layers * heads * head_dim * (n * (n + 1) / 2)  # QK^T and AV
+        total += m * 2 * h * vocab
+    return total
+
+
+def single_stream(lm, repeats: int) -> dict:
+    """ms per generated token for one request alone: 64-token prompt, 128 new tokens, greedy."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(lm.vocab_size) for _ in range(64)]
+    new = 128
+
+    def engine():
+        eng = Engine(lm, EngineConfig(max_batch_size=1, max_batch_tokens=128))
+        eng.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+        t = time.perf_counter()
+        out = eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == new
+        return time.perf_counter() - t
+
+    def hf():
+        with hf_attention(lm.model, "sdpa"), torch.inference_mode():
+            t = time.perf_counter()
+            lm.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 64, dtype=torch.long),
+                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            return time.perf_counter() - t
+
+    e = min(engine() for _ in range(repeats)) / new * 1e3
+    t = min(hf() for _ in range(repeats)) / new * 1e3
+    return {"engine_eager_ms_per_token": round(e, 2), "transformers_generate_ms_per_token": round(t, 2),
+            "engine_vs_transformers": round(e / t, 3), "target_ratio": 0.4}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -123,7 +188,7 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2,
                     help="best of N for the engine, its replay and the static batches (the slow peers run once)")
-    ap.add_argument("--systems", default="engine,hf_static32,hf_cb,hf_single",
+    ap.add_argument("--systems", default="engine,hf_static32,hf_cb,hf_single,single_stream,ceiling",
                     help="comma-separated subset to run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -163,6 +228,19 @@ def main() -> None:
     if "engine" in rates:
         emit(summary=True, **{f"engine_vs_{k}": round(rates["engine"] / v, 2) for k, v in rates.items()
                               if k != "engine"})
+    if "single_stream" in systems:
+        emit(system="single_stream", prompt_tokens=64, new_tokens=128, repeats=args.repeats,
+             **single_stream(lm, args.repeats), model=args.model, dtype=args.dtype, threads=args.threads)
+    if "ceiling" in systems:
+        cfg = lm.model.config.get_text_config()
+        rate = gemm_rate(lm.dtype, cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+        flops = model_flops(cfg, prompts, max_tokens)
+        useful = sum(max_tokens)
+        ceiling = useful / (flops / (rate["mlp"] * 1e9))
+        emit(system="ceiling", model_tflop=round(flops / 1e12, 3), gemm_gflops_mlp_shape=round(rate["mlp"], 1),
+             gemm_gflops_square_2048=round(rate["square_2048"], 1), ceiling_tokens_per_s=round(ceiling, 1),
+             **{f"fraction_{k}": round(v / ceiling, 3) for k, v in rates.items()}, target_fraction=0.75,
+             **common)
 
 
 if __name__ == "__main__":
