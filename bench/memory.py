@@ -31,6 +31,7 @@ import time  # noqa: E402
 import psutil  # noqa: E402
 
 from bench.router import emit, free_port  # noqa: E402
+from fusion.plan import OVERHEAD_BYTES  # noqa: E402
 
 PROMPT = "The three primary colours are"
 
@@ -75,7 +76,8 @@ def run(model: str, dtype: str, copies: int, share: bool, batch: int, ctx: int) 
         cfg.unlink(missing_ok=True)
     dev = plan.devices["cpu"]
     return {"copies": copies, "share_weights": share, "pss_bytes": pss, "answers": answers, "weights": weights,
-            "plan_bytes": dev["estimated_bytes"], "kv_bytes": plan.workers[0].est_bytes - plan.workers[0].weight_bytes}
+            "plan_bytes": dev["estimated_bytes"],
+            "kv_bytes": plan.workers[0].est_bytes - plan.workers[0].weight_bytes - OVERHEAD_BYTES}
 
 
 def main() -> None:
@@ -86,8 +88,6 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=512)
     args = ap.parse_args()
-    from fusion.plan import OVERHEAD_BYTES
-
     one, most = min(args.copies), max(args.copies)
     # a worker process's own overhead, measured: what an extra copy of a model with next to no
     # weights (tiny:llama, 0.4 MiB) costs
@@ -106,7 +106,7 @@ def main() -> None:
         extra = (r["pss_bytes"] - rows[share, one]["pss_bytes"]) / (n - one) if n > one else None
         # the copy's full KV cache budget (as the plan counts it) and the measured process
         # overhead, plus 15% of the weights
-        kv = r["kv_bytes"] - OVERHEAD_BYTES
+        kv = r["kv_bytes"]
         allowance = kv + overhead + 0.15 * w["bytes"]
         emit(bench="memory", model=args.model, dtype=args.dtype, copies=n, share_weights=share,
              pss_mib=round(r["pss_bytes"] / 2**20, 1),

@@ -68,7 +68,7 @@ class LocalDeployment:
         self.gave_up: set[int] = set()
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
-        self.owners = WeightOwners(fusion, plan, self.log)
+        self.owners = WeightOwners(fusion, plan, self.log, self.supervisor.max_restarts)
 
     def __enter__(self) -> LocalDeployment:
         box: queue.Queue = queue.Queue()

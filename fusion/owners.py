@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from fusion.model_info import MultiModelFusion
@@ -30,9 +31,14 @@ def owner_groups(fusion: MultiModelFusion, plan: DeploymentPlan) -> dict[tuple, 
 
 
 class WeightOwners:
-    def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, log):
+    def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, log, max_restarts: int = 5,
+                 backoff: float = 1.0):
         self.groups = owner_groups(fusion, plan)
         self.log = log
+        self.max_restarts, self.backoff = max_restarts, backoff
+        self.restarts: dict[tuple, int] = {}
+        self.due: dict[tuple, float] = {}  # group -> when to start its owner again
+        self.gave_up: set[tuple] = set()
         self.key = secrets.token_hex(16)
         self.dir: Path | None = None
         self.procs: dict[tuple, subprocess.Popen] = {}
@@ -65,13 +71,27 @@ class WeightOwners:
         self.pids.append(self.procs[g].pid)
 
     def check(self) -> None:
-        """An owner that died is started again; its copies fail and are restarted by the supervisor,
-        and attach to the new one."""
+        """An owner that died is started again after a capped backoff, up to max_restarts times (an
+        owner that cannot load its model would otherwise be restarted forever); its copies fail,
+        are restarted by the supervisor, and attach to the new one, or fail to load saying why."""
+        now = time.monotonic()
         for g, p in list(self.procs.items()):
-            if p.poll() is not None:
+            if p.poll() is None or g in self.gave_up:
+                continue
+            if g not in self.due:
                 remove_ipc_files(p.pid)
+                n = self.restarts.get(g, 0)
+                if n >= self.max_restarts:
+                    self.gave_up.add(g)
+                    self.log(f"weight owner for {g[1]} on {g[0]} (process {p.pid}) exited with code {p.returncode}; "
+                             f"not starting it again: it was restarted {n} times already")
+                    continue
+                self.due[g] = now + min(self.backoff * 2 ** n, 30.0)
                 self.log(f"weight owner for {g[1]} on {g[0]} (process {p.pid}) exited with code {p.returncode}; "
-                         "starting it again")
+                         f"restart {n + 1}/{self.max_restarts}")
+            elif now >= self.due[g]:
+                del self.due[g]
+                self.restarts[g] = self.restarts.get(g, 0) + 1
                 self._spawn(g)
 
     def stop(self) -> None:

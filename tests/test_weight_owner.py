@@ -156,6 +156,26 @@ def test_one_owner_per_device_source_and_dtype(monkeypatch):
     assert owner_groups(*_plan("cuda:0", 2, share=False)) == {("cuda:0", "tiny:gpt2", "float32"): [2]}
 
 
+def test_an_owner_that_cannot_load_is_given_up_on_with_a_clear_error(tmp_path, capfd):
+    from fusion.owners import WeightOwners
+
+    fusion, plan = _plan("cpu", 1)
+    lines = []
+    owners = WeightOwners(fusion, plan, lines.append, max_restarts=1, backoff=0.01)
+    owners.groups = {("cpu", "/no/such/model", "float32"): [0]}  # as a CUDA group would be planned
+    owners.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not owners.gave_up:
+            assert time.monotonic() < deadline
+            owners.check()
+            time.sleep(0.05)
+    finally:
+        owners.stop()
+    assert len(owners.pids) == 2 and "restart 1/1" in lines[0] and "not starting it again" in lines[-1]
+    assert "weight owner: cannot serve /no/such/model on cpu: unknown model source" in capfd.readouterr().err
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copies on one GPU attach to its owner")
 def test_deployment_copies_on_one_gpu_share_an_owner(tmp_path, monkeypatch):
     import signal

@@ -109,13 +109,8 @@ def write_gguf_cache(lm: LoadedModel, gguf: Path) -> Path:
     """Save a loaded GGUF model as float32 safetensors (+ tokenizer) so later loads skip the
     dequantization. float32 keeps the dequantized values exactly, whatever dtype loads it later.
     Written to a temp directory and renamed: a half-written cache is never used."""
-    import shutil
-    import tempfile
 
-    dest = gguf_cache_path(gguf)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-    try:
+    def fill(tmp: Path) -> None:
         orig = lm.model.dtype
         lm.model.to(torch.float32)
         try:
@@ -123,13 +118,28 @@ def write_gguf_cache(lm: LoadedModel, gguf: Path) -> Path:
         finally:
             lm.model.to(orig)
         lm.tokenizer.save_pretrained(str(tmp))
+
+    dest = gguf_cache_path(gguf)
+    replace_dir(dest, fill)
+    return dest
+
+
+def replace_dir(dest: Path, fill) -> None:
+    """Write a directory through `fill(tmp)` in a temporary sibling renamed over `dest` once
+    complete: a half-written directory is never used."""
+    import shutil
+    import tempfile
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+    try:
+        fill(tmp)
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dest
 
 
 def _load_private(source: str, dt: torch.dtype, use_cache: bool):

@@ -26,8 +26,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,11 +102,12 @@ def publish(model: torch.nn.Module, tokenizer, dest: Path) -> None:
     """Write model + tokenizer to `dest` through a temporary directory renamed into place."""
     from safetensors.torch import save_file
 
+    from workers.models import replace_dir
+
     tensors, aliases = unique_tensors(model)
     tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
-    try:
+
+    def fill(tmp: Path) -> None:
         meta = {"format": FORMAT, "class": type(model).__name__, "aliases": json.dumps(aliases)}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
         model.config.save_pretrained(str(tmp))
@@ -117,12 +116,8 @@ def publish(model: torch.nn.Module, tokenizer, dest: Path) -> None:
         tokenizer.save_pretrained(str(tmp))
         with open(tmp / WEIGHTS_FILE, "rb") as f:
             os.fsync(f.fileno())
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    replace_dir(dest, fill)
 
 
 # --- mapping -----------------------------------------------------------------------------------------------
@@ -180,12 +175,6 @@ def bind_aliases(model: torch.nn.Module, aliases: dict[str, str]) -> None:
         (dst._parameters if a_attr in dst._parameters else dst._buffers)[a_attr] = value
 
 
-def check_bound(model: torch.nn.Module, where) -> None:
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p.is_meta:
-            raise SharedWeightsError(f"{where}: parameter {name} was left unbound")
-
-
 def attach(model: torch.nn.Module, path: Path) -> int:
     """Bind every parameter and persistent buffer of `model` to the mapped file; returns its bytes.
     Fails (SharedWeightsError) unless the file covers the model exactly."""
@@ -198,10 +187,18 @@ def attach(model: torch.nn.Module, path: Path) -> int:
     if wanted != have:
         missing, extra = sorted(wanted - have), sorted(have - wanted)
         raise SharedWeightsError(f"{path} does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    return bind_all(model, tensors, aliases, path)
+
+
+def bind_all(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], where) -> int:
+    """Bind every shared tensor and tied alias; fail if a parameter is left on `meta`. Returns the
+    bytes bound."""
     for name, t in tensors.items():
         bind(model, name, t)
     bind_aliases(model, aliases)
-    check_bound(model, path)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta:
+            raise SharedWeightsError(f"{where}: parameter {name} was left unbound")
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

@@ -95,8 +95,7 @@ class WeightOwner:
             tensors = {k: t.clone() for k, t in tensors.items()}
         self.model, self.tensors = model, tensors  # kept alive: the copies' tensors are this memory
         return {"dir": str(dest), "dtype": str(dt).removeprefix("torch."), "aliases": aliases,
-                "handles": {name: export_tensor(t) for name, t in tensors.items()},
-                "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+                "handles": {name: export_tensor(t) for name, t in tensors.items()}}
 
     def _watch_parent(self) -> None:
         while self.parent_pid is None or os.getppid() == self.parent_pid:
@@ -147,11 +146,9 @@ def attach_remote(address: str, authkey: bytes, timeout: float = 300.0):
         answer = conn.recv()
     dt = getattr(torch, answer["dtype"])
     model, tok = S.build_meta(Path(answer["dir"]), dt)
-    for name, handle in answer["handles"].items():
-        S.bind(model, name, import_tensor(handle))
-    S.bind_aliases(model, answer["aliases"])
-    S.check_bound(model, address)
-    return model.eval(), tok, S.WeightsInfo(answer["bytes"], True, f"owner:{address}")
+    tensors = {name: import_tensor(handle) for name, handle in answer["handles"].items()}
+    nbytes = S.bind_all(model, tensors, answer["aliases"], address)
+    return model.eval(), tok, S.WeightsInfo(nbytes, True, f"owner:{address}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,7 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     key = os.environ.get(KEY_ENV, "").encode()
     if not key:
         sys.exit(f"weight owner: set {KEY_ENV} to the deployment's key")
-    WeightOwner(args.source, args.dtype, args.device, args.address, key, args.parent_pid).serve()
+    try:
+        WeightOwner(args.source, args.dtype, args.device, args.address, key, args.parent_pid).serve()
+    except (ValueError, OSError, S.SharedWeightsError) as exc:  # a bad source, a missing file: say which
+        sys.exit(f"weight owner: cannot serve {args.source} on {args.device}: {exc}")
 
 
 if __name__ == "__main__":

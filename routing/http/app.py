@@ -88,20 +88,22 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class FastPath:
-    """ASGI: POST /v1/completions straight to Gateway.fast_completions, the rest to Starlette."""
+    """ASGI: POST /v1/completions straight to its handler, past Starlette's router and middleware
+    layers (the short-request hot spot); everything else, lifespan included, to Starlette."""
 
     def __init__(self, gateway, app: Starlette):
         self.gateway, self.app = gateway, app
-        self.keys = ApiKeys(self._dispatch, gateway.settings.api_keys) if gateway.settings.api_keys else None
+        self.keys = ApiKeys(self._completions, gateway.settings.api_keys) if gateway.settings.api_keys else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] == "/v1/completions" and scope["method"] == "POST":
-            await (self.keys or self._dispatch)(scope, receive, send)
+            await (self.keys or self._completions)(scope, receive, send)
         else:
-            await self.app(scope, receive, send)  # lifespan too
+            await self.app(scope, receive, send)
 
-    async def _dispatch(self, scope, receive, send):
-        await self.gateway.fast_completions(scope, receive, send, self.app)
+    async def _completions(self, scope, receive, send):
+        response = await self.gateway.completions(Request(scope, receive))
+        await response(scope, receive, send)
 
 
 class ClientGone(Exception):
@@ -133,60 +135,6 @@ class Gateway:
             yield
         finally:
             await self.stop()
-
-    async def fast_completions(self, scope, receive, send, app) -> None:
-        """POST /v1/completions without Starlette's routing and request objects: the hot endpoint of
-        the short-request load. A streamed request goes on to the Starlette route, its body replayed."""
-        t0 = time.perf_counter()
-        label, params = "unknown", ()
-        try:
-            body = await self._read_raw(scope, receive)
-            data = parse_body(body)
-            params = [k for k in data if k not in ("model", "prompt", "messages")]
-            job = O.completion_job(data)
-            if job.stream.stream:
-                sent = False
-
-                async def replay():
-                    nonlocal sent
-                    if sent:
-                        return await receive()
-                    sent = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-
-                await app(scope, replay, send)
-                return
-            target = await self.target_for(data.get("model"), scope["path"])
-            label = target.name
-            results = await self.until_cancelled_by_client(receive, self.all_of(
-                self.client.complete(target.router_model, p, **job.params) for p in job.prompts))
-            out = O.merge_completions(results, target.name, job.n)
-            self.metrics.observe_usage(target.name, out["usage"])
-            resp = JSONResponse(out)
-        except ClientGone:
-            resp = Response(status_code=CLIENT_GONE)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an error object, never a crash
-            resp = self.error_response(exc, params)
-        self.metrics.requests.labels(label, "completions", str(resp.status_code)).inc()
-        self.metrics.e2e.labels(label).observe(time.perf_counter() - t0)
-        await resp(scope, receive, send)
-
-    async def _read_raw(self, scope, receive) -> bytes:
-        limit = self.settings.max_body_bytes
-        for k, v in scope["headers"]:
-            if k == b"content-length" and v.isdigit() and int(v) > limit:
-                raise O.OpenAIError(413, f"request body of {int(v)} bytes exceeds the limit of {limit}",
-                                    code="too_large")
-        body = b""
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise ClientGone()
-            body += msg.get("body", b"")
-            if len(body) > limit:
-                raise O.OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
-            if not msg.get("more_body"):
-                return body
 
     def app(self) -> FastPath:
         routes = []
@@ -245,17 +193,15 @@ class Gateway:
         return data
 
     @staticmethod
-    async def until_cancelled_by_client(request, coro):
+    async def until_cancelled_by_client(request: Request, coro):
         """Await `coro`; if the client disconnects first, cancel it (which cancels on the workers).
-        One watcher task per request, which cancels this one: cheaper than racing two tasks.
-        `request`: a Starlette Request, or an ASGI receive callable."""
+        One watcher task per request, which cancels this one: cheaper than racing two tasks."""
         me = asyncio.current_task()
         gone = False
-        receive = getattr(request, "receive", request)
 
         async def watch():
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
+            while (await request.receive())["type"] != "http.disconnect":
                 pass
             gone = True
             me.cancel()
