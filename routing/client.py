@@ -35,20 +35,9 @@ from routing import protocol as P
 from routing.security import connect_curve
 
 _WATCH = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-
-
-def _lost(frames: list[bytes]) -> dict:
-    """The error for a connection event: the router went away, or refused our handshake."""
-    from zmq.utils.monitor import parse_monitor_message
-
-    event = parse_monitor_message(frames)["event"]
-    if event == zmq.EVENT_DISCONNECTED:
-        return P.error(None, P.ROUTER_LOST, "the connection to the router dropped with this request in flight; "
-                                            "it may be sent again")
-    return P.error(None, P.REFUSED, "the router refused the connection (CurveZMQ handshake failed: is this "
-                                    "client's key in the router's authorized_clients, and the router's server.key "
-                                    "the one given here?)")
+          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_REFUSED = ("the router refused the connection (CurveZMQ handshake failed: is this client's key in the router's "
+            "authorized_clients, and the router's server.key the one given here?)")
 
 
 log = logging.getLogger(__name__)
@@ -104,19 +93,41 @@ class _Base:
         self.monitor = self.sock.get_monitor_socket(_WATCH)
         self.sock.connect(address)
 
+        # A refused handshake is not retried by zmq: the refusal holds until a handshake succeeds,
+        # so a request made after it (even long after) must hear it at once, not at its timeout.
+        self._refusal: dict | None = None
+
     def close(self) -> None:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
+    def _event(self, frames: list[bytes]) -> dict | None:
+        """The error a connection event means for the requests in flight (the router went away, or
+        refused our handshake), or None (a handshake succeeded)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._refusal = None
+            return None
+        if event == zmq.EVENT_DISCONNECTED:
+            return P.error(None, P.ROUTER_LOST, "the connection to the router dropped with this request in "
+                                                "flight; it may be sent again")
+        self._refusal = P.error(None, P.REFUSED, _REFUSED)
+        return self._refusal
+
     def _forget_stale_events(self) -> None:
-        """Connection events from while no request was in flight (an idle client whose router
-        restarted): they concern no request, and the socket has reconnected by itself."""
+        """Take in the connection events from while no request was in flight (an idle client whose
+        router restarted: the socket has reconnected by itself), then fail at once if the router
+        refuses us."""
         while True:
             try:
-                self.monitor.recv_multipart(zmq.NOBLOCK)
+                self._event(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                return
+                break
+        if self._refusal is not None:
+            _check(self._refusal)
 
     @staticmethod
     def _answers(msg: dict, rid: str) -> bool:
@@ -159,7 +170,9 @@ class Client(_Base):
                 raise TimeoutError(f"no answer from {self.address} within {self.timeout}s")
             if self.sock in events:
                 return decode_reply(self.sock.recv())
-            return _lost(self.monitor.recv_multipart())
+            err = self._event(self.monitor.recv_multipart())
+            if err is not None:
+                return err
 
     def _deadline(self) -> float | None:
         return None if self.timeout is None else time.monotonic() + self.timeout
@@ -298,8 +311,8 @@ class AsyncClient(_Base):
 
     def _drain(self) -> None:
         while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            err = _lost(self.monitor.recv_multipart(zmq.NOBLOCK))
-            for q in self._queues.values():  # every request in flight: the router that had it is gone
+            err = self._event(self.monitor.recv_multipart(zmq.NOBLOCK))
+            for q in self._queues.values() if err is not None else ():  # every request in flight: the router that had it is gone
                 q.put(err)
         while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             msg = decode_reply(self.sock.recv(zmq.NOBLOCK))
@@ -330,6 +343,8 @@ class AsyncClient(_Base):
 
     def _open(self) -> str:
         self._watch()
+        if self._refusal is not None:  # heard by the reader while no request was in flight
+            _check(self._refusal)
         rid = self._new_id()
         self._queues[rid] = _Inbox()
         return rid

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from conftest import free_port
 
 from routing import protocol as P
-from routing.client import Client, RouterError
+from routing.client import AsyncClient, Client, RouterError
 from routing.router import ModelEntry, Router, RouterConfig
 from routing.security import SecurityError, generate, is_loopback
 
@@ -79,10 +81,21 @@ def test_curve_refuses_unknown_clients_and_serves_allowed_ones(tmp_path):
         with Client(router.frontend_addr, timeout=30, curve_keys=str(keys)) as ok:
             assert ok.complete(model="echo", prompt="hi")["choices"][0]["text"] == "hi"  # worker and client allowed
         for kw in ({"curve_keys": str(keys), "curve_name": "mallory"}, {}):  # unknown key; no CURVE at all
-            with Client(router.frontend_addr, timeout=10, **kw) as bad:
-                with pytest.raises(RouterError) as info:
-                    bad.status()
-                assert info.value.code == P.REFUSED  # at once, not at a timeout
+            for idle in (0.0, 0.5):  # asked at once, or after the refusal came in (zmq does not retry it)
+                with Client(router.frontend_addr, timeout=10, **kw) as bad:
+                    time.sleep(idle)
+                    t0 = time.monotonic()
+                    with pytest.raises(RouterError) as info:
+                        bad.status()
+                    assert info.value.code == P.REFUSED and time.monotonic() - t0 < 5  # at once, not at a timeout
+
+                async def ask(kw=kw, idle=idle):
+                    async with AsyncClient(router.frontend_addr, timeout=10, **kw) as bad:
+                        await asyncio.sleep(idle)
+                        with pytest.raises(RouterError) as info:
+                            await bad.status()
+                        return info.value.code
+                assert asyncio.run(ask()) == P.REFUSED
         with Client(router.frontend_addr, timeout=30, curve_keys=str(keys)) as ok:
             assert ok.status()["workers"][0]["alive"]  # still serving
     finally:
