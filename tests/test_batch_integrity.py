@@ -50,7 +50,7 @@ def _predict_against(router_addr: str, params, variants, md):
 def test_a_transient_jsonl_failure_neither_blocks_nor_loses_the_lines_after_it(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    lines = [{"prompt": [5, 6, 7 + i], "max_tokens": 4, **({"model": "gpt2"} if i % 3 == 1 else {})}
+    lines = [{"prompt": [5, 6, 7 + i], "max_tokens": 4, "ignore_eos": True, **({"model": "gpt2"} if i % 3 == 1 else {})}
              for i in range(9)]
     (data / "req.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data),
@@ -187,7 +187,7 @@ def test_every_mode_exits_without_a_cpp_abort(tmp_path):
     try:
         with Client(front, timeout=10) as c:
             wait_for(lambda: sum(w["loaded"] for w in c.status()["workers"]) == 2, 120)
-            assert c.complete("llama", [1, 2], max_tokens=2)["usage"]["completion_tokens"] == 2
+            assert c.complete("llama", [1, 2], max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
         time.sleep(0.5)
         serve.send_signal(signal.SIGINT)
         assert serve.wait(60) == 0

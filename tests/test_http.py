@@ -209,7 +209,7 @@ def test_tokenizer_endpoints_and_per_model_base_urls(gw):
         assert info["eos_token"] == "<|endoftext|>" and info["chat_template"] is None
         no_model = h.post("/tokenize", json={"prompt": "x"})  # two variants: which one?
         assert no_model.status_code == 400 and "model" in no_model.json()["error"]["message"]
-        r = h.post("/models/gpt2/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}).json()
+        r = h.post("/models/gpt2/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}).json()
         assert r["model"] == "gpt2" and r["usage"]["completion_tokens"] == 2
         chat = h.post("/models/llama/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
         assert chat["tokens"] == chat_prompt(lm.tokenizer, [{"role": "user", "content": "hi"}], "llama")
@@ -298,7 +298,7 @@ def test_serve_with_http_end_to_end(tmp_path):
                 return False
 
         def completes():
-            r = httpx.post(url + "/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 3},
+            r = httpx.post(url + "/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
                            timeout=30)
             return r.status_code == 200 and json.loads(r.text)["usage"]["completion_tokens"] == 3
 

@@ -212,7 +212,7 @@ def test_idle_clients_are_served_by_a_restarted_router():
     try:
         with Client(front, timeout=60) as c:
             wait_loaded(c)
-            assert c.complete("llama", [1, 2], max_tokens=2)["usage"]["completion_tokens"] == 2
+            assert c.complete("llama", [1, 2], max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
             never_used = AsyncClient(front, timeout=60)
             router.stop(release_workers=False)
             thread.join(10)
@@ -220,11 +220,11 @@ def test_idle_clients_are_served_by_a_restarted_router():
             time.sleep(1.0)  # both clients idle while it was away
             with Client(front, timeout=30) as probe:
                 wait_loaded(probe, 30)
-            assert c.complete("llama", [1, 2], max_tokens=2)["usage"]["completion_tokens"] == 2
+            assert c.complete("llama", [1, 2], max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
 
             async def use():
                 try:
-                    return await never_used.complete("llama", [3, 4], max_tokens=3)
+                    return await never_used.complete("llama", [3, 4], max_tokens=3, ignore_eos=True)
                 finally:
                     never_used.close()
 

@@ -99,7 +99,7 @@ def test_dead_worker_is_dropped_and_cancel_frees_the_slot():
         stream.close()  # the client gives up: a cancel reaches the worker and frees its slot
         wait_for(lambda: c.status()["workers"][0]["inflight"] == 0 and c.status()["pending"] == 0)
         wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)  # slot freed
-        assert c.complete(model="llama", prompt=[4], max_tokens=2)["usage"]["completion_tokens"] == 2
+        assert c.complete(model="llama", prompt=[4], max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
         worker.kill()
         worker.wait()
         wait_for(lambda: not c.status()["workers"][0]["alive"], timeout=10)
