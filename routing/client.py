@@ -92,7 +92,6 @@ class _Base:
             connect_curve(self.sock, curve_keys, curve_name)
         self.monitor = self.sock.get_monitor_socket(_WATCH)
         self.sock.connect(address)
-
         # A refused handshake is not retried by zmq: the refusal holds until a handshake succeeds,
         # so a request made after it (even long after) must hear it at once, not at its timeout.
         self._refusal: dict | None = None
@@ -126,6 +125,9 @@ class _Base:
                 self._event(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
+        self._raise_if_refused()
+
+    def _raise_if_refused(self) -> None:
         if self._refusal is not None:
             _check(self._refusal)
 
@@ -312,7 +314,9 @@ class AsyncClient(_Base):
     def _drain(self) -> None:
         while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             err = self._event(self.monitor.recv_multipart(zmq.NOBLOCK))
-            for q in self._queues.values() if err is not None else ():  # every request in flight: the router that had it is gone
+            if err is None:
+                continue
+            for q in self._queues.values():  # every request in flight: the router that had it is gone
                 q.put(err)
         while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             msg = decode_reply(self.sock.recv(zmq.NOBLOCK))
@@ -343,8 +347,7 @@ class AsyncClient(_Base):
 
     def _open(self) -> str:
         self._watch()
-        if self._refusal is not None:  # heard by the reader while no request was in flight
-            _check(self._refusal)
+        self._raise_if_refused()  # the reader may have heard it while no request was in flight
         rid = self._new_id()
         self._queues[rid] = _Inbox()
         return rid
