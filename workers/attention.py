@@ -5,6 +5,12 @@ goes through that interface (Llama, Mistral, Gemma3, GPT-2, OPT, Qwen2, ...) run
 Registering a name the mask factory does not know also makes the model skip building its own
 masks: this module builds them once per step from the sequences' lengths.
 
+The whole step (K/V writes into the slot cache, decode and prefill attention) is one opaque
+custom op, `mmfusion::attend`, as vLLM's unified attention is: a compiled forward (workers.compiled)
+calls it as an extern kernel, so the graph holds only tensor math and its shapes depend only on the
+padded token count, never on how the step's tokens split into sequences. Eager runs call the same
+function directly. The op finds the step's context and cache through the holder named by its id.
+
 Decode rows are one batched GQA matmul over contiguous cache rows (no repeat_kv copy): on CPU
 that is ~10x faster than SDPA's flash kernel at q_len=1. Prefill chunks use SDPA with a causal
 mask offset by the chunk's start.
@@ -13,6 +19,8 @@ mask offset by the chunk's start.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +45,7 @@ class StepContext:
     """What attention needs to know about the packed batch of one forward pass."""
 
     num_decode: int
+    num_tokens: int  # real packed tokens; a compiled forward pads past them, and their rows stay zero
     decode_slots: torch.Tensor | None  # [D] cache rows of the decode tokens
     decode_lengths: torch.Tensor | None  # [D] keys visible to each decode token (position + 1)
     dense: bool  # decode rows are exactly slots 0..D-1 in order: no scatter/gather needed
@@ -125,33 +134,69 @@ def _segment_attention(ctx: StepContext, i: int, q: torch.Tensor, key: torch.Ten
     return out[0].transpose(0, 1)
 
 
-def mmfusion_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask, scaling: float | None = None, dropout: float = 0.0,
-                       sliding_window: int | None = None, softcap: float | None = None, **kwargs):
-    """transformers attention-interface entry point. query: [1, H, N, d]; key/value: cache buffers."""
-    ctx: StepContext = module._mmfusion_ctx.current
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    n_tok, heads = query.shape[2], query.shape[1]
-    out = query.new_empty(n_tok, heads, value.shape[-1])
+def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+            scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Write this step's K/V into the cache, attend. query: [1, H, N, d]; key/value: [1, kvh, N, d]
+    (N may include padding past ctx.num_tokens). Returns [1, N, H, dv]."""
+    ctx = holder.current
+    n = ctx.num_tokens
+    key_buf, value_buf = holder.cache.write(layer, key[:, :, :n], value[:, :, :n])
+    heads, n_all = query.shape[1], query.shape[2]
+    out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
     if d:
-        out[:d] = _decode_attention(ctx, query[0, :, :d].transpose(0, 1), key, value, scaling,
-                                    sliding_window, softcap)
+        out[:d] = _decode_attention(ctx, query[0, :, :d].transpose(0, 1), key_buf, value_buf, scaling,
+                                    window, softcap)
     for i, seg in enumerate(ctx.segments):
         q = query[:, :, seg.tok_start: seg.tok_start + seg.length]
         out[seg.tok_start: seg.tok_start + seg.length] = _segment_attention(
-            ctx, i, q, key, value, scaling, sliding_window, softcap)
-    return out.unsqueeze(0), None
+            ctx, i, q, key_buf, value_buf, scaling, window, softcap)
+    return out.unsqueeze(0)
+
+
+@torch.library.custom_op("mmfusion::attend", mutates_args=())
+def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, holder: int, layer: int,
+              scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    # The cache it writes is not an argument: to the graph the op is a pure function of q, k, v,
+    # and a compiled forward never sees (or guards on) the cache's buffers as they grow.
+    return _attend(_HOLDERS[holder], query, key, value, layer, scaling, window, softcap)
+
+
+@attend_op.register_fake
+def _(query, key, value, holder, layer, scaling, window, softcap):
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
+
+
+def mmfusion_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                       sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+    """transformers attention-interface entry point. query: [1, H, N, d]; key/value: this step's
+    new K/V (the model runs without a transformers cache; the op writes the slot cache)."""
+    holder: ContextHolder = module._mmfusion_ctx
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        out = attend_op(query, key, value, holder.id, module.layer_idx, scaling, sliding_window, softcap)
+    else:  # eager: skip the custom-op dispatch
+        out = _attend(holder, query, key, value, module.layer_idx, scaling, sliding_window, softcap)
+    return out, None
+
+
+_HOLDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> live holder, for the op
+_HOLDER_IDS = itertools.count(1)
 
 
 class ContextHolder:
-    """Mutable handle shared by the attention modules of one model; the runner swaps `current`."""
+    """Mutable handle shared by the attention modules of one model: the runner sets its cache once
+    and swaps `current` every step."""
 
-    __slots__ = ("current",)
+    __slots__ = ("current", "cache", "id", "__weakref__")
 
     def __init__(self) -> None:
         self.current: StepContext | None = None
+        self.cache = None  # a SlotKVCache
+        self.id = next(_HOLDER_IDS)
+        _HOLDERS[self.id] = self
 
 
 def install(model) -> ContextHolder | None:

@@ -11,16 +11,14 @@ bf16 matmul kernels need to run fast - without reading much padding.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
 
 
-class SlotKVCache(Cache):
-    """Per-layer K/V buffers indexed by (slot, position). Plugged into HF models as `past_key_values`."""
+class SlotKVCache:
+    """Per-layer K/V buffers indexed by (slot, position), written by the attention op (workers.attention)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, max_capacity: int = 2048, block: int = 64,
                  v_head_dim: int | None = None):
-        super().__init__(layers=[])
         self.num_layers, self.num_slots = num_layers, num_slots
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.v_head_dim = v_head_dim or head_dim
@@ -63,24 +61,10 @@ class SlotKVCache(Cache):
             for buf in lst:
                 buf[dst_slot, :, :length] = buf[src_slot, :, :length]
 
-    # --- transformers Cache interface -------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        # key_states: [1, kv_heads, N, dim] for the N packed tokens of this step.
-        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Store this step's keys/values ([1, kv_heads, N, dim] for the N packed tokens) at their
+        (slot, position) pairs; returns the layer's whole buffers."""
+        k_buf, v_buf = self.keys[layer], self.values[layer]
         k_buf[self.write_slots, :, self.write_pos] = key_states[0].transpose(0, 1).to(k_buf.dtype)
         v_buf[self.write_slots, :, self.write_pos] = value_states[0].transpose(0, 1).to(v_buf.dtype)
         return k_buf, v_buf
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        # Positions are always passed explicitly; models only use this for defaults we override.
-        return 0
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.max_capacity
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def __len__(self) -> int:
-        return self.num_layers

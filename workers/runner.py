@@ -145,6 +145,7 @@ class SlotRunner(BaseRunner):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, max_batch_size, kv_heads, head_dim, lm.dtype, lm.device,
                                  max_capacity=lm.max_model_len)
+        holder.cache = self.cache
 
     def _copy(self, src: int, dst: int, length: int) -> None:
         self.cache.copy_prefix(src, dst, length)
@@ -174,6 +175,7 @@ class SlotRunner(BaseRunner):
         dense = dslots == list(range(d))
         self.holder.current = attention.StepContext(
             num_decode=d,
+            num_tokens=len(ids),
             decode_slots=torch.tensor(dslots, device=dev) if d else None,
             decode_lengths=torch.tensor([p + 1 for p in pos[:d]], device=dev) if d else None,
             dense=dense,
@@ -193,7 +195,8 @@ class SlotRunner(BaseRunner):
         return self._call(call)
 
     def _call(self, call: dict) -> torch.Tensor:
-        out = self.model(**call, past_key_values=self.cache, use_cache=True)
+        # no transformers cache: the attention op writes the slot cache itself
+        out = self.model(**call, use_cache=False)
         self.holder.current = None
         return out.logits[0]
 
