@@ -1,5 +1,8 @@
-"""run_mm.py --mode compile_only: load each variant once, run one batch at its configured batch
-size, and report whether the planned deployment fits and the memory measured.
+"""run_mm.py --mode compile_only: load each variant once, compile its forward for the worker's
+token buckets and save the artifacts under $MMFUSION_CACHE/compiled (workers.compile_cache) so that
+predict and serve start compiled from them, run one batch at its configured batch size, and report
+whether the planned deployment fits and the memory measured. A variant with `compile: false`
+stays eager.
 
 A GGUF model is saved as safetensors on its first load (workers.models.write_gguf_cache) and
 loaded again from there, so the report gives the start time before and after the cache. Each
@@ -23,6 +26,7 @@ from fusion.inputs import variant_samples
 from fusion.jobs import variant_groups
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan, available_bytes
+from workers.compiled import compile_mode
 
 
 @dataclass(slots=True)
@@ -44,6 +48,7 @@ class CompileReport:
     error: str | None = None
     weight_bytes: int = 0
     shared_weights: bool = False  # one mapping for every copy on a device (counted once there)
+    compile: dict | None = None  # workers.compiled.CompileInfo: compiled or not, seconds, cache entry
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -89,9 +94,10 @@ def _measure(source: str, dtype: str, device: str, max_model_len: int | None, en
     lm = load_model(source, dtype=dtype, device=device, max_model_len=max_model_len, share_weights=share_weights)
     out = {"load_s": round(time.perf_counter() - t, 3), "dtype": str(lm.dtype).removeprefix("torch."),
            "batch_s": None, "tokens_generated": 0, "fits": False, "error": None,
-           "weight_bytes": lm.weights.bytes, "shared_weights": lm.weights.shared}
+           "weight_bytes": lm.weights.bytes, "shared_weights": lm.weights.shared, "compile": None}
     try:
         engine = Engine(lm, EngineConfig(**engine_kw))
+        out["compile"] = engine.compile_info.as_dict()
         t = time.perf_counter()
         outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         out["batch_s"] = round(time.perf_counter() - t, 3)
@@ -122,14 +128,19 @@ def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -
     before = None
     if gguf is not None and _gguf_cache_dir(gguf) is None:
         before = round(_in_fresh_process(_convert, info.source, dtype, w.device), 3)
-    engine_kw = {"max_batch_size": w.max_batch_size, "max_batch_tokens": w.max_batch_tokens, "num_threads": w.threads}
+    mode = compile_mode(p.get("compile", "auto"))
+    buckets = p.get("compile_buckets")
+    engine_kw = {"max_batch_size": w.max_batch_size, "max_batch_tokens": w.max_batch_tokens, "num_threads": w.threads,
+                 # compile_only is where the artifacts are made: `auto` compiles here
+                 "compile": "false" if mode == "false" else "true",
+                 "compile_buckets": tuple(buckets) if buckets else None}
     m = _in_fresh_process(_measure, info.source, dtype, w.device, p.get("max_model_len"), engine_kw, prompts,
                           max_tokens, w.shares_weights)
     cache = _gguf_cache_dir(gguf) if gguf is not None else None
     return CompileReport(name, info.source, w.device, m["dtype"], m["load_s"], before,
                          str(cache) if cache else None, len(prompts), max_tokens, m["batch_s"], m["tokens_generated"],
                          m["measured_bytes"], w.est_bytes, m["fits"], m["error"], m["weight_bytes"],
-                         m["shared_weights"])
+                         m["shared_weights"], m["compile"])
 
 
 def compile_only(fusion: MultiModelFusion, plan: DeploymentPlan) -> tuple[list[CompileReport], list[dict]]:

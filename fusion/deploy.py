@@ -28,6 +28,7 @@ def model_entries(fusion: MultiModelFusion) -> list[ModelEntry]:
         p = info.params
         spec = {"name": info.name, "source": info.source, "dtype": p.get("dtype", "auto"),
                 "max_model_len": p.get("max_model_len"), "share_weights": bool(p.get("share_weights", True)),
+                "compile": p.get("compile", "auto"), "compile_buckets": p.get("compile_buckets"),
                 "defaults": {k: p[k] for k in SAMPLING_DEFAULTS if k in p}}
         out.append(ModelEntry(i, info.name, spec))
     return out

@@ -25,11 +25,25 @@ RUNCONFIG_DEFAULTS = {
 }
 MODEL_KEYS = {"source", "dtype", "start_token", "end_token", "max_tokens", "loop_dim", "temperature", "top_p",
               "top_k", "max_model_len", "max_batch_size", "max_batch_tokens", "deltat_scaling_factor",
-              "share_weights"}
+              "share_weights", "compile", "compile_buckets"}
 
 
 class ParamsError(ValueError):
     pass
+
+
+def _check_compile(model: dict, where: str) -> None:
+    from workers.compiled import Buckets, compile_mode
+
+    try:
+        if "compile" in model:
+            compile_mode(model["compile"])
+        if model.get("compile_buckets") is not None:
+            b = model["compile_buckets"]
+            Buckets(tuple(b) if isinstance(b, list) else b)
+    except ValueError as exc:
+        key = "compile" if "compile must" in str(exc) else "compile_buckets"
+        raise ParamsError(f"{where}.model.{key}: {exc}") from None
 
 
 def load_params(path: str | Path) -> dict:
@@ -55,6 +69,7 @@ def load_params(path: str | Path) -> dict:
         unknown = sorted(set(model) - MODEL_KEYS)
         if unknown:
             raise ParamsError(f"{where}.model.{unknown[0]}: unknown key; known keys: {sorted(MODEL_KEYS)}")
+        _check_compile(model, where)
     run = dict(RUNCONFIG_DEFAULTS)
     given = data.get("runconfig") or {}
     if not isinstance(given, dict):

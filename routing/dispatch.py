@@ -92,6 +92,7 @@ class WorkerState:
     lost: str | None = None  # why it was dropped
     engine: dict = field(default_factory=dict)  # the worker's own counters, from its heartbeats
     weights: dict = field(default_factory=dict)  # {"bytes", "shared", "path"} from its LOADED
+    compile: dict = field(default_factory=dict)  # {"compiled", "reason", "warm", "seconds", ...} from its LOADED
 
 
 @dataclass(slots=True)
@@ -355,6 +356,8 @@ class Dispatch:
             w.load_error = None
             if isinstance(msg.get("weights"), dict):
                 w.weights = {k: v for k, v in msg["weights"].items() if k in ("bytes", "shared", "path")}
+            if isinstance(msg.get("compile"), dict):
+                w.compile = dict(msg["compile"])
             self._drain_queue(w.model_id)
         elif mtype == P.LOAD_FAILED:
             # shown in status; the model's queue waits restart_wait for a worker that can load it
@@ -503,7 +506,7 @@ class Dispatch:
                          "inflight": len(w.inflight), "pid": w.capabilities.get("pid"),
                          "device": self._spec_for(w).get("device") if w.alive else None,
                          "load_error": w.load_error, "lost": w.lost, "engine": w.engine,
-                         "weights": w.weights} for w in ws],
+                         "weights": w.weights, "compile": w.compile} for w in ws],
             "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
             "pending": len(self.pending),
             "resent": self.resent,

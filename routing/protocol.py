@@ -13,7 +13,7 @@ Clients (DEALER) <-> router frontend (ROUTER):
 
 Workers (DEALER) <-> router backend (ROUTER):
   worker -> router   ready {capabilities: pid, host, slot (its planned worker, if any), ...}
-                     loaded {model_id, weights: {bytes, shared, path}}   load_failed {model_id, message}
+                     loaded {model_id, weights: {bytes, shared, path}, compile: {compiled, reason, ...}}   load_failed {model_id, message}
                      heartbeat {engine: {running, aborted}}
   router -> worker   assign {worker_id, model_id, model}   cancel {id}   heartbeat {}   shutdown {}
   data path, two frames [header, body] so the router never re-encodes a body:

@@ -155,11 +155,12 @@ def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value
 
 
 @torch.library.custom_op("mmfusion::attend", mutates_args=())
-def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, holder: int, layer: int,
+def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, holder: int, layer: torch.Tensor,
               scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
     # The cache it writes is not an argument: to the graph the op is a pure function of q, k, v,
-    # and a compiled forward never sees (or guards on) the cache's buffers as they grow.
-    return _attend(_HOLDERS[holder], query, key, value, layer, scaling, window, softcap)
+    # and a compiled forward never sees (or guards on) the cache's buffers as they grow. The layer
+    # index is a tensor so that one compiled graph serves every layer (see index_layers).
+    return _attend(_HOLDERS[holder], query, key, value, int(layer), scaling, window, softcap)
 
 
 @attend_op.register_fake
@@ -176,7 +177,7 @@ def mmfusion_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if torch.compiler.is_compiling():
-        out = attend_op(query, key, value, holder.id, module.layer_idx, scaling, sliding_window, softcap)
+        out = attend_op(query, key, value, holder.id, module._mmfusion_layer, scaling, sliding_window, softcap)
     else:  # eager: skip the custom-op dispatch
         out = _attend(holder, query, key, value, module.layer_idx, scaling, sliding_window, softcap)
     return out, None
@@ -215,6 +216,14 @@ def install(model) -> ContextHolder | None:
         return None
     model.set_attn_implementation(ATTN_NAME)
     return holder
+
+
+def index_layers(model) -> None:
+    """Give each attention module its layer index as a (CPU, non-persistent) buffer: a compiled
+    layer takes buffers as graph inputs, so it does not specialise, and recompile, per layer."""
+    for mod in model.modules():
+        if hasattr(mod, "_mmfusion_ctx") and not hasattr(mod, "_mmfusion_layer"):
+            mod.register_buffer("_mmfusion_layer", torch.tensor(mod.layer_idx), persistent=False)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.compiled import Buckets, compile_mode, default_buckets, prepare
 from workers.models import LoadedModel, load_model
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.params import SamplingParams
@@ -29,10 +30,18 @@ class EngineConfig:
     max_batch_tokens: int = 512
     min_shared_prefix: int = 16
     num_threads: int | None = None  # torch threads for this process; None leaves torch's default
+    compile: str | bool = "auto"  # auto: compiled when the cache has artifacts; true: compile if needed
+    compile_buckets: tuple[int, ...] | None = None  # padded token counts; None: powers of 2 to max_batch_tokens
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
+        self.compile = compile_mode(self.compile)
+        if self.compile_buckets is not None:
+            self.compile_buckets = Buckets(tuple(self.compile_buckets)).tokens
+
+    def buckets(self) -> Buckets:
+        return Buckets(self.compile_buckets or default_buckets(self.max_batch_tokens))
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_batch_size, self.max_batch_tokens, self.min_shared_prefix)
@@ -47,6 +56,7 @@ class Engine:
         self.tokenizer = lm.tokenizer
         self.scheduler = Scheduler(self.config.scheduler_config())
         self.runner: BaseRunner = make_runner(lm, self.config.max_batch_size)
+        self.compile_info = prepare(self.runner, lm, self.config.compile, self.config.buckets())
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._seed_rng = random.Random()

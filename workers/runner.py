@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers import attention
+from workers.compiled import Buckets, CompiledLayers
 from workers.kv_cache import SlotKVCache
 from workers.models import LoadedModel
 from workers.sampler import SampleSpec, sample, top_alternatives
@@ -138,6 +139,7 @@ class SlotRunner(BaseRunner):
     def __init__(self, lm: LoadedModel, max_batch_size: int, holder: attention.ContextHolder):
         super().__init__(lm, max_batch_size)
         self.holder = holder
+        self.compiled: CompiledLayers | None = None
         self.trace: list | None = None  # set to [] to record each step's model call (bench replay)
         cfg = self.model.config.get_text_config()
         heads = cfg.num_attention_heads
@@ -146,6 +148,10 @@ class SlotRunner(BaseRunner):
         self.cache = SlotKVCache(cfg.num_hidden_layers, max_batch_size, kv_heads, head_dim, lm.dtype, lm.device,
                                  max_capacity=lm.max_model_len)
         holder.cache = self.cache
+
+    def enable_compile(self, buckets: Buckets) -> None:
+        """Run the decoder layers compiled from now on: every step pads its tokens up to a bucket."""
+        self.compiled = CompiledLayers(self.model, buckets)
 
     def _copy(self, src: int, dst: int, length: int) -> None:
         self.cache.copy_prefix(src, dst, length)
@@ -185,6 +191,12 @@ class SlotRunner(BaseRunner):
         )
         self.cache.write_slots = torch.tensor(slots, device=dev)
         self.cache.write_pos = torch.tensor(pos, device=dev)
+        padded = self.compiled.buckets.pad(len(ids)) if self.compiled is not None else None
+        if padded is not None and padded > len(ids):
+            # padded rows: token 0 at position 0; row-wise layers keep them apart and attention skips them
+            extra = padded - len(ids)
+            ids = ids + [0] * extra
+            pos = pos + [0] * extra
         call = dict(
             input_ids=torch.tensor([ids], device=dev),
             position_ids=torch.tensor([pos], device=dev),
@@ -196,9 +208,29 @@ class SlotRunner(BaseRunner):
 
     def _call(self, call: dict) -> torch.Tensor:
         # no transformers cache: the attention op writes the slot cache itself
-        out = self.model(**call, use_cache=False)
+        if self.compiled is not None and self.compiled.buckets.pad(call["input_ids"].shape[1]) is not None:
+            with self.compiled.active():
+                out = self.model(**call, use_cache=False)
+        else:
+            out = self.model(**call, use_cache=False)
         self.holder.current = None
         return out.logits[0]
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Build the compiled graph of every bucket now, not on the first request that needs it:
+        a forward of zero real tokens (attention writes and reads nothing) at each bucket size."""
+        if self.compiled is None:
+            return
+        dev = self.lm.device
+        for b in self.compiled.buckets.tokens:
+            self.holder.current = attention.StepContext(
+                num_decode=0, num_tokens=0, decode_slots=None, decode_lengths=None, dense=True, rows=0,
+                span=self.cache.capacity, segments=[])
+            self.cache.write_slots = self.cache.write_pos = torch.zeros(0, dtype=torch.long, device=dev)
+            zeros = torch.zeros(1, b, dtype=torch.long, device=dev)
+            self._call(dict(input_ids=zeros, position_ids=zeros,
+                            logits_to_keep=torch.zeros(1, dtype=torch.long, device=dev)))
 
     @torch.inference_mode()
     def replay(self, trace: list) -> None:
@@ -256,6 +288,7 @@ class CompatRunner(BaseRunner):
 
 
 def make_runner(lm: LoadedModel, max_batch_size: int) -> BaseRunner:
+    """The packed slot runner when the model's attention allows it, else the per-sequence one."""
     holder = attention.install(lm.model)
     if holder is None:
         return CompatRunner(lm, max_batch_size)

@@ -147,7 +147,10 @@ class EngineThread(threading.Thread):
                 lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
                                 max_model_len=spec.get("max_model_len"),
                                 share_weights=spec.get("share_weights", True), owner=spec.get("weights_owner"))
-                cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads)
+                buckets = spec.get("compile_buckets")
+                cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads,
+                                   compile=spec.get("compile", "auto"),
+                                   compile_buckets=tuple(buckets) if buckets else None)
                 self.engine, self.spec = Engine(lm, cfg), spec
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
             traceback.print_exc()
@@ -155,7 +158,8 @@ class EngineThread(threading.Thread):
                              "message": f"{type(exc).__name__}: {exc}"})
             return
         self._send(out, {"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
-                         "weights": self.engine.lm.weights.as_dict()})
+                         "weights": self.engine.lm.weights.as_dict(),
+                         "compile": self.engine.compile_info.as_dict()})
 
     def _task(self, task: str, prompt, params: dict) -> dict:
         """A tokenizer task's answer, computed here and now (no engine step)."""

@@ -1,0 +1,158 @@
+"""The compiled engine: bucketed graphs, exact against transformers, cached on disk by compile_only."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy, tiny
+
+from workers import compile_cache
+from workers.compiled import Buckets, compile_mode, default_buckets, graphs_compiled
+from workers.engine import Engine, EngineConfig
+from workers.params import SamplingParams
+
+PACKED = ["gpt2", "llama", "mistral", "opt", "gemma3"]  # the tiny architectures on the packed slot path
+BUCKETS = (8, 48)  # small for CI: every step pads to one of two graphs
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One $MMFUSION_CACHE (and so one inductor cache) for the module: kernels compile once."""
+    d = tmp_path_factory.mktemp("mmfusion-cache")
+    old = {k: os.environ.get(k) for k in ("MMFUSION_CACHE", "TORCHINDUCTOR_CACHE_DIR")}
+    os.environ["MMFUSION_CACHE"] = str(d)
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    yield d
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _greedy(m: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, **kw)
+
+
+def _mixed(seed) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 3, 9, 40, 100] + [rng.randint(1, 120) for _ in range(3)]
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in lengths]
+    return prompts, [rng.randint(1, 20) for _ in prompts]
+
+
+def test_buckets_pad_up_and_reject_bad_sets():
+    b = Buckets((1, 8, 48))
+    assert [b.pad(n) for n in (1, 2, 8, 9, 48, 49)] == [1, 8, 8, 48, 48, None]
+    assert default_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert default_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    for bad in [(), (0, 8), (8, 4), (4, 4), (2.5,)]:
+        with pytest.raises(ValueError, match="compile buckets"):
+            Buckets(bad)
+    with pytest.raises(ValueError, match="compile must be one of auto, true, false"):
+        EngineConfig(compile="sometimes")
+    assert compile_mode(True) == "true" and compile_mode(False) == "false"
+
+
+@pytest.mark.parametrize("arch", PACKED)
+def test_compiled_greedy_matches_transformers_in_mixed_batches(arch, cache_dir):
+    """fp32, compiled: token for token equal to transformers generate, while prefill chunks and
+    decodes share steps; chosen-token logprobs within 1e-4 of the eager engine; and serving the
+    whole workload builds no graph beyond the warm-up's one per bucket."""
+    lm = tiny(arch, dtype="float32")
+    prompts, max_tokens = _mixed(arch)
+    cfg = dict(max_batch_size=5, max_batch_tokens=48)
+    before = graphs_compiled()
+    eng = Engine(lm, EngineConfig(**cfg, compile="true", compile_buckets=BUCKETS))
+    assert eng.compile_info.compiled and eng.compile_info.buckets == BUCKETS
+    built = graphs_compiled() - before
+    # one graph per bucket, times the distinct attention variants (gemma3: sliding and full layers),
+    # unless an earlier test of this process built the same layer graphs already
+    assert built <= len(BUCKETS) * (2 if arch == "gemma3" else 1)
+    after_warmup = graphs_compiled()
+    params = [_greedy(m, logprobs=2) for m in max_tokens]
+    outs = eng.generate(prompts, params)
+    assert graphs_compiled() == after_warmup, "a step recompiled: its shapes left the bucket set"
+    for p, m, o in zip(prompts, max_tokens, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, m), f"prompt of {len(p)} tokens"
+    eager = Engine(lm, EngineConfig(**cfg, compile="false")).generate(prompts, params)
+    assert graphs_compiled() == after_warmup, "the eager engine on the same weights ran compiled layers"
+    for o, e in zip(outs, eager):
+        assert o.outputs[0].token_ids == e.outputs[0].token_ids
+        diff = max(abs(a - b) for a, b in zip(o.outputs[0].logprobs, e.outputs[0].logprobs))
+        assert diff < 1e-4, diff
+
+
+def test_steps_past_the_largest_bucket_run_eagerly(cache_dir):
+    lm = tiny("llama", dtype="float32")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, compile="true", compile_buckets=(8,)))
+    after_warmup = graphs_compiled()
+    prompt = list(range(5, 60))  # one 55-token prefill step: past the bucket of 8
+    out = eng.generate([prompt], _greedy(6))[0]
+    assert out.outputs[0].token_ids == hf_greedy(lm.model, prompt, 6)
+    assert graphs_compiled() == after_warmup
+
+
+def test_bloom_has_no_packed_path_and_stays_eager(cache_dir):
+    eng = Engine(tiny("bloom", dtype="float32"), EngineConfig(compile="true", compile_buckets=(8,)))
+    assert not eng.compile_info.compiled and "packed" in eng.compile_info.reason
+
+
+_CHILD = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+from workers.engine import Engine
+from workers.params import SamplingParams
+eng = Engine.from_source("tiny:llama", dtype="float32", max_batch_size=2, max_batch_tokens=48,
+                         compile=sys.argv[1], compile_buckets=(8, 48))
+out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+print("RESULT " + json.dumps({"info": eng.compile_info.as_dict(), "tokens": out[0].outputs[0].token_ids}))
+"""
+
+
+def _child(mode: str, cache: Path) -> tuple[dict, str]:
+    env = {**os.environ, "MMFUSION_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    r = subprocess.run([sys.executable, "-c", _CHILD, mode], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[7:]), r.stderr
+
+
+def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path):
+    """compile: true saves the artifacts; a later process with auto starts from them; a corrupt
+    or stale entry gets one log line, a compile from scratch and a rewritten entry, never a crash."""
+    cold, _ = _child("auto", tmp_path)  # nothing cached: auto stays eager
+    assert not cold["info"]["compiled"] and "no compiled artifacts" in cold["info"]["reason"]
+    made, _ = _child("true", tmp_path)
+    assert made["info"]["compiled"] and not made["info"]["warm"]
+    entry = Path(made["info"]["cache"])
+    assert (entry / compile_cache.ARTIFACTS).stat().st_size > 0
+    assert made["tokens"] == cold["tokens"]
+
+    warm, _ = _child("auto", tmp_path)
+    assert warm["info"]["compiled"] and warm["info"]["warm"], warm["info"]
+    assert warm["tokens"] == cold["tokens"]
+
+    (entry / compile_cache.ARTIFACTS).write_bytes(b"not an artifact")
+    again, log = _child("auto", tmp_path)
+    assert again["info"]["compiled"] and not again["info"]["warm"]
+    assert [x for x in log.splitlines() if "unusable" in x and "checksum" in x], log[-2000:]
+    assert again["tokens"] == cold["tokens"]
+    meta = json.loads((entry / compile_cache.META).read_text())  # rewritten, valid again
+    assert meta["bytes"] == (entry / compile_cache.ARTIFACTS).stat().st_size
+
+    meta["key"]["torch_version"] = "0.0.1"
+    (entry / compile_cache.META).write_text(json.dumps(meta))
+    stale, log = _child("auto", tmp_path)
+    assert stale["info"]["compiled"] and not stale["info"]["warm"]
+    assert [x for x in log.splitlines() if "stale" in x], log[-2000:]
+    assert json.loads((entry / compile_cache.META).read_text())["key"]["torch_version"] == torch.__version__

@@ -1,0 +1,167 @@
+"""A compiled packed forward: each decoder layer runs as one torch.compile'd (inductor) graph.
+
+Regional compilation: the decoder layers of a model are identical, so compiling the layer
+rather than the whole model traces and code-generates one graph per token bucket and reuses it
+for every layer (the layer index reaches the attention op as a tensor, not a constant it could
+specialise on). Cold compiles take seconds instead of minutes, and the cache holds little.
+
+Shapes are static per bucket: the runner pads a step's packed tokens up to the next bucket
+(padded rows are zeros that the attention op never writes to the cache), so a handful of graphs
+cover every step. Attention itself is the opaque op `mmfusion::attend` (workers.attention); the
+graph around it holds the projections, norms, rotary embeddings and MLP.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from workers import attention
+
+
+def default_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Powers of two up to max_tokens, and max_tokens itself: at most 2x padding on any step."""
+    out, b = [], 1
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    out.append(max_tokens)
+    return tuple(out)
+
+
+@dataclass(slots=True, frozen=True)
+class Buckets:
+    """Token counts a compiled forward is built for; a step pads up to the next one."""
+
+    tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        t = self.tokens
+        if not t or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in t):
+            raise ValueError(f"compile buckets must be positive token counts, got {t!r}")
+        if list(t) != sorted(set(t)):
+            raise ValueError(f"compile buckets must be strictly increasing, got {t!r}")
+
+    def pad(self, n: int) -> int | None:
+        """The bucket a step of n tokens runs in; None when it is past the largest (run eagerly)."""
+        i = bisect.bisect_left(self.tokens, n)
+        return self.tokens[i] if i < len(self.tokens) else None
+
+    def key(self) -> str:
+        return "-".join(map(str, self.tokens))
+
+
+def decoder_layers(model) -> torch.nn.ModuleList | None:
+    """The model's stack of decoder layers: the ModuleList as long as the config's layer count."""
+    n = model.config.get_text_config().num_hidden_layers
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n and n > 0:
+            return mod
+    return None
+
+
+class CompiledLayers:
+    """Compiled versions of a model's decoder layers, active only inside `active()`: outside it
+    (another engine on the same weights running eagerly, a transformers reference) the layers
+    are the plain modules and never trigger a compile."""
+
+    def __init__(self, model, buckets: Buckets):
+        layers = decoder_layers(model)
+        if layers is None:
+            raise ValueError(f"{type(model).__name__}: no decoder layer stack found to compile")
+        self.buckets = buckets
+        attention.index_layers(model)
+        # One graph per bucket and attention variant (Gemma's sliding and global layers), and the
+        # limit counts per code object, which transformers' layers share across architectures
+        # (GradientCheckpointingLayer.__call__): let dynamo keep them all rather than fall back
+        # to eager after its default 8.
+        limit = 64 + 4 * len(buckets.tokens)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
+        self.layers = list(layers)
+        # one code object (Module._call_impl) for every layer: the layers share the graphs
+        self._fns = [torch.compile(layer._call_impl, dynamic=False, fullgraph=True) for layer in self.layers]
+
+    @contextlib.contextmanager
+    def active(self):
+        for layer, fn in zip(self.layers, self._fns):
+            layer._compiled_call_impl = fn
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer._compiled_call_impl = None
+
+
+def graphs_compiled() -> int:
+    """Frames dynamo has compiled in this process (each bucket/variant of a layer is one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+COMPILE_MODES = ("auto", "true", "false")
+
+
+def compile_mode(value) -> str:
+    """The `compile` setting as one of COMPILE_MODES (YAML gives booleans for true/false)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)} (or a boolean), got {value!r}")
+    return value
+
+
+@dataclass(slots=True)
+class CompileInfo:
+    """How an engine runs, for logs and status: compiled or eager, and why."""
+
+    compiled: bool
+    reason: str
+    warm: bool = False  # the graphs came from the compiled cache
+    seconds: float = 0.0  # compiling (or loading) every bucket at start-up
+    cache: str | None = None
+    buckets: tuple[int, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {"compiled": self.compiled, "reason": self.reason, "warm": self.warm,
+                "seconds": round(self.seconds, 3), "cache": self.cache, "buckets": list(self.buckets)}
+
+
+def prepare(runner, lm, mode: str, buckets: Buckets) -> CompileInfo:
+    """Compile `runner`'s forward when `mode` asks for it: `true` always, `auto` when the cache
+    has this model's artifacts. Builds every bucket before returning and saves what it built."""
+    import logging
+    import time
+
+    from workers import compile_cache
+
+    log = logging.getLogger("mmfusion.compile")
+    if mode == "false":
+        return CompileInfo(False, "compile is false")
+    if not hasattr(runner, "enable_compile"):
+        reason = f"{type(lm.model).__name__} does not take the packed slot path (its attention is its own)"
+        if mode == "true":
+            log.warning("compile: true, but %s: running eagerly", reason)
+        return CompileInfo(False, reason)
+    key = compile_cache.CompileKey.for_model(lm.source, lm.dtype, lm.device, buckets.key())
+    present = compile_cache.has_artifacts(key)
+    if mode == "auto" and not present:
+        return CompileInfo(False, "no compiled artifacts in the cache for this model, dtype, device and "
+                                  "buckets (run compile_only, or set compile: true)")
+    compile_cache.use_cache_dir()
+    t = time.perf_counter()
+    warm = present and compile_cache.load(key)
+    runner.enable_compile(buckets)
+    runner.warm_up()
+    if not warm:
+        compile_cache.save(key)
+    took = time.perf_counter() - t
+    log.info("compiled %s (%s) for buckets %s in %.1f s (%s)", lm.source, str(lm.dtype).removeprefix("torch."),
+             buckets.key(), took, "from the cache" if warm else "from scratch, saved to the cache")
+    return CompileInfo(True, "loaded from the cache" if warm else "compiled", warm, took,
+                       str(key.directory()), buckets.tokens)
