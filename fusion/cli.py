@@ -150,15 +150,9 @@ def evaluate(params: dict, fusion, plan) -> int:
     return 0
 
 
-def _compiled(info: dict | None) -> str:
-    if not info or not info.get("compiled"):
-        return f"eager ({info['reason']})" if info else "eager"
-    how = "loaded from" if info.get("warm") else "compiled and saved to"
-    return f"forward {how} {info['cache']} in {info['seconds']:.1f}s (token buckets {info['buckets']})"
-
-
 def compile_models(fusion, plan) -> int:
     from fusion.compile import compile_only
+    from workers.compiled import summary as compile_summary
 
     print(plan.describe(), flush=True)
     reports, devices = compile_only(fusion, plan)
@@ -167,7 +161,7 @@ def compile_models(fusion, plan) -> int:
         print(f"{r.variant} ({r.source}, {r.dtype} on {r.device}): start {before}{r.load_s:.1f}s"
               f"{' from ' + r.cache if r.cache else ''}; batch of {r.batch_size} x {r.max_tokens} tokens in "
               f"{r.batch_s}s; measured {r.measured_bytes / 2**20:.0f} MiB (estimated {r.estimated_bytes / 2**20:.0f}"
-              f" MiB); {'fits' if r.fits else 'DOES NOT FIT: ' + str(r.error)}; {_compiled(r.compile)}", flush=True)
+              f" MiB); {'fits' if r.fits else 'DOES NOT FIT: ' + str(r.error)}; {compile_summary(r.compile)}", flush=True)
         print(json.dumps(r.as_dict()), flush=True)
     for d in devices:
         print(json.dumps(d), flush=True)

@@ -49,6 +49,18 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+_REAL_REFERENCES: dict = {}
+
+
+def hf_greedy_real(name: str, model, prompt: list[int], max_new: int) -> list[int]:
+    """hf_greedy for a session's real-model fixture `name`, computed once per session: the eager
+    and the compiled parity tests ask for the same references, and each takes seconds."""
+    key = (name, tuple(prompt), max_new)
+    if key not in _REAL_REFERENCES:
+        _REAL_REFERENCES[key] = hf_greedy(model, prompt, max_new)
+    return _REAL_REFERENCES[key]
+
+
 def plain_logits(model, tokens: list[int]) -> torch.Tensor:
     """Logits of one plain forward pass over `tokens`, on transformers' own attention."""
     attn = "eager" if model.config.model_type == "bloom" else "sdpa"

@@ -39,9 +39,9 @@ def run_mm(params: Path, mode: str, variants: list[str], model_dir: Path, timeou
     cmd = [sys.executable, "run_mm.py", "--mode", mode, "--params", str(params), "--variants", *variants,
            "--model_dir", str(model_dir), "--frontend", f"tcp://127.0.0.1:{free_port()}",
            "--backend", f"tcp://127.0.0.1:{free_port()}"]
-    if popen:
+    if popen.keys() - {"env"}:
         return subprocess.Popen(cmd, cwd=ROOT, **popen)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def check_completion_object(res: dict, with_logprobs: list[bool]) -> None:
@@ -177,13 +177,17 @@ def test_eval_matches_plain_forward_logprobs(tmp_path):
         assert math.isclose(rep["perplexity"], math.exp(-sum(all_lp) / len(all_lp)), rel_tol=1e-4)
 
 
-def test_compile_only_runs_one_batch_and_reports_memory(tmp_path):
+def test_compile_only_compiles_reports_memory_and_predict_starts_from_it(tmp_path):
+    import os
+
     data = tmp_path / "data"
     data.mkdir()
     (data / "r.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two two"}\n')
     params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data, batch_size=5,
-                                                           max_tokens=7)})
-    out = run_mm(params, "compile_only", ["llama,2"], tmp_path / "md")
+                                                           max_tokens=7, compile_buckets=[8, 64])})
+    env = {**os.environ, "MMFUSION_CACHE": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    out = run_mm(params, "compile_only", ["llama,2"], tmp_path / "md", env=env)
     assert out.returncode == 0, out.stderr
     recs = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     rep, dev = recs
@@ -194,6 +198,21 @@ def test_compile_only_runs_one_batch_and_reports_memory(tmp_path):
     assert rep["shared_weights"] and rep["weight_bytes"] > 0
     assert dev == {"device": "cpu", "workers": 2, "measured_bytes": 2 * rep["measured_bytes"] - rep["weight_bytes"],
                    "available_bytes": dev["available_bytes"], "fits": True}
+    compiled = rep["compile"]
+    assert compiled["compiled"] and compiled["buckets"] == [8, 64] and compiled["cache"].startswith(str(tmp_path))
+    assert (Path(compiled["cache"]) / "artifacts.bin").is_file()
+    # predict (compile: auto) starts both workers from the artifacts, and answers as eagerly
+    pred = run_mm(params, "predict", ["llama,2"], tmp_path / "md", env=env)
+    assert pred.returncode == 0, pred.stderr
+    assert pred.stderr.count(f"forward loaded from {compiled['cache']}") == 2, pred.stderr[-3000:]
+    got = (tmp_path / "md" / "predictions" / "output_r.jsonl").read_text()
+    eager = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data, batch_size=5,
+                                                          max_tokens=7, compile=False)})
+    assert run_mm(eager, "predict", ["llama,1"], tmp_path / "md2", env=env).returncode == 0
+    want = (tmp_path / "md2" / "predictions" / "output_r.jsonl").read_text()
+    strip = [{k: v for k, v in json.loads(x)["result"].items() if k not in ("id", "created", "request_time")}
+             for x in (got, want) for x in x.splitlines()]
+    assert strip[:2] == strip[2:]
 
 
 def test_compile_only_names_bad_data(tmp_path):

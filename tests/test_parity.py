@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import ARCHS, hf_greedy, tiny
+from conftest import ARCHS, hf_greedy, hf_greedy_real, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams
@@ -65,4 +65,4 @@ def test_real_models_match_transformers(fixture, request):
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96))
     outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
     for p, m, o in zip(prompts, max_tokens, outs):
-        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, m)
+        assert o.outputs[0].token_ids == hf_greedy_real(fixture, lm.model, p, m)

@@ -127,9 +127,20 @@ class CompileInfo:
     cache: str | None = None
     buckets: tuple[int, ...] = ()
 
+    def summary(self) -> str:
+        return summary(self.as_dict())
+
     def as_dict(self) -> dict:
         return {"compiled": self.compiled, "reason": self.reason, "warm": self.warm,
                 "seconds": round(self.seconds, 3), "cache": self.cache, "buckets": list(self.buckets)}
+
+
+def summary(info: dict | None) -> str:
+    """One phrase for logs from a CompileInfo dict (as workers report it)."""
+    if not info or not info.get("compiled"):
+        return f"eager ({info['reason']})" if info else "eager"
+    how = "loaded from" if info.get("warm") else "compiled and saved to"
+    return f"forward {how} {info['cache']} in {info['seconds']:.1f}s (token buckets {info['buckets']})"
 
 
 def prepare(runner, lm, mode: str, buckets: Buckets) -> CompileInfo:

@@ -152,6 +152,9 @@ class EngineThread(threading.Thread):
                                    compile=spec.get("compile", "auto"),
                                    compile_buckets=tuple(buckets) if buckets else None)
                 self.engine, self.spec = Engine(lm, cfg), spec
+                if self.engine.compile_info.compiled:
+                    print(f"worker: {spec.get('name', spec['source'])}: {self.engine.compile_info.summary()}",
+                          file=sys.stderr, flush=True)
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
             traceback.print_exc()
             self._send(out, {"type": P.LOAD_FAILED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
