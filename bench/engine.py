@@ -2,8 +2,10 @@
 
 Prints one JSON line per system (useful tokens/s), a forward-only line (the engine's own
 schedule of model calls replayed alone) and a summary line with the ratios; then
-  single_stream: one 64-token prompt, 128 new tokens, ms/token of the engine and of transformers
-                 `generate` (target for a compiled engine: <= 0.4x transformers);
+  engine_compiled: the same workload on the compiled forward (workers.compiled; compile_start_s is
+                 the compile, or the load from $MMFUSION_CACHE/compiled when compile_from_cache);
+  single_stream: one 64-token prompt, 128 new tokens, ms/token of the eager and the compiled engine
+                 and of transformers `generate` (target for the compiled engine: <= 0.4x transformers);
   ceiling:       the workload's model FLOPs over a bf16 GEMM rate measured in this run, as
                  tokens/s, with each system's fraction of it (target: >= 75%).
 
@@ -42,8 +44,9 @@ def emit(**row) -> None:
     print(json.dumps(row), flush=True)
 
 
-def run_engine(lm, prompts, max_tokens, args):
-    eng = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens))
+def run_engine(lm, prompts, max_tokens, args, compile: str = "false"):
+    eng = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                                  compile=compile))
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     eng.runner.trace = []
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
@@ -157,8 +160,8 @@ def single_stream(lm, repeats: int) -> dict:
     prompt = [rng.randrange(lm.vocab_size) for _ in range(64)]
     new = 128
 
-    def engine():
-        eng = Engine(lm, EngineConfig(max_batch_size=1, max_batch_tokens=128))
+    def engine(compile: str):
+        eng = Engine(lm, EngineConfig(max_batch_size=1, max_batch_tokens=128, compile=compile))
         eng.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
         t = time.perf_counter()
         out = eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
@@ -172,10 +175,12 @@ def single_stream(lm, repeats: int) -> dict:
                               max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
             return time.perf_counter() - t
 
-    e = min(engine() for _ in range(repeats)) / new * 1e3
+    e = min(engine("false") for _ in range(repeats)) / new * 1e3
+    c = min(engine("true") for _ in range(repeats)) / new * 1e3
     t = min(hf() for _ in range(repeats)) / new * 1e3
-    return {"engine_eager_ms_per_token": round(e, 2), "transformers_generate_ms_per_token": round(t, 2),
-            "engine_vs_transformers": round(e / t, 3), "target_ratio": 0.4}
+    return {"engine_eager_ms_per_token": round(e, 2), "engine_compiled_ms_per_token": round(c, 2),
+            "transformers_generate_ms_per_token": round(t, 2), "eager_vs_transformers": round(e / t, 3),
+            "compiled_vs_transformers": round(c / t, 3), "target_ratio": 0.4}
 
 
 def main() -> None:
@@ -188,7 +193,7 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2,
                     help="best of N for the engine, its replay and the static batches (the slow peers run once)")
-    ap.add_argument("--systems", default="engine,hf_static32,hf_cb,hf_single,single_stream,ceiling",
+    ap.add_argument("--systems", default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,ceiling",
                     help="comma-separated subset to run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -225,9 +230,21 @@ def main() -> None:
             # the same model calls replayed alone; the difference from the engine's wall is bookkeeping
             emit(system="engine_forward_only", wall_s=round(fwd, 2), tokens_per_s=round(useful / fwd, 2),
                  bookkeeping_fraction=round(1 - fwd / wall, 4), **common)
-    if "engine" in rates:
-        emit(summary=True, **{f"engine_vs_{k}": round(rates["engine"] / v, 2) for k, v in rates.items()
-                              if k != "engine"})
+    if "engine_compiled" in systems:
+        t = time.perf_counter()
+        info = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                                       compile="true")).compile_info
+        start_s = time.perf_counter() - t
+        runs = [run_engine(lm, prompts, max_tokens, args, "true") for _ in range(args.repeats)]
+        wall, useful, steps, fwd, fwd_in_run = min(runs, key=lambda r: r[0])
+        record("engine_compiled", wall, useful, steps=steps, max_batch_size=args.max_batch_size,
+               max_batch_tokens=args.max_batch_tokens, bookkeeping_in_run=round(1 - fwd_in_run / wall, 4),
+               compile_start_s=round(start_s, 1), compile_from_cache=info.warm, buckets=list(info.buckets),
+               repeats=args.repeats)
+    for name in ("engine", "engine_compiled"):
+        if name in rates:
+            emit(summary=name, target_vs_hf_static32=3.0,
+                 **{f"{name}_vs_{k}": round(rates[name] / v, 2) for k, v in rates.items() if k != name})
     if "single_stream" in systems:
         emit(system="single_stream", prompt_tokens=64, new_tokens=128, repeats=args.repeats,
              **single_stream(lm, args.repeats), model=args.model, dtype=args.dtype, threads=args.threads)
