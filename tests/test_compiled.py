@@ -172,3 +172,34 @@ def test_real_models_compiled_match_transformers(fixture, request, cache_dir):
     outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
     for p, m, o in zip(prompts, max_tokens, outs):
         assert o.outputs[0].token_ids == hf_greedy_real(fixture, lm.model, p, m)
+
+
+def test_cuda_graph_seam_is_inert_on_cpu_and_asks_for_graphs_on_cuda():
+    from workers.compiled import GraphReplay
+
+    cpu = GraphReplay("cpu")
+    assert not cpu.enabled and cpu.compile_options() == {}
+    cpu.step_begin()  # nothing to mark on CPU
+    with torch._inductor.config.patch(graph_partition=False):
+        cuda = GraphReplay("cuda:0")
+        assert cuda.enabled and cuda.compile_options() == {"mode": "reduce-overhead"}
+        # the partition around the attention op is what lets the rest of a layer replay
+        assert torch._inductor.config.graph_partition
+    assert torch._C.Tag.cudagraph_unsafe in torch.ops.mmfusion.attend.default.tags
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_cuda_compiled_with_graphs_matches_eager(arch, cache_dir):
+    from workers.models import load_model
+
+    lm = load_model(f"tiny:{arch}", dtype="float32", device="cuda")
+    prompts, max_tokens = _mixed(arch)
+    cfg = dict(max_batch_size=5, max_batch_tokens=48)
+    eng = Engine(lm, EngineConfig(**cfg, compile="true", compile_buckets=BUCKETS))
+    assert eng.compile_info.compiled and eng.runner.compiled.graphs.enabled
+    outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
+    again = eng.generate(prompts, [_greedy(m) for m in max_tokens])  # replays, not captures
+    eager = Engine(lm, EngineConfig(**cfg, compile="false")).generate(prompts, [_greedy(m) for m in max_tokens])
+    for o, a, e in zip(outs, again, eager):
+        assert o.outputs[0].token_ids == a.outputs[0].token_ids == e.outputs[0].token_ids

@@ -154,7 +154,7 @@ def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value
     return out.unsqueeze(0)
 
 
-@torch.library.custom_op("mmfusion::attend", mutates_args=())
+@torch.library.custom_op("mmfusion::attend", mutates_args=(), tags=(torch._C.Tag.cudagraph_unsafe,))
 def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, holder: int, layer: torch.Tensor,
               scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
     # The cache it writes is not an argument: to the graph the op is a pure function of q, k, v,

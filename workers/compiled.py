@@ -68,7 +68,7 @@ class CompiledLayers:
     (another engine on the same weights running eagerly, a transformers reference) the layers
     are the plain modules and never trigger a compile."""
 
-    def __init__(self, model, buckets: Buckets):
+    def __init__(self, model, buckets: Buckets, device: torch.device | str = "cpu"):
         layers = decoder_layers(model)
         if layers is None:
             raise ValueError(f"{type(model).__name__}: no decoder layer stack found to compile")
@@ -84,10 +84,13 @@ class CompiledLayers:
             torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
         self.layers = list(layers)
         # one code object (Module._call_impl) for every layer: the layers share the graphs
-        self._fns = [torch.compile(layer._call_impl, dynamic=False, fullgraph=True) for layer in self.layers]
+        self.graphs = GraphReplay(device)
+        opts = self.graphs.compile_options()
+        self._fns = [torch.compile(layer._call_impl, dynamic=False, fullgraph=True, **opts) for layer in self.layers]
 
     @contextlib.contextmanager
     def active(self):
+        self.graphs.step_begin()
         for layer, fn in zip(self.layers, self._fns):
             layer._compiled_call_impl = fn
         try:
@@ -95,6 +98,30 @@ class CompiledLayers:
         finally:
             for layer in self.layers:
                 layer._compiled_call_impl = None
+
+
+class GraphReplay:
+    """The CUDA-graph seam: on CUDA, each bucket's compiled layer graph is captured once and
+    replayed (inductor's CUDA graph trees, mode="reduce-overhead"). The attention op is tagged
+    cudagraph_unsafe and inductor's graph partition splits each layer around it, as vLLM's
+    piecewise CUDA graphs do: the projections, norms and MLP replay, while attention runs
+    live with the step's own sequence layout. On CPU this is inert.
+
+    Not yet run on a GPU (see README): tests/test_compiled.py has a CUDA-only test for it."""
+
+    def __init__(self, device: torch.device | str):
+        self.enabled = torch.device(device).type == "cuda"
+
+    def compile_options(self) -> dict:
+        if not self.enabled:
+            return {}
+        torch._inductor.config.graph_partition = True
+        return {"mode": "reduce-overhead"}
+
+    def step_begin(self) -> None:
+        # a new step: the previous step's graph outputs may be overwritten by this one's replays
+        if self.enabled:
+            torch.compiler.cudagraph_mark_step_begin()
 
 
 def graphs_compiled() -> int:

@@ -151,7 +151,7 @@ class SlotRunner(BaseRunner):
 
     def enable_compile(self, buckets: Buckets) -> None:
         """Run the decoder layers compiled from now on: every step pads its tokens up to a bucket."""
-        self.compiled = CompiledLayers(self.model, buckets)
+        self.compiled = CompiledLayers(self.model, buckets, self.lm.device)
 
     def _copy(self, src: int, dst: int, length: int) -> None:
         self.cache.copy_prefix(src, dst, length)
