@@ -24,6 +24,10 @@ from workers.sequence import Sequence, SequenceGroup
 from workers.stops import finish_reason
 
 
+def _same(x):
+    return x
+
+
 @dataclass(slots=True)
 class EngineConfig:
     max_batch_size: int = 64
@@ -177,19 +181,23 @@ class Engine:
             seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
 
     def _output(self, group: SequenceGroup, new_tokens: dict[int, list[int]]) -> RequestOutput:
+        """While a request runs, its output holds the engine's own growing lists (read them before
+        the next step, as the worker and generate() do): copying every list of every running
+        request on every step made a long generation quadratic. A finished output is a copy."""
         finished = group.finished
         seqs = group.seqs
         p = group.params
+        own = list if finished else _same
         if finished and p.num_samples > p.n:
             # best_of: the n samples with the highest mean token log-probability
             seqs = sorted(seqs, key=lambda s: -(sum(s.logprobs) / len(s.logprobs)) if s.logprobs else 0.0)[: p.n]
         outs = [
             CompletionOutput(
                 index=i if finished and p.num_samples > p.n else s.sample_index,
-                token_ids=list(s.output),
+                token_ids=own(s.output),
                 text=s.text if s.finished else "",
-                logprobs=list(s.logprobs),
-                top_logprobs=list(s.top_logprobs) if p.logprobs is not None else None,
+                logprobs=own(s.logprobs),
+                top_logprobs=own(s.top_logprobs) if p.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 new_token_ids=new_tokens.get(s.seq_id, []),
             )
@@ -198,8 +206,8 @@ class Engine:
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt_text, prompt_token_ids=group.prompt, outputs=outs,
             finished=finished,
-            prompt_logprobs=list(group.prompt_logprobs) if p.prompt_logprobs is not None else None,
-            prompt_top_logprobs=list(group.prompt_top_logprobs) if p.prompt_logprobs is not None else None,
+            prompt_logprobs=own(group.prompt_logprobs) if p.prompt_logprobs is not None else None,
+            prompt_top_logprobs=own(group.prompt_top_logprobs) if p.prompt_logprobs is not None else None,
         )
 
     # --- offline convenience ---------------------------------------------------------------------
