@@ -6,6 +6,8 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  the compile, or the load from $MMFUSION_CACHE/compiled when compile_from_cache);
   single_stream: one 64-token prompt, 128 new tokens, ms/token of the eager and the compiled engine
                  and of transformers `generate` (target for the compiled engine: <= 0.4x transformers);
+  start:         a fresh process to a ready engine, eager and compiled from the cached artifacts
+                 (target: <= 15 s added);
   ceiling:       the workload's model FLOPs over a bf16 GEMM rate measured in this run, as
                  tokens/s, with each system's fraction of it (target: >= 75%).
 
@@ -183,6 +185,40 @@ def single_stream(lm, repeats: int) -> dict:
             "compiled_vs_transformers": round(c / t, 3), "target_ratio": 0.4}
 
 
+_START = """
+import sys, time, json
+t = time.perf_counter()
+import torch
+from workers.engine import Engine, EngineConfig
+from workers.models import load_model
+torch.set_num_threads(int(sys.argv[4]))
+lm = load_model(sys.argv[1], dtype=sys.argv[2])
+eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=int(sys.argv[5]), compile=sys.argv[3]))
+print(json.dumps({"start_s": time.perf_counter() - t, "compile": eng.compile_info.as_dict()}))
+"""
+
+
+def start_times(args) -> dict:
+    """Seconds from a fresh process's start to an engine ready to serve: eager, then compiled
+    from the artifacts (made first with compile: true if the cache lacks them), as a worker starts."""
+    import subprocess
+
+    def child(mode: str) -> dict:
+        cmd = [sys.executable, "-c", _START, args.model, args.dtype, mode, str(args.threads),
+               str(args.max_batch_tokens)]
+        out = subprocess.run(cmd, cwd=sys.path[0], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    child("true")  # makes sure the artifacts exist (cold compile, or a warm one if they do)
+    eager = min(child("false")["start_s"] for _ in range(args.repeats))
+    warm = [child("auto") for _ in range(args.repeats)]
+    assert all(w["compile"]["warm"] for w in warm), "auto did not start from the artifacts"
+    best = min(w["start_s"] for w in warm)
+    return {"eager_start_s": round(eager, 2), "compiled_warm_start_s": round(best, 2),
+            "added_s": round(best - eager, 2), "target_added_s": 15.0,
+            "buckets": warm[0]["compile"]["buckets"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -193,7 +229,8 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2,
                     help="best of N for the engine, its replay and the static batches (the slow peers run once)")
-    ap.add_argument("--systems", default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,ceiling",
+    ap.add_argument("--systems",
+                    default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,start,ceiling",
                     help="comma-separated subset to run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -248,6 +285,8 @@ def main() -> None:
     if "single_stream" in systems:
         emit(system="single_stream", prompt_tokens=64, new_tokens=128, repeats=args.repeats,
              **single_stream(lm, args.repeats), model=args.model, dtype=args.dtype, threads=args.threads)
+    if "start" in systems:
+        emit(system="start", **start_times(args), model=args.model, dtype=args.dtype, threads=args.threads)
     if "ceiling" in systems:
         cfg = lm.model.config.get_text_config()
         rate = gemm_rate(lm.dtype, cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
