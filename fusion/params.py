@@ -21,11 +21,14 @@ RUNCONFIG_DEFAULTS = {
     "max_restarts": 5,  # a crashed worker is started again at most this many times
     "restart_wait": 30.0,
     "http": None,  # HOST:PORT: serve also starts the OpenAI-compatible HTTP gateway there
+    "ray": None,  # a Ray cluster (auto, host:port, ray://...): workers are Ray actors there (fusion.ray_cluster)
+    "placement": "spread",  # Ray placement group strategy for the workers: spread | pack
+    "ray_router_host": None,  # the address Ray actors reach the router at; default: this node's IP in Ray
     "api_keys": None,  # accepted API keys of the HTTP gateway (needed off loopback, unless insecure)  # seconds queued requests wait for a model with no live worker, then fail (no_worker)
 }
 MODEL_KEYS = {"source", "dtype", "start_token", "end_token", "max_tokens", "loop_dim", "temperature", "top_p",
               "top_k", "max_model_len", "max_batch_size", "max_batch_tokens", "deltat_scaling_factor",
-              "share_weights", "compile", "compile_buckets"}
+              "share_weights", "compile", "compile_buckets", "resources"}
 
 
 class ParamsError(ValueError):
@@ -70,6 +73,12 @@ def load_params(path: str | Path) -> dict:
         if unknown:
             raise ParamsError(f"{where}.model.{unknown[0]}: unknown key; known keys: {sorted(MODEL_KEYS)}")
         _check_compile(model, where)
+        res = model.get("resources")
+        if res is not None and not (isinstance(res, dict) and all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                for k, v in res.items())):
+            raise ParamsError(f"{where}.model.resources must map custom Ray resource names to positive amounts, "
+                              f"got {res!r}")
     run = dict(RUNCONFIG_DEFAULTS)
     given = data.get("runconfig") or {}
     if not isinstance(given, dict):
@@ -78,6 +87,8 @@ def load_params(path: str | Path) -> dict:
     if unknown:
         raise ParamsError(f"{path}: runconfig.{unknown[0]}: unknown key; known keys: {sorted(RUNCONFIG_DEFAULTS)}")
     run.update(given)
+    if run["placement"] not in ("spread", "pack"):
+        raise ParamsError(f"{path}: runconfig.placement must be spread or pack, got {run['placement']!r}")
     data["runconfig"] = run
     data["_path"] = str(path)
     return data

@@ -504,6 +504,7 @@ class Dispatch:
             "workers": [{"id": w.worker_id, "model_id": w.model_id, "alive": w.alive, "loaded": w.loaded,
                          "slot": w.slot, "served": w.served, "tokens": w.tokens, "errors": w.errors,
                          "inflight": len(w.inflight), "pid": w.capabilities.get("pid"),
+                         "host": w.capabilities.get("host"), "placement": w.capabilities.get("placement"),
                          "device": self._spec_for(w).get("device") if w.alive else None,
                          "load_error": w.load_error, "lost": w.lost, "engine": w.engine,
                          "weights": w.weights, "compile": w.compile} for w in ws],

@@ -54,6 +54,7 @@ def test_buckets_pad_up_and_reject_bad_sets():
     assert [b.pad(n) for n in (1, 2, 8, 9, 48, 49)] == [1, 8, 8, 48, 48, None]
     assert default_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
     assert default_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert default_buckets(300) == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 300)
     for bad in [(), (0, 8), (8, 4), (4, 4), (2.5,)]:
         with pytest.raises(ValueError, match="compile buckets"):
             Buckets(bad)
@@ -203,3 +204,29 @@ def test_cuda_compiled_with_graphs_matches_eager(arch, cache_dir):
     eager = Engine(lm, EngineConfig(**cfg, compile="false")).generate(prompts, [_greedy(m) for m in max_tokens])
     for o, a, e in zip(outs, again, eager):
         assert o.outputs[0].token_ids == a.outputs[0].token_ids == e.outputs[0].token_ids
+
+
+def test_engines_sharing_weights_share_graphs_and_take_turns(cache_dir):
+    """A second compiled engine on the same weights builds nothing new, and engines on one model
+    can step in turns (each step brings its own cache to the shared attention holder)."""
+    lm = tiny("llama", dtype="float32")
+    cfg = dict(max_batch_size=3, max_batch_tokens=48, compile_buckets=BUCKETS)
+    a = Engine(lm, EngineConfig(**cfg, compile="true"))
+    built = graphs_compiled()
+    b = Engine(lm, EngineConfig(**cfg, compile="true"))
+    c = Engine(lm, EngineConfig(**cfg, compile="false"))
+    assert graphs_compiled() == built
+    prompts = {e: [[3 + i, 9, 27 + i, 81] for i in range(2)] for e in (a, b, c)}
+    for e in (a, b, c):
+        for i, p in enumerate(prompts[e]):
+            e.add_request(f"r{i}", p, _greedy(8))
+    done: dict = {a: {}, b: {}, c: {}}
+    while any(e.has_unfinished() for e in (a, b, c)):
+        for e in (a, b, c):  # interleaved steps of three engines on one model
+            for out in e.step():
+                if out.finished:
+                    done[e][out.request_id] = out.outputs[0].token_ids
+    assert graphs_compiled() == built
+    for e in (a, b, c):
+        for i, p in enumerate(prompts[e]):
+            assert done[e][f"r{i}"] == hf_greedy(lm.model, p, 8)

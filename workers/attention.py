@@ -188,8 +188,8 @@ _HOLDER_IDS = itertools.count(1)
 
 
 class ContextHolder:
-    """Mutable handle shared by the attention modules of one model: the runner sets its cache once
-    and swaps `current` every step."""
+    """Mutable handle shared by the attention modules of one model (and by every engine on it):
+    the runner that steps sets its cache and `current` for each forward."""
 
     __slots__ = ("current", "cache", "id", "__weakref__")
 
@@ -205,6 +205,10 @@ def install(model) -> ContextHolder | None:
     if not getattr(model, "_supports_attention_backend", False):
         return None
     AttentionInterface.register(ATTN_NAME, mmfusion_attention)
+    holder = getattr(model, "_mmfusion_holder", None)
+    if holder is not None:  # another engine on these weights: share the holder (its id is in compiled graphs)
+        model.set_attn_implementation(ATTN_NAME)
+        return holder
     holder = ContextHolder()
     n = 0
     for mod in model.modules():
@@ -214,6 +218,7 @@ def install(model) -> ContextHolder | None:
             n += 1
     if n == 0:
         return None
+    object.__setattr__(model, "_mmfusion_holder", holder)
     model.set_attn_implementation(ATTN_NAME)
     return holder
 

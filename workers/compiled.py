@@ -22,12 +22,19 @@ import torch
 from workers import attention
 
 
-def default_buckets(max_tokens: int) -> tuple[int, ...]:
-    """Powers of two up to max_tokens, and max_tokens itself: at most 2x padding on any step."""
+def default_buckets(max_tokens: int, step: int = 64) -> tuple[int, ...]:
+    """Powers of two up to `step`, then multiples of `step`, up to max_tokens (itself included).
+
+    A step of at most `step` tokens is bound by reading the weights, so padding it costs almost
+    nothing; past that matmuls are bound by compute, and padding there is kept under `step` rows."""
     out, b = [], 1
-    while b < max_tokens:
+    while b < min(step, max_tokens):
         out.append(b)
         b *= 2
+    b = min(step, max_tokens)
+    while b < max_tokens:
+        out.append(b)
+        b += step
     out.append(max_tokens)
     return tuple(out)
 

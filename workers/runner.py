@@ -147,7 +147,6 @@ class SlotRunner(BaseRunner):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, max_batch_size, kv_heads, head_dim, lm.dtype, lm.device,
                                  max_capacity=lm.max_model_len)
-        holder.cache = self.cache
 
     def enable_compile(self, buckets: Buckets) -> None:
         """Run the decoder layers compiled from now on: every step pads its tokens up to a bucket."""
@@ -179,6 +178,7 @@ class SlotRunner(BaseRunner):
         d = len(decode)
         dslots = slots[:d]
         dense = dslots == list(range(d))
+        self.holder.cache = self.cache  # engines on the same weights share the holder
         self.holder.current = attention.StepContext(
             num_decode=d,
             num_tokens=len(ids),
@@ -224,6 +224,7 @@ class SlotRunner(BaseRunner):
             return
         dev = self.lm.device
         for b in self.compiled.buckets.tokens:
+            self.holder.cache = self.cache
             self.holder.current = attention.StepContext(
                 num_decode=0, num_tokens=0, decode_slots=None, decode_lengths=None, dense=True, rows=0,
                 span=self.cache.capacity, segments=[])
@@ -238,7 +239,7 @@ class SlotRunner(BaseRunner):
         for max_len, ctx, w_slots, w_pos, call in trace:
             self.cache.fit(max_len)
             ctx.masks.clear()
-            self.holder.current = ctx
+            self.holder.cache, self.holder.current = self.cache, ctx
             self.cache.write_slots, self.cache.write_pos = w_slots, w_pos
             self._call(call)
 

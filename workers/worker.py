@@ -46,6 +46,7 @@ class WorkerConfig:
     curve_name: str = "worker"  # this worker's keypair: <curve_keys>/clients/<name>.key_secret
     slot: int | None = None  # the deployment plan's worker this process is: the router assigns its planned model
     join_timeout: float = 30.0  # how long exit waits for the engine thread to finish its step
+    placement: dict | None = None  # where a cluster placed this worker (Ray: node, resources), for status
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.liveness < 1:
@@ -281,7 +282,7 @@ class Worker:
 
         return {"pid": os.getpid(), "host": socket.gethostname(), "echo": self.config.echo, "slot": self.config.slot,
                 "threads": self.config.num_threads or torch.get_num_threads(),
-                "cuda_devices": torch.cuda.device_count()}
+                "cuda_devices": torch.cuda.device_count(), "placement": self.config.placement}
 
     def _engine_stats(self) -> dict:
         """Read from the engine thread's counters (plain ints): for the router's status."""

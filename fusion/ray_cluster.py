@@ -1,0 +1,245 @@
+"""Workers placed on a Ray cluster: `run_mm.py ... --ray ADDRESS`.
+
+The router (and the HTTP gateway, when there is one) runs in this driver process, as in a local
+deployment. Each planned worker is a Ray actor that runs the ordinary worker (workers.worker) in
+a thread and connects to the router over tcp: requests never go through Ray, which only places
+the workers and restarts them. A restarted actor registers again naming its slot in the plan, so
+it takes back its model ID, and the router resends the requests it had in flight, as for a local
+worker process that died.
+
+- Resources come from the plan: a CPU worker asks for `num_cpus` = its threads, a CUDA worker for
+  `num_gpus` = its share of the device (fractional when copies share a GPU). A variant's
+  `resources` model key adds custom resources (pins it to nodes that have them).
+- One placement group per deployment holds a bundle per worker: `placement: spread` (the
+  default: copies survive the loss of a node) or `pack`.
+- The router binds `ray_router_host` (runconfig) or this node's IP as Ray sees it. The connection
+  is always CurveZMQ: the driver makes a keypair set for the run (or uses `curve_keys`) and hands
+  each actor the router's public key and the workers' keypair through Ray.
+- On exit (Ctrl-C included) every actor is killed without restart and the placement group is
+  removed: nothing of the deployment stays on the cluster.
+
+Network note: on a machine whose tests must stay on loopback, every Ray node, the driver and the
+router must live on 127.0.0.1 (`ray start --node-ip-address 127.0.0.1`, ray.init with
+`_node_ip_address="127.0.0.1"`); see the README.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from fusion.deploy import worker_overrides
+from fusion.local import LocalDeployment, SupervisorConfig
+from fusion.model_info import MultiModelFusion
+from fusion.plan import DeploymentPlan
+from routing import protocol as P
+from routing.security import generate
+
+PLACEMENTS = {"spread": "SPREAD", "pack": "PACK"}
+KEY_FILES = ("server.key", "clients/worker.key", "clients/worker.key_secret")
+
+
+def import_ray():
+    """ray, or a clear error saying how to get it."""
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError('--ray needs the Ray extra: pip install -e ".[ray]"') from None
+    return ray
+
+
+def placement_strategy(name: str) -> str:
+    if name not in PLACEMENTS:
+        raise ValueError(f"runconfig.placement must be one of {sorted(PLACEMENTS)}, got {name!r}")
+    return PLACEMENTS[name]
+
+
+def bundles(fusion: MultiModelFusion, plan: DeploymentPlan) -> list[dict[str, float]]:
+    """The resources of each planned worker, in plan order: what its actor asks Ray for."""
+    per_device: dict[str, int] = {}
+    for w in plan.workers:
+        per_device[w.device] = per_device.get(w.device, 0) + 1
+    out = []
+    for w in plan.workers:
+        if w.device.startswith("cuda"):
+            b = {"GPU": round(1.0 / per_device[w.device], 4), "CPU": 1.0}
+        else:
+            b = {"CPU": float(w.threads)}
+        extra = fusion.models[w.model_id].params.get("resources") or {}
+        b.update({str(k): float(v) for k, v in extra.items()})
+        out.append(b)
+    return out
+
+
+class WorkerActor:
+    """One worker of the deployment, living in a Ray actor process (ray.remote is applied at
+    deployment time, so this module imports without Ray)."""
+
+    def __init__(self, backend: str, slot: int, threads: int, keys: dict[str, str], env: dict[str, str],
+                 resources: dict[str, float]):
+        import ray
+
+        from workers.worker import Worker, WorkerConfig
+
+        os.environ.update(env)
+        keys_dir = Path(tempfile.mkdtemp(prefix="mmfusion-keys-"))
+        for name, text in keys.items():
+            path = keys_dir / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            path.chmod(0o600)
+        ctx = ray.get_runtime_context()
+        self.where = {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                      "host": socket.gethostname(), "pid": os.getpid(), "resources": resources,
+                      "actor_id": ctx.get_actor_id()}
+        config = WorkerConfig(backend=backend, num_threads=threads, curve_keys=str(keys_dir), slot=slot,
+                              placement=dict(self.where))
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        self.worker = Worker(config)
+        self.thread = threading.Thread(target=self.worker.run, name="worker", daemon=True)
+        self.thread.start()
+
+    def info(self) -> dict:
+        return {**self.where, "running": self.thread.is_alive()}
+
+
+class RayDeployment(LocalDeployment):
+    """A LocalDeployment whose workers are Ray actors: same router, same client interface."""
+
+    def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict, log=None):
+        self.ray = import_ray()
+        self.strategy = placement_strategy(run.get("placement") or "spread")
+        keys = run["curve_keys"]
+        self._own_keys = None
+        if not keys:  # a keypair set for this run: secure off loopback with no set-up
+            self._own_keys = tempfile.TemporaryDirectory(prefix="mmfusion-run-keys-")
+            keys = self._own_keys.name
+        generate(keys, ["client", "worker"])
+        self.address = run["ray"]
+        self.host = run.get("ray_router_host")
+        self.run_id = f"mmfusion-{os.getpid()}-{int(time.time())}"
+        super().__init__(fusion, plan, run["frontend"], run["backend"],
+                         SupervisorConfig(max_restarts=run["max_restarts"]), log=log, curve_keys=keys,
+                         insecure=run["insecure"], restart_wait=run["restart_wait"])
+        self.bundles = bundles(fusion, plan)
+        self.actors: list = []
+        self.pg = None
+        self.where: list[dict | None] = []
+
+    @classmethod
+    def from_runconfig(cls, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict) -> RayDeployment:
+        return cls(fusion, plan, run)
+
+    def _connect(self) -> None:
+        ray = self.ray
+        if ray.is_initialized():
+            return
+        kw = {"address": self.address, "namespace": "mmfusion", "log_to_driver": True,
+              "configure_logging": False}
+        if self.host:
+            kw["_node_ip_address"] = self.host
+        ray.init(**kw)
+
+    def __enter__(self) -> RayDeployment:
+        ray = self.ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._connect()
+        host = self.host or ray.util.get_node_ip_address()
+        port = self.config.backend.rsplit(":", 1)[1]
+        self.config.backend = f"tcp://{host}:{port}"
+        overrides = worker_overrides(self.plan)
+        for o in overrides:  # an actor sees only the GPUs Ray gave it: its share is device 0
+            if str(o.get("device", "")).startswith("cuda"):
+                o["device"] = "cuda:0"
+        self._start_router(overrides)
+        self.pg = placement_group(self.bundles, strategy=self.strategy, name=self.run_id)
+        ready, _ = ray.wait([self.pg.ready()], timeout=120)
+        if not ready:
+            need = ", ".join(f"{b}" for b in self.bundles)
+            self.__exit__(None, None, None)
+            raise RuntimeError(f"the Ray cluster at {self.address} has no room for this deployment's workers "
+                               f"(placement {self.strategy}; bundles {need}); add nodes or resources")
+        keys = {name: (Path(self.config.curve_keys) / name).read_text() for name in KEY_FILES}
+        env = {"TQDM_DISABLE": "1", **{k: v for k, v in os.environ.items() if k.startswith(("MMFUSION_", "HF_"))}}
+        remote = ray.remote(WorkerActor)
+        for i, (w, b) in enumerate(zip(self.plan.workers, self.bundles)):
+            custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
+            actor = remote.options(
+                name=f"{self.run_id}-worker-{i}", num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
+                resources=custom or None, max_restarts=self.supervisor.max_restarts, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(self.router.backend_addr, i, w.threads, keys, env, b)
+            self.actors.append(actor)
+        self.where = [None] * len(self.actors)
+        self.restarts = [0] * len(self.actors)
+        self._watcher = threading.Thread(target=self._supervise, name="ray-supervisor", daemon=True)
+        self._watcher.start()
+        return self
+
+    def _watch(self, tell: zmq.Socket) -> None:
+        """Ask each actor where it is: a changed pid is a restart Ray made, a failed call a death
+        (the router hears of it at once, and resends that worker's requests)."""
+        ray = self.ray
+        period = max(self.supervisor.poll_interval, 0.5)
+        while not self._closing.wait(period):
+            calls = {a.info.remote(): i for i, a in enumerate(self.actors)}
+            done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=5)
+            for ref in done:
+                i = calls[ref]
+                try:
+                    info = ray.get(ref)
+                except Exception as exc:  # the actor died or is restarting
+                    self._lost(tell, i, exc)
+                    continue
+                old = self.where[i]
+                if old is not None and old["pid"] != info["pid"]:
+                    self._lost(tell, i, None)  # died and came back between two looks
+                if old is None or old["pid"] != info["pid"]:
+                    if old is not None:
+                        self.restarts[i] += 1
+                        self.log(f"ray: worker slot {i} restarted by Ray as process {info['pid']} on node "
+                                 f"{info['node_ip']} ({info['host']})")
+                    self.where[i] = info
+
+    def _lost(self, tell: zmq.Socket, i: int, exc: Exception | None) -> None:
+        old = self.where[i]
+        if old is None or old.get("reported"):
+            return
+        old["reported"] = True
+        tell.send(P.pack({"type": P.WORKER_EXITED, "pid": old["pid"], "host": old["host"], "slot": i,
+                          "restart": True}))
+        if exc is not None:
+            self.log(f"ray: worker slot {i} (process {old['pid']} on {old['node_ip']}) is gone: "
+                     f"{type(exc).__name__}; Ray restarts it (max_restarts {self.supervisor.max_restarts})")
+
+    def _stop_workers(self) -> None:
+        ray = self.ray
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+        self.actors = []
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        if self._own_keys is not None:
+            self._own_keys.cleanup()

@@ -1,0 +1,184 @@
+"""Workers placed on a Ray cluster: a two-node cluster simulated on this machine (ray.cluster_utils),
+every node, the driver and the router on 127.0.0.1 (the network rule of these machines)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray  # the ray extra is part of the test set-up (make test installs it)
+import yaml
+from conftest import free_port, tiny
+from ray.cluster_utils import Cluster
+
+from fusion.deploy import build_fusion
+from fusion.params import load_params
+from fusion.plan import make_plan
+from fusion.ray_cluster import RayDeployment, bundles
+from routing.client import Client
+from workers.engine import Engine
+from workers.params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = "127.0.0.1"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes on this machine; node_a and node_b are custom resources naming them."""
+    c = Cluster(initialize_head=True, head_node_args={
+        "node_ip_address": LOOPBACK, "num_cpus": 3, "resources": {"node_a": 4}, "include_dashboard": False})
+    c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4})
+    c.wait_for_nodes()
+    ray.init(address=c.address, _node_ip_address=LOOPBACK, namespace="mmfusion", configure_logging=False)
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2
+    yield c, {("node_a" if "node_a" in r else "node_b"): nid for nid, r in nodes.items()}
+    ray.shutdown()
+    c.shutdown()
+
+
+def _params(tmp_path: Path, variants: dict, **run) -> dict:
+    data = {"variants": {name: {"model": {"source": f"tiny:{arch}", "dtype": "float32", "max_batch_size": 4,
+                                          "max_batch_tokens": 64, "temperature": 0.0, **model}}
+                         for name, (arch, model) in variants.items()},
+            "runconfig": {"threads_per_worker": 1, "devices": "cpu", "max_restarts": 3, "restart_wait": 60,
+                          "frontend": f"tcp://{LOOPBACK}:{free_port()}",
+                          "backend": f"tcp://{LOOPBACK}:{free_port()}", "ray_router_host": LOOPBACK, **run}}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_params(path)
+
+
+def _deployment(params: dict, address: str, variants: list[tuple[str, int]]) -> RayDeployment:
+    run = params["runconfig"]
+    run["ray"] = address
+    fusion = build_fusion(params, [f"{n},{k}" for n, k in variants])
+    plan = make_plan(fusion, None, "cpu", 1)
+    return RayDeployment.from_runconfig(fusion, plan, run)
+
+
+def _greedy(prompt: list[int], n: int, arch: str) -> list[int]:
+    out = Engine(tiny(arch, "float32")).generate([prompt], SamplingParams(max_tokens=n, temperature=0,
+                                                                         ignore_eos=True))
+    return out[0].outputs[0].token_ids
+
+
+def test_bundles_ask_for_threads_gpu_shares_and_custom_resources(tmp_path):
+    params = _params(tmp_path, {"llama": ("llama", {}), "gpt2": ("gpt2", {"resources": {"node_b": 1}})})
+    fusion = build_fusion(params, ["llama,2", "gpt2,1"])
+    plan = make_plan(fusion, None, "cpu", 1)
+    assert bundles(fusion, plan) == [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0, "node_b": 1.0}]
+    gpu = make_plan(fusion, None, "cuda:0", 1)
+    assert [b.get("GPU") for b in bundles(fusion, gpu)] == [0.3333] * 3
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"variants": {"x": {"model": {"source": "tiny:llama", "resources": {"a": -1}}}}}))
+    with pytest.raises(ValueError, match="variants.x.model.resources must map"):
+        load_params(bad)
+
+
+def test_workers_on_both_nodes_answer_as_locally_survive_sigkill_and_leave_nothing(cluster, tmp_path):
+    c, node = cluster
+    params = _params(tmp_path, {"llama": ("llama", {}), "gpt2": ("gpt2", {"resources": {"node_b": 1}})})
+    dep = _deployment(params, c.address, [("llama", 2), ("gpt2", 2)])
+    with dep:
+        dep.wait_loaded(timeout=300)
+        with Client(dep.frontend, timeout=60, **dep.client_kw()) as cl:
+            workers = cl.status()["workers"]
+            where = {w["slot"]: w["placement"] for w in workers}
+            # spread: the llama copies on both nodes; the pinned gpt2 copies only where node_b is
+            assert {where[0]["node_id"], where[1]["node_id"]} == {node["node_a"], node["node_b"]}
+            assert where[2]["node_id"] == where[3]["node_id"] == node["node_b"]
+            assert all(p["resources"]["CPU"] == 1.0 for p in where.values()) and where[2]["resources"]["node_b"] == 1
+            assert all(w["pid"] == where[w["slot"]]["pid"] for w in workers)
+            # answers equal the engine's (what a local deployment answers), for every copy
+            prompt = [5, 17, 29, 41, 53]
+            for model, arch in ((0, "llama"), (1, "llama"), (2, "gpt2"), (3, "gpt2")):
+                res = cl.complete(model=model, prompt=prompt, max_tokens=6, temperature=0, return_token_ids=True)
+                assert res["choices"][0]["token_ids"] == _greedy(prompt, 6, arch), model
+
+            # SIGKILL the worker streaming a long request: Ray restarts it, the stream completes
+            want = _greedy(prompt, 60, "llama")
+            got, errors = [], []
+
+            def consume():
+                try:
+                    with Client(dep.frontend, timeout=120, **dep.client_kw()) as c2:
+                        for ch in c2.stream(model=0, prompt=prompt, max_tokens=60, temperature=0, ignore_eos=True,
+                                            return_token_ids=True):
+                            got.extend(ch["token_ids"])
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            t = threading.Thread(target=consume)
+            t.start()
+            deadline = time.monotonic() + 60
+            while len(got) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            old_pid = where[0]["pid"]
+            os.kill(old_pid, signal.SIGKILL)
+            t.join(180)
+            assert not errors and got == want
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                ws = cl.status()["workers"]
+                back = [w for w in ws if w["slot"] == 0 and w["alive"] and w["loaded"]]
+                if back and back[0]["pid"] != old_pid:
+                    break
+                time.sleep(0.5)
+            else:
+                raise AssertionError(f"slot 0 not restarted by Ray: {ws}")
+            assert back[0]["model_id"] == 0 and any(w["slot"] == 0 and not w["alive"] for w in ws)
+            assert back[0]["placement"]["actor_id"] == where[0]["actor_id"]  # the same actor, restarted
+            res = cl.complete(model=0, prompt=prompt, max_tokens=6, temperature=0, return_token_ids=True)
+            assert res["choices"][0]["token_ids"] == _greedy(prompt, 6, "llama")
+        names = [f"{dep.run_id}-worker-{i}" for i in range(4)]
+        pg = dep.pg
+    for name in names:  # no actor of the deployment left, and its placement group removed
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace="mmfusion")
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+
+
+def test_run_mm_serve_with_ray_stops_every_actor_on_sigint(cluster, tmp_path):
+    c, _ = cluster
+    params = _params(tmp_path, {"llama": ("llama", {})})
+    path = tmp_path / "serve.yaml"
+    run = params["runconfig"]
+    path.write_text(yaml.safe_dump({"variants": {"llama": {"model": params["variants"]["llama"]["model"]}},
+                                    "runconfig": {k: run[k] for k in ("threads_per_worker", "devices", "frontend",
+                                                                      "backend", "ray_router_host")}}))
+    env = {**os.environ, "RAY_ADDRESS": c.address}
+    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(path), "--variants",
+                             "llama,2", "--ray", c.address], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving: clients connect to"):
+                break
+        deadline = time.monotonic() + 300
+        alive = []
+        while time.monotonic() < deadline:  # the actors of this run, alive on the cluster
+            alive = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["namespace"] == "mmfusion" and "-worker-" in a["name"]]
+            if len(alive) == 2:
+                break
+            time.sleep(0.5)
+        assert len(alive) == 2, "".join(lines)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, "".join(lines) + out
+        assert "stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] in {x["name"] for x in alive}]
+    assert left == []
