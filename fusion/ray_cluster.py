@@ -10,8 +10,9 @@ worker process that died.
 - Resources come from the plan: a CPU worker asks for `num_cpus` = its threads, a CUDA worker for
   `num_gpus` = its share of the device (fractional when copies share a GPU). A variant's
   `resources` model key adds custom resources (pins it to nodes that have them).
-- One placement group per deployment holds a bundle per worker: `placement: spread` (the
-  default: copies survive the loss of a node) or `pack`.
+- One placement group per variant holds a bundle per copy: `placement: spread` (the default: a
+  variant's copies go to different nodes where they can, so they survive the loss of a node) or
+  `pack` (together on as few nodes as possible).
 - The router binds `ray_router_host` (runconfig) or this node's IP as Ray sees it. The connection
   is always CurveZMQ: the driver makes a keypair set for the run (or uses `curve_keys`) and hands
   each actor the router's public key and the workers' keypair through Ray.
@@ -132,7 +133,7 @@ class RayDeployment(LocalDeployment):
                          insecure=run["insecure"], restart_wait=run["restart_wait"])
         self.bundles = bundles(fusion, plan)
         self.actors: list = []
-        self.pg = None
+        self.pgs: list = []
         self.where: list[dict | None] = []
 
     @classmethod
@@ -163,9 +164,16 @@ class RayDeployment(LocalDeployment):
             if str(o.get("device", "")).startswith("cuda"):
                 o["device"] = "cuda:0"
         self._start_router(overrides)
-        self.pg = placement_group(self.bundles, strategy=self.strategy, name=self.run_id)
-        ready, _ = ray.wait([self.pg.ready()], timeout=120)
-        if not ready:
+        slots: dict[str, list[int]] = {}  # variant -> its workers (slots), in plan order
+        for i, w in enumerate(self.plan.workers):
+            slots.setdefault(self.fusion.models[w.model_id].name, []).append(i)
+        where: dict[int, tuple] = {}  # slot -> (placement group, bundle index)
+        for name, idx in slots.items():
+            pg = placement_group([self.bundles[i] for i in idx], strategy=self.strategy, name=f"{self.run_id}-{name}")
+            self.pgs.append(pg)
+            where.update({i: (pg, k) for k, i in enumerate(idx)})
+        ready, _ = ray.wait([pg.ready() for pg in self.pgs], num_returns=len(self.pgs), timeout=120)
+        if len(ready) < len(self.pgs):
             need = ", ".join(f"{b}" for b in self.bundles)
             self.__exit__(None, None, None)
             raise RuntimeError(f"the Ray cluster at {self.address} has no room for this deployment's workers "
@@ -178,7 +186,7 @@ class RayDeployment(LocalDeployment):
             actor = remote.options(
                 name=f"{self.run_id}-worker-{i}", num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
                 resources=custom or None, max_restarts=self.supervisor.max_restarts, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(where[i][0], placement_group_bundle_index=where[i][1]),
             ).remote(self.router.backend_addr, i, w.threads, keys, env, b)
             self.actors.append(actor)
         self.where = [None] * len(self.actors)
@@ -230,12 +238,12 @@ class RayDeployment(LocalDeployment):
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone
                 pass
-        if self.pg is not None:
-            from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group
 
+        for pg in self.pgs:
             try:
-                remove_placement_group(self.pg)
-            except Exception:
+                remove_placement_group(pg)
+            except Exception:  # already removed
                 pass
         self.actors = []
 

@@ -4,6 +4,11 @@ every node, the driver and the router on 127.0.0.1 (the network rule of these ma
 from __future__ import annotations
 
 import os
+
+# Ray's "this machine only" mode: its own addresses resolve to loopback. Without it a
+# cluster_utils node advertises this machine's interface address, which these machines may not
+# use (and ray.init hangs on it). Read once, when ray is first imported.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import signal
 import subprocess
 import sys
@@ -110,7 +115,7 @@ def test_workers_on_both_nodes_answer_as_locally_survive_sigkill_and_leave_nothi
             def consume():
                 try:
                     with Client(dep.frontend, timeout=120, **dep.client_kw()) as c2:
-                        for ch in c2.stream(model=0, prompt=prompt, max_tokens=60, temperature=0, ignore_eos=True,
+                        for ch in c2.stream(model="llama", prompt=prompt, max_tokens=60, temperature=0, ignore_eos=True,
                                             return_token_ids=True):
                             got.extend(ch["token_ids"])
                 except Exception as exc:  # noqa: BLE001 - reported below
@@ -121,29 +126,32 @@ def test_workers_on_both_nodes_answer_as_locally_survive_sigkill_and_leave_nothi
             deadline = time.monotonic() + 60
             while len(got) < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            old_pid = where[0]["pid"]
+            busy = [w for w in cl.status()["workers"] if w["inflight"] and w["slot"] in (0, 1)]
+            assert len(got) >= 3 and len(busy) == 1, (got, busy)
+            slot, old_pid = busy[0]["slot"], busy[0]["pid"]
             os.kill(old_pid, signal.SIGKILL)
             t.join(180)
-            assert not errors and got == want
+            assert not errors and got == want  # resent to the other copy, the stream continued
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
                 ws = cl.status()["workers"]
-                back = [w for w in ws if w["slot"] == 0 and w["alive"] and w["loaded"]]
+                back = [w for w in ws if w["slot"] == slot and w["alive"] and w["loaded"]]
                 if back and back[0]["pid"] != old_pid:
                     break
                 time.sleep(0.5)
             else:
-                raise AssertionError(f"slot 0 not restarted by Ray: {ws}")
-            assert back[0]["model_id"] == 0 and any(w["slot"] == 0 and not w["alive"] for w in ws)
-            assert back[0]["placement"]["actor_id"] == where[0]["actor_id"]  # the same actor, restarted
-            res = cl.complete(model=0, prompt=prompt, max_tokens=6, temperature=0, return_token_ids=True)
+                raise AssertionError(f"slot {slot} not restarted by Ray: {ws}")
+            # status shows the restart: the old process dead, the new one on the same slot and model
+            assert back[0]["model_id"] == slot and any(w["slot"] == slot and not w["alive"] for w in ws)
+            assert back[0]["placement"]["actor_id"] == where[slot]["actor_id"]  # the same actor, restarted
+            res = cl.complete(model=slot, prompt=prompt, max_tokens=6, temperature=0, return_token_ids=True)
             assert res["choices"][0]["token_ids"] == _greedy(prompt, 6, "llama")
         names = [f"{dep.run_id}-worker-{i}" for i in range(4)]
-        pg = dep.pg
-    for name in names:  # no actor of the deployment left, and its placement group removed
+        pgs = list(dep.pgs)
+    for name in names:  # no actor of the deployment left, and its placement groups removed
         with pytest.raises(ValueError):
             ray.get_actor(name, namespace="mmfusion")
-    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
+    assert len(pgs) == 2 and all(ray.util.placement_group_table(pg)["state"] == "REMOVED" for pg in pgs)
 
 
 def test_run_mm_serve_with_ray_stops_every_actor_on_sigint(cluster, tmp_path):
