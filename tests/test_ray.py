@@ -190,3 +190,62 @@ def test_run_mm_serve_with_ray_stops_every_actor_on_sigint(cluster, tmp_path):
             proc.kill()
     left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] in {x["name"] for x in alive}]
     assert left == []
+
+
+def test_losing_a_node_moves_its_requests_and_workers_to_the_survivor(cluster, tmp_path):
+    """Runs last in this module: it takes node_b away (and puts a fresh one back for anything after)."""
+    c, node = cluster
+    params = _params(tmp_path, {"llama": ("llama", {})})
+    prompt = [7, 8, 9, 10]
+    want = _greedy(prompt, 40, "llama")
+    with _deployment(params, c.address, [("llama", 2)]) as dep:
+        dep.wait_loaded(timeout=300)
+        with Client(dep.frontend, timeout=120, **dep.client_kw()) as cl:
+            where = {w["slot"]: w["placement"] for w in cl.status()["workers"]}
+            on_b = next(s for s, p in where.items() if p["node_id"] == node["node_b"])
+            on_a = 1 - on_b
+            got: list[int] = []
+            errors: list[Exception] = []
+
+            def consume():
+                try:
+                    with Client(dep.frontend, timeout=120, **dep.client_kw()) as c2:
+                        for ch in c2.stream(model="llama", prompt=prompt, max_tokens=40, temperature=0,
+                                            ignore_eos=True, return_token_ids=True):
+                            got.extend(ch["token_ids"])
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            # keep node_a's copy busy, so that the least-loaded choice for the stream is node_b's
+            def occupy():  # a client per thread: a Client is not shared between threads
+                with Client(dep.frontend, timeout=120, **dep.client_kw()) as c3:
+                    c3.complete(model=on_a, prompt=prompt, max_tokens=400, temperature=0, ignore_eos=True)
+
+            busy = threading.Thread(target=occupy)
+            busy.start()
+            while not [w for w in cl.status()["workers"] if w["slot"] == on_a and w["inflight"]]:
+                time.sleep(0.01)
+            t = threading.Thread(target=consume)
+            t.start()
+            deadline = time.monotonic() + 60
+            while len(got) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert [w["slot"] for w in cl.status()["workers"] if w["inflight"]] == sorted([on_a, on_b])
+            c.remove_node(next(iter(c.worker_nodes)))  # node_b, its raylet and every worker on it
+            t.join(180)
+            busy.join(180)
+            assert not errors and got == want  # resent to the copy on node_a
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                ws = cl.status()["workers"]
+                back = [w for w in ws if w["slot"] == on_b and w["alive"] and w["loaded"]]
+                if back:
+                    break
+                time.sleep(0.5)
+            else:
+                raise AssertionError(f"slot {on_b} did not come back: {ws}")
+            assert back[0]["placement"]["node_id"] == node["node_a"]  # Ray found room on the survivor
+            res = cl.complete(model="llama", prompt=prompt, max_tokens=5, temperature=0, return_token_ids=True)
+            assert res["choices"][0]["token_ids"] == want[:5]
+    c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4})
+    c.wait_for_nodes()
