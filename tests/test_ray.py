@@ -37,9 +37,10 @@ LOOPBACK = "127.0.0.1"
 @pytest.fixture(scope="module")
 def cluster():
     """Two Ray nodes on this machine; node_a and node_b are custom resources naming them."""
+    small = {"object_store_memory": 100 * 2**20}  # nothing goes through Ray's object store: keep /dev/shm free
     c = Cluster(initialize_head=True, head_node_args={
-        "node_ip_address": LOOPBACK, "num_cpus": 3, "resources": {"node_a": 4}, "include_dashboard": False})
-    c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4})
+        "node_ip_address": LOOPBACK, "num_cpus": 3, "resources": {"node_a": 4}, "include_dashboard": False, **small})
+    c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4}, **small)
     c.wait_for_nodes()
     ray.init(address=c.address, _node_ip_address=LOOPBACK, namespace="mmfusion", configure_logging=False)
     nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
@@ -247,5 +248,5 @@ def test_losing_a_node_moves_its_requests_and_workers_to_the_survivor(cluster, t
             assert back[0]["placement"]["node_id"] == node["node_a"]  # Ray found room on the survivor
             res = cl.complete(model="llama", prompt=prompt, max_tokens=5, temperature=0, return_token_ids=True)
             assert res["choices"][0]["token_ids"] == want[:5]
-    c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4})
+    c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4}, object_store_memory=100 * 2**20)
     c.wait_for_nodes()
