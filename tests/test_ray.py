@@ -250,3 +250,11 @@ def test_losing_a_node_moves_its_requests_and_workers_to_the_survivor(cluster, t
             assert res["choices"][0]["token_ids"] == want[:5]
     c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4}, object_store_memory=100 * 2**20)
     c.wait_for_nodes()
+
+
+def test_without_ray_installed_the_error_says_how_to_get_it(monkeypatch):
+    from fusion.ray_cluster import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets where the extra is missing
+    with pytest.raises(RuntimeError, match=r'--ray needs the Ray extra: pip install -e "\.\[ray\]"'):
+        import_ray()
