@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -91,19 +92,40 @@ def load(key: CompileKey) -> bool:
 
 
 def save(key: CompileKey) -> Path | None:
-    """Write everything this process has compiled so far as the entry for `key`."""
-    from workers.models import replace_dir
-
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
-        return None
-    data, _info = saved
-    meta = {"key": asdict(key), "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-
-    def fill(tmp: Path) -> None:
-        (tmp / ARTIFACTS).write_bytes(data)
-        (tmp / META).write_text(json.dumps(meta, indent=1))
+    """Write everything this process has compiled so far as the entry for `key`. Copies of a
+    model compile at the same time and each saves: an entry appears whole (written aside, then
+    renamed into place) and, when two race, one of them wins; a failed save only logs."""
+    import shutil
 
     d = key.directory()
-    replace_dir(d, fill)
+    tmp = None
+    try:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return None
+        data, _info = saved
+        meta = {"key": asdict(key), "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        d.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}."))
+        (tmp / ARTIFACTS).write_bytes(data)
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        old = d.parent / f".{d.name}.old-{os.getpid()}"
+        try:
+            os.rename(d, old)  # atomic: a reader sees the old entry or none, never half of one
+        except FileNotFoundError:
+            old = None  # no entry yet, or another writer moved it a moment ago
+        try:
+            os.rename(tmp, d)
+            tmp = None
+        except OSError:  # another writer put its entry in place first: keep that one
+            pass
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        log.warning("could not save the compiled cache %s (%s: %s); the next start compiles again",
+                    d, type(exc).__name__, exc)
+        return None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return d
