@@ -119,32 +119,37 @@ print("RESULT " + json.dumps({"info": eng.compile_info.as_dict(), "tokens": out[
 """
 
 
-def _child(mode: str, cache: Path) -> tuple[dict, str]:
-    env = {**os.environ, "MMFUSION_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+def _child(mode: str, cache: Path, kernels: Path) -> tuple[dict, str]:
+    # inductor's own cache is the module's (its kernels are built once); the artifacts are this test's
+    env = {**os.environ, "MMFUSION_CACHE": str(cache), "PYTHONPATH": str(ROOT),
+           "TORCHINDUCTOR_CACHE_DIR": str(kernels / "inductor")}
     r = subprocess.run([sys.executable, "-c", _CHILD, mode], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[7:]), r.stderr
 
 
-def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path):
+def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path, cache_dir, monkeypatch):
     """compile: true saves the artifacts; a later process with auto starts from them; a corrupt
     or stale entry gets one log line, a compile from scratch and a rewritten entry, never a crash."""
-    cold, _ = _child("auto", tmp_path)  # nothing cached: auto stays eager
-    assert not cold["info"]["compiled"] and "no compiled artifacts" in cold["info"]["reason"]
-    made, _ = _child("true", tmp_path)
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))  # nothing cached here: auto stays eager
+    eng = Engine.from_source("tiny:llama", dtype="float32", max_batch_size=2, max_batch_tokens=48,
+                             compile="auto", compile_buckets=(8, 48))
+    assert not eng.compile_info.compiled and "no compiled artifacts" in eng.compile_info.reason
+    out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    cold = {"tokens": out[0].outputs[0].token_ids}
+    made, _ = _child("true", tmp_path, cache_dir)
     assert made["info"]["compiled"] and not made["info"]["warm"]
     entry = Path(made["info"]["cache"])
     assert (entry / compile_cache.ARTIFACTS).stat().st_size > 0
     assert made["tokens"] == cold["tokens"]
 
-    warm, _ = _child("auto", tmp_path)
+    warm, _ = _child("auto", tmp_path, cache_dir)
     assert warm["info"]["compiled"] and warm["info"]["warm"], warm["info"]
     assert warm["tokens"] == cold["tokens"]
 
     (entry / compile_cache.ARTIFACTS).write_bytes(b"not an artifact")
-    again, log = _child("auto", tmp_path)
+    again, log = _child("auto", tmp_path, cache_dir)
     assert again["info"]["compiled"] and not again["info"]["warm"]
     assert [x for x in log.splitlines() if "unusable" in x and "checksum" in x], log[-2000:]
     assert again["tokens"] == cold["tokens"]
@@ -153,7 +158,7 @@ def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path)
 
     meta["key"]["torch_version"] = "0.0.1"
     (entry / compile_cache.META).write_text(json.dumps(meta))
-    stale, log = _child("auto", tmp_path)
+    stale, log = _child("auto", tmp_path, cache_dir)
     assert stale["info"]["compiled"] and not stale["info"]["warm"]
     assert [x for x in log.splitlines() if "stale" in x], log[-2000:]
     assert json.loads((entry / compile_cache.META).read_text())["key"]["torch_version"] == torch.__version__
