@@ -128,12 +128,10 @@ def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -
     before = None
     if gguf is not None and _gguf_cache_dir(gguf) is None:
         before = round(_in_fresh_process(_convert, info.source, dtype, w.device), 3)
-    mode = compile_mode(p.get("compile", "auto"))
-    buckets = p.get("compile_buckets")
     engine_kw = {"max_batch_size": w.max_batch_size, "max_batch_tokens": w.max_batch_tokens, "num_threads": w.threads,
                  # compile_only is where the artifacts are made: `auto` compiles here
-                 "compile": "false" if mode == "false" else "true",
-                 "compile_buckets": tuple(buckets) if buckets else None}
+                 "compile": "false" if compile_mode(p.get("compile", "auto")) == "false" else "true",
+                 "compile_buckets": p.get("compile_buckets")}
     m = _in_fresh_process(_measure, info.source, dtype, w.device, p.get("max_model_len"), engine_kw, prompts,
                           max_tokens, w.shares_weights)
     cache = _gguf_cache_dir(gguf) if gguf is not None else None

@@ -38,14 +38,14 @@ class ParamsError(ValueError):
 def _check_compile(model: dict, where: str) -> None:
     from workers.compiled import Buckets, compile_mode
 
+    key = "compile"
     try:
-        if "compile" in model:
-            compile_mode(model["compile"])
-        if model.get("compile_buckets") is not None:
-            b = model["compile_buckets"]
-            Buckets(tuple(b) if isinstance(b, list) else b)
+        if key in model:
+            compile_mode(model[key])
+        key = "compile_buckets"
+        if model.get(key) is not None:
+            Buckets(tuple(model[key]) if isinstance(model[key], list) else model[key])
     except ValueError as exc:
-        key = "compile" if "compile must" in str(exc) else "compile_buckets"
         raise ParamsError(f"{where}.model.{key}: {exc}") from None
 
 

@@ -43,7 +43,7 @@ from routing import protocol as P
 from routing.security import generate
 
 PLACEMENTS = {"spread": "SPREAD", "pack": "PACK"}
-KEY_FILES = ("server.key", "clients/worker.key", "clients/worker.key_secret")
+KEY_FILES = ("server.key", "clients/worker.key_secret")  # what a worker's connect_curve reads
 
 
 def import_ray():
@@ -144,6 +144,14 @@ class RayDeployment(LocalDeployment):
         ray = self.ray
         if ray.is_initialized():
             return
+        if self.address != "auto" and not self.address.startswith("ray://"):
+            # ray.init retries an unreachable host:port for ever: say so now instead
+            host, _, port = self.address.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=5).close()
+            except (OSError, ValueError) as exc:
+                raise RuntimeError(f"--ray {self.address}: no Ray cluster answers there ({exc}); start one with "
+                                   "`ray start --head` and give its HOST:PORT, or use --ray auto") from None
         kw = {"address": self.address, "namespace": "mmfusion", "log_to_driver": True,
               "configure_logging": False}
         if self.host:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_greedy_real, tiny
+from conftest import hf_greedy, real_mixed_batch_matches_transformers, tiny
 
 from workers import compile_cache
 from workers.compiled import Buckets, compile_mode, default_buckets, graphs_compiled
@@ -168,16 +168,9 @@ def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path,
 @pytest.mark.parametrize("fixture", ["smollm2_fp32", "gemma3_fp32"])
 def test_real_models_compiled_match_transformers(fixture, request, cache_dir):
     lm = request.getfixturevalue(fixture)
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
-    rng = random.Random(0)
-    prompts = [lm.tokenizer(t).input_ids for t in texts]
-    prompts += [[rng.randrange(1000, 30000) for _ in range(n)] for n in (1, 57, 200)]
-    max_tokens = [12, 20, 9, 16, 5, 24]
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96, compile="true", compile_buckets=(8, 96)))
     assert eng.compile_info.compiled
-    outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
-    for p, m, o in zip(prompts, max_tokens, outs):
-        assert o.outputs[0].token_ids == hf_greedy_real(fixture, lm.model, p, m)
+    real_mixed_batch_matches_transformers(fixture, lm, eng)
 
 
 def test_cuda_graph_seam_is_inert_on_cpu_and_asks_for_graphs_on_cuda():

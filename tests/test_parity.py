@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import ARCHS, hf_greedy, hf_greedy_real, tiny
+from conftest import ARCHS, hf_greedy, real_mixed_batch_matches_transformers, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams
@@ -57,12 +57,4 @@ def test_requests_joining_a_running_batch(arch):
 @pytest.mark.parametrize("fixture", ["smollm2_fp32", "gemma3_fp32"])
 def test_real_models_match_transformers(fixture, request):
     lm = request.getfixturevalue(fixture)
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
-    rng = random.Random(0)
-    prompts = [lm.tokenizer(t).input_ids for t in texts]
-    prompts += [[rng.randrange(1000, 30000) for _ in range(n)] for n in (1, 57, 200)]
-    max_tokens = [12, 20, 9, 16, 5, 24]
-    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96))
-    outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
-    for p, m, o in zip(prompts, max_tokens, outs):
-        assert o.outputs[0].token_ids == hf_greedy_real(fixture, lm.model, p, m)
+    real_mixed_batch_matches_transformers(fixture, lm, Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96)))

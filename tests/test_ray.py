@@ -258,3 +258,13 @@ def test_without_ray_installed_the_error_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets where the extra is missing
     with pytest.raises(RuntimeError, match=r'--ray needs the Ray extra: pip install -e "\.\[ray\]"'):
         import_ray()
+
+
+def test_a_ray_address_where_nothing_answers_is_a_clear_error(tmp_path):
+    params = _params(tmp_path, {"llama": ("llama", {})})
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"variants": {"llama": {"model": params["variants"]["llama"]["model"]}}}))
+    out = subprocess.run([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(path), "--variants",
+                          "llama,1", "--ray", f"{LOOPBACK}:{free_port()}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "no Ray cluster answers there" in out.stderr, out.stderr[-2000:]

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from workers import attention
+
+log = logging.getLogger("mmfusion.compile")
 
 
 def default_buckets(max_tokens: int, step: int = 64) -> tuple[int, ...]:
@@ -180,12 +184,8 @@ def summary(info: dict | None) -> str:
 def prepare(runner, lm, mode: str, buckets: Buckets) -> CompileInfo:
     """Compile `runner`'s forward when `mode` asks for it: `true` always, `auto` when the cache
     has this model's artifacts. Builds every bucket before returning and saves what it built."""
-    import logging
-    import time
+    from workers import compile_cache  # imports shared_weights and models: only when compiling
 
-    from workers import compile_cache
-
-    log = logging.getLogger("mmfusion.compile")
     if mode == "false":
         return CompileInfo(False, "compile is false")
     if not hasattr(runner, "enable_compile"):

@@ -35,7 +35,7 @@ class EngineConfig:
     min_shared_prefix: int = 16
     num_threads: int | None = None  # torch threads for this process; None leaves torch's default
     compile: str | bool = "auto"  # auto: compiled when the cache has artifacts; true: compile if needed
-    compile_buckets: tuple[int, ...] | None = None  # padded token counts; None: powers of 2 to max_batch_tokens
+    compile_buckets: tuple[int, ...] | list[int] | None = None  # padded token counts; None: default_buckets
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):

@@ -223,8 +223,8 @@ class SlotRunner(BaseRunner):
         if self.compiled is None:
             return
         dev = self.lm.device
+        self.holder.cache = self.cache
         for b in self.compiled.buckets.tokens:
-            self.holder.cache = self.cache
             self.holder.current = attention.StepContext(
                 num_decode=0, num_tokens=0, decode_slots=None, decode_lengths=None, dense=True, rows=0,
                 span=self.cache.capacity, segments=[])

@@ -148,10 +148,8 @@ class EngineThread(threading.Thread):
                 lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
                                 max_model_len=spec.get("max_model_len"),
                                 share_weights=spec.get("share_weights", True), owner=spec.get("weights_owner"))
-                buckets = spec.get("compile_buckets")
                 cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads,
-                                   compile=spec.get("compile", "auto"),
-                                   compile_buckets=tuple(buckets) if buckets else None)
+                                   compile=spec.get("compile", "auto"), compile_buckets=spec.get("compile_buckets"))
                 self.engine, self.spec = Engine(lm, cfg), spec
                 if self.engine.compile_info.compiled:
                     print(f"worker: {spec.get('name', spec['source'])}: {self.engine.compile_info.summary()}",
