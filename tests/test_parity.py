@@ -58,3 +58,28 @@ def test_requests_joining_a_running_batch(arch):
 def test_real_models_match_transformers(fixture, request):
     lm = request.getfixturevalue(fixture)
     real_mixed_batch_matches_transformers(fixture, lm, Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_equal_length_prompts_attend_as_one_batch(arch):
+    """Whole prompts of one length in a step are one batched attention call: still transformers'
+    tokens for each, next to prompts of other lengths and a chunked one."""
+    from workers.attention import Segment, StepContext
+
+    segs = [Segment(0, 5, 3, 0), Segment(5, 5, 0, 0), Segment(10, 2, 1, 0), Segment(12, 5, 2, 0),
+            Segment(17, 5, 4, 9)]  # the last is a later chunk of a prompt: attended alone
+    ctx = StepContext(0, 22, None, None, True, 0, 0, segs)
+    groups, alone = ctx.whole_prompt_groups(None, "cpu")
+    assert [(t.tolist(), s.tolist(), n) for t, s, n in groups] == [
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16], [3, 0, 2], 5)]
+    assert alone == [2, 4]
+    assert ctx.whole_prompt_groups(4, "cpu") == ([], [0, 1, 2, 3, 4])  # a window shorter than them
+
+    lm = tiny(arch)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (6, 6, 6, 6, 3, 6, 40)]
+    max_tokens = [rng.randint(1, 8) for _ in prompts]
+    eng = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64))
+    outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
+    for p, m, o in zip(prompts, max_tokens, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, m), f"prompt of {len(p)} tokens"

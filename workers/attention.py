@@ -69,6 +69,28 @@ class StepContext:
             self.masks[key] = m
         return m
 
+    def whole_prompt_groups(self, window: int | None, device) -> tuple[list, list[int]]:
+        """Segments that are whole prompts (from position 0, inside the window), grouped by length
+        when two or more share one: [(packed token rows, cache slots, length)], and the segments
+        left to attend one by one. Built once per step, shared by all layers."""
+        key = ("g", window)
+        got = self.masks.get(key)
+        if got is None:
+            by_len: dict[int, list[int]] = {}
+            for i, seg in enumerate(self.segments):
+                if seg.start_pos == 0 and (window is None or window >= seg.length):
+                    by_len.setdefault(seg.length, []).append(i)
+            groups, grouped = [], set()
+            for length, members in by_len.items():
+                if len(members) < 2:
+                    continue
+                segs = [self.segments[i] for i in members]
+                tokens = torch.tensor([s.tok_start + j for s in segs for j in range(length)], device=device)
+                groups.append((tokens, torch.tensor([s.slot for s in segs], device=device), length))
+                grouped.update(members)
+            got = self.masks[key] = (groups, [i for i in range(len(self.segments)) if i not in grouped])
+        return got
+
     def segment_mask(self, i: int, window: int | None, device) -> torch.Tensor:
         key = ("s", i, window)
         m = self.masks.get(key)
@@ -147,11 +169,31 @@ def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value
     if d:
         out[:d] = _decode_attention(ctx, query[0, :, :d].transpose(0, 1), key_buf, value_buf, scaling,
                                     window, softcap)
-    for i, seg in enumerate(ctx.segments):
+    alone = range(len(ctx.segments))
+    if softcap is None and len(ctx.segments) > 1:
+        groups, alone = ctx.whole_prompt_groups(window, query.device)
+        for tokens, slots, length in groups:
+            out.index_copy_(0, tokens, _whole_prompts_attention(query, tokens, slots, length, key_buf, value_buf,
+                                                                scaling))
+    for i in alone:
+        seg = ctx.segments[i]
         q = query[:, :, seg.tok_start: seg.tok_start + seg.length]
         out[seg.tok_start: seg.tok_start + seg.length] = _segment_attention(
             ctx, i, q, key_buf, value_buf, scaling, window, softcap)
     return out.unsqueeze(0)
+
+
+def _whole_prompts_attention(query: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, length: int,
+                             key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of G whole prompts of one length as one batched SDPA (a short-request step
+    holds dozens of them: one call per prompt per layer was most of its attention time).
+    tokens: [G*length] packed rows; slots: [G]. Returns [G*length, H, dv]."""
+    heads, dim = query.shape[1], query.shape[-1]
+    g = slots.shape[0]
+    k, v = key[slots, :, :length], value[slots, :, :length]
+    q = query[0].index_select(1, tokens).view(heads, g, length, dim).transpose(0, 1).to(k.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=heads != k.shape[1])
+    return o.transpose(1, 2).reshape(g * length, heads, v.shape[-1]).to(query.dtype)
 
 
 @torch.library.custom_op("mmfusion::attend", mutates_args=(), tags=(torch._C.Tag.cudagraph_unsafe,))

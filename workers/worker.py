@@ -65,6 +65,7 @@ class EngineThread(threading.Thread):
         self.engine = None
         self.spec: dict | None = None
         self.requests: dict[str, dict] = {}  # request key -> {stream, echo, logprobs, sent_text}
+        self.outbox: list[bytes] = []  # this turn's data messages (header, body, ...), sent as one
         self.aborted = 0  # requests cancelled while they ran (their batch slots freed)
         self.dropped = 0  # requests dropped because the worker was assigned again
 
@@ -87,9 +88,10 @@ class EngineThread(threading.Thread):
                         results = self.engine.step()
                     except Exception as exc:  # a bug must cost the requests of this step, not the worker
                         self._fail_step(out, f"{type(exc).__name__}: {exc}")
-                        continue
+                        results = []
                     for res in results:
                         self._emit(res, out)
+                self._flush(out)
         finally:
             out.close(linger=0)
 
@@ -113,10 +115,18 @@ class EngineThread(threading.Thread):
         self.requests.clear()
 
     def _send(self, out, msg: dict) -> None:
+        self._flush(out)
         self._put(out, [P.pack(msg)])
 
     def _send_data(self, out, mtype: str, key: str, body: dict, tokens: int | list = 0) -> None:
-        self._put(out, [P.header(mtype, key, tokens), P.pack(body)])
+        self.outbox += (P.header(mtype, key, tokens), P.pack(body))
+
+    def _flush(self, out) -> None:
+        """A turn's data messages cross to the I/O thread as one message (it sends them on one by
+        one): one wake-up of that thread per engine step instead of one per request."""
+        if self.outbox:
+            frames, self.outbox = self.outbox, []
+            self._put(out, frames)
 
     def _put(self, out, frames: list[bytes]) -> None:
         while not self.stop.is_set():  # the main thread drains the pair; it may be exiting
@@ -355,7 +365,11 @@ class Worker:
                             return
                 if self.pair in events:
                     while self.pair.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        self._send(sock, self.pair.recv_multipart())
+                        frames = self.pair.recv_multipart()
+                        if len(frames) == 1:  # a control message (LOADED, LOAD_FAILED)
+                            self._send(sock, frames)
+                        for i in range(0, len(frames) - 1, 2):  # data messages: [header, body] pairs
+                            self._send(sock, frames[i: i + 2])
                 if not self._parent_alive():
                     return
                 if now >= next_beat:
