@@ -7,6 +7,9 @@ on the same deployment in the same run.
     Targets: >= 2,000 req/s over HTTP, <= 2 ms added at p50. Closed loops at saturation differ in
     latency by their throughput (64 clients / req/s), so a third line paces the same 64 clients at
     one offered load (--rate, default 1,000 req/s) through both: the latency the gateway adds there.
+    Each line also gives the CPU time per request of every process (router, worker, gateway, load
+    generator) on both paths: in a closed loop at saturation, what the HTTP path adds per request
+    on the shared cores is what its latency pays.
 (b) engine: the bench/engine.py workload (SmolLM2-135M bf16, 64 requests) as 64 concurrent
     streaming HTTP requests, against the same 64 requests through the ZeroMQ AsyncClient.
     Target: HTTP >= 0.9x the ZeroMQ client's tokens/s. Best of `--repeats`, alternating.
@@ -118,6 +121,31 @@ def http_load(url: str, clients: int, seconds: float, body: dict,
     return len(lat), lat, wall
 
 
+class CpuMeter:
+    """CPU seconds (user + system) of each process of the deployment and of this load generator:
+    per request, the cost each part adds. In a closed loop at saturation on 2 shared cores the
+    latency is clients / throughput, so what the HTTP path costs in CPU per request is what its
+    latency pays there."""
+
+    def __init__(self, serve_pid: int):
+        import psutil
+
+        root = psutil.Process(serve_pid)
+        self.procs = {"router": root, "load_generator": psutil.Process()}
+        for child in root.children(recursive=True):
+            name = "gateway" if "routing.http" in " ".join(child.cmdline()) else "worker"
+            self.procs[name] = child
+
+    def sample(self) -> dict[str, float]:
+        return {k: sum(p.cpu_times()[:2]) for k, p in self.procs.items()}
+
+    def measure(self, fn, *args) -> tuple[tuple[int, list[float], float], dict[str, int]]:
+        before = self.sample()
+        n, lat, wall = fn(*args)
+        after = self.sample()
+        return (n, lat, wall), {k: round((after[k] - before[k]) / max(n, 1) * 1e6) for k in before}
+
+
 def bench_short(seconds: float, clients: int, rate: float) -> None:
     params = {"variants": {"tiny": {"model": {"source": "tiny:llama", "dtype": "float32", "max_batch_size": 64,
                                               "max_batch_tokens": 512}}}}
@@ -125,17 +153,20 @@ def bench_short(seconds: float, clients: int, rate: float) -> None:
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0.0}
     rows = []
     try:
+        meter = CpuMeter(proc.pid)
         zmq_load(front, clients, 1.0, body)  # warm-up
         http_load(url, clients, 1.0, body)
-        for n in sorted({1, clients}):  # one client: the gateway's own cost; many: its cost under load
-            rows.append((n, None, zmq_load(front, n, seconds, body), http_load(url, n, seconds, body)))
-        # closed loops at saturation differ by throughput: 64 clients / rate is the latency; the
-        # latency the gateway adds is read at the same offered load, below either's saturation
-        rows.append((clients, rate, zmq_load(front, clients, seconds, body, rate),
-                     http_load(url, clients, seconds, body, rate)))
+        for n, offered in [(n, None) for n in sorted({1, clients})] + [(clients, rate)]:
+            # one client: the gateway's own cost; many: its cost under load. Closed loops at
+            # saturation differ by throughput (clients / rate is the latency), so the latency the
+            # gateway adds is also read at one offered load, below either's saturation.
+            z, zcpu = meter.measure(zmq_load, front, n, seconds, body, offered)
+            h, hcpu = meter.measure(http_load, url, n, seconds, body, offered)
+            rows.append((n, offered, z, h, zcpu, hcpu))
     finally:
         stop(proc, cfg)
-    for n, offered, (zn, zl, zw), (hn, hl, hw) in rows:
+    for n, offered, (zn, zl, zw), (hn, hl, hw), zcpu, hcpu in rows:
+        zcpu.pop("gateway", None)
         emit(bench="http_short", clients=n, offered_requests_per_s=offered or "closed loop",
              http_requests=hn, http_requests_per_s=round(hn / hw, 1),
              http_p50_ms=round(pct(hl, 0.5) * 1e3, 3), http_p99_ms=round(pct(hl, 0.99) * 1e3, 3),
@@ -143,7 +174,9 @@ def bench_short(seconds: float, clients: int, rate: float) -> None:
              zmq_p99_ms=round(pct(zl, 0.99) * 1e3, 3),
              added_latency_p50_ms=round((pct(hl, 0.5) - pct(zl, 0.5)) * 1e3, 3),
              added_latency_p99_ms=round((pct(hl, 0.99) - pct(zl, 0.99)) * 1e3, 3),
-             target_requests_per_s=2000, target_added_p50_ms=2.0)
+             target_requests_per_s=2000, target_added_p50_ms=2.0,
+             http_cpu_us_per_request=hcpu, zmq_cpu_us_per_request=zcpu,
+             added_cpu_us_per_request=sum(hcpu.values()) - sum(zcpu.values()))
 
 
 # --- (b) the engine workload ---------------------------------------------------------------------

@@ -264,6 +264,8 @@ class AsyncClient(_Base):
         self._loop = None  # the event loop whose reader watches the socket
         self._fds: tuple[int, int] = (self.sock.getsockopt(zmq.FD), self.monitor.getsockopt(zmq.FD))
         self._recheck = False
+        self._outbox: dict[str, bytes] = {}  # request id -> its frame, not yet handed to zmq
+        self._flush_at = None  # the loop callback (or timer) that will hand them over
         self.reader_errors = 0  # exceptions the reader survived
         self.bad_replies = 0  # undecodable replies that named no request in flight
 
@@ -291,6 +293,10 @@ class AsyncClient(_Base):
         self._loop = loop
 
     def _unwatch(self) -> None:
+        if self._flush_at is not None:  # queued on a loop that is going away: those requests went with it
+            self._flush_at.cancel()
+            self._flush_at = None
+        self._outbox.clear()
         loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
             for fd in self._fds:
@@ -329,21 +335,28 @@ class AsyncClient(_Base):
 
     # --- writing ---------------------------------------------------------------------------------------
     async def _send(self, msg: dict) -> None:
-        """Write without blocking the loop; a full queue (RECEIVE_QUEUE messages unsent: the router
-        is not reading) is waited out, up to the timeout."""
-        import asyncio
+        """Queue the message; the requests of one event-loop turn reach zmq together, on the next
+        turn. Each hand-over wakes zmq's I/O thread and costs a loopback write; under load a turn
+        holds many requests (answers come in bursts, one engine step's worth), and one write
+        carries them all. A full queue (the router not reading) is retried until the request's
+        own timeout gives up on it, which takes it out of the queue unsent."""
+        self._outbox[msg["id"]] = P.pack(msg)
+        if self._flush_at is None:
+            self._flush_at = self._loop.call_soon(self._flush)
 
-        frame = P.pack(msg)
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while True:
-            try:
-                self.sock.send(frame, zmq.NOBLOCK)
-                self._after_send()
-                return
-            except zmq.Again:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"could not send to {self.address} within {self.timeout}s") from None
-                await asyncio.sleep(0.005)
+    def _flush(self) -> None:
+        self._flush_at = None
+        out = self._outbox
+        try:
+            while out:
+                rid = next(iter(out))
+                self.sock.send(out[rid], zmq.NOBLOCK)
+                del out[rid]
+        except zmq.Again:  # the queue is full: try again shortly
+            self._flush_at = self._loop.call_later(0.005, self._flush)
+        except zmq.ZMQError:  # closed: the requests' timeouts (or close) end them
+            out.clear()
+        self._after_send()
 
     def _open(self) -> str:
         self._watch()
@@ -417,6 +430,8 @@ class AsyncClient(_Base):
     def _cancel_nowait(self, rid: str) -> None:
         """Usable where awaiting is not (a generator being closed): the write happens at once or
         not at all (the socket's queue full, or closed)."""
+        if self._outbox.pop(rid, None) is not None:
+            return  # never sent: nothing to cancel on the router
         try:
             self.sock.send(P.pack({"type": P.CANCEL, "id": rid}), zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -136,3 +136,34 @@ def test_client_cli():
         bad = subprocess.run([sys.executable, "-m", "routing.client", "--router", router.frontend_addr, "--model",
                               "nope", "Hello"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "unknown_model" in bad.stderr
+
+
+def test_async_client_hands_a_turns_requests_over_together():
+    """Requests made in one event-loop turn reach zmq together on the next; one dropped before
+    that (its caller gave up) never reaches the router, and the others are answered."""
+    import asyncio
+
+    from routing.client import AsyncClient
+
+    with one_worker() as (router, worker, c):
+        served = c.status()["workers"][0]["served"]
+
+        async def go():
+            async with AsyncClient(router.frontend_addr, timeout=60) as ac:
+                tasks = [asyncio.ensure_future(ac.complete("llama", [1, 2, i], max_tokens=2, temperature=0))
+                         for i in range(8)]
+                await asyncio.sleep(0)  # each task has queued its request; the hand-over is due next turn
+                queued = list(ac._outbox)
+                assert len(queued) == 8
+                ac._cancel_nowait(queued[0])  # as a timeout does: taken out unsent, no CANCEL to send
+                results = await asyncio.gather(*tasks[1:])
+                assert not ac._outbox
+                tasks[0].cancel()  # it waited for an answer that never comes
+                return results
+
+        results = asyncio.run(go())
+        assert len(results) == 7
+        assert all(r["usage"]["completion_tokens"] == 2 for r in results)
+        wait_for(lambda: c.status()["workers"][0]["served"] == served + 7, 10)
+        time.sleep(0.3)
+        assert c.status()["workers"][0]["served"] == served + 7  # the dropped one was never sent

@@ -117,6 +117,8 @@ class Gateway:
     client: AsyncClient | None = None
     _models: list[dict] = field(default_factory=list)
     _models_at: float = -1e9
+    _targets: dict = field(default_factory=dict)  # (model value, tokenizer path) -> Target, for _targets_of
+    _targets_of: list | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -168,15 +170,24 @@ class Gateway:
 
     async def target_for(self, value, path: str) -> O.Target:
         models = await self.models()
+        tokenizer_path = path.rsplit("/", 1)[-1] in ("tokenize", "detokenize", "tokenizer_info")
+        key = (value, tokenizer_path) if isinstance(value, str) or value is None else None
+        if key is not None and self._targets_of is models and key in self._targets:
+            return self._targets[key]  # the model table is unchanged since this name was resolved
         names = list(dict.fromkeys(m["name"] for m in models))
-        default = names[0] if len(names) == 1 and path.rsplit("/", 1)[-1] in (
-            "tokenize", "detokenize", "tokenizer_info") else None
+        default = names[0] if len(names) == 1 and tokenizer_path else None
         try:
-            return O.resolve_model(value, models, default)
+            target = O.resolve_model(value, models, default)
         except O.OpenAIError as exc:
             if exc.status != 404:
                 raise
-            return O.resolve_model(value, await self.models(refresh=True), default)  # a model table gone stale
+            models = await self.models(refresh=True)  # a model table gone stale
+            target = O.resolve_model(value, models, default)
+        if key is not None:
+            if self._targets_of is not models:
+                self._targets, self._targets_of = {}, models
+            self._targets[key] = target  # bounded: only names that resolved (the deployment's)
+        return target
 
     async def read_json(self, request: Request) -> dict:
         limit = self.settings.max_body_bytes
@@ -253,9 +264,8 @@ class Gateway:
             resp = Response(status_code=CLIENT_GONE)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error object, never a crash
             resp = self.error_response(exc, getattr(request.state, "params", ()))
-        self.metrics.requests.labels(label, endpoint, str(resp.status_code)).inc()
-        if not isinstance(resp, StreamingResponse):
-            self.metrics.e2e.labels(label).observe(time.perf_counter() - t0)
+        self.metrics.request_done(label, endpoint, resp.status_code,
+                                  None if isinstance(resp, StreamingResponse) else time.perf_counter() - t0)
         return resp
 
     # --- OpenAI endpoints --------------------------------------------------------------------------
@@ -366,9 +376,9 @@ class Gateway:
                     index = i * n + out["index"]
                     if out["token_ids"]:
                         if last is None:
-                            m.ttft.labels(model).observe(now - t0)
+                            m.child(m.ttft, model).observe(now - t0)
                         else:
-                            m.itl.labels(model).observe((now - last) / len(out["token_ids"]))
+                            m.child(m.itl, model).observe((now - last) / len(out["token_ids"]))
                         last = now
                     if chat:
                         if index not in state.started:
@@ -389,11 +399,11 @@ class Gateway:
             m.observe_usage(model, state.usage.as_dict())
         except Exception as exc:  # noqa: BLE001 - a stream that fails part-way: an error event, then [DONE]
             resp = self.error_response(exc)
-            m.requests.labels(model, "stream", str(resp.status_code)).inc()
+            m.child(m.requests, model, "stream", str(resp.status_code)).inc()
             yield b"data: " + resp.body + b"\n\n"
         finally:
             await events.aclose()
-            m.e2e.labels(model).observe(time.perf_counter() - t0)
+            m.child(m.e2e, model).observe(time.perf_counter() - t0)
         yield SSE_DONE
 
     # --- tokenizer endpoints -------------------------------------------------------------------------

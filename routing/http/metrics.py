@@ -29,9 +29,23 @@ class Metrics:
         self.live_workers = Gauge("mmfusion_live_workers", "Live, loaded workers per model copy", ["model"],
                                   registry=r)
 
+        self._children: dict = {}  # (metric, labels) -> its child: labels() takes a lock and checks every call
+
+    def child(self, metric, *labels: str):
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def request_done(self, model: str, endpoint: str, status: int, seconds: float | None) -> None:
+        self.child(self.requests, model, endpoint, str(status)).inc()
+        if seconds is not None:
+            self.child(self.e2e, model).observe(seconds)
+
     def observe_usage(self, model: str, usage: dict) -> None:
-        self.prompt_tokens.labels(model).inc(usage.get("prompt_tokens", 0))
-        self.generation_tokens.labels(model).inc(usage.get("completion_tokens", 0))
+        self.child(self.prompt_tokens, model).inc(usage.get("prompt_tokens", 0))
+        self.child(self.generation_tokens, model).inc(usage.get("completion_tokens", 0))
 
     def router_state(self, models: list[dict], status: dict) -> None:
         for m in models:

@@ -59,7 +59,9 @@ def check_listen(host: str, keys: tuple[str, ...], insecure: bool) -> None:
 def make_server(settings: GatewaySettings, host: str, port: int, log_level: str = "warning") -> uvicorn.Server:
     app = Gateway(settings).app()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
-                            lifespan="on", access_log=False, timeout_keep_alive=30)
+                            lifespan="on", access_log=False, timeout_keep_alive=30,
+                            # no X-Forwarded-* rewriting: a proxy in front is not assumed (and costs every request)
+                            proxy_headers=False)
     return uvicorn.Server(config)
 
 
