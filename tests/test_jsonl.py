@@ -72,3 +72,30 @@ def test_writer_resumes_after_a_torn_line_and_renames_when_done(tmp_path):
     w2.finish()
     assert not w2.partial.exists()
     assert [json.loads(x)["i"] for x in final.read_text().splitlines()] == [0, 1, 2]
+
+
+SEPARATORS = "\u2028\u2029\x85\x1c\x0b\x0c"  # line breaks to str.splitlines(), legal inside JSON strings
+
+
+def test_text_with_unicode_line_separators_stays_one_record(tmp_path):
+    """A generated text holding U+2028 and friends (a random model makes them) is one line of the
+    output to any reader, reads back equal, and survives a resume; an input line holding them raw
+    (written with ensure_ascii=False) is one request."""
+    lines = parse(tmp_path, json.dumps({"prompt": f"a{SEPARATORS}b"}, ensure_ascii=False) + "\r\n" +
+                  json.dumps({"prompt": "c"}) + "\n")
+    assert [(ln.number, ln.error, ln.request["prompt"]) for ln in lines] == [(1, None, f"a{SEPARATORS}b"),
+                                                                             (2, None, "c")]
+    final = tmp_path / "out" / "output_req.jsonl"
+    recs = [{"i": i, "text": f"{i}{SEPARATORS}é"} for i in range(3)]
+    w = ResumableWriter(final)
+    w.write(recs[0])
+    w.write(recs[1])
+    w.close()
+    w2 = ResumableWriter(final)  # resuming reads what was written
+    assert w2.done == 2
+    w2.write(recs[2])
+    w2.replace(0, {**recs[0], "again": True})
+    w2.finish()
+    text = final.read_text(encoding="utf-8")
+    assert "é" in text and len(text.splitlines()) == 3
+    assert [json.loads(x) for x in text.splitlines()] == [{**recs[0], "again": True}, recs[1], recs[2]]

@@ -18,6 +18,27 @@ class DataError(ValueError):
     """Bad input data or settings; the message names the file and the row, line or key."""
 
 
+# Valid unescaped inside JSON strings, but line breaks to str.splitlines() and many JSONL readers:
+# a generated text holding one would tear its record in two there.
+_LINE_BREAKS_IN_STRINGS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def json_line(record) -> str:
+    """One JSON Lines record, newline included: UTF-8 text kept as is (ensure_ascii=False), except
+    the characters other than \\n that some readers split lines on (json.dumps escapes the ASCII
+    ones), so that the record is one line to any reader."""
+    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS_IN_STRINGS) + "\n"
+
+
+def split_json_lines(text: str) -> list[str]:
+    """JSON Lines split as the format defines them: on \\n (a \\r before it dropped), never on the
+    other characters str.splitlines() breaks at, which may stand unescaped inside strings."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -88,7 +109,7 @@ class RecordLog:
     def append(self, record: dict) -> None:
         if self._fh is None:
             self._fh = open(self.path, "a", encoding="utf-8")
-        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._fh.write(json_line(record))
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self.records.append(record)

@@ -14,7 +14,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fusion.data.files import DataError, atomic_write, durable_replace, read_whole_lines
+from fusion.data.files import (
+    DataError,
+    atomic_write,
+    durable_replace,
+    json_line,
+    read_whole_lines,
+    split_json_lines,
+)
 
 ROUTE_KEYS = ("model", "engine")
 
@@ -72,7 +79,7 @@ def parse_file(path: Path, default_variant: str, names: set[str], sources: dict[
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: cannot read ({exc})") from None
-    for i, raw in enumerate(text.splitlines(), start=1):
+    for i, raw in enumerate(split_json_lines(text), start=1):
         if not raw.strip():
             continue  # blank lines (e.g. a trailing newline) are not requests
         where = f"{path.name} line {i}"
@@ -133,7 +140,7 @@ class ResumableWriter:
     def write(self, record: dict) -> None:
         if self._fh is None:
             self._fh = open(self.partial, "a", encoding="utf-8")
-        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._fh.write(json_line(record))
         self.done += 1
 
     def replace(self, position: int, record: dict) -> None:
@@ -157,7 +164,7 @@ class ResumableWriter:
             with open(self.partial, "rb") as src:
                 for pos, line in enumerate(src):
                     rec = self._replaced.get(pos)
-                    f.write(line if rec is None else (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+                    f.write(line if rec is None else json_line(rec).encode("utf-8"))
 
         atomic_write(self.final, merged)
         self.partial.unlink()
