@@ -117,8 +117,7 @@ class Gateway:
     client: AsyncClient | None = None
     _models: list[dict] = field(default_factory=list)
     _models_at: float = -1e9
-    _targets: dict = field(default_factory=dict)  # (model value, tokenizer path) -> Target, for _targets_of
-    _targets_of: list | None = None
+    _targets: dict = field(default_factory=dict)  # (model value, tokenizer path) -> Target, for _models
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -160,6 +159,7 @@ class Gateway:
         if refresh or time.monotonic() - self._models_at > self.settings.models_ttl:
             self._models = await asyncio.wait_for(self.client.models(), self.settings.probe_timeout)
             self._models_at = time.monotonic()
+            self._targets = {}  # resolved against the table just replaced
         return self._models
 
     async def target(self, request: Request, body: dict | None) -> O.Target:
@@ -172,8 +172,8 @@ class Gateway:
         models = await self.models()
         tokenizer_path = path.rsplit("/", 1)[-1] in ("tokenize", "detokenize", "tokenizer_info")
         key = (value, tokenizer_path) if isinstance(value, str) or value is None else None
-        if key is not None and self._targets_of is models and key in self._targets:
-            return self._targets[key]  # the model table is unchanged since this name was resolved
+        if key in self._targets:
+            return self._targets[key]  # resolved against the current model table
         names = list(dict.fromkeys(m["name"] for m in models))
         default = names[0] if len(names) == 1 and tokenizer_path else None
         try:
@@ -184,8 +184,6 @@ class Gateway:
             models = await self.models(refresh=True)  # a model table gone stale
             target = O.resolve_model(value, models, default)
         if key is not None:
-            if self._targets_of is not models:
-                self._targets, self._targets_of = {}, models
             self._targets[key] = target  # bounded: only names that resolved (the deployment's)
         return target
 
