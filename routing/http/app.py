@@ -93,17 +93,56 @@ class FastPath:
 
     def __init__(self, gateway, app: Starlette):
         self.gateway, self.app = gateway, app
-        self.keys = ApiKeys(self._completions, gateway.settings.api_keys) if gateway.settings.api_keys else None
+        keys = gateway.settings.api_keys
+        self.completions = ApiKeys(gateway.completions, keys) if keys else gateway.completions
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] == "/v1/completions" and scope["method"] == "POST":
-            await (self.keys or self._completions)(scope, receive, send)
+            await self.completions(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
-    async def _completions(self, scope, receive, send):
-        response = await self.gateway.completions(Request(scope, receive))
-        await response(scope, receive, send)
+
+class Asgi:
+    """A bound method taking (scope, receive, send), as a Starlette route endpoint: Starlette calls
+    an endpoint that is not a function or method as an ASGI app (path parameters in the scope)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    async def __call__(self, scope, receive, send):
+        await self.fn(scope, receive, send)
+
+
+async def read_body(scope, receive, limit: int) -> bytes:
+    """The request body, at most `limit` bytes (413 past it, from Content-Length when it says so)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                raise O.OpenAIError(413, f"request body of {value.decode()} bytes exceeds the limit of {limit}",
+                                    code="too_large")
+            break
+    body = b""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone()
+        body += msg.get("body", b"")
+        if len(body) > limit:
+            raise O.OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
+        if not msg.get("more_body", False):
+            return body
+
+
+JSON_HEADERS = (b"content-type", b"application/json")
+
+
+async def send_json(send, obj, status: int = 200) -> None:
+    """A JSON response in two ASGI messages, without a Response object (the hot path's answer)."""
+    body = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class ClientGone(Exception):
@@ -140,7 +179,7 @@ class Gateway:
     def app(self) -> FastPath:
         routes = []
         for prefix in ("", "/models/{model:path}"):
-            routes += [Route(prefix + "/v1/completions", self.completions, methods=["POST"]),
+            routes += [Route(prefix + "/v1/completions", Asgi(self.completions), methods=["POST"]),
                        Route(prefix + "/v1/chat/completions", self.chat, methods=["POST"]),
                        Route(prefix + "/tokenize", self.tokenize, methods=["POST"]),
                        Route(prefix + "/detokenize", self.detokenize, methods=["POST"]),
@@ -187,22 +226,14 @@ class Gateway:
             self._targets[key] = target  # bounded: only names that resolved (the deployment's)
         return target
 
-    async def read_json(self, request: Request) -> dict:
-        limit = self.settings.max_body_bytes
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > limit:
-            raise O.OpenAIError(413, f"request body of {length} bytes exceeds the limit of {limit}", code="too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise O.OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
-        data = parse_body(body)
-        request.state.params = [k for k in data if k not in ("model", "prompt", "messages")]
+    async def read_json(self, scope, receive, params: list) -> dict:
+        """The body as a JSON object; `params` gets its parameter names (a refused one is named)."""
+        data = parse_body(await read_body(scope, receive, self.settings.max_body_bytes))
+        params += [k for k in data if k not in ("model", "prompt", "messages")]
         return data
 
     @staticmethod
-    async def until_cancelled_by_client(request: Request, coro):
+    async def until_cancelled_by_client(receive, coro):
         """Await `coro`; if the client disconnects first, cancel it (which cancels on the workers).
         One watcher task per request, which cancels this one: cheaper than racing two tasks."""
         me = asyncio.current_task()
@@ -210,7 +241,7 @@ class Gateway:
 
         async def watch():
             nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
+            while (await receive())["type"] != "http.disconnect":
                 pass
             gone = True
             me.cancel()
@@ -252,8 +283,10 @@ class Gateway:
             err = O.OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal")
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    async def handle(self, request: Request, endpoint: str, work) -> Response:
-        """Run an endpoint's work; count it, time it, turn its failure into an OpenAI error."""
+    async def answer(self, endpoint: str, work, params: list) -> Response | dict:
+        """Run an endpoint's work; count it, time it, turn its failure into an OpenAI error. The work
+        returns (a Response or a JSON body, the model label); `params` are the request's parameter
+        names, filled in by the work as it reads the body."""
         t0 = time.perf_counter()
         label = "unknown"
         try:
@@ -261,10 +294,15 @@ class Gateway:
         except ClientGone:
             resp = Response(status_code=CLIENT_GONE)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error object, never a crash
-            resp = self.error_response(exc, getattr(request.state, "params", ()))
-        self.metrics.request_done(label, endpoint, resp.status_code,
-                                  None if isinstance(resp, StreamingResponse) else time.perf_counter() - t0)
+            resp = self.error_response(exc, params)
+        streamed = isinstance(resp, StreamingResponse)
+        self.metrics.request_done(label, endpoint, resp.status_code if isinstance(resp, Response) else 200,
+                                  None if streamed else time.perf_counter() - t0)
         return resp
+
+    async def handle(self, request: Request, endpoint: str, work, params: list | None = None) -> Response:
+        resp = await self.answer(endpoint, work, [] if params is None else params)
+        return JSONResponse(resp) if isinstance(resp, dict) else resp
 
     # --- OpenAI endpoints --------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
@@ -280,36 +318,48 @@ class Gateway:
             return JSONResponse(entry), target.name
         return await self.handle(request, "models", work)
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, scope, receive, send) -> None:
+        """POST /v1/completions, as plain ASGI: the hot path of short requests, so no Request or
+        Response object on its way unless it streams or fails."""
+        params: list = []
+
         async def work(t0):
-            body = await self.read_json(request)
-            target = await self.target(request, body)
+            body = await self.read_json(scope, receive, params)
+            path_model = scope.get("path_params", {}).get("model")
+            target = await self.target_for(path_model or body.get("model"), scope["path"])
             job = O.completion_job(body)
             if job.stream.stream:
-                return await self.stream_response(request, target, job.prompts, job.params, job.n,
-                                                  job.stream.include_usage, P.GENERATE, t0), target.name
-            results = await self.until_cancelled_by_client(request, self.all_of(
+                return await self.stream_response(target, job.prompts, job.params, job.n, job.stream.include_usage,
+                                                  P.GENERATE, t0), target.name
+            results = await self.until_cancelled_by_client(receive, self.all_of(
                 self.client.complete(target.router_model, p, **job.params) for p in job.prompts))
             out = O.merge_completions(results, target.name, job.n)
             self.metrics.observe_usage(target.name, out["usage"])
-            return JSONResponse(out), target.name
-        return await self.handle(request, "completions", work)
+            return out, target.name
+
+        resp = await self.answer("completions", work, params)
+        if isinstance(resp, dict):
+            await send_json(send, resp)
+        else:
+            await resp(scope, receive, send)
 
     async def chat(self, request: Request) -> Response:
+        params: list = []
+
         async def work(t0):
-            body = await self.read_json(request)
+            body = await self.read_json(request.scope, request.receive, params)
             target = await self.target(request, body)
             job = O.chat_job(body)
             if job.stream.stream:
-                return await self.stream_response(request, target, [job.messages], job.params, job.n,
+                return await self.stream_response(target, [job.messages], job.params, job.n,
                                                   job.stream.include_usage, P.CHAT, t0), target.name
             result = await self.until_cancelled_by_client(
-                request, self.client.complete(target.router_model, job.messages, task=P.CHAT, **job.params))
+                request.receive, self.client.complete(target.router_model, job.messages, task=P.CHAT, **job.params))
             self.metrics.observe_usage(target.name, result["usage"])
-            return JSONResponse(O.chat_completion(result, target.name)), target.name
-        return await self.handle(request, "chat", work)
+            return O.chat_completion(result, target.name), target.name
+        return await self.handle(request, "chat", work, params)
 
-    async def stream_response(self, request, target: O.Target, prompts: list, params: dict, n: int,
+    async def stream_response(self, target: O.Target, prompts: list, params: dict, n: int,
                               include_usage: bool, task: str, t0: float) -> Response:
         """An SSE stream of chunks. The first event is awaited before answering, so that a request
         the worker refuses gets its HTTP error status; later failures are an error event, then
@@ -406,14 +456,16 @@ class Gateway:
 
     # --- tokenizer endpoints -------------------------------------------------------------------------
     async def _task(self, request: Request, endpoint: str, task: str, body_needed: bool, build) -> Response:
+        params: list = []
+
         async def work(t0):
-            body = await self.read_json(request) if body_needed else {}
+            body = await self.read_json(request.scope, request.receive, params) if body_needed else {}
             target = await self.target(request, body)
-            prompt, params = build(body)
+            prompt, task_params = build(body)
             answer = await self.until_cancelled_by_client(
-                request, self.client.complete(target.router_model, prompt, task=task, **params))
-            return JSONResponse(answer), target.name
-        return await self.handle(request, endpoint, work)
+                request.receive, self.client.complete(target.router_model, prompt, task=task, **task_params))
+            return answer, target.name
+        return await self.handle(request, endpoint, work, params)
 
     async def tokenize(self, request: Request) -> Response:
         def build(body):
