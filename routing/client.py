@@ -233,19 +233,49 @@ class Client(_Base):
 
 class _Inbox:
     """One request's replies: a deque and at most one waiter (lighter than an asyncio.Queue, which
-    the gateway would build and tear down for every HTTP request)."""
+    the gateway would build and tear down for every HTTP request), and when that waiter gives up."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("items", "waiter", "deadline")
 
     def __init__(self):
         self.items: collections.deque = collections.deque()
         self.waiter = None
+        self.deadline = 0.0
 
     def put(self, msg: dict) -> None:
         self.items.append(msg)
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
+
+
+class _InFlight:
+    """One request of an AsyncClient, from its send to its result: `with` it, then `await next()`
+    until `done`. Left before its result (an error of ours, a cancelled task, a closed generator),
+    it cancels the request on the worker."""
+
+    __slots__ = ("client", "rid", "done")
+
+    def __init__(self, client: AsyncClient, rid: str):
+        self.client, self.rid, self.done = client, rid, False
+
+    def __enter__(self) -> _InFlight:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.client._queues.pop(self.rid, None)
+        if not self.done:
+            self.client._cancel_nowait(self.rid)
+
+    async def next(self) -> dict:
+        try:
+            msg = await self.client._get(self.rid)
+        except (RouterError, TimeoutError):
+            self.done = True  # the router has forgotten it already (a timeout sent its own cancel)
+            raise
+        if msg["type"] == P.RESULT:
+            self.done = True
+        return msg
 
 
 class AsyncClient(_Base):
@@ -266,6 +296,7 @@ class AsyncClient(_Base):
         self._recheck = False
         self._outbox: dict[str, bytes] = {}  # request id -> its frame, not yet handed to zmq
         self._flush_at = None  # the loop callback (or timer) that will hand them over
+        self._sweep_at = None  # the timer that fails requests waiting past their timeout
         self.reader_errors = 0  # exceptions the reader survived
         self.bad_replies = 0  # undecodable replies that named no request in flight
 
@@ -296,6 +327,9 @@ class AsyncClient(_Base):
         if self._flush_at is not None:  # queued on a loop that is going away: those requests went with it
             self._flush_at.cancel()
             self._flush_at = None
+        if self._sweep_at is not None:
+            self._sweep_at.cancel()
+            self._sweep_at = None
         self._outbox.clear()
         loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
@@ -334,7 +368,7 @@ class AsyncClient(_Base):
                 log.warning("AsyncClient: a reply for no known request was dropped: %s", msg.get("message"))
 
     # --- writing ---------------------------------------------------------------------------------------
-    async def _send(self, msg: dict) -> None:
+    def _send(self, msg: dict) -> None:
         """Queue the message; the requests of one event-loop turn reach zmq together, on the next
         turn. Each hand-over wakes zmq's I/O thread and costs a loopback write; under load a turn
         holds many requests (answers come in bursts, one engine step's worth), and one write
@@ -366,34 +400,46 @@ class AsyncClient(_Base):
         return rid
 
     async def _get(self, rid: str) -> dict:
-        import asyncio
-
         q = self._queues[rid]
-        if q.items:  # the common case under load: no future, no timer
+        if q.items:  # the common case under load: no future
             return _check(q.items.popleft())
         q.waiter = self._loop.create_future()
+        if self.timeout is not None:
+            q.deadline = self._loop.time() + self.timeout
+            if self._sweep_at is None:
+                self._sweep_at = self._loop.call_later(self._sweep_every(), self._sweep)
         try:
-            if self.timeout is None:
-                await q.waiter
-            elif hasattr(asyncio, "timeout"):  # 3.11+: a timer on this task, no task of its own
-                async with asyncio.timeout(self.timeout):
-                    await q.waiter
-            else:
-                await asyncio.wait_for(q.waiter, self.timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+            await q.waiter
+        except TimeoutError:
             self._cancel_nowait(rid)
             raise TimeoutError(f"no answer from {self.address} within {self.timeout}s") from None
         finally:
             q.waiter = None
         return _check(q.items.popleft())
 
+    def _sweep_every(self) -> float:
+        return min(1.0, self.timeout / 4)
+
+    def _sweep(self) -> None:
+        """Fail the waits that are past their deadline; look again later while any wait. One timer
+        for all the requests in flight instead of one per request (a timeout is late by at most a
+        quarter of itself, and by at most 1 s)."""
+        self._sweep_at = None
+        now, waiting = self._loop.time(), False
+        for q in list(self._queues.values()):
+            w = q.waiter
+            if w is None or w.done():
+                continue
+            if q.deadline <= now:
+                w.set_exception(TimeoutError())
+            else:
+                waiting = True
+        if waiting:
+            self._sweep_at = self._loop.call_later(self._sweep_every(), self._sweep)
+
     async def _admin(self, mtype: str):
-        rid = self._open()
-        try:
-            await self._send({"type": mtype, "id": rid})
-            return (await self._get(rid))["data"]
-        finally:
-            self._queues.pop(rid, None)
+        with self._start({"type": mtype}) as req:
+            return (await req.next())["data"]
 
     async def models(self) -> list[dict]:
         return await self._admin(P.MODELS)
@@ -401,31 +447,24 @@ class AsyncClient(_Base):
     async def status(self) -> dict:
         return await self._admin(P.STATUS)
 
+    def _start(self, msg: dict) -> _InFlight:
+        rid = self._open()
+        msg["id"] = rid
+        self._send(msg)
+        return _InFlight(self, rid)
+
+    def _request(self, model, prompt, stream: bool, params: dict, task: str) -> _InFlight:
+        msg = self._complete_msg("", model, prompt, stream, params)
+        if task != P.GENERATE:
+            msg["task"] = task
+        return self._start(msg)
+
     async def _run(self, model, prompt, stream: bool, params: dict, task: str = P.GENERATE):
         """The request's messages, up to and including its result (as Client._run). Left early (a
         consumer that stops iterating, a cancelled task), it cancels the request on the worker."""
-        rid = self._open()
-        done = False
-        try:
-            msg = self._complete_msg(rid, model, prompt, stream, params)
-            if task != P.GENERATE:
-                msg["task"] = task
-            await self._send(msg)
-            while True:
-                try:
-                    msg = await self._get(rid)
-                except (RouterError, TimeoutError):
-                    done = True  # the router has forgotten it already (a timeout sent its own cancel)
-                    raise
-                if msg["type"] == P.RESULT:
-                    done = True
-                yield msg
-                if done:
-                    return
-        finally:
-            self._queues.pop(rid, None)
-            if not done:
-                self._cancel_nowait(rid)
+        with self._request(model, prompt, stream, params, task) as req:
+            while not req.done:
+                yield await req.next()
 
     def _cancel_nowait(self, rid: str) -> None:
         """Usable where awaiting is not (a generator being closed): the write happens at once or
@@ -446,14 +485,10 @@ class AsyncClient(_Base):
 
     async def complete(self, model, prompt, task: str = P.GENERATE, **params) -> dict:
         """An OpenAI completions response dict (or, for another task, that task's answer)."""
-        response = None
-        async with contextlib.aclosing(self._run(model, prompt, False, params, task)) as msgs:
-            async for msg in msgs:  # ends right after the result
-                if msg["type"] == P.RESULT:
-                    response = msg["response"]
-        if response is None:
-            raise RouterError(P.INTERNAL, "stream ended without a result")
-        return response
+        with self._request(model, prompt, False, params, task) as req:
+            while not req.done:  # a non-streamed request: its result, or an error
+                msg = await req.next()
+        return msg["response"]
 
     async def stream(self, model, prompt, **params):
         """Yield {"index", "token_ids", "text", "finish_reason"} per new token and sample; closing it

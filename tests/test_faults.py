@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from conftest import free_port, tiny
 from test_router_lifecycle import one_worker, start_router, start_worker, wait_for
 
 from routing import protocol as P
-from routing.client import Client, RouterError
+from routing.client import AsyncClient, Client, RouterError
 from workers.completions import sampling_params
 from workers.engine import Engine, EngineConfig
 
@@ -113,6 +114,25 @@ def test_client_timeout_reaches_the_worker_and_frees_the_slot():
         wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)
         wait_for(lambda: c.status()["workers"][0]["engine"]["running"] == 0 and c.status()["pending"] == 0)
         assert c.complete("llama", [4, 5], max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
+
+
+def test_async_client_timeout_reaches_the_worker_and_frees_the_slot():
+    """AsyncClient's timeouts come from one sweep timer for all requests: a wait past it fails
+    on time, only that request, and its cancel reaches the engine."""
+    async def go(address):
+        async with AsyncClient(address, timeout=0.4) as ac:
+            quick = asyncio.ensure_future(ac.complete("llama", [1, 2], max_tokens=2, ignore_eos=True))
+            t = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await ac.complete("llama", [1, 2, 3], max_tokens=480, ignore_eos=True)
+            waited = time.monotonic() - t
+            return waited, (await quick)["usage"]["completion_tokens"], ac._queues
+
+    with one_worker() as (router, _, c):
+        waited, quick_tokens, left = asyncio.run(go(router.frontend_addr))
+        assert 0.4 <= waited < 1.0 and quick_tokens == 2 and not left
+        wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)
+        wait_for(lambda: c.status()["workers"][0]["engine"]["running"] == 0 and c.status()["pending"] == 0)
 
 
 def test_router_restart_fails_in_flight_at_once_and_serves_new_requests():
