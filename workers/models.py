@@ -39,10 +39,11 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
     weights: Any = None  # shared_weights.WeightsInfo: bytes, and whether shared with other copies
+    # read once: the config lookup behind it costs microseconds, and every request checks its prompt
+    vocab_size: int = field(init=False, default=0)
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.config.get_text_config().vocab_size)
+    def __post_init__(self) -> None:
+        self.vocab_size = int(self.model.config.get_text_config().vocab_size)
 
 
 def cpu_has_fast_bf16() -> bool:
