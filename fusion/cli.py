@@ -132,7 +132,8 @@ def _against_router(params: dict, fusion, plan, work):
 
 def predict(params: dict, fusion, plan) -> int:
     run = params["runconfig"]
-    jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"])  # checks the data before any load
+    # checks the data before any load
+    jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"], retry_delays=run["retry_delays"])
     _, summary = _against_router(params, fusion, plan, lambda fe, kw: run_predict(fe, jobs, client_kw=kw))
     for line in summary:
         print(line, flush=True)
@@ -150,7 +151,7 @@ def evaluate(params: dict, fusion, plan) -> int:
     from fusion.evaluate import build_eval_jobs, run_eval
 
     run = params["runconfig"]
-    jobs = build_eval_jobs(fusion, run["model_dir"], run["inference_steps"])
+    jobs = build_eval_jobs(fusion, run["model_dir"], run["inference_steps"], retry_delays=run["retry_delays"])
     for line in _against_router(params, fusion, plan, lambda fe, kw: run_eval(fe, jobs, client_kw=kw)):
         print(line, flush=True)
     failed = sum(j.failed for j in jobs)

@@ -19,16 +19,22 @@ RUNCONFIG_DEFAULTS = {
     "curve_keys": None,  # CurveZMQ keys directory (python -m routing.security DIR); needed off loopback
     "insecure": False,  # bind off loopback without CurveZMQ
     "max_restarts": 5,  # a crashed worker is started again at most this many times
-    "restart_wait": 30.0,
+    "restart_wait": 30.0,  # seconds queued requests wait for a model with no live worker, then fail (no_worker)
+    # predict and eval: seconds to wait before each resend of a request that failed for a transient
+    # reason (busy, worker_lost, no_worker, router_lost, a timeout); its length is the number of resends
+    "retry_delays": [0.5, 2.0, 8.0],
     "http": None,  # HOST:PORT: serve also starts the OpenAI-compatible HTTP gateway there
     "ray": None,  # a Ray cluster (auto, host:port, ray://...): workers are Ray actors there (fusion.ray_cluster)
     "placement": "spread",  # Ray placement group strategy for the workers: spread | pack
     "ray_router_host": None,  # the address Ray actors reach the router at; default: this node's IP in Ray
-    "api_keys": None,  # accepted API keys of the HTTP gateway (needed off loopback, unless insecure)  # seconds queued requests wait for a model with no live worker, then fail (no_worker)
+    "api_keys": None,  # accepted API keys of the HTTP gateway (needed off loopback, unless insecure)
 }
 MODEL_KEYS = {"source", "dtype", "start_token", "end_token", "max_tokens", "loop_dim", "temperature", "top_p",
               "top_k", "max_model_len", "max_batch_size", "max_batch_tokens", "deltat_scaling_factor",
               "share_weights", "compile", "compile_buckets", "resources"}
+
+
+MAX_RETRIES = 10
 
 
 class ParamsError(ValueError):
@@ -89,6 +95,12 @@ def load_params(path: str | Path) -> dict:
     run.update(given)
     if run["placement"] not in ("spread", "pack"):
         raise ParamsError(f"{path}: runconfig.placement must be spread or pack, got {run['placement']!r}")
+    delays = run["retry_delays"]
+    if not (isinstance(delays, list) and len(delays) <= MAX_RETRIES and all(
+            isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 3600 for d in delays)):
+        raise ParamsError(f"{path}: runconfig.retry_delays must be a list of at most {MAX_RETRIES} waits in seconds "
+                          f"(each 0-3600), e.g. [0.5, 2, 8]; [] turns resending off; got {delays!r}")
+    run["retry_delays"] = tuple(float(d) for d in delays)
     data["runconfig"] = run
     data["_path"] = str(path)
     return data

@@ -45,6 +45,8 @@ def test_variants_parsing():
     ("variants:\n  a: {model: {source: x, colour: red}}\n", r"variants\.a\.model\.colour: unknown key"),
     ("variants:\n  a: {model: {source: x}}\nrunconfig: {num_wrokers: 2}\n", r"runconfig\.num_wrokers"),
     ("variants: [\n", "not valid YAML"),
+    ("variants:\n  a: {model: {source: x}}\nrunconfig: {retry_delays: 5}\n", r"runconfig\.retry_delays must be a list"),
+    ("variants:\n  a: {model: {source: x}}\nrunconfig: {retry_delays: [1, -2]}\n", r"runconfig\.retry_delays"),
 ])
 def test_params_errors_name_file_and_key(tmp_path, text, match):
     f = tmp_path / "p.yaml"
@@ -52,6 +54,14 @@ def test_params_errors_name_file_and_key(tmp_path, text, match):
     with pytest.raises(ParamsError, match=match) as info:
         load_params(f)
     assert str(f) in str(info.value)
+
+
+def test_retry_delays_default_and_given(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("variants:\n  a: {model: {source: x}}\n")
+    assert load_params(f)["runconfig"]["retry_delays"] == (0.5, 2.0, 8.0)
+    f.write_text("variants:\n  a: {model: {source: x}}\nrunconfig: {retry_delays: [0, 1]}\n")
+    assert load_params(f)["runconfig"]["retry_delays"] == (0.0, 1.0)
 
 
 def test_plan_round_robin_devices_and_threads():

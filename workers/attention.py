@@ -53,6 +53,7 @@ class StepContext:
     span: int  # key positions the decode matmul spans (max length)
     segments: list[Segment]
     masks: dict = field(default_factory=dict)  # built lazily, shared by all layers
+    groups: dict = field(default_factory=dict)  # whole-prompt groupings by window, likewise
 
     def decode_mask(self, window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
         key = ("d", window, dtype)
@@ -73,8 +74,7 @@ class StepContext:
         """Segments that are whole prompts (from position 0, inside the window), grouped by length
         when two or more share one: [(packed token rows, cache slots, length)], and the segments
         left to attend one by one. Built once per step, shared by all layers."""
-        key = ("g", window)
-        got = self.masks.get(key)
+        got = self.groups.get(window)
         if got is None:
             by_len: dict[int, list[int]] = {}
             for i, seg in enumerate(self.segments):
@@ -88,7 +88,7 @@ class StepContext:
                 tokens = torch.tensor([s.tok_start + j for s in segs for j in range(length)], device=device)
                 groups.append((tokens, torch.tensor([s.slot for s in segs], device=device), length))
                 grouped.update(members)
-            got = self.masks[key] = (groups, [i for i in range(len(self.segments)) if i not in grouped])
+            got = self.groups[window] = (groups, [i for i in range(len(self.segments)) if i not in grouped])
         return got
 
     def segment_mask(self, i: int, window: int | None, device) -> torch.Tensor:

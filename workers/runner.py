@@ -239,6 +239,7 @@ class SlotRunner(BaseRunner):
         for max_len, ctx, w_slots, w_pos, call in trace:
             self.cache.fit(max_len)
             ctx.masks.clear()
+            ctx.groups.clear()
             self.holder.cache, self.holder.current = self.cache, ctx
             self.cache.write_slots, self.cache.write_pos = w_slots, w_pos
             self._call(call)
