@@ -300,7 +300,8 @@ class Gateway:
                                   None if streamed else time.perf_counter() - t0)
         return resp
 
-    async def handle(self, request: Request, endpoint: str, work, params: list | None = None) -> Response:
+    async def handle(self, endpoint: str, work, params: list | None = None) -> Response:
+        """answer(), as a Response for a Starlette endpoint."""
         resp = await self.answer(endpoint, work, [] if params is None else params)
         return JSONResponse(resp) if isinstance(resp, dict) else resp
 
@@ -308,7 +309,7 @@ class Gateway:
     async def list_models(self, request: Request) -> Response:
         async def work(t0):
             return JSONResponse(O.model_list(await self.models(), int(time.time()))), "-"
-        return await self.handle(request, "models", work)
+        return await self.handle("models", work)
 
     async def get_model(self, request: Request) -> Response:
         async def work(t0):
@@ -316,7 +317,7 @@ class Gateway:
             target = O.resolve_model(request.path_params["model"], models)
             entry = next(m for m in O.model_list(models, int(time.time()))["data"] if m["id"] == target.name)
             return JSONResponse(entry), target.name
-        return await self.handle(request, "models", work)
+        return await self.handle("models", work)
 
     async def completions(self, scope, receive, send) -> None:
         """POST /v1/completions, as plain ASGI: the hot path of short requests, so no Request or
@@ -357,7 +358,7 @@ class Gateway:
                 request.receive, self.client.complete(target.router_model, job.messages, task=P.CHAT, **job.params))
             self.metrics.observe_usage(target.name, result["usage"])
             return O.chat_completion(result, target.name), target.name
-        return await self.handle(request, "chat", work, params)
+        return await self.handle("chat", work, params)
 
     async def stream_response(self, target: O.Target, prompts: list, params: dict, n: int,
                               include_usage: bool, task: str, t0: float) -> Response:
@@ -465,7 +466,7 @@ class Gateway:
             answer = await self.until_cancelled_by_client(
                 request.receive, self.client.complete(target.router_model, prompt, task=task, **task_params))
             return answer, target.name
-        return await self.handle(request, endpoint, work, params)
+        return await self.handle(endpoint, work, params)
 
     async def tokenize(self, request: Request) -> Response:
         def build(body):
