@@ -426,7 +426,7 @@ class AsyncClient(_Base):
         quarter of itself, and by at most 1 s)."""
         self._sweep_at = None
         now, waiting = self._loop.time(), False
-        for q in list(self._queues.values()):
+        for q in self._queues.values():  # set_exception only schedules: nothing leaves this dict meanwhile
             w = q.waiter
             if w is None or w.done():
                 continue

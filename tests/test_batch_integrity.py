@@ -53,10 +53,10 @@ def test_a_transient_jsonl_failure_neither_blocks_nor_loses_the_lines_after_it(t
     lines = [{"prompt": [5, 6, 7 + i], "max_tokens": 4, "ignore_eos": True, **({"model": "gpt2"} if i % 3 == 1 else {})}
              for i in range(9)]
     (data / "req.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data),
-                                     "gpt2": tiny_variant("gpt2", "JsonlCompletions", data)})
     # two short resends (the default waits 0.5, 2 and 8 s): still resent, and still failing
-    params.write_text(params.read_text().replace("runconfig:", "runconfig:\n  retry_delays: [0.2, 0.2]"))
+    params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data),
+                                     "gpt2": tiny_variant("gpt2", "JsonlCompletions", data)},
+                          retry_delays=[0.2, 0.2])
     gpt2 = {**TINY, "name": "gpt2", "source": "tiny:gpt2"}
     # gpt2 has no worker yet: its lines fail with no_worker after restart_wait, then after predict's retries
     router, thread = _router([ModelEntry(0, "llama", TINY), ModelEntry(1, "gpt2", gpt2)], restart_wait=0.3)

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 START = 500
 
 
-def write_params(tmp_path: Path, variants: dict) -> Path:
-    params = {"variants": variants, "runconfig": {"threads_per_worker": 1, "devices": "cpu"}}
+def write_params(tmp_path: Path, variants: dict, **runconfig) -> Path:
+    params = {"variants": variants, "runconfig": {"threads_per_worker": 1, "devices": "cpu", **runconfig}}
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
