@@ -39,6 +39,7 @@ import time  # noqa: E402
 
 from bench.router import emit, free_port, pct  # noqa: E402
 from bench.router import load as zmq_load  # noqa: E402
+from routing.entrypoints import CLI, command  # noqa: E402
 
 
 def serve(params: dict, variants: str, threads: int) -> tuple[subprocess.Popen, str, str, Path]:
@@ -48,7 +49,7 @@ def serve(params: dict, variants: str, threads: int) -> tuple[subprocess.Popen, 
     front, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     import httpx
 
-    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(cfg), "--variants",
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants",
                              variants, "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}",
                              "--devices", "cpu", "--http", http], cwd=ROOT, stdout=subprocess.DEVNULL)
     try:

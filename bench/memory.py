@@ -32,6 +32,7 @@ import psutil  # noqa: E402
 
 from bench.router import emit, free_port  # noqa: E402
 from fusion.plan import OVERHEAD_BYTES  # noqa: E402
+from routing.entrypoints import CLI, command  # noqa: E402
 
 PROMPT = "The three primary colours are"
 
@@ -55,7 +56,7 @@ def run(model: str, dtype: str, copies: int, share: bool, batch: int, ctx: int) 
     cfg = Path(f.name)
     front = f"tcp://127.0.0.1:{free_port()}"
     plan = make_plan(build_fusion(load_params(cfg), [f"m,{copies}"]), None, "cpu", 1)
-    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(cfg), "--variants",
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants",
                              f"m,{copies}", "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}",
                              "--devices", "cpu"], cwd=ROOT, stdout=subprocess.DEVNULL)
     try:

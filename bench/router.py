@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import zmq  # noqa: E402
 
 from routing import protocol as P  # noqa: E402
+from routing.entrypoints import CLI, ROUTER, WORKER, command  # noqa: E402
 
 
 def emit(**row) -> None:
@@ -123,9 +124,9 @@ def bench_echo(seconds: float) -> None:
     import multiprocessing as mp
 
     front, back, direct = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
-    router = subprocess.Popen([sys.executable, "-m", "routing.router", "--frontend", front, "--backend", back,
+    router = subprocess.Popen([*command(ROUTER), "--frontend", front, "--backend", back,
                                "--models", "echo"], cwd=ROOT, stdout=subprocess.DEVNULL)
-    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--echo", "--backend", back,
+    worker = subprocess.Popen([*command(WORKER), "--echo", "--backend", back,
                                "--parent-pid", str(os.getpid())], cwd=ROOT)
     server = mp.get_context("spawn").Process(target=direct_echo_server, args=(direct,), daemon=True)
     server.start()
@@ -175,7 +176,7 @@ def bench_e2e(n: int, model: str, dtype: str) -> None:
                                "runconfig": {"threads_per_worker": 2}}))
     port = 30000 + os.getpid() % 20000
     front = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(cfg), "--variants",
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants",
                              "m,1", "--frontend", front, "--backend", f"tcp://127.0.0.1:{port + 1}",
                              "--devices", "cpu"], cwd=ROOT, stdout=subprocess.DEVNULL)
 

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import psutil  # noqa: E402
 
 from routing.client import AsyncClient, Client, RouterError  # noqa: E402
+from routing.entrypoints import CLI, command  # noqa: E402
 
 PARAMS = ROOT / "configs" / "soak.yaml"
 
@@ -129,7 +130,7 @@ def main() -> int:
         ap.error("need --duration > 0, --clients >= 1 and 0 < --kill-every MIN <= MAX")
     work = cases()
     front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    serve = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(PARAMS),
+    serve = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(PARAMS),
                               "--frontend", front, "--backend", back, "--max_restarts", "100000"],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -25,8 +25,13 @@ from fusion.data.files import DataError
 from fusion.inputs import variant_samples
 from fusion.jobs import variant_groups
 from fusion.model_info import MultiModelFusion
+from fusion.params import input_value
 from fusion.plan import DeploymentPlan, available_bytes
 from workers.compiled import compile_mode
+from workers.config_keys import model_value
+from workers.sources import gguf_cache_dir, source_gguf
+
+TEST_BATCH_MAX_TOKENS = 16  # new tokens per prompt of the test batch when the variant sets no max_tokens
 
 
 @dataclass(slots=True)
@@ -72,12 +77,13 @@ def _in_fresh_process(fn, *args):
 
 def _convert(source: str, dtype: str, device: str) -> float:
     """First load of a GGUF (dequantizing it), then the safetensors cache. Returns the load time."""
-    from workers.models import load_model, source_gguf, write_gguf_cache
+    from workers.hf_loader import write_gguf_cache
+    from workers.models import load_model
 
     t = time.perf_counter()
     lm = load_model(source, dtype=dtype, device=device, use_cache=False)
     took = time.perf_counter() - t
-    write_gguf_cache(lm, source_gguf(source))
+    write_gguf_cache(lm.model, lm.tokenizer, source_gguf(source))
     return took
 
 
@@ -114,27 +120,25 @@ def _measure(source: str, dtype: str, device: str, max_model_len: int | None, en
 
 
 def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -> CompileReport:
-    from workers.models import _gguf_cache_dir, source_gguf
-
     mids = variant_groups(fusion)[name]
     info = fusion.models[mids[0]]
     p = info.params
     w = next(w for w in plan.workers if w.model_id == mids[0])
-    bs = (p.get("inference_input") or {}).get("batch_size", w.max_batch_size)
-    max_tokens = p.get("max_tokens", 16)
+    bs = input_value(p.get("inference_input"), "batch_size")
+    max_tokens = model_value(p, "max_tokens") or TEST_BATCH_MAX_TOKENS
     prompts = first_batch(fusion, name, bs)
-    dtype = p.get("dtype", "auto")
+    dtype = model_value(p, "dtype")
     gguf = source_gguf(info.source)
     before = None
-    if gguf is not None and _gguf_cache_dir(gguf) is None:
+    if gguf is not None and gguf_cache_dir(gguf) is None:
         before = round(_in_fresh_process(_convert, info.source, dtype, w.device), 3)
     engine_kw = {"max_batch_size": w.max_batch_size, "max_batch_tokens": w.max_batch_tokens, "num_threads": w.threads,
                  # compile_only is where the artifacts are made: `auto` compiles here
-                 "compile": "false" if compile_mode(p.get("compile", "auto")) == "false" else "true",
-                 "compile_buckets": p.get("compile_buckets")}
-    m = _in_fresh_process(_measure, info.source, dtype, w.device, p.get("max_model_len"), engine_kw, prompts,
+                 "compile": "false" if compile_mode(model_value(p, "compile")) == "false" else "true",
+                 "compile_buckets": model_value(p, "compile_buckets")}
+    m = _in_fresh_process(_measure, info.source, dtype, w.device, model_value(p, "max_model_len"), engine_kw, prompts,
                           max_tokens, w.shares_weights)
-    cache = _gguf_cache_dir(gguf) if gguf is not None else None
+    cache = gguf_cache_dir(gguf) if gguf is not None else None
     return CompileReport(name, info.source, w.device, m["dtype"], m["load_s"], before,
                          str(cache) if cache else None, len(prompts), max_tokens, m["batch_s"], m["tokens_generated"],
                          m["measured_bytes"], w.est_bytes, m["fits"], m["error"], m["weight_bytes"],

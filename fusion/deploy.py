@@ -6,8 +6,7 @@ from fusion.model_info import ModelInfo, MultiModelFusion
 from fusion.params import parse_variants
 from fusion.plan import DeploymentPlan
 from routing.router import ModelEntry
-
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")
+from workers.config_keys import SAMPLING_DEFAULTS, model_value
 
 
 def build_fusion(params: dict, variants) -> MultiModelFusion:
@@ -18,7 +17,7 @@ def build_fusion(params: dict, variants) -> MultiModelFusion:
         for _ in range(count):
             models.append(ModelInfo(name=name, source=m["source"], params={**m, "inference_input":
                                                                           v.get("inference_input", {})},
-                                    deltat_scaling_factor=float(m.get("deltat_scaling_factor", 1.0))))
+                                    deltat_scaling_factor=float(model_value(m, "deltat_scaling_factor"))))
     return MultiModelFusion(models)
 
 
@@ -26,10 +25,11 @@ def model_entries(fusion: MultiModelFusion) -> list[ModelEntry]:
     out = []
     for i, info in enumerate(fusion.models):
         p = info.params
-        spec = {"name": info.name, "source": info.source, "dtype": p.get("dtype", "auto"),
-                "max_model_len": p.get("max_model_len"), "share_weights": bool(p.get("share_weights", True)),
-                "compile": p.get("compile", "auto"), "compile_buckets": p.get("compile_buckets"),
-                "defaults": {k: p[k] for k in SAMPLING_DEFAULTS if k in p}}
+        spec = {"name": info.name, "source": info.source, "dtype": model_value(p, "dtype"),
+                "max_model_len": model_value(p, "max_model_len"),
+                "share_weights": bool(model_value(p, "share_weights")),
+                "compile": model_value(p, "compile"), "compile_buckets": model_value(p, "compile_buckets"),
+                "defaults": {k: p[k] for k in SAMPLING_DEFAULTS if p.get(k) is not None}}
         out.append(ModelEntry(i, info.name, spec))
     return out
 

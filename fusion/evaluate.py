@@ -21,6 +21,7 @@ from fusion.data.files import RecordLog, write_json_atomic
 from fusion.inputs import Sample, variant_samples
 from fusion.jobs import Transient, complete, run_jobs, variant_groups
 from fusion.model_info import MultiModelFusion
+from fusion.params import RUNCONFIG_DEFAULTS, input_value
 from fusion.progress import Progress
 from routing.client import AsyncClient, RouterError
 
@@ -94,11 +95,11 @@ class EvalJob:
 
 
 def build_eval_jobs(fusion: MultiModelFusion, model_dir: str | Path, inference_steps: int | None,
-                    retry_delays: tuple[float, ...] = (0.5, 2.0, 8.0)) -> list[EvalJob]:
+                    retry_delays: tuple[float, ...] = tuple(RUNCONFIG_DEFAULTS["retry_delays"])) -> list[EvalJob]:
     jobs = []
     for name, mids in variant_groups(fusion).items():
         info = fusion.models[mids[0]]
-        bs = (info.params.get("inference_input") or {}).get("batch_size", 8)
+        bs = input_value(info.params.get("inference_input"), "batch_size")
         jobs.append(EvalJob(name, info.source, variant_samples(fusion, name, inference_steps),
                             Path(model_dir) / "eval" / f"{name}.json", max(1, int(bs)) * len(mids), retry_delays))
     return jobs

@@ -10,6 +10,8 @@ from fusion.data.hdf5 import GptHDF5MapDataProcessor
 from fusion.data.jsonl import JsonlFile, find_files, parse_file
 from fusion.jobs import HDF5, JSONL, processor_name, variant_groups, variant_params
 from fusion.model_info import MultiModelFusion
+from fusion.params import input_value
+from workers.config_keys import model_value
 
 
 def hdf5_processor(fusion: MultiModelFusion, name: str, inference_steps: int | None) -> GptHDF5MapDataProcessor:
@@ -17,8 +19,8 @@ def hdf5_processor(fusion: MultiModelFusion, name: str, inference_steps: int | N
     inp = p.get("inference_input") or {}
     if "start_token" not in p:
         raise DataError(f"variant {name!r}: model.start_token is required for {HDF5}")
-    return GptHDF5MapDataProcessor(inp.get("data_dir", ""), inp.get("batch_size", 1), p["start_token"],
-                                   p.get("loop_dim", 1), inference_steps)
+    return GptHDF5MapDataProcessor(input_value(inp, "data_dir") or "", input_value(inp, "batch_size"),
+                                   p["start_token"], model_value(p, "loop_dim"), inference_steps)
 
 
 def jsonl_files(fusion: MultiModelFusion) -> list[JsonlFile]:
@@ -36,7 +38,7 @@ def jsonl_files(fusion: MultiModelFusion) -> list[JsonlFile]:
     for name in groups:
         if processor_name(fusion, name) != JSONL:
             continue
-        data_dir = (variant_params(fusion, name).get("inference_input") or {}).get("data_dir", "")
+        data_dir = input_value(variant_params(fusion, name).get("inference_input"), "data_dir") or ""
         for path in find_files(data_dir):
             key = path.resolve()
             if key in files:

@@ -24,14 +24,16 @@ import zmq
 from fusion.deploy import model_entries, worker_overrides
 from fusion.model_info import MultiModelFusion
 from fusion.owners import WeightOwners
+from fusion.params import RUNCONFIG_DEFAULTS
 from fusion.plan import DeploymentPlan
+from routing import entrypoints
 from routing import protocol as P
 from routing.router import Router, RouterConfig
 
 
 @dataclass(slots=True)
 class SupervisorConfig:
-    max_restarts: int = 5  # per worker; then it stays down and the log says so
+    max_restarts: int = RUNCONFIG_DEFAULTS["max_restarts"]  # per worker; then it stays down and the log says so
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     poll_interval: float = 0.2
@@ -112,8 +114,8 @@ class LocalDeployment:
         return {"curve_keys": self.config.curve_keys} if self.config.curve_keys else {}
 
     def _spawn(self, slot: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "workers.worker", "--backend", self.router.backend_addr,
-               "--parent-pid", str(os.getpid()), "--slot", str(slot)]
+        cmd = entrypoints.command(entrypoints.WORKER, "--backend", self.router.backend_addr,
+                                  "--parent-pid", str(os.getpid()), "--slot", str(slot))
         if self.config.curve_keys:
             cmd += ["--curve-keys", self.config.curve_keys]
         # per-tensor GGUF conversion bars from every worker would bury the run's own progress

@@ -10,13 +10,14 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
+from routing import entrypoints
+from workers.config_keys import model_value
 from workers.weight_owner import KEY_ENV, remove_ipc_files
 
 
@@ -26,7 +27,7 @@ def owner_groups(fusion: MultiModelFusion, plan: DeploymentPlan) -> dict[tuple, 
     for w in plan.workers:
         if w.shares_weights and w.device != "cpu":
             info = fusion.models[w.model_id]
-            groups.setdefault((w.device, info.source, info.params.get("dtype", "auto")), []).append(w.worker_id)
+            groups.setdefault((w.device, info.source, model_value(info.params, "dtype")), []).append(w.worker_id)
     return groups
 
 
@@ -64,8 +65,8 @@ class WeightOwners:
 
     def _spawn(self, g: tuple) -> None:
         device, source, dtype = g
-        cmd = [sys.executable, "-m", "workers.weight_owner", "--source", source, "--dtype", str(dtype),
-               "--device", device, "--address", self.address[g], "--parent-pid", str(os.getpid())]
+        cmd = entrypoints.command(entrypoints.WEIGHT_OWNER, "--source", source, "--dtype", str(dtype), "--device", device,
+                                  "--address", self.address[g], "--parent-pid", str(os.getpid()))
         Path(self.address[g]).unlink(missing_ok=True)
         self.procs[g] = subprocess.Popen(cmd, env={**os.environ, **self.env, "TQDM_DISABLE": "1"})
         self.pids.append(self.procs[g].pid)

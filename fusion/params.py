@@ -2,39 +2,76 @@
 
 from __future__ import annotations
 
+import copy
+from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
-RUNCONFIG_DEFAULTS = {
-    "model_dir": "model_dir",
-    "variants": None,
-    "num_workers": None,
-    "devices": "auto",
-    "router": None,
-    "frontend": "tcp://127.0.0.1:5555",
-    "backend": "tcp://127.0.0.1:5556",
-    "inference_steps": None,
-    "threads_per_worker": None,
-    "curve_keys": None,  # CurveZMQ keys directory (python -m routing.security DIR); needed off loopback
-    "insecure": False,  # bind off loopback without CurveZMQ
-    "max_restarts": 5,  # a crashed worker is started again at most this many times
-    "restart_wait": 30.0,  # seconds queued requests wait for a model with no live worker, then fail (no_worker)
-    # predict and eval: seconds to wait before each resend of a request that failed for a transient
-    # reason (busy, worker_lost, no_worker, router_lost, a timeout); its length is the number of resends
-    "retry_delays": [0.5, 2.0, 8.0],
-    "http": None,  # HOST:PORT: serve also starts the OpenAI-compatible HTTP gateway there
-    "ray": None,  # a Ray cluster (auto, host:port, ray://...): workers are Ray actors there (fusion.ray_cluster)
-    "placement": "spread",  # Ray placement group strategy for the workers: spread | pack
-    "ray_router_host": None,  # the address Ray actors reach the router at; default: this node's IP in Ray
-    "api_keys": None,  # accepted API keys of the HTTP gateway (needed off loopback, unless insecure)
-}
-MODEL_KEYS = {"source", "dtype", "start_token", "end_token", "max_tokens", "loop_dim", "temperature", "top_p",
-              "top_k", "max_model_len", "max_batch_size", "max_batch_tokens", "deltat_scaling_factor",
-              "share_weights", "compile", "compile_buckets", "resources"}
-
+from routing.dispatch import RouterConfig
+from workers.config_keys import MODEL, Key
 
 MAX_RETRIES = 10
+
+
+def _default(cls, name: str):
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
+RUNCONFIG_KEYS: tuple[Key, ...] = (
+    Key("model_dir", "model_dir", "a directory path", "where predict and eval write their outputs"),
+    Key("variants", None, "a list of `[NAME, COUNT]` (or `NAME,COUNT` strings), or null",
+        "the variants to deploy when `--variants` is not given"),
+    Key("num_workers", None, "a positive integer >= the number of model IDs, or null",
+        "worker processes; null: one per model ID; more are assigned to model IDs round-robin"),
+    Key("devices", "auto", "`auto`, `cpu`, `cuda:N`, or a list of them",
+        "where workers run, round-robin; `auto`: every CUDA device, else the CPU"),
+    Key("threads_per_worker", None, "a positive integer, or null",
+        "torch threads of each CPU worker; null: the device's cores split among its workers"),
+    Key("router", None, "a `tcp://HOST:PORT` address, or null",
+        "use a router that is already running instead of starting one"),
+    Key("frontend", _default(RouterConfig, "frontend"), "a `tcp://HOST:PORT` address (port `*` or 0: any free one)",
+        "where a router started here listens for clients"),
+    Key("backend", _default(RouterConfig, "backend"), "a `tcp://HOST:PORT` address (port `*` or 0: any free one)",
+        "where a router started here listens for workers"),
+    Key("inference_steps", None, "a positive integer, or null", "predict: only the first K batches per model"),
+    Key("curve_keys", None, "a keys directory (`python -m routing.security DIR`), or null",
+        "CurveZMQ keys: both router sockets then accept only the authorized keys; needed off loopback"),
+    Key("insecure", False, "`true`, `false`", "allow binding the router or the HTTP gateway off loopback "
+        "without keys"),
+    Key("max_restarts", 5, "an integer >= 0",
+        "how many times a crashed worker is started again"),
+    Key("restart_wait", _default(RouterConfig, "restart_wait"), "a number of seconds >= 0",
+        "how long queued requests wait for a model with no live worker before failing with `no_worker`"),
+    Key("retry_delays", [0.5, 2.0, 8.0], f"a list of at most {MAX_RETRIES} waits in seconds (each 0-3600)",
+        "predict and eval: the waits before each resend of a request that failed for a transient reason "
+        "(`busy`, `worker_lost`, `no_worker`, `router_lost`, a timeout); `[]` turns resending off"),
+    Key("http", None, "`HOST:PORT`, or null", "serve: also start the OpenAI-compatible HTTP gateway there"),
+    Key("api_keys", None, "a list of strings, or null",
+        "API keys the HTTP gateway accepts (needed off loopback unless `insecure`)"),
+    Key("ray", None, "`auto`, `HOST:PORT`, `ray://...`, or null", "place the workers as actors on that Ray cluster"),
+    Key("placement", "spread", "`spread`, `pack`",
+        "Ray: a variant's copies on different nodes where possible (`spread`), or on as few as possible (`pack`)"),
+    Key("ray_router_host", None, "a host or IP, or null",
+        "Ray: the address actors reach the router at; null: this node's IP as Ray knows it"),
+)
+INPUT_KEYS: tuple[Key, ...] = (
+    Key("data_processor", None, "`GptHDF5MapDataProcessor`, `JsonlCompletions`",
+        "the format of the variant's input for predict and eval"),
+    Key("data_dir", None, "a directory path", "the input: its single `.h5` file, or every `*.jsonl` in it"),
+    Key("batch_size", 8, "a positive integer",
+        "HDF5: rows per output batch (`predictions_X.npz`); JSONL and eval: requests in flight per variant; "
+        "compile_only: the size of its test batch"),
+)
+RUNCONFIG_DEFAULTS = {k.name: k.default for k in RUNCONFIG_KEYS}
+MODEL_KEYS = set(MODEL)
+INPUT = {k.name: k for k in INPUT_KEYS}
+
+
+def input_value(inference_input: dict | None, name: str):
+    """A variant's `inference_input` value for `name`: its own, else the table's default."""
+    inp = inference_input or {}
+    return inp[name] if name in inp else INPUT[name].default
 
 
 class ParamsError(ValueError):
@@ -85,7 +122,7 @@ def load_params(path: str | Path) -> dict:
                 for k, v in res.items())):
             raise ParamsError(f"{where}.model.resources must map custom Ray resource names to positive amounts, "
                               f"got {res!r}")
-    run = dict(RUNCONFIG_DEFAULTS)
+    run = copy.deepcopy(RUNCONFIG_DEFAULTS)
     given = data.get("runconfig") or {}
     if not isinstance(given, dict):
         raise ParamsError(f"{path}: 'runconfig' must be a mapping")

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusion.model_info import MultiModelFusion
+from workers.config_keys import model_value
 
 BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "auto": 2}
 # parameters and KV bytes per token (at 2 bytes) of the embedded models, to plan without loading
 KNOWN = {"smollm2-135m": (134.5e6, 30 * 2 * 3 * 64 * 2), "gemma3-270m": (268e6, 18 * 2 * 1 * 256 * 2)}
-DEFAULT_BATCH, DEFAULT_TOKENS, DEFAULT_CTX = 32, 512, 2048
+# the context assumed for the KV estimate of a model whose own is unknown before loading
+DEFAULT_CTX = 2048
 # a worker process before its model (interpreter, torch, transformers, zmq), as PSS when several
 # run together: measured by bench/memory.py
 OVERHEAD_BYTES = 280 * 2**20
@@ -156,10 +158,11 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
             threads = threads_per_worker
         mean_f = sum(fusion.models[j % m].deltat_scaling_factor for j in peers) / len(peers)
         share = info.deltat_scaling_factor / mean_f
-        batch = max(1, round(p.get("max_batch_size", DEFAULT_BATCH) * share))
-        tokens = max(batch, round(p.get("max_batch_tokens", DEFAULT_TOKENS) * share))
-        weights, kv = estimate_parts(info.source, p.get("dtype", "auto"), batch, p.get("max_model_len", DEFAULT_CTX))
-        shares = bool(p.get("share_weights", True))  # CPU: one mapped file; CUDA: one owner process
+        batch = max(1, round(model_value(p, "max_batch_size") * share))
+        tokens = max(batch, round(model_value(p, "max_batch_tokens") * share))
+        weights, kv = estimate_parts(info.source, model_value(p, "dtype"), batch,
+                                     model_value(p, "max_model_len") or DEFAULT_CTX)
+        shares = bool(model_value(p, "share_weights"))  # CPU: one mapped file; CUDA: one owner process
         workers.append(WorkerPlan(k, mid, dev, threads, batch, tokens, weights + kv + OVERHEAD_BYTES, weights,
                                   shares))
     dev_info = {}
@@ -171,7 +174,7 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
             need += w.est_bytes - (w.weight_bytes if w.shares_weights else 0)
             if w.shares_weights:
                 info = fusion.models[w.model_id]
-                key = (info.source, info.params.get("dtype", "auto"))
+                key = (info.source, model_value(info.params, "dtype"))
                 g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0})
                 g["copies"] += 1
         need += sum(g["bytes"] for g in groups.values())

@@ -27,8 +27,10 @@ from fusion.data.jsonl import RETRY, JsonlFile, JsonlLine, ResumableWriter, outp
 from fusion.inputs import hdf5_processor, jsonl_files
 from fusion.jobs import HDF5, Transient, complete, job_totals, processor_name, run_jobs, variant_groups
 from fusion.model_info import MultiModelFusion
+from fusion.params import RUNCONFIG_DEFAULTS, input_value
 from fusion.progress import Progress
 from routing.client import AsyncClient, RouterError
+from workers.config_keys import model_value
 
 # --- HDF5 -------------------------------------------------------------------------------------------
 
@@ -52,12 +54,15 @@ class HDF5Job:
 
     async def _row(self, client: AsyncClient, mid: int, prompt: list[int]) -> list[int]:
         p = self.params
-        end = [t for t in as_list(p["end_token"], "end_token") if t >= 0] if p.get("end_token") is not None else []
-        n = self.processor.max_new_tokens(prompt, p.get("max_tokens"))
+        end_token = model_value(p, "end_token")
+        end = [t for t in as_list(end_token, "end_token") if t >= 0] if end_token is not None else []
+        n = self.processor.max_new_tokens(prompt, model_value(p, "max_tokens"))
         if n <= 0:
             return []
-        r = await complete(client, mid, prompt, self.retry_delays, max_tokens=n, temperature=p.get("temperature", 0.0),
-                           top_p=p.get("top_p", 1.0), top_k=p.get("top_k", 0), seed=p.get("seed"),
+        # HDF5 rows are greedy unless the variant sets a temperature; unset filters stay off
+        sampling = {k: model_value(p, k) for k in ("temperature", "top_p", "top_k")}
+        sampling = {"temperature": 0.0, **{k: v for k, v in sampling.items() if v is not None}}
+        r = await complete(client, mid, prompt, self.retry_delays, max_tokens=n, **sampling,
                            stop_token_ids=end, ignore_eos=True, return_token_ids=True)
         return r["choices"][0]["token_ids"]
 
@@ -202,7 +207,7 @@ class JsonlJob:
 
 
 def build_jobs(fusion: MultiModelFusion, model_dir: str | Path, inference_steps: int | None,
-               retry_delays: tuple[float, ...] = (0.5, 2.0, 8.0)) -> list:
+               retry_delays: tuple[float, ...] = tuple(RUNCONFIG_DEFAULTS["retry_delays"])) -> list:
     """Every predict job; reads and checks all input data, loads nothing."""
     groups = variant_groups(fusion)
     pred_dir = Path(model_dir) / "predictions"
@@ -212,8 +217,7 @@ def build_jobs(fusion: MultiModelFusion, model_dir: str | Path, inference_steps:
             jobs.append(HDF5Job(name, mids, hdf5_processor(fusion, name, inference_steps),
                                 fusion.models[mids[0]].params, pred_dir / name, retry_delays))
     for f in jsonl_files(fusion):
-        inp = fusion.models[groups[f.default_variant][0]].params.get("inference_input") or {}
-        bs = inp.get("batch_size", 8)
+        bs = input_value(fusion.models[groups[f.default_variant][0]].params.get("inference_input"), "batch_size")
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise DataError(f"variant {f.default_variant!r}: inference_input.batch_size must be a positive "
                             f"integer, got {bs!r}")

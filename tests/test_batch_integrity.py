@@ -7,7 +7,6 @@ import asyncio
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -23,6 +22,7 @@ from test_router_lifecycle import TINY, start_worker, wait_for
 from fusion.jobs import Transient, complete
 from routing import protocol as P
 from routing.client import Client, RouterError
+from routing.entrypoints import CLI, DEMO, command
 from routing.router import ModelEntry, Router, RouterConfig
 
 
@@ -42,7 +42,7 @@ def _router(models: list[ModelEntry], **cfg) -> tuple[Router, threading.Thread]:
 
 
 def _predict_against(router_addr: str, params, variants, md):
-    return subprocess.run([sys.executable, "run_mm.py", "--mode", "predict", "--params", str(params), "--variants",
+    return subprocess.run([*command(CLI), "--mode", "predict", "--params", str(params), "--variants",
                            *variants, "--model_dir", str(md), "--router", router_addr],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
@@ -98,7 +98,7 @@ def test_a_transient_jsonl_failure_neither_blocks_nor_loses_the_lines_after_it(t
 def test_a_failed_hdf5_row_keeps_the_finished_rows_of_its_batch(tmp_path):
     rows = [[3, 4, 5], [7, 9999, 8], [10, 11]]  # 9999 is outside tiny Llama's vocabulary: that row fails
     hdf5_setup(tmp_path, rows, end=99998)
-    out = subprocess.run([sys.executable, "run_mm.py", "--mode", "predict", "--params", str(tmp_path / "p.yaml"),
+    out = subprocess.run([*command(CLI), "--mode", "predict", "--params", str(tmp_path / "p.yaml"),
                           "--variants", "llama,1", "--model_dir", str(tmp_path / "md"), "--devices", "cpu",
                           "--frontend", f"tcp://127.0.0.1:{free_port()}", "--backend", f"tcp://127.0.0.1:{free_port()}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -176,14 +176,14 @@ def test_every_mode_exits_without_a_cpp_abort(tmp_path):
     common = ["--params", str(tmp_path / "p.yaml"), "--variants", "llama,2", "--model_dir", str(tmp_path / "md"),
               "--devices", "cpu"]
     for mode in ("predict", "eval"):
-        out = subprocess.run([sys.executable, "run_mm.py", "--mode", mode, *common,
+        out = subprocess.run([*command(CLI), "--mode", mode, *common,
                               "--frontend", f"tcp://127.0.0.1:{free_port()}",
                               "--backend", f"tcp://127.0.0.1:{free_port()}"],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         assert ABORT not in out.stderr and "Traceback" not in out.stderr, out.stderr
     front = f"tcp://127.0.0.1:{free_port()}"
-    serve = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", *common, "--frontend", front,
+    serve = subprocess.Popen([*command(CLI), "--mode", "serve", *common, "--frontend", front,
                               "--backend", f"tcp://127.0.0.1:{free_port()}"], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -202,7 +202,7 @@ def test_every_mode_exits_without_a_cpp_abort(tmp_path):
 
 @pytest.mark.slow
 def test_the_demo_exits_cleanly(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fusion.demo", "--model_dir", str(tmp_path / "demo")], cwd=ROOT,
+    out = subprocess.run([*command(DEMO), "--model_dir", str(tmp_path / "demo")], cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     assert ABORT not in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -15,6 +14,7 @@ import torch
 import yaml
 from conftest import free_port, plain_logits, tiny
 
+from routing.entrypoints import CLI, command
 from workers.completions import completion_response, sampling_params
 from workers.engine import Engine, EngineConfig
 
@@ -36,7 +36,7 @@ def tiny_variant(arch: str, processor: str, data_dir: Path, batch_size: int = 3,
 
 
 def run_mm(params: Path, mode: str, variants: list[str], model_dir: Path, timeout: float = 300, **popen):
-    cmd = [sys.executable, "run_mm.py", "--mode", mode, "--params", str(params), "--variants", *variants,
+    cmd = [*command(CLI), "--mode", mode, "--params", str(params), "--variants", *variants,
            "--model_dir", str(model_dir), "--frontend", f"tcp://127.0.0.1:{free_port()}",
            "--backend", f"tcp://127.0.0.1:{free_port()}"]
     if popen.keys() - {"env"}:
@@ -237,7 +237,7 @@ def test_compile_only_caches_gguf_as_safetensors(tmp_path, monkeypatch, smollm2_
         "model": {"source": "smollm2-135m", "dtype": "bfloat16", "max_tokens": 4, "compile": False},
         "inference_input": {"data_processor": "JsonlCompletions", "data_dir": str(data), "batch_size": 2}}})
     env = {**os.environ, "MMFUSION_CACHE": str(tmp_path / "cache")}
-    cmd = [sys.executable, "run_mm.py", "--mode", "compile_only", "--params", str(params), "--variants", "smollm2,1"]
+    cmd = [*command(CLI), "--mode", "compile_only", "--params", str(params), "--variants", "smollm2,1"]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode == 0, first.stderr
     rep = [json.loads(x) for x in first.stdout.splitlines() if x.startswith("{")][0]

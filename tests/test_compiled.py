@@ -16,6 +16,7 @@ from conftest import hf_greedy, real_mixed_batch_matches_transformers, tiny
 from workers import compile_cache
 from workers.compiled import Buckets, compile_mode, default_buckets, graphs_compiled
 from workers.engine import Engine, EngineConfig
+from workers.models import load_engine
 from workers.params import SamplingParams
 
 PACKED = ["gpt2", "llama", "mistral", "opt", "gemma3"]  # the tiny architectures on the packed slot path
@@ -110,10 +111,10 @@ def test_bloom_has_no_packed_path_and_stays_eager(cache_dir):
 _CHILD = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
-from workers.engine import Engine
+from workers.models import load_engine
 from workers.params import SamplingParams
-eng = Engine.from_source("tiny:llama", dtype="float32", max_batch_size=2, max_batch_tokens=48,
-                         compile=sys.argv[1], compile_buckets=(8, 48))
+eng = load_engine("tiny:llama", dtype="float32", max_batch_size=2, max_batch_tokens=48,
+                  compile=sys.argv[1], compile_buckets=(8, 48))
 out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
 print("RESULT " + json.dumps({"info": eng.compile_info.as_dict(), "tokens": out[0].outputs[0].token_ids}))
 """
@@ -133,8 +134,8 @@ def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path,
     """compile: true saves the artifacts; a later process with auto starts from them; a corrupt
     or stale entry gets one log line, a compile from scratch and a rewritten entry, never a crash."""
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))  # nothing cached here: auto stays eager
-    eng = Engine.from_source("tiny:llama", dtype="float32", max_batch_size=2, max_batch_tokens=48,
-                             compile="auto", compile_buckets=(8, 48))
+    eng = load_engine("tiny:llama", dtype="float32", max_batch_size=2, max_batch_tokens=48,
+                      compile="auto", compile_buckets=(8, 48))
     assert not eng.compile_info.compiled and "no compiled artifacts" in eng.compile_info.reason
     out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     cold = {"tokens": out[0].outputs[0].token_ids}

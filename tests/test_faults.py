@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ from test_router_lifecycle import one_worker, start_router, start_worker, wait_f
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
+from routing.entrypoints import CLI, command
 from workers.completions import sampling_params
 from workers.engine import Engine, EngineConfig
 
@@ -168,7 +168,7 @@ def test_router_restart_fails_in_flight_at_once_and_serves_new_requests():
 
 def test_serve_restarts_a_crashed_worker():
     front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(CONFIG),
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(CONFIG),
                              "--variants", "llama,1", "gpt2,1", "--frontend", front, "--backend", back,
                              "--devices", "cpu"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from fusion.deploy import build_fusion, worker_overrides
 from fusion.model_info import ModelInfo, MultiModelFusion
 from fusion.params import ParamsError, load_params, parse_variants
 from fusion.plan import make_plan
+from routing.entrypoints import CLI, command
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -100,11 +100,11 @@ def test_plan_refuses_what_does_not_fit():
 
 
 def test_validate_only_prints_plan_without_loading():
-    out = subprocess.run([sys.executable, "run_mm.py", "--mode", "validate_only", "--params", str(TINY),
+    out = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(TINY),
                           "--variants", "llama,2", "gpt2,1", "--num_workers", "4", "--devices", "cpu"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "worker 3 -> model 0 on cpu" in out.stdout and "model 2: gpt2" in out.stdout
-    bad = subprocess.run([sys.executable, "run_mm.py", "--mode", "validate_only", "--params", str(TINY),
+    bad = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(TINY),
                           "--variants", "nope,1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'nope' is not in" in bad.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from conftest import free_port, tiny
 
 from routing import protocol as P
 from routing.client import Client
+from routing.entrypoints import ROUTER, WORKER, command
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams
 
@@ -92,9 +92,9 @@ def garbage(rng: random.Random) -> list[bytes]:
 
 def test_fuzz_router_and_its_worker():
     front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    router = subprocess.Popen([sys.executable, "-m", "routing.router", "--models", "tiny:llama", "--dtype", "float32",
+    router = subprocess.Popen([*command(ROUTER), "--models", "tiny:llama", "--dtype", "float32",
                                "--frontend", front, "--backend", back], cwd=ROOT, stdout=subprocess.DEVNULL)
-    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend", back, "--threads", "1",
+    worker = subprocess.Popen([*command(WORKER), "--backend", back, "--threads", "1",
                                "--parent-pid", str(os.getpid())], cwd=ROOT)
     want = expected()
     rng = random.Random(1234)
@@ -142,7 +142,7 @@ def test_fuzz_worker_directly():
     sock.setsockopt(zmq.LINGER, 0)
     port = free_port()
     sock.bind(f"tcp://127.0.0.1:{port}")
-    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend", f"tcp://127.0.0.1:{port}",
+    worker = subprocess.Popen([*command(WORKER), "--backend", f"tcp://127.0.0.1:{port}",
                                "--threads", "1", "--parent-pid", str(os.getpid())], cwd=ROOT)
     want = expected()
     rng = random.Random(99)

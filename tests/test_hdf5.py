@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fusion.data.hdf5 import DataError, GptHDF5MapDataProcessor, write_npz_atomic
+from routing.entrypoints import PREPARE, command
 
 S = 500  # start token, outside a tiny vocabulary
 
@@ -85,13 +86,12 @@ def test_npz_written_atomically(tmp_path):
 
 def test_prepare_helper_round_trip(tmp_path):
     import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     (tmp_path / "prompts.txt").write_text("hello world\n\nab\n")
     (tmp_path / "data").mkdir()
-    out = subprocess.run([sys.executable, "-m", "fusion.data.prepare", "--model", "tiny:llama", "--start-token", "500",
+    out = subprocess.run([*command(PREPARE), "--model", "tiny:llama", "--start-token", "500",
                           str(tmp_path / "prompts.txt"), str(tmp_path / "data" / "in.h5")], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -102,7 +102,7 @@ def test_prepare_helper_round_trip(tmp_path):
     assert [tok.decode(x) for x in p.prompts] == ["hello world", "ab"]
     assert p.max_seq_len == len("hello world") + 1
     h = tok("h").input_ids[0]  # a token the prompts use cannot be the start token
-    bad = subprocess.run([sys.executable, "-m", "fusion.data.prepare", "--model", "tiny:llama", "--start-token", str(h),
+    bad = subprocess.run([*command(PREPARE), "--model", "tiny:llama", "--start-token", str(h),
                           str(tmp_path / "prompts.txt"), str(tmp_path / "x.h5")], cwd=root, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and f"contains the start token {h}" in bad.stderr

@@ -18,6 +18,7 @@ from test_router_lifecycle import TINY, wait_for
 from test_routing import Deployment, engine_reference
 
 from routing.client import Client
+from routing.entrypoints import CLI, GATEWAY, command
 from routing.http import openai as O
 from routing.http.app import GatewaySettings
 from routing.http.server import GatewayError, GatewayThread, api_keys, check_listen, parse_listen
@@ -266,11 +267,10 @@ def test_listening_off_loopback_needs_keys(tmp_path, monkeypatch):
 
 def test_run_mm_serve_refuses_http_off_loopback_without_keys(tmp_path):
     import subprocess
-    import sys
 
     from test_routing import CONFIG, ROOT
 
-    out = subprocess.run([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(CONFIG), "--http",
+    out = subprocess.run([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--http",
                           "0.0.0.0:8000"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "API key" in out.stderr and "Traceback" not in out.stderr
 
@@ -278,13 +278,12 @@ def test_run_mm_serve_refuses_http_off_loopback_without_keys(tmp_path):
 def test_serve_with_http_end_to_end(tmp_path):
     import signal
     import subprocess
-    import sys
 
     import psutil
     from test_routing import CONFIG, ROOT
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(CONFIG), "--variants",
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--variants",
                              "llama,1", "--devices", "cpu", "--frontend", f"tcp://127.0.0.1:{free_port()}",
                              "--backend", f"tcp://127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{port}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -383,8 +382,8 @@ def test_gateway_process_exits_with_its_parent():
 
     port = free_port()
     spawn = ("import os, subprocess, sys, time; "
-             "p = subprocess.Popen([sys.executable, '-m', 'routing.http', '--router', 'tcp://127.0.0.1:9', "
-             f"'--http', '127.0.0.1:{port}', '--parent-pid', str(os.getpid()), '--log-level', 'warning'], "
+             f"p = subprocess.Popen({command(GATEWAY, '--router', 'tcp://127.0.0.1:9', '--http', f'127.0.0.1:{port}')!r}"
+             " + ['--parent-pid', str(os.getpid()), '--log-level', 'warning'], "
              "stdout=subprocess.PIPE, text=True); "
              "print(p.pid, flush=True); print(p.stdout.readline(), end='', flush=True); "
              "print(p.stdout.readline(), end='', flush=True); time.sleep(600)")

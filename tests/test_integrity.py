@@ -22,6 +22,7 @@ from test_router_lifecycle import ROOT, TINY, one_worker, start_router, start_wo
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
+from routing.entrypoints import WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
 from workers.worker import EngineThread
 
@@ -124,8 +125,8 @@ def test_a_worker_whose_parent_died_exits_even_without_a_router():
     nobody = f"tcp://127.0.0.1:{free_port()}"  # no router: its messages pile up unsent
     parent = subprocess.Popen(
         [sys.executable, "-c", "import os, subprocess, sys, time\n"
-         f"p = subprocess.Popen([sys.executable, '-m', 'workers.worker', '--backend', '{nobody}', '--parent-pid', "
-         "str(os.getpid()), '--heartbeat', '0.05'])\nprint(p.pid, flush=True)\ntime.sleep(600)"],
+         f"p = subprocess.Popen({command(WORKER, '--backend', nobody, '--heartbeat', '0.05')!r} + ['--parent-pid', "
+         "str(os.getpid())])\nprint(p.pid, flush=True)\ntime.sleep(600)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     worker = psutil.Process(int(parent.stdout.readline()))
     time.sleep(3)  # many heartbeats and reconnects with nobody listening

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -12,6 +11,7 @@ import numpy as np
 import yaml
 from conftest import free_port, tiny
 
+from routing.entrypoints import CLI, command
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams
 
@@ -43,7 +43,7 @@ def setup(tmp_path, rows, end):
 
 
 def predict(tmp_path):
-    return subprocess.run([sys.executable, "run_mm.py", "--mode", "predict", "--params", str(tmp_path / "p.yaml"),
+    return subprocess.run([*command(CLI), "--mode", "predict", "--params", str(tmp_path / "p.yaml"),
                            "--variants", "llama,2", "--model_dir", str(tmp_path / "md"), "--devices", "cpu",
                            "--frontend", f"tcp://127.0.0.1:{free_port()}",
                            "--backend", f"tcp://127.0.0.1:{free_port()}"],

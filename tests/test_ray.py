@@ -27,6 +27,7 @@ from fusion.params import load_params
 from fusion.plan import make_plan
 from fusion.ray_cluster import RayDeployment, bundles
 from routing.client import Client
+from routing.entrypoints import CLI, command
 from workers.engine import Engine
 from workers.params import SamplingParams
 
@@ -164,7 +165,7 @@ def test_run_mm_serve_with_ray_stops_every_actor_on_sigint(cluster, tmp_path):
                                     "runconfig": {k: run[k] for k in ("threads_per_worker", "devices", "frontend",
                                                                       "backend", "ray_router_host")}}))
     env = {**os.environ, "RAY_ADDRESS": c.address}
-    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(path), "--variants",
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(path), "--variants",
                              "llama,2", "--ray", c.address], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -264,7 +265,7 @@ def test_a_ray_address_where_nothing_answers_is_a_clear_error(tmp_path):
     params = _params(tmp_path, {"llama": ("llama", {})})
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"variants": {"llama": {"model": params["variants"]["llama"]["model"]}}}))
-    out = subprocess.run([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(path), "--variants",
+    out = subprocess.run([*command(CLI), "--mode", "serve", "--params", str(path), "--variants",
                           "llama,1", "--ray", f"{LOOPBACK}:{free_port()}"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and "no Ray cluster answers there" in out.stderr, out.stderr[-2000:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -15,6 +14,7 @@ import pytest
 
 from routing import protocol as P
 from routing.client import Client, RouterError
+from routing.entrypoints import CLIENT, WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def start_router(backend="tcp://127.0.0.1:*", frontend="tcp://127.0.0.1:*", **cf
 
 
 def start_worker(backend: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend", backend, "--parent-pid",
+    return subprocess.Popen([*command(WORKER), "--backend", backend, "--parent-pid",
                              str(os.getpid()), "--threads", "1", "--heartbeat", "0.2"], cwd=ROOT)
 
 
@@ -129,11 +129,11 @@ def test_worker_reconnects_after_router_restart():
 
 def test_client_cli():
     with one_worker() as (router, _, _):
-        out = subprocess.run([sys.executable, "-m", "routing.client", "--router", router.frontend_addr, "--model",
+        out = subprocess.run([*command(CLIENT), "--router", router.frontend_addr, "--model",
                               "llama", "--max-tokens", "4", "Hello"], cwd=ROOT, capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 0 and out.stdout.startswith("Hello")
-        bad = subprocess.run([sys.executable, "-m", "routing.client", "--router", router.frontend_addr, "--model",
+        bad = subprocess.run([*command(CLIENT), "--router", router.frontend_addr, "--model",
                               "nope", "Hello"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "unknown_model" in bad.stderr
 

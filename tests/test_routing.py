@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +18,7 @@ from fusion.params import load_params
 from fusion.plan import make_plan
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
+from routing.entrypoints import CLI, command
 from workers.completions import sampling_params
 from workers.engine import Engine, EngineConfig
 
@@ -171,7 +171,7 @@ def test_garbage_and_oversized_frames(two_archs, frame, match):
 
 def test_serve_shuts_down_cleanly(tmp_path):
     front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "run_mm.py", "--mode", "serve", "--params", str(CONFIG),
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(CONFIG),
                              "--variants", "llama,1", "gpt2,1", "--frontend", front, "--backend", back,
                              "--devices", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -6,7 +6,6 @@ import asyncio
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from conftest import free_port
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
+from routing.entrypoints import CLI, KEYS, WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
 from routing.security import SecurityError, generate, is_loopback
 
@@ -43,14 +43,14 @@ def test_defaults_bind_loopback_and_off_loopback_needs_keys_or_insecure():
 
 
 def test_run_mm_refuses_off_loopback_before_starting_anything(tmp_path):
-    out = subprocess.run([sys.executable, "run_mm.py", "--mode", "serve", "--params", "configs/tiny.yaml",
+    out = subprocess.run([*command(CLI), "--mode", "serve", "--params", "configs/tiny.yaml",
                           "--frontend", f"tcp://0.0.0.0:{free_port()}"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "--insecure" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_keygen_cli(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "routing.security", str(tmp_path / "k"), "--client", "alice"],
+    out = subprocess.run([*command(KEYS), str(tmp_path / "k"), "--client", "alice"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     k = tmp_path / "k"
@@ -75,7 +75,7 @@ def test_curve_refuses_unknown_clients_and_serves_allowed_ones(tmp_path):
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     router = box.get(timeout=10)
-    worker = subprocess.Popen([sys.executable, "-m", "workers.worker", "--backend", router.backend_addr, "--echo",
+    worker = subprocess.Popen([*command(WORKER), "--backend", router.backend_addr, "--echo",
                                "--parent-pid", str(os.getpid()), "--curve-keys", str(keys)], cwd=ROOT)
     try:
         with Client(router.frontend_addr, timeout=30, curve_keys=str(keys)) as ok:

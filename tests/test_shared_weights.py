@@ -19,8 +19,7 @@ from fusion.plan import make_plan
 from routing.client import Client
 from workers import shared_weights as S
 from workers.completions import sampling_params
-from workers.engine import Engine
-from workers.models import load_model
+from workers.models import load_engine, load_model
 
 PROMPTS = [[5, 17, 33, 2, 99, 4], [100, 7, 8], [42] * 12]
 
@@ -60,7 +59,7 @@ def test_engine_greedy_unchanged_in_mixed_batches(cache):
     sp, _ = sampling_params({"max_tokens": 12, "temperature": 0.0, "ignore_eos": True})
     outs = []
     for share in (False, True):
-        eng = Engine.from_source("tiny:llama", dtype="float32", share_weights=share, max_batch_size=4,
+        eng = load_engine("tiny:llama", dtype="float32", share_weights=share, max_batch_size=4,
                                  max_batch_tokens=64)
         outs.append([o.outputs[0].token_ids for o in eng.generate(PROMPTS, sp)])
     assert outs[0] == outs[1]
@@ -168,7 +167,7 @@ def _answers(c: Client, copies: int, ids=None) -> list[list[int]]:
 
 def test_four_copies_map_one_set_of_pages_and_survive_a_killed_copy(cache):
     shm_before = set(os.listdir("/dev/shm"))
-    ref = Engine.from_source("tiny:llama", dtype="float32", max_batch_size=4, max_batch_tokens=64)
+    ref = load_engine("tiny:llama", dtype="float32", max_batch_size=4, max_batch_tokens=64)
     sp, _ = sampling_params({"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
     want = ref.generate([PROMPTS[0]], sp)[0].outputs[0].token_ids
     d = _deployment(True, 4)

@@ -16,7 +16,8 @@ import psutil
 import pytest
 import torch
 
-from workers.models import load_model
+from routing.entrypoints import WEIGHT_OWNER, command
+from workers.models import load_engine, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 33, 2, 99, 4]
@@ -39,7 +40,7 @@ def _owner(tmp_path: Path, device: str, source: str = "tiny:llama"):
     key = secrets.token_hex(16)
     addr = str(tmp_path / "owner.sock")
     env = {**os.environ, "MMFUSION_OWNER_KEY": key, "MMFUSION_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.Popen([sys.executable, "-m", "workers.weight_owner", "--source", source, "--dtype", "float32",
+    proc = subprocess.Popen([*command(WEIGHT_OWNER), "--source", source, "--dtype", "float32",
                              "--device", device, "--address", addr, "--parent-pid", str(os.getpid())],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     assert "weight owner:" in proc.stdout.readline()
@@ -111,8 +112,8 @@ def test_owner_exits_with_its_parent(tmp_path):
     key = secrets.token_hex(16)
     env = {**os.environ, "MMFUSION_OWNER_KEY": key, "MMFUSION_CACHE": str(tmp_path / "cache")}
     spawn = ("import os, subprocess, sys, time; "
-             "p = subprocess.Popen([sys.executable, '-m', 'workers.weight_owner', '--source', 'tiny:gpt2', "
-             f"'--device', 'cpu', '--address', {str(tmp_path / 'o.sock')!r}, '--parent-pid', str(os.getpid())]); "
+             f"p = subprocess.Popen({command(WEIGHT_OWNER, '--source', 'tiny:gpt2', '--device', 'cpu', '--address', str(tmp_path / 'o.sock'))!r}"
+             " + ['--parent-pid', str(os.getpid())]); "
              "print(p.pid, flush=True); time.sleep(600)")
     parent = subprocess.Popen([sys.executable, "-c", spawn], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -183,12 +184,11 @@ def test_deployment_copies_on_one_gpu_share_an_owner(tmp_path, monkeypatch):
     from fusion.local import LocalDeployment
     from routing.client import Client
     from workers.completions import sampling_params
-    from workers.engine import Engine
 
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "cache"))
     fusion, plan = _plan("cuda:0", 3)
     sp, _ = sampling_params({"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
-    want = Engine.from_source("tiny:llama", dtype="float32", device="cuda:0", max_batch_size=4,
+    want = load_engine("tiny:llama", dtype="float32", device="cuda:0", max_batch_size=4,
                               max_batch_tokens=64).generate([PROMPT], sp)[0].outputs[0].token_ids
     d = LocalDeployment(fusion, plan, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     d.__enter__()

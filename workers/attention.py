@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_NAME = "mmfusion"
+KV_KWARG = "mmfusion_kv"  # the model call's keyword argument that carries (keys, values) of the slot cache
 
 
 @dataclass(slots=True)
@@ -156,13 +157,16 @@ def _segment_attention(ctx: StepContext, i: int, q: torch.Tensor, key: torch.Ten
     return out[0].transpose(0, 1)
 
 
-def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-            scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """Write this step's K/V into the cache, attend. query: [1, H, N, d]; key/value: [1, kvh, N, d]
-    (N may include padding past ctx.num_tokens). Returns [1, N, H, dv]."""
+def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
+            softcap: float | None) -> torch.Tensor:
+    """Write this step's K/V into layer `layer` of the caches, attend. query: [1, H, N, d];
+    key/value: [1, kvh, N, d] (N may include padding past ctx.num_tokens); key_cache/value_cache:
+    every layer's buffers (SlotKVCache.keys/values). Returns [1, N, H, dv]."""
     ctx = holder.current
     n = ctx.num_tokens
-    key_buf, value_buf = holder.cache.write(layer, key[:, :, :n], value[:, :, :n])
+    key_buf, value_buf = key_cache[layer], value_cache[layer]
+    holder.cache.write(key_buf, value_buf, key[:, :, :n], value[:, :, :n])
     heads, n_all = query.shape[1], query.shape[2]
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
@@ -196,17 +200,21 @@ def _whole_prompts_attention(query: torch.Tensor, tokens: torch.Tensor, slots: t
     return o.transpose(1, 2).reshape(g * length, heads, v.shape[-1]).to(query.dtype)
 
 
-@torch.library.custom_op("mmfusion::attend", mutates_args=(), tags=(torch._C.Tag.cudagraph_unsafe,))
-def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, holder: int, layer: torch.Tensor,
-              scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    # The cache it writes is not an argument: to the graph the op is a pure function of q, k, v,
-    # and a compiled forward never sees (or guards on) the cache's buffers as they grow. The layer
-    # index is a tensor so that one compiled graph serves every layer (see index_layers).
-    return _attend(_HOLDERS[holder], query, key, value, int(layer), scaling, window, softcap)
+@torch.library.custom_op("mmfusion::attend", mutates_args=("key_cache", "value_cache"),
+                         tags=(torch._C.Tag.cudagraph_unsafe,))
+def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+              value_cache: torch.Tensor, holder: int, layer: torch.Tensor, scaling: float, window: int | None,
+              softcap: float | None) -> torch.Tensor:
+    # The caches are arguments the op declares it writes, so a compiled graph orders every read
+    # and write of them; their capacity dimension is dynamic (the runner marks it), so a cache
+    # that grows does not recompile. The layer index is a tensor so that one compiled graph
+    # serves every layer (see index_layers). The step's layout comes from the holder.
+    return _attend(_HOLDERS[holder], query, key, value, key_cache, value_cache, int(layer), scaling, window,
+                   softcap)
 
 
 @attend_op.register_fake
-def _(query, key, value, holder, layer, scaling, window, softcap):
+def _(query, key, value, key_cache, value_cache, holder, layer, scaling, window, softcap):
     return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
 
 
@@ -214,14 +222,18 @@ def mmfusion_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                        attention_mask, scaling: float | None = None, dropout: float = 0.0,
                        sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers attention-interface entry point. query: [1, H, N, d]; key/value: this step's
-    new K/V (the model runs without a transformers cache; the op writes the slot cache)."""
+    new K/V (the model runs without a transformers cache; the op writes the slot cache, which the
+    runner passes down the model's keyword arguments as `mmfusion_kv`)."""
     holder: ContextHolder = module._mmfusion_ctx
+    key_cache, value_cache = kwargs[KV_KWARG]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if torch.compiler.is_compiling():
-        out = attend_op(query, key, value, holder.id, module._mmfusion_layer, scaling, sliding_window, softcap)
+        out = attend_op(query, key, value, key_cache, value_cache, holder.id, module._mmfusion_layer, scaling,
+                        sliding_window, softcap)
     else:  # eager: skip the custom-op dispatch
-        out = _attend(holder, query, key, value, module.layer_idx, scaling, sliding_window, softcap)
+        out = _attend(holder, query, key, value, key_cache, value_cache, module.layer_idx, scaling, sliding_window,
+                      softcap)
     return out, None
 
 

@@ -14,19 +14,19 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from workers.shared_weights import cache_root, source_key
+from workers.files import atomic_replace, cache_root
+from workers.sources import source_key
 
 log = logging.getLogger("mmfusion.compile")
 
 ARTIFACTS = "artifacts.bin"
 META = "meta.json"
-FORMAT = 1  # bump when what a cache entry holds changes
+FORMAT = 2  # bump when what a cache entry holds changes
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,7 +34,7 @@ class CompileKey:
     """What a compiled graph depends on; a change in any field is a different cache entry."""
 
     source: str
-    model: str  # shared_weights.source_key: the source and its files' size and mtime
+    model: str  # sources.source_key: the source and its files' size and mtime
     dtype: str
     device: str  # device type: graphs are built for a kind of device, not an index
     buckets: str
@@ -93,39 +93,23 @@ def load(key: CompileKey) -> bool:
 
 def save(key: CompileKey) -> Path | None:
     """Write everything this process has compiled so far as the entry for `key`. Copies of a
-    model compile at the same time and each saves: an entry appears whole (written aside, then
-    renamed into place) and, when two race, one of them wins; a failed save only logs."""
-    import shutil
-
+    model compile at the same time and each saves: an entry appears whole and, when two race, one
+    of them wins; a failed save only logs."""
     d = key.directory()
-    tmp = None
     try:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return None
         data, _info = saved
         meta = {"key": asdict(key), "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-        d.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}."))
-        (tmp / ARTIFACTS).write_bytes(data)
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        old = d.parent / f".{d.name}.old-{os.getpid()}"
-        try:
-            os.rename(d, old)  # atomic: a reader sees the old entry or none, never half of one
-        except FileNotFoundError:
-            old = None  # no entry yet, or another writer moved it a moment ago
-        try:
-            os.rename(tmp, d)
-            tmp = None
-        except OSError:  # another writer put its entry in place first: keep that one
-            pass
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+
+        def fill(tmp: Path) -> None:
+            (tmp / ARTIFACTS).write_bytes(data)
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+
+        atomic_replace(d, fill, is_dir=True)
     except OSError as exc:
         log.warning("could not save the compiled cache %s (%s: %s); the next start compiles again",
                     d, type(exc).__name__, exc)
         return None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return d

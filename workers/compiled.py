@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workers import attention
+from workers import attention, compile_cache
 
 log = logging.getLogger("mmfusion.compile")
+CAPACITY_DIM = 3  # of SlotKVCache.keys/values: [layers, slots, kv_heads, capacity, head_dim]
 
 
 def default_buckets(max_tokens: int, step: int = 64) -> tuple[int, ...]:
@@ -100,7 +101,11 @@ class CompiledLayers:
         self._fns = [torch.compile(layer._call_impl, dynamic=False, fullgraph=True, **opts) for layer in self.layers]
 
     @contextlib.contextmanager
-    def active(self):
+    def active(self, cache):
+        """The compiled layers, for one forward over `cache` (a SlotKVCache): its capacity is a
+        dynamic dimension of the graphs, so the cache can grow without a recompile."""
+        for buf in (cache.keys, cache.values):
+            torch._dynamo.mark_dynamic(buf, CAPACITY_DIM)
         self.graphs.step_begin()
         for layer, fn in zip(self.layers, self._fns):
             layer._compiled_call_impl = fn
@@ -184,8 +189,6 @@ def summary(info: dict | None) -> str:
 def prepare(runner, lm, mode: str, buckets: Buckets) -> CompileInfo:
     """Compile `runner`'s forward when `mode` asks for it: `true` always, `auto` when the cache
     has this model's artifacts. Builds every bucket before returning and saves what it built."""
-    from workers import compile_cache  # imports shared_weights and models: only when compiling
-
     if mode == "false":
         return CompileInfo(False, "compile is false")
     if not hasattr(runner, "enable_compile"):

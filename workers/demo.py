@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from workers.engine import Engine
+from workers.models import load_engine
 from workers.params import SamplingParams
 
 PROMPTS = [
@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     for source in args.models:
         t0 = time.perf_counter()
-        engine = Engine.from_source(source, dtype=args.dtype, max_batch_size=16, max_batch_tokens=256)
+        engine = load_engine(source, dtype=args.dtype, max_batch_size=16, max_batch_tokens=256)
         load_s = time.perf_counter() - t0
         params = [SamplingParams(max_tokens=args.max_tokens, temperature=0),
                   SamplingParams(max_tokens=args.max_tokens, temperature=0.7, top_p=0.9, seed=1),

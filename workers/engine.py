@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.compiled import Buckets, compile_mode, default_buckets, prepare
-from workers.models import LoadedModel, load_model
+from workers.loaded_model import LoadedModel
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.params import SamplingParams
 from workers.runner import BaseRunner, make_runner
@@ -67,12 +67,6 @@ class Engine:
         self.steps = 0
         self.last_plan: SchedulerOutput | None = None
         self.tokens_generated = 0
-
-    @classmethod
-    def from_source(cls, source: str, dtype: str = "auto", device: str = "cpu",
-                    max_model_len: int | None = None, share_weights: bool = False, **config) -> Engine:
-        return cls(load_model(source, dtype=dtype, device=device, max_model_len=max_model_len,
-                              share_weights=share_weights), EngineConfig(**config))
 
     # --- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 from workers import attention
 from workers.compiled import Buckets, CompiledLayers
 from workers.kv_cache import SlotKVCache
-from workers.models import LoadedModel
+from workers.loaded_model import LoadedModel
 from workers.sampler import SampleSpec, sample, top_alternatives
 from workers.scheduler import Chunk, SchedulerOutput
 from workers.sequence import Sequence, SequenceGroup
@@ -207,12 +207,13 @@ class SlotRunner(BaseRunner):
         return self._call(call)
 
     def _call(self, call: dict) -> torch.Tensor:
-        # no transformers cache: the attention op writes the slot cache itself
+        # no transformers cache: the attention op writes the slot cache, handed down as a keyword
+        kv = {attention.KV_KWARG: (self.cache.keys, self.cache.values)}
         if self.compiled is not None and self.compiled.buckets.pad(call["input_ids"].shape[1]) is not None:
-            with self.compiled.active():
-                out = self.model(**call, use_cache=False)
+            with self.compiled.active(self.cache):
+                out = self.model(**call, use_cache=False, **kv)
         else:
-            out = self.model(**call, use_cache=False)
+            out = self.model(**call, use_cache=False, **kv)
         self.holder.current = None
         return out.logits[0]
 

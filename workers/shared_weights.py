@@ -21,16 +21,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import hashlib
 import json
 import logging
 import mmap
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from workers.files import atomic_replace, cache_root
+from workers.sources import source_key
 
 log = logging.getLogger("mmfusion.shared_weights")
 WEIGHTS_FILE = "model.safetensors"
@@ -57,28 +58,6 @@ class WeightsInfo:
         return {"bytes": self.bytes, "shared": self.shared, "path": self.path}
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("MMFUSION_CACHE", str(Path.home() / ".cache" / "mmfusion")))
-
-
-def source_key(source: str) -> str:
-    """A name for a source's weights that changes when they may: GGUF and HF files by size and
-    modification time, tiny models by seed and the library versions that initialise them."""
-    from workers.models import source_gguf
-
-    if source.startswith("tiny:"):
-        import transformers
-
-        tag = f"{source}|{transformers.__version__}|{torch.__version__}"
-        return f"tiny-{source.split(':')[1]}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
-    gguf = source_gguf(source)
-    path = gguf or Path(source).expanduser().resolve()
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + [
-        path / "config.json"]
-    tag = "|".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.exists())
-    return f"{path.stem}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
-
-
 def shared_dir(source: str, dtype: torch.dtype) -> Path:
     return cache_root() / "shared" / f"{source_key(source)}-{str(dtype).removeprefix('torch.')}"
 
@@ -102,8 +81,6 @@ def publish(model: torch.nn.Module, tokenizer, dest: Path) -> None:
     """Write model + tokenizer to `dest` through a temporary directory renamed into place."""
     from safetensors.torch import save_file
 
-    from workers.models import replace_dir
-
     tensors, aliases = unique_tensors(model)
     tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
 
@@ -114,10 +91,8 @@ def publish(model: torch.nn.Module, tokenizer, dest: Path) -> None:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        with open(tmp / WEIGHTS_FILE, "rb") as f:
-            os.fsync(f.fileno())
 
-    replace_dir(dest, fill)
+    atomic_replace(dest, fill, is_dir=True)
 
 
 # --- mapping -----------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 from workers import shared_weights as S
+from workers.hf_loader import load_private
+from workers.sources import resolve_dtype
 
 KEY_ENV = "MMFUSION_OWNER_KEY"
 
@@ -81,14 +83,12 @@ class WeightOwner:
 
     def load(self) -> dict:
         """Load once and build the answer every copy gets: the directory and one handle per tensor."""
-        from workers.models import _load_private, resolve_dtype
-
         dev = torch.device(self.device)
         dt = resolve_dtype(self.dtype, dev)
         if dev.type == "cpu":
             torch.multiprocessing.set_sharing_strategy("file_system")  # no fd passing between strangers
         dest = S.shared_dir(self.source, dt)
-        model, _, _ = S.load_shared(self.source, dt, lambda: _load_private(self.source, dt, True))
+        model, _, _ = S.load_shared(self.source, dt, lambda: load_private(self.source, dt))
         model.to(dev)  # from the mapping into this device's memory: the one copy there
         tensors, aliases = S.unique_tensors(model)
         if dev.type == "cpu":  # the read-only file views can't move to shared memory: copy them once

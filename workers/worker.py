@@ -149,17 +149,19 @@ class EngineThread(threading.Thread):
             self.requests.pop(msg["id"], None)
 
     def _load(self, msg: dict, out) -> None:
+        from workers.config_keys import model_value
         from workers.engine import Engine, EngineConfig
         from workers.models import load_model
 
         spec = msg["model"]
         try:
             if self.spec != spec:
-                lm = load_model(spec["source"], dtype=spec.get("dtype", "auto"), device=spec.get("device", "cpu"),
-                                max_model_len=spec.get("max_model_len"),
-                                share_weights=spec.get("share_weights", True), owner=spec.get("weights_owner"))
+                lm = load_model(spec["source"], dtype=model_value(spec, "dtype"), device=spec.get("device", "cpu"),
+                                max_model_len=model_value(spec, "max_model_len"),
+                                share_weights=model_value(spec, "share_weights"), owner=spec.get("weights_owner"))
                 cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads,
-                                   compile=spec.get("compile", "auto"), compile_buckets=spec.get("compile_buckets"))
+                                   compile=model_value(spec, "compile"),
+                                   compile_buckets=model_value(spec, "compile_buckets"))
                 self.engine, self.spec = Engine(lm, cfg), spec
                 if self.engine.compile_info.compiled:
                     print(f"worker: {spec.get('name', spec['source'])}: {self.engine.compile_info.summary()}",

@@ -1,17 +1,18 @@
 """What the batch jobs' files share: the input error, atomic durable writes, an append-only record log.
 
-An atomic write goes to a temp file in the same directory, is fsynced, renamed over the target,
-and the directory fsynced: after a crash the target is either the old file or the whole new one.
+Writes go through workers.files.atomic_replace: after a crash the target is either the old file
+or the whole new one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+from workers.files import atomic_replace
 
 
 class DataError(ValueError):
@@ -39,37 +40,19 @@ def split_json_lines(text: str) -> list[str]:
     return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def durable_replace(src: str | Path, dst: str | Path) -> None:
     """Rename src over dst once src's bytes are on disk, then make the rename itself durable."""
-    with open(src, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(src, dst)
-    fsync_dir(Path(dst).parent)
+    atomic_replace(dst, lambda tmp: os.replace(src, tmp))
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     """write(f) fills a temp file beside `path`, which then replaces `path` durably."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix + ".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def fill(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    atomic_replace(path, fill)
 
 
 def write_json_atomic(path: str | Path, obj) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 
 def tokenize_only(source: str):
     """The tokenizer of a model source, without loading its weights where that can be avoided."""
-    from workers.models import EMBEDDED, embedded_gguf, load_model
+    from workers.models import load_model
+    from workers.sources import EMBEDDED, embedded_gguf
 
     if source in EMBEDDED or source.endswith(".gguf"):
         from transformers import AutoTokenizer

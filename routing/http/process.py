@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 
+from routing import entrypoints
 from routing.http.server import KEYS_ENV, READY_LINE, GatewayError
 
 
@@ -27,8 +27,8 @@ class GatewayProcess:
         self._next_try = 0.0
 
     def _command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "routing.http", "--router", self.router, "--http", self.listen,
-               "--parent-pid", str(os.getpid()), "--log-level", "warning"]
+        cmd = entrypoints.command(entrypoints.GATEWAY, "--router", self.router, "--http", self.listen,
+                                  "--parent-pid", str(os.getpid()), "--log-level", "warning")
         if self.curve_keys:
             cmd += ["--curve-keys", self.curve_keys]
         if self.insecure:

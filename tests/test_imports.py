@@ -1,0 +1,63 @@
+"""The project's imports run one way: no cycle between its modules (imports inside functions
+count too), and no private name taken from another module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("workers", "routing", "fusion")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(imported project module, names taken from it) for every import in the file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names if a.name in known]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                if sub in known:  # `from workers import tiny`: the submodule itself
+                    out.append((sub, []))
+                elif node.module in known:
+                    out.append((node.module, [a.name]))
+    return out
+
+
+def test_no_import_cycle():
+    known = modules()
+    graph = {m: {dep for dep, _ in imports(p, known) if dep != m} for m, p in known.items()}
+    cycles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        for dep in sorted(graph[m]):
+            if state.get(dep) == "open":
+                cycles.append(stack[stack.index(dep):] + [dep] if dep in stack else [m, dep])
+            elif dep not in state:
+                visit(dep, [*stack, dep])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_private_name_imported_across_modules():
+    known = modules()
+    bad = [f"{known_path.relative_to(ROOT)}: {name} from {mod}"
+           for m, known_path in known.items() for mod, names in imports(known_path, known)
+           for name in names if name.startswith("_") and mod != m]
+    assert not bad, bad

@@ -1,0 +1,86 @@
+"""Every key of a variant's `model` section in the params YAML: its default and its valid values.
+
+This table is where those defaults are defined; the planner, the deployment, predict, compile_only
+and the worker read them from here, and docs/configuration.md is generated from it
+(`python -m fusion.config_doc`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from workers.engine import EngineConfig
+
+REQUIRED = object()  # the default of a key that must be given
+
+
+@dataclass(slots=True, frozen=True)
+class Key:
+    """One configuration key: its name, default (REQUIRED when it must be given), valid values and meaning."""
+
+    name: str
+    default: Any
+    valid: str
+    doc: str
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.valid or not self.doc:
+            raise ValueError(f"configuration key {self.name!r}: give a name, its valid values and what it does")
+
+
+def _engine(name: str) -> Any:
+    return next(f.default for f in fields(EngineConfig) if f.name == name)
+
+
+MODEL_KEYS: tuple[Key, ...] = (
+    Key("source", REQUIRED, "`smollm2-135m`, `gemma3-270m`, `tiny:<arch>[:seed]`, a Hugging Face directory, "
+        "or a `.gguf` file", "what to load (see Model sources in the README)"),
+    Key("dtype", "auto", "`auto`, `float32`, `bfloat16`, `float16`, `float64`",
+        "the serving dtype; `auto` is bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 elsewhere"),
+    Key("max_model_len", None, "a positive integer, or null",
+        "the longest sequence (prompt + generated) served; null: the model's own context length"),
+    Key("max_batch_size", _engine("max_batch_size"), "a positive integer",
+        "sequences a worker runs at once (before `deltat_scaling_factor` shares a device's capacity)"),
+    Key("max_batch_tokens", _engine("max_batch_tokens"), "a positive integer",
+        "tokens a worker's step computes at most (decode tokens plus prefill chunks)"),
+    Key("deltat_scaling_factor", 1.0, "a positive number",
+        "this model's relative share of batch capacity among the workers of one device"),
+    Key("share_weights", True, "`true`, `false`",
+        "copies of this model on one device hold one set of weights (CPU: one read-only mapping; "
+        "CUDA: one owner process)"),
+    Key("compile", "auto", "`auto`, `true`, `false`",
+        "run the compiled forward: `auto` when compiled artifacts are in the cache, `true` compiling "
+        "now if needed, `false` eager"),
+    Key("compile_buckets", None, "a strictly increasing list of positive token counts, or null",
+        "the padded step sizes graphs are built for; null: powers of two up to 64, then multiples of 64 "
+        "up to `max_batch_tokens`"),
+    Key("resources", None, "a mapping of Ray resource names to positive amounts, or null",
+        "custom Ray resources each copy asks for (with `--ray`), so that it runs only on nodes that have them"),
+    Key("start_token", None, "a token ID or a list of them (the first pads)",
+        "HDF5 input: where each row's prompt ends and generation starts; required for HDF5 input"),
+    Key("end_token", None, "a token ID or a list of them, or null",
+        "HDF5 input: generation stops after emitting one (kept in the output); IDs past the vocabulary "
+        "disable it"),
+    Key("loop_dim", 1, "`0`, `1`", "HDF5 input: 1 reads `data` as (samples, seq), 0 as (seq, samples)"),
+    Key("max_tokens", None, "a non-negative integer, or null",
+        "new tokens at most: the default of requests that give none (else 16, as OpenAI); HDF5 rows: null "
+        "fills the row"),
+    Key("temperature", None, "a number >= 0, or null",
+        "the default of requests that give none (else 1.0); HDF5 rows: null is greedy (0)"),
+    Key("top_p", None, "a number in (0, 1], or null", "the default of requests that give none (else 1.0: off)"),
+    Key("top_k", None, "an integer >= 0, or null", "the default of requests that give none (else 0: off)"),
+)
+MODEL = {k.name: k for k in MODEL_KEYS}
+# the model keys that are request defaults: the worker applies them to requests that leave them out
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")
+
+
+def model_value(params: dict, name: str) -> Any:
+    """A variant's value for model key `name`: the params' own, else the table's default."""
+    if name in params:
+        return params[name]
+    default = MODEL[name].default
+    if default is REQUIRED:
+        raise KeyError(f"model key {name!r} is required")
+    return default

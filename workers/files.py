@@ -1,0 +1,81 @@
+"""Where the project keeps what it builds, and the one way it replaces a file or directory.
+
+Everything cached (GGUF conversions, shared weights, compiled artifacts, inductor's kernels) lives
+under one root, `$MMFUSION_CACHE` (default `~/.cache/mmfusion`).
+
+`atomic_replace` writes into a temporary sibling and renames it into place once complete and on
+disk, then syncs the directory: after a crash, or to a concurrent reader, the target is the old
+version or the whole new one, never a part.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+CACHE_ENV = "MMFUSION_CACHE"
+
+
+def cache_root() -> Path:
+    """The root of everything the project caches: `$MMFUSION_CACHE`, default `~/.cache/mmfusion`."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mmfusion")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def atomic_replace(dest: str | Path, fill: Callable[[Path], None], *, is_dir: bool = False) -> bool:
+    """`fill(tmp)` writes a temporary sibling of `dest` (a file, or a directory when `is_dir`); once
+    it returns, the result is synced and renamed over `dest`. On any error the temporary is removed
+    and `dest` is untouched.
+
+    A directory cannot be renamed over a non-empty one, so the old one is first renamed aside (a
+    reader sees the old directory or none, never half of one). When several writers race, the
+    first to put its directory in place wins and the others' are dropped: returns False for them."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if is_dir:
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+    else:
+        fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
+    placed = True
+    try:
+        fill(tmp)
+        _fsync_tree(tmp)
+        if not is_dir:
+            os.replace(tmp, dest)
+        else:
+            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+            try:
+                os.rename(dest, old)
+            except FileNotFoundError:
+                old = None  # no entry yet, or another writer moved it a moment ago
+            try:
+                os.rename(tmp, dest)
+            except OSError:  # another writer put its directory in place first: keep that one
+                placed = False
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(dest.parent)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+    return placed

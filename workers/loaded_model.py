@@ -1,0 +1,25 @@
+"""A loaded model as the engine takes it: weights, tokenizer and the limits the engine needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    source: str
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    weights: Any = None  # shared_weights.WeightsInfo: bytes, and whether shared with other copies
+    # read once: the config lookup behind it costs microseconds, and every request checks its prompt
+    vocab_size: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.vocab_size = int(self.model.config.get_text_config().vocab_size)
