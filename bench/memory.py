@@ -6,9 +6,8 @@ process and every worker, after each copy has answered a greedy request), the co
 copy, the weight bytes, and the plan's estimate beside the measurement. The greedy answers of
 every copy must equal the unshared run's.
 
-Target: each extra shared copy costs at most its KV cache and process overhead plus 15% of the
-weight bytes; the `extra_copy_vs_target` field is that cost over the allowance (<= 1 meets it).
-The process overhead is measured in the same run, as the cost of an extra copy of a model with
+Each line also gives an extra shared copy's cost over an allowance of its KV cache, its process
+overhead and 15% of the weight bytes (`extra_copy_vs_allowance`). The process overhead is measured in the same run, as the cost of an extra copy of a model with
 next to no weights (tiny:llama); the KV cache is the copy's full budget as the plan counts it.
 
     python bench/memory.py [--copies 1 2 4] [--model smollm2-135m] [--dtype bfloat16]
@@ -30,6 +29,7 @@ import time  # noqa: E402
 
 import psutil  # noqa: E402
 
+from bench.machine import describe  # noqa: E402
 from bench.router import emit, free_port  # noqa: E402
 from fusion.plan import OVERHEAD_BYTES  # noqa: E402
 from routing.entrypoints import CLI, command  # noqa: E402
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=512)
     args = ap.parse_args()
+    print(json.dumps(describe("memory", sys.argv)), flush=True)
     one, most = min(args.copies), max(args.copies)
     # a worker process's own overhead, measured: what an extra copy of a model with next to no
     # weights (tiny:llama, 0.4 MiB) costs
@@ -116,7 +117,7 @@ def main() -> None:
              plan_estimate_mib=round(r["plan_bytes"] / 2**20, 1),
              kv_budget_mib=round(kv / 2**20, 1), overhead_mib=round(overhead / 2**20, 1),
              allowance_mib=round(allowance / 2**20, 1),
-             extra_copy_vs_target=None if extra is None or not share else round(extra / allowance, 3),
+             extra_copy_vs_allowance=None if extra is None or not share else round(extra / allowance, 3),
              answers_equal_unshared=all(a == base_answers for a in r["answers"]))
 
 

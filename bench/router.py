@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import zmq  # noqa: E402
 
+from bench.machine import describe  # noqa: E402
 from routing import protocol as P  # noqa: E402
 from routing.entrypoints import CLI, ROUTER, WORKER, command  # noqa: E402
 
@@ -213,6 +214,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
+    print(json.dumps(describe("router", sys.argv)), flush=True)
     bench_echo(args.seconds)
     if not args.skip_e2e:
         bench_e2e(args.n, args.model, args.dtype)

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 import psutil  # noqa: E402
 
+from bench.machine import describe  # noqa: E402
 from routing.client import AsyncClient, Client, RouterError  # noqa: E402
 from routing.entrypoints import CLI, command  # noqa: E402
 
@@ -126,6 +127,7 @@ def main() -> int:
     ap.add_argument("--kill-every", type=float, nargs=2, default=(3.0, 8.0))
     ap.add_argument("--timeout", type=float, default=60.0, help="a request unanswered this long is lost")
     args = ap.parse_args()
+    print(json.dumps(describe("soak", sys.argv)), flush=True)
     if args.duration <= 0 or args.clients < 1 or not 0 < args.kill_every[0] <= args.kill_every[1]:
         ap.error("need --duration > 0, --clients >= 1 and 0 < --kill-every MIN <= MAX")
     work = cases()

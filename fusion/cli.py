@@ -93,6 +93,9 @@ def serve(params: dict, fusion, plan) -> int:
     print(plan.describe())
     with deployment(fusion, plan, run) as dep:
         print(f"serving: clients connect to {dep.frontend} (workers: {dep.router.backend_addr})", flush=True)
+        if dep.config.curve_keys:
+            print(f"serving: CurveZMQ keys in {dep.config.curve_keys}: clients connect with "
+                  f"--curve-keys {dep.config.curve_keys} (keypair 'client')", flush=True)
         gateway = None
         if run["http"]:
             from routing.http.process import GatewayProcess

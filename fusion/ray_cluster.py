@@ -14,14 +14,16 @@ worker process that died.
   variant's copies go to different nodes where they can, so they survive the loss of a node) or
   `pack` (together on as few nodes as possible).
 - The router binds `ray_router_host` (runconfig) or this node's IP as Ray sees it. The connection
-  is always CurveZMQ: the driver makes a keypair set for the run (or uses `curve_keys`) and hands
-  each actor the router's public key and the workers' keypair through Ray.
+  is always CurveZMQ: the driver uses `curve_keys`, or else keeps a keypair set under
+  `<model_dir>/keys` (made on the first run, reused after), and hands each actor the router's
+  public key and the workers' keypair through Ray. Clients of the deployment connect with that
+  directory (`--curve-keys`); serve prints it.
 - On exit (Ctrl-C included) every actor is killed without restart and the placement group is
   removed: nothing of the deployment stays on the cluster.
 
 Network note: on a machine whose tests must stay on loopback, every Ray node, the driver and the
 router must live on 127.0.0.1 (`ray start --node-ip-address 127.0.0.1`, ray.init with
-`_node_ip_address="127.0.0.1"`); see the README.
+`_node_ip_address="127.0.0.1"`); see docs/operations.md.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
 from routing import protocol as P
 from routing.security import generate
+
+RUN_KEYS = "keys"  # under model_dir: the deployment's CurveZMQ keys when runconfig gives none
 
 PLACEMENTS = {"spread": "SPREAD", "pack": "PACK"}
 KEY_FILES = ("server.key", "clients/worker.key_secret")  # what a worker's connect_curve reads
@@ -119,11 +123,8 @@ class RayDeployment(LocalDeployment):
     def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict, log=None):
         self.ray = import_ray()
         self.strategy = placement_strategy(run.get("placement") or "spread")
-        keys = run["curve_keys"]
-        self._own_keys = None
-        if not keys:  # a keypair set for this run: secure off loopback with no set-up
-            self._own_keys = tempfile.TemporaryDirectory(prefix="mmfusion-run-keys-")
-            keys = self._own_keys.name
+        # off loopback with no set-up: a keypair set kept where the user finds it, for clients too
+        keys = str(Path(run["curve_keys"] or Path(run["model_dir"]) / RUN_KEYS).resolve())
         generate(keys, ["client", "worker"])
         self.address = run["ray"]
         self.host = run.get("ray_router_host")
@@ -255,7 +256,3 @@ class RayDeployment(LocalDeployment):
                 pass
         self.actors = []
 
-    def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)
-        if self._own_keys is not None:
-            self._own_keys.cleanup()

@@ -147,7 +147,7 @@ class _Base:
 class Client(_Base):
     """Blocking client. One request at a time per Client; use one per thread."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 60.0,
+    def __init__(self, address: str = P.DEFAULT_FRONTEND, timeout: float | None = 60.0,
                  ctx: zmq.Context | None = None, curve_keys: str | None = None, curve_name: str = "client"):
         super().__init__(address, timeout, ctx or zmq.Context.instance(), curve_keys, curve_name)
         self.poller = zmq.Poller()
@@ -286,7 +286,7 @@ class AsyncClient(_Base):
     zmq.asyncio would make a future, and a poll, per message; at gateway rates that was most of the
     cost of a request."""
 
-    def __init__(self, address: str = "tcp://127.0.0.1:5555", timeout: float | None = 60.0,
+    def __init__(self, address: str = P.DEFAULT_FRONTEND, timeout: float | None = 60.0,
                  curve_keys: str | None = None, curve_name: str = "client"):
         super().__init__(address, timeout, zmq.Context.instance(), curve_keys, curve_name)
         self.sock.setsockopt(zmq.SNDHWM, RECEIVE_QUEUE)
@@ -503,7 +503,7 @@ class AsyncClient(_Base):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Send a completion request to a running router.")
     ap.add_argument("prompt", nargs="?", help="prompt text (omit with --models or --status)")
-    ap.add_argument("--router", default="tcp://127.0.0.1:5555")
+    ap.add_argument("--router", default=P.DEFAULT_FRONTEND)
     ap.add_argument("--model", default=None, help="model name, or an integer model ID")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)

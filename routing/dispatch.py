@@ -36,8 +36,8 @@ FRONT, BACK = "front", "back"
 
 @dataclass(slots=True)
 class RouterConfig:
-    frontend: str = "tcp://127.0.0.1:5555"
-    backend: str = "tcp://127.0.0.1:5556"
+    frontend: str = P.DEFAULT_FRONTEND
+    backend: str = P.DEFAULT_BACKEND
     heartbeat_interval: float = 0.5
     liveness: int = 6
     max_queue: int = 1024  # waiting requests per model (resent ones included) before `busy`

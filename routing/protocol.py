@@ -40,6 +40,9 @@ from dataclasses import dataclass
 import msgpack
 
 VERSION = 1
+# where a router listens when nothing else is said: clients connect to the frontend, workers to the backend
+DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
+DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # frames above this are refused by the socket (ZMQ_MAXMSGSIZE)
 MAX_PROMPT_ITEMS = 1 << 20
 MAX_SAMPLES = 1024  # per-sample entries in a chunk header

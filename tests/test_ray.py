@@ -156,14 +156,17 @@ def test_workers_on_both_nodes_answer_as_locally_survive_sigkill_and_leave_nothi
     assert len(pgs) == 2 and all(ray.util.placement_group_table(pg)["state"] == "REMOVED" for pg in pgs)
 
 
-def test_run_mm_serve_with_ray_stops_every_actor_on_sigint(cluster, tmp_path):
+def test_run_mm_serve_with_ray_names_its_keys_and_stops_every_actor_on_sigint(cluster, tmp_path):
+    """With no curve_keys the run's keypairs live under model_dir/keys, serve prints where, and a
+    ZeroMQ client connects with them; SIGINT then leaves nothing on the cluster."""
     c, _ = cluster
     params = _params(tmp_path, {"llama": ("llama", {})})
     path = tmp_path / "serve.yaml"
     run = params["runconfig"]
     path.write_text(yaml.safe_dump({"variants": {"llama": {"model": params["variants"]["llama"]["model"]}},
-                                    "runconfig": {k: run[k] for k in ("threads_per_worker", "devices", "frontend",
-                                                                      "backend", "ray_router_host")}}))
+                                    "runconfig": {**{k: run[k] for k in ("threads_per_worker", "devices", "frontend",
+                                                                         "backend", "ray_router_host")},
+                                                  "model_dir": str(tmp_path / "md")}}))
     env = {**os.environ, "RAY_ADDRESS": c.address}
     proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(path), "--variants",
                              "llama,2", "--ray", c.address], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -172,8 +175,10 @@ def test_run_mm_serve_with_ray_stops_every_actor_on_sigint(cluster, tmp_path):
         lines = []
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("serving: clients connect to"):
+            if line.startswith("serving: CurveZMQ keys in"):
                 break
+        keys = tmp_path / "md" / "keys"
+        assert f"--curve-keys {keys}" in lines[-1], "".join(lines)
         deadline = time.monotonic() + 300
         alive = []
         while time.monotonic() < deadline:  # the actors of this run, alive on the cluster
@@ -183,6 +188,11 @@ def test_run_mm_serve_with_ray_stops_every_actor_on_sigint(cluster, tmp_path):
                 break
             time.sleep(0.5)
         assert len(alive) == 2, "".join(lines)
+        frontend = next(ln for ln in lines if ln.startswith("serving: clients")).split()[4]
+        with Client(frontend, timeout=120, curve_keys=str(keys)) as cl:
+            got = cl.complete(model="llama", prompt=[5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True,
+                              return_token_ids=True)
+        assert got["choices"][0]["token_ids"] == _greedy([5, 6, 7], 4, "llama")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, "".join(lines) + out

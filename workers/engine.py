@@ -28,11 +28,14 @@ def _same(x):
     return x
 
 
+_SCHEDULING = SchedulerConfig()  # the scheduling limits' defaults are the scheduler's own
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    max_batch_size: int = 64
-    max_batch_tokens: int = 512
-    min_shared_prefix: int = 16
+    max_batch_size: int = _SCHEDULING.max_batch_size
+    max_batch_tokens: int = _SCHEDULING.max_batch_tokens
+    min_shared_prefix: int = _SCHEDULING.min_shared_prefix
     num_threads: int | None = None  # torch threads for this process; None leaves torch's default
     compile: str | bool = "auto"  # auto: compiled when the cache has artifacts; true: compile if needed
     compile_buckets: tuple[int, ...] | list[int] | None = None  # padded token counts; None: default_buckets

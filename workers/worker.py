@@ -34,7 +34,7 @@ from workers.detok import IncrementalText
 
 @dataclass(slots=True)
 class WorkerConfig:
-    backend: str = "tcp://127.0.0.1:5556"
+    backend: str = P.DEFAULT_BACKEND
     heartbeat_interval: float = 0.5  # seconds between heartbeats both ways
     liveness: int = 6  # missed heartbeats before the router is presumed dead
     reconnect_initial: float = 0.25

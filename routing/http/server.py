@@ -19,6 +19,7 @@ from pathlib import Path
 
 import uvicorn
 
+from routing import protocol as P
 from routing.http.app import MAX_BODY_BYTES, Gateway, GatewaySettings
 from routing.security import is_loopback
 
@@ -95,7 +96,7 @@ class GatewayThread:
 
 def add_arguments(ap: argparse.ArgumentParser, router: bool = True) -> None:
     if router:
-        ap.add_argument("--router", default="tcp://127.0.0.1:5555", help="the router's client endpoint")
+        ap.add_argument("--router", default=P.DEFAULT_FRONTEND, help="the router's client endpoint")
         ap.add_argument("--http", default="127.0.0.1:8000", help="HOST:PORT to listen on")
         ap.add_argument("--insecure", action="store_true", help="listen off loopback without API keys")
         ap.add_argument("--curve-keys", help="CurveZMQ keys directory, when the router requires it")

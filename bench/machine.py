@@ -1,0 +1,47 @@
+"""The first JSON line of every benchmark: when, which commit, and on what machine it ran."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+# the CPU features that decide how fast these workloads can run
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+
+
+def cpu() -> dict:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count()}
+
+
+def commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+def describe(bench: str, argv: list[str]) -> dict:
+    import torch
+    import transformers
+
+    return {"bench": bench, "machine": True, "date": datetime.date.today().isoformat(), "commit": commit(),
+            **cpu(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "command": " ".join(["python", *argv])}
