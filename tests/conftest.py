@@ -1,88 +1,26 @@
-"""Shared fixtures: tiny random models (cached per session) and a transformers reference."""
+"""Test settings: offline, and a hermetic cache under the checkout; the real models, once per session.
+
+Helpers live in tests/support/. The cache is `.cache/test-<torch>-<transformers>/` in the
+checkout, never ~/.cache: a rerun finds its converted weights and compiled kernels again, and a
+new torch or transformers gets a fresh one. Tests of a cold path set their own empty directory.
+"""
 
 from __future__ import annotations
 
 import os
-import socket
+from importlib.metadata import version
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+CACHE = Path(__file__).resolve().parents[1] / ".cache" / f"test-{version('torch')}-{version('transformers')}"
+os.environ["MMFUSION_CACHE"] = str(CACHE)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE / "inductor")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-from workers.attention import hf_attention  # noqa: E402
 from workers.models import load_model  # noqa: E402
-
-ARCHS = ["gpt2", "llama", "mistral", "opt", "bloom", "gemma3"]
-_CACHE: dict = {}
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range (32768+), so that no outgoing connection of another
-    test takes it between this check and the bind."""
-    import random
-
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
-
-
-def tiny(arch: str, dtype: str = "float64"):
-    """A fresh engine-ready tiny model; weights are deterministic for (arch, dtype)."""
-    return load_model(f"tiny:{arch}", dtype=dtype)
-
-
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    """transformers generate(do_sample=False) on its own attention, never stopping early."""
-    attn = "eager" if model.config.model_type == "bloom" else "sdpa"
-    with hf_attention(model, attn), torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-_REAL_REFERENCES: dict = {}
-
-
-def hf_greedy_real(name: str, model, prompt: list[int], max_new: int) -> list[int]:
-    """hf_greedy for a session's real-model fixture `name`, computed once per session: the eager
-    and the compiled parity tests ask for the same references, and each takes seconds."""
-    key = (name, tuple(prompt), max_new)
-    if key not in _REAL_REFERENCES:
-        _REAL_REFERENCES[key] = hf_greedy(model, prompt, max_new)
-    return _REAL_REFERENCES[key]
-
-
-def real_mixed_batch_matches_transformers(name: str, lm, eng) -> None:
-    """Real-model parity in one mixed batch (text and random prompts of 1-200 tokens): `eng`'s
-    greedy output equals transformers generate for each, token for token."""
-    import random
-
-    from workers.params import SamplingParams
-
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
-    rng = random.Random(0)
-    prompts = [lm.tokenizer(t).input_ids for t in texts]
-    prompts += [[rng.randrange(1000, 30000) for _ in range(n)] for n in (1, 57, 200)]
-    max_tokens = [12, 20, 9, 16, 5, 24]
-    outs = eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])
-    for p, m, o in zip(prompts, max_tokens, outs):
-        assert o.outputs[0].token_ids == hf_greedy_real(name, lm.model, p, m)
-
-
-def plain_logits(model, tokens: list[int]) -> torch.Tensor:
-    """Logits of one plain forward pass over `tokens`, on transformers' own attention."""
-    attn = "eager" if model.config.model_type == "bloom" else "sdpa"
-    with hf_attention(model, attn), torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0].float()
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,8 @@ import time
 import h5py
 import numpy as np
 import pytest
-from conftest import free_port
-from test_batch_modes import ROOT, run_mm, tiny_variant, write_params
-from test_predict import reference as hdf5_reference
-from test_predict import setup as hdf5_setup
-from test_router_lifecycle import TINY, start_worker, wait_for
+from support.batch import hdf5_reference, hdf5_setup, run_mm, tiny_variant, write_params
+from support.cluster import ROOT, TINY, free_port, start_worker, wait_for
 
 from fusion.jobs import Transient, complete
 from routing import protocol as P

@@ -11,37 +11,13 @@ import h5py
 import numpy as np
 import pytest
 import torch
-import yaml
-from conftest import free_port, plain_logits, tiny
+from support.batch import START, run_mm, tiny_variant, write_params
+from support.cluster import ROOT
+from support.models import plain_logits, tiny
 
 from routing.entrypoints import CLI, command
 from workers.completions import completion_response, sampling_params
 from workers.engine import Engine, EngineConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-START = 500
-
-
-def write_params(tmp_path: Path, variants: dict, **runconfig) -> Path:
-    params = {"variants": variants, "runconfig": {"threads_per_worker": 1, "devices": "cpu", **runconfig}}
-    path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
-
-
-def tiny_variant(arch: str, processor: str, data_dir: Path, batch_size: int = 3, **model) -> dict:
-    return {"model": {"source": f"tiny:{arch}", "dtype": "float32", "max_batch_size": 8, "max_batch_tokens": 64,
-                      "temperature": 0.0, **model},
-            "inference_input": {"data_processor": processor, "data_dir": str(data_dir), "batch_size": batch_size}}
-
-
-def run_mm(params: Path, mode: str, variants: list[str], model_dir: Path, timeout: float = 300, **popen):
-    cmd = [*command(CLI), "--mode", mode, "--params", str(params), "--variants", *variants,
-           "--model_dir", str(model_dir), "--frontend", f"tcp://127.0.0.1:{free_port()}",
-           "--backend", f"tcp://127.0.0.1:{free_port()}"]
-    if popen.keys() - {"env"}:
-        return subprocess.Popen(cmd, cwd=ROOT, **popen)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **popen)
 
 
 def check_completion_object(res: dict, with_logprobs: list[bool]) -> None:

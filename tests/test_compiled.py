@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, real_mixed_batch_matches_transformers, tiny
+from support.models import hf_greedy, real_mixed_batch_matches_transformers, tiny
 
 from workers import compile_cache
 from workers.compiled import Buckets, compile_mode, default_buckets, graphs_compiled

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny
+from support.models import tiny
 
 from workers.detok import IncrementalText
 

@@ -9,40 +9,24 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from conftest import free_port, tiny
-from test_router_lifecycle import one_worker, start_router, start_worker, wait_for
+from support.cluster import (
+    ANY_PORT,
+    ROOT,
+    engine_reference,
+    one_worker,
+    read_frontend,
+    run_stream,
+    start_router,
+    start_worker,
+    wait_for,
+)
+from support.cluster import TINY_CONFIG as CONFIG
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
 from routing.entrypoints import CLI, command
-from workers.completions import sampling_params
-from workers.engine import Engine, EngineConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "tiny.yaml"
-
-
-def reference(prompt, **params) -> list[int]:
-    eng = Engine(tiny("llama", "float32"), EngineConfig(max_batch_size=8, max_batch_tokens=64))
-    return eng.generate([prompt], sampling_params(params)[0])[0].outputs[0].token_ids
-
-
-def run_stream(address: str, prompt, started: threading.Event | None = None, **params) -> dict:
-    """Stream one request; what the client saw: chunk tokens and texts, and the final response."""
-    with Client(address, timeout=120) as c:
-        toks, text = [], ""
-        for msg in c._run("llama", prompt, True, {**params, "return_token_ids": True}):
-            if msg["type"] == P.CHUNK:
-                for out in msg["outputs"]:
-                    toks += out["token_ids"]
-                    text += out["text"]
-                if started is not None:
-                    started.set()
-            else:
-                return {"tokens": toks, "text": text, "response": msg["response"]}
 
 
 def test_worker_killed_mid_stream_is_redispatched_without_duplicates():
@@ -74,7 +58,7 @@ def test_worker_killed_mid_stream_is_redispatched_without_duplicates():
                 assert g["tokens"] == choice["token_ids"] and len(g["tokens"]) == 300  # nothing twice, nothing lost
                 assert g["text"] == choice["text"]
                 if params[i]["seed"] is not None or params[i]["temperature"] == 0.0:
-                    assert g["tokens"] == reference(prompts[i], **params[i])
+                    assert g["tokens"] == engine_reference("llama", prompts[i], **params[i])
             # a restarted worker registers again and takes back a model ID
             workers.append(start_worker(router.backend_addr))
             wait_for(lambda: sum(w["alive"] and w["loaded"] for w in c.status()["workers"]) == 2)
@@ -136,10 +120,8 @@ def test_async_client_timeout_reaches_the_worker_and_frees_the_slot():
 
 
 def test_router_restart_fails_in_flight_at_once_and_serves_new_requests():
-    probe_port = free_port()
-    backend, front = f"tcp://127.0.0.1:{probe_port}", None
-    router, thread = start_router(backend=backend)
-    front = router.frontend_addr
+    router, thread = start_router()
+    backend, front = router.backend_addr, router.frontend_addr  # the restarted router binds these again
     worker = start_worker(backend)
     try:
         with Client(front, timeout=60) as c:
@@ -167,12 +149,12 @@ def test_router_restart_fails_in_flight_at_once_and_serves_new_requests():
 
 
 def test_serve_restarts_a_crashed_worker():
-    front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(CONFIG),
-                             "--variants", "llama,1", "gpt2,1", "--frontend", front, "--backend", back,
-                             "--devices", "cpu"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             "--variants", "llama,1", "gpt2,1", "--frontend", ANY_PORT, "--backend", ANY_PORT,
+                             "--devices", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
+        front = read_frontend(proc)
         with Client(front, timeout=10) as c:
             wait_for(lambda: len(c.status()["workers"]) == 2 and all(w["loaded"] for w in c.status()["workers"]),
                      timeout=120)

@@ -13,7 +13,8 @@ from pathlib import Path
 import msgpack
 import psutil
 import zmq
-from conftest import free_port, tiny
+from support.cluster import free_port
+from support.models import tiny
 
 from routing import protocol as P
 from routing.client import Client

@@ -12,10 +12,9 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import free_port, plain_logits, tiny
 from prometheus_client.parser import text_string_to_metric_families
-from test_router_lifecycle import TINY, wait_for
-from test_routing import Deployment, engine_reference
+from support.cluster import TINY, Deployment, engine_reference, free_port, wait_for
+from support.models import plain_logits, tiny
 
 from routing.client import Client
 from routing.entrypoints import CLI, GATEWAY, command

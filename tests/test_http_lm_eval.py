@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, plain_logits, tiny
-from test_routing import Deployment
+from support.cluster import Deployment, free_port
+from support.models import plain_logits, tiny
 
 from routing.http.app import GatewaySettings
 from routing.http.server import GatewayThread

@@ -16,9 +16,18 @@ import msgpack
 import psutil
 import pytest
 import zmq
-from conftest import free_port
-from test_faults import reference, run_stream
-from test_router_lifecycle import ROOT, TINY, one_worker, start_router, start_worker, wait_for, wait_loaded
+from support.cluster import (
+    ROOT,
+    TINY,
+    engine_reference,
+    free_port,
+    one_worker,
+    run_stream,
+    start_router,
+    start_worker,
+    wait_for,
+    wait_loaded,
+)
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
@@ -70,7 +79,7 @@ def test_a_router_restart_never_hands_old_work_to_new_requests():
             prompts = [[100 + i, 50, 3 * i + 1] for i in range(4)]
             got = _complete_all(front, prompts, max_tokens=24, **GREEDY)
             for prompt, tokens in zip(prompts, got):
-                assert tokens == reference(prompt, max_tokens=24, **GREEDY)
+                assert tokens == engine_reference("llama", prompt, max_tokens=24, **GREEDY)
     finally:
         os.kill(worker.pid, signal.SIGCONT)
         router.stop()
@@ -98,7 +107,7 @@ def test_a_stalled_worker_that_registers_again_never_crosses_results():
                 got = [f.result(timeout=120) for f in futs]
             for prompt, g in zip(prompts, got):
                 assert g["tokens"] == g["response"]["choices"][0]["token_ids"]
-                assert g["tokens"] == reference(prompt, max_tokens=400, **GREEDY)
+                assert g["tokens"] == engine_reference("llama", prompt, max_tokens=400, **GREEDY)
 
             def back():
                 return next((w for w in c.status()["workers"]
@@ -111,7 +120,7 @@ def test_a_stalled_worker_that_registers_again_never_crosses_results():
             assert c.status()["resent"] >= victim["inflight"]
             # served again under its new registration
             assert _complete_all(router.frontend_addr, [[3, 1, 4, 1, 5]] * 4, max_tokens=6, **GREEDY) == \
-                [reference([3, 1, 4, 1, 5], max_tokens=6, **GREEDY)] * 4
+                [engine_reference("llama", [3, 1, 4, 1, 5], max_tokens=6, **GREEDY)] * 4
     finally:
         router.stop()
         thread.join(10)
@@ -297,7 +306,7 @@ def test_an_engine_failure_fails_only_the_requests_of_its_step():
         assert answers["a"]["type"] == P.ERROR and "injected fault" in answers["a"]["message"]
         assert answers["b"]["type"] == P.RESULT
         assert answers["b"]["response"]["choices"][0]["text"] == \
-            th.engine.tokenizer.decode(reference([9, 8, 7], max_tokens=6, **GREEDY), skip_special_tokens=True)
+            th.engine.tokenizer.decode(engine_reference("llama", [9, 8, 7], max_tokens=6, **GREEDY), skip_special_tokens=True)
     finally:
         th.stop.set()
         th.join(10)

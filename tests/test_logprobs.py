@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import plain_logits, tiny
+from support.models import plain_logits, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, hf_greedy
+from support.models import ARCHS, hf_greedy
 
 from workers.engine import Engine
 from workers.models import load_model

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny
+from support.models import tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams

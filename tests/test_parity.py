@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import ARCHS, hf_greedy, real_mixed_batch_matches_transformers, tiny
+from support.models import ARCHS, hf_greedy, real_mixed_batch_matches_transformers, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams

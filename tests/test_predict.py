@@ -3,51 +3,13 @@
 from __future__ import annotations
 
 import random
-import subprocess
-from pathlib import Path
 
 import h5py
 import numpy as np
-import yaml
-from conftest import free_port, tiny
-
-from routing.entrypoints import CLI, command
-from workers.engine import Engine, EngineConfig
-from workers.params import SamplingParams
-
-ROOT = Path(__file__).resolve().parents[1]
-START, SEQ, MAX_TOKENS = 500, 24, 6
-
-
-def reference(prompt, end):
-    eng = Engine(tiny("llama", "float32"), EngineConfig(max_batch_size=2, max_batch_tokens=64))
-    n = min(MAX_TOKENS, SEQ - len(prompt))
-    return eng.generate([prompt], SamplingParams(max_tokens=n, temperature=0, stop_token_ids=[end],
-                                                 ignore_eos=True))[0].outputs[0].token_ids
-
-
-def setup(tmp_path, rows, end):
-    data = tmp_path / "data"
-    data.mkdir()
-    arr = np.full((len(rows), SEQ), START, dtype=np.int32)
-    for i, r in enumerate(rows):
-        arr[i, : len(r)] = r
-    with h5py.File(data / "prompts.h5", "w") as f:
-        f["data"] = arr
-    params = {"variants": {"llama": {
-        "model": {"source": "tiny:llama", "dtype": "float32", "start_token": [START, 501], "end_token": [end, 99999],
-                  "max_tokens": MAX_TOKENS, "temperature": 0.0, "max_batch_size": 8, "max_batch_tokens": 64},
-        "inference_input": {"data_processor": "GptHDF5MapDataProcessor", "data_dir": str(data), "batch_size": 3}}},
-        "runconfig": {"threads_per_worker": 1}}
-    (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
-
-
-def predict(tmp_path):
-    return subprocess.run([*command(CLI), "--mode", "predict", "--params", str(tmp_path / "p.yaml"),
-                           "--variants", "llama,2", "--model_dir", str(tmp_path / "md"), "--devices", "cpu",
-                           "--frontend", f"tcp://127.0.0.1:{free_port()}",
-                           "--backend", f"tcp://127.0.0.1:{free_port()}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+from support.batch import SEQ, START
+from support.batch import hdf5_predict as predict
+from support.batch import hdf5_reference as reference
+from support.batch import hdf5_setup as setup
 
 
 def test_predict_hdf5_end_to_end_and_resume(tmp_path):

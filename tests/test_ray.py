@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import ray  # the ray extra is part of the test set-up (make test installs it)
 import yaml
-from conftest import free_port, tiny
 from ray.cluster_utils import Cluster
+from support.cluster import free_port
+from support.models import tiny
 
 from fusion.deploy import build_fusion
 from fusion.params import load_params

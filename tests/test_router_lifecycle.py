@@ -2,72 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import queue
 import subprocess
-import threading
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
+from support.cluster import ROOT, one_worker, start_router, start_worker, wait_for, wait_loaded
 
 from routing import protocol as P
 from routing.client import Client, RouterError
-from routing.entrypoints import CLIENT, WORKER, command
+from routing.entrypoints import CLIENT, command
 from routing.router import ModelEntry, Router, RouterConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = {"name": "llama", "source": "tiny:llama", "dtype": "float32", "num_threads": 1,
-        "engine": {"max_batch_size": 8, "max_batch_tokens": 64}}
-
-
-def start_router(backend="tcp://127.0.0.1:*", frontend="tcp://127.0.0.1:*", **cfg) -> tuple[Router, threading.Thread]:
-    box: queue.Queue = queue.Queue()
-
-    def serve():
-        r = Router([ModelEntry(0, "llama", TINY)], RouterConfig(frontend=frontend, backend=backend,
-                                                                heartbeat_interval=0.2, **cfg))
-        box.put(r)
-        r.run()
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    return box.get(timeout=10), t
-
-
-def start_worker(backend: str) -> subprocess.Popen:
-    return subprocess.Popen([*command(WORKER), "--backend", backend, "--parent-pid",
-                             str(os.getpid()), "--threads", "1", "--heartbeat", "0.2"], cwd=ROOT)
-
-
-def wait_for(pred, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise TimeoutError("condition not reached")
-
-
-def wait_loaded(c: Client, timeout=60.0) -> None:
-    wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"], timeout)
-
-
-@contextmanager
-def one_worker(**cfg):
-    """A router thread and one loaded tiny-Llama worker process; yields (router, worker, client)."""
-    router, thread = start_router(**cfg)
-    worker = start_worker(router.backend_addr)
-    try:
-        with Client(router.frontend_addr, timeout=60) as c:
-            wait_loaded(c)
-            yield router, worker, c
-    finally:
-        router.stop()
-        thread.join(10)
-        if worker.poll() is None:
-            worker.wait(10)
 
 
 def test_queue_until_workers_are_up_then_busy():

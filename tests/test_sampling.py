@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny
+from support.models import tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams

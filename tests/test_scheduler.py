@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from conftest import hf_greedy, tiny
+from support.models import hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams

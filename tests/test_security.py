@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from support.cluster import free_port
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ARCHS, free_port  # noqa: F401
+from support.models import ARCHS
 
 from fusion.deploy import build_fusion
 from fusion.local import LocalDeployment

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import hf_greedy, tiny
+from support.models import hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.models import load_model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import tiny
+from support.models import tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.params import SamplingParams

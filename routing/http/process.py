@@ -39,6 +39,8 @@ class GatewayProcess:
         """Its stdout goes on to ours; the ready line tells start() that it listens."""
         for line in proc.stdout:
             if line.startswith(READY_LINE):
+                # port 0 asks the OS for one: keep the one it gave, a restart listens there again
+                self.listen = line.split()[-1].removeprefix("http://")
                 self._ready.set()
             print(line, end="", flush=True)
 

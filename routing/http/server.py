@@ -57,6 +57,11 @@ def check_listen(host: str, keys: tuple[str, ...], insecure: bool) -> None:
                            f"--api-key (or --api-keys-file, or {KEYS_ENV}), or --insecure to allow it")
 
 
+def bound_port(server: uvicorn.Server) -> int:
+    """The port a started server listens on: the one asked for, or the one the OS chose for port 0."""
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
 def make_server(settings: GatewaySettings, host: str, port: int, log_level: str = "warning") -> uvicorn.Server:
     app = Gateway(settings).app()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
@@ -83,6 +88,7 @@ class GatewayThread:
             if time.monotonic() > deadline:
                 raise GatewayError(f"the HTTP gateway did not start on {self.host}:{self.port} within {timeout}s")
             time.sleep(0.02)
+        self.port = bound_port(self.server)
         return self
 
     @property
@@ -133,7 +139,7 @@ def _watch(server: uvicorn.Server, parent_pid: int | None, interval: float = 0.5
     while not server.started and not server.should_exit:
         time.sleep(0.02)
     if server.started:
-        print(f"{READY_LINE} on http://{server.config.host}:{server.config.port}", flush=True)
+        print(f"{READY_LINE} on http://{server.config.host}:{bound_port(server)}", flush=True)
     while parent_pid is not None and not server.should_exit:
         if os.getppid() != parent_pid:
             server.should_exit = True

@@ -1,0 +1,141 @@
+"""Routers, workers and deployments started for real (threads and processes on loopback), and
+the in-process engine answers they are checked against."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import socket
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from fusion.deploy import build_fusion
+from fusion.local import LocalDeployment
+from fusion.params import load_params
+from fusion.plan import make_plan
+from routing import protocol as P
+from routing.client import Client
+from routing.entrypoints import WORKER, command
+from routing.router import ModelEntry, Router, RouterConfig
+from support.models import tiny
+from workers.completions import sampling_params
+from workers.engine import Engine, EngineConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
+ANY_PORT = "tcp://127.0.0.1:*"  # the OS picks a free port when the socket binds
+TINY = {"name": "llama", "source": "tiny:llama", "dtype": "float32", "num_threads": 1,
+        "engine": {"max_batch_size": 8, "max_batch_tokens": 64}}
+
+
+def wait_for(pred, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise TimeoutError("condition not reached")
+
+
+def wait_loaded(c: Client, timeout=60.0) -> None:
+    wait_for(lambda: c.status()["workers"] and c.status()["workers"][0]["loaded"], timeout)
+
+
+def start_router(backend=ANY_PORT, frontend=ANY_PORT, **cfg) -> tuple[Router, threading.Thread]:
+    """A router for tiny Llama on a thread of this process."""
+    box: queue.Queue = queue.Queue()
+
+    def serve():
+        r = Router([ModelEntry(0, "llama", TINY)], RouterConfig(frontend=frontend, backend=backend,
+                                                                heartbeat_interval=0.2, **cfg))
+        box.put(r)
+        r.run()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return box.get(timeout=10), t
+
+
+def start_worker(backend: str) -> subprocess.Popen:
+    return subprocess.Popen([*command(WORKER), "--backend", backend, "--parent-pid",
+                             str(os.getpid()), "--threads", "1", "--heartbeat", "0.2"], cwd=ROOT)
+
+
+@contextmanager
+def one_worker(**cfg):
+    """A router thread and one loaded tiny-Llama worker process; yields (router, worker, client)."""
+    router, thread = start_router(**cfg)
+    worker = start_worker(router.backend_addr)
+    try:
+        with Client(router.frontend_addr, timeout=60) as c:
+            wait_loaded(c)
+            yield router, worker, c
+    finally:
+        router.stop()
+        thread.join(10)
+        if worker.poll() is None:
+            worker.wait(10)
+
+
+class Deployment(LocalDeployment):
+    """What run_mm serve starts (router thread + worker processes), on ephemeral ports, tiny models."""
+
+    def __init__(self, variants: list[str], num_workers: int):
+        fusion = build_fusion(load_params(TINY_CONFIG), variants)
+        super().__init__(fusion, make_plan(fusion, num_workers, "cpu", threads_per_worker=1), ANY_PORT, ANY_PORT)
+        self.__enter__()
+        self.wait_loaded(120)
+
+    def close(self) -> None:
+        self.__exit__(None, None, None)
+
+
+def engine_reference(arch: str, prompt, **params) -> list[int]:
+    """The tokens the engine in-process gives for one request to tiny `arch` (float32)."""
+    eng = Engine(tiny(arch, "float32"), EngineConfig(max_batch_size=8, max_batch_tokens=64))
+    return eng.generate([prompt], sampling_params(params)[0])[0].outputs[0].token_ids
+
+
+def run_stream(address: str, prompt, started: threading.Event | None = None, **params) -> dict:
+    """Stream one request to tiny Llama; what the client saw: chunk tokens and texts, and the final response."""
+    with Client(address, timeout=120) as c:
+        toks, text = [], ""
+        for msg in c._run("llama", prompt, True, {**params, "return_token_ids": True}):
+            if msg["type"] == P.CHUNK:
+                for out in msg["outputs"]:
+                    toks += out["token_ids"]
+                    text += out["text"]
+                if started is not None:
+                    started.set()
+            else:
+                return {"tokens": toks, "text": text, "response": msg["response"]}
+
+
+SERVING = re.compile(r"serving: clients connect to (\S+)")
+
+
+def read_frontend(proc: subprocess.Popen, lines: list[str] | None = None, timeout: float = 300) -> str:
+    """The client address a `run_mm.py --mode serve` subprocess (stdout piped, text) prints."""
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        if lines is not None:
+            lines.append(line)
+        m = SERVING.match(line)
+        if m:
+            return m.group(1)
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError("serve printed no client address" + ("".join(lines) if lines else ""))
+
+
+def free_port() -> int:
+    """A port that was free a moment ago, from the OS (port 0). Only for what must be told a port
+    before it binds (a subprocess's HTTP address, a Ray address where nothing listens); sockets
+    this process binds itself take ANY_PORT or port 0 and read back what they got."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,59 @@
+"""Tiny random models and the transformers references the engine is compared with."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from workers.attention import hf_attention
+from workers.models import load_model
+from workers.params import SamplingParams
+
+ARCHS = ["gpt2", "llama", "mistral", "opt", "bloom", "gemma3"]
+
+
+def tiny(arch: str, dtype: str = "float64"):
+    """A fresh engine-ready tiny model; weights are deterministic for (arch, dtype)."""
+    return load_model(f"tiny:{arch}", dtype=dtype)
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    """transformers generate(do_sample=False) on its own attention, never stopping early."""
+    attn = "eager" if model.config.model_type == "bloom" else "sdpa"
+    with hf_attention(model, attn), torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+_REAL_REFERENCES: dict = {}
+
+
+def hf_greedy_real(name: str, model, prompt: list[int], max_new: int) -> list[int]:
+    """hf_greedy for a session's real-model fixture `name`, computed once per session: the eager
+    and the compiled parity tests ask for the same references, and each takes seconds."""
+    key = (name, tuple(prompt), max_new)
+    if key not in _REAL_REFERENCES:
+        _REAL_REFERENCES[key] = hf_greedy(model, prompt, max_new)
+    return _REAL_REFERENCES[key]
+
+
+def real_mixed_batch_matches_transformers(name: str, lm, eng) -> None:
+    """Real-model parity in one mixed batch (text and random prompts of 1-200 tokens): `eng`'s
+    greedy output equals transformers generate for each, token for token."""
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+    rng = random.Random(0)
+    prompts = [lm.tokenizer(t).input_ids for t in texts]
+    prompts += [[rng.randrange(1000, 30000) for _ in range(n)] for n in (1, 57, 200)]
+    max_tokens = [12, 20, 9, 16, 5, 24]
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])
+    for p, m, o in zip(prompts, max_tokens, outs):
+        assert o.outputs[0].token_ids == hf_greedy_real(name, lm.model, p, m)
+
+
+def plain_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of one plain forward pass over `tokens`, on transformers' own attention."""
+    attn = "eager" if model.config.model_type == "bloom" else "sdpa"
+    with hf_attention(model, attn), torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0].float()
