@@ -7,6 +7,7 @@ new torch or transformers gets a fresh one. Tests of a cold path set their own e
 
 from __future__ import annotations
 
+import fcntl
 import os
 from importlib.metadata import version
 from pathlib import Path
@@ -20,14 +21,36 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE / "inductor")
 
 import pytest  # noqa: E402
 
+from workers.hf_loader import write_gguf_cache  # noqa: E402
 from workers.models import load_model  # noqa: E402
+from workers.sources import embedded_gguf, gguf_cache_dir  # noqa: E402
+
+
+def embedded(name: str):
+    """An embedded model in float32. The first to ask (in any test process: a lock orders them)
+    loads it from its GGUF file and converts it into the test cache, as compile_only does; every
+    later load, in this process or in a worker a test starts, reads the conversion in seconds."""
+    gguf = embedded_gguf(name)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if gguf_cache_dir(gguf) is None:
+            lm = load_model(name, dtype="float32", use_cache=False)
+            write_gguf_cache(lm.model, lm.tokenizer, gguf)
+            return lm
+    return load_model(name, dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def smollm2_fp32():
-    return load_model("smollm2-135m", dtype="float32")
+    return embedded("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def gemma3_fp32():
-    return load_model("gemma3-270m", dtype="float32")
+    return embedded("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def embedded_models(smollm2_fp32, gemma3_fp32) -> None:
+    """For tests whose subprocesses load the embedded models: converted in the test cache first."""

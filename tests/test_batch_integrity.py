@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 from support.batch import hdf5_reference, hdf5_setup, run_mm, tiny_variant, write_params
-from support.cluster import ROOT, TINY, free_port, start_worker, wait_for
+from support.cluster import ANY_PORT, ROOT, TINY, read_frontend, start_worker, wait_for
 
 from fusion.jobs import Transient, complete
 from routing import protocol as P
@@ -97,7 +97,7 @@ def test_a_failed_hdf5_row_keeps_the_finished_rows_of_its_batch(tmp_path):
     hdf5_setup(tmp_path, rows, end=99998)
     out = subprocess.run([*command(CLI), "--mode", "predict", "--params", str(tmp_path / "p.yaml"),
                           "--variants", "llama,1", "--model_dir", str(tmp_path / "md"), "--devices", "cpu",
-                          "--frontend", f"tcp://127.0.0.1:{free_port()}", "--backend", f"tcp://127.0.0.1:{free_port()}"],
+                          "--frontend", ANY_PORT, "--backend", ANY_PORT],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     pred = tmp_path / "md" / "predictions" / "llama"
     assert out.returncode == 1 and "1 rows failed" in out.stderr and "2 finished rows are kept" in out.stderr
@@ -173,17 +173,14 @@ def test_every_mode_exits_without_a_cpp_abort(tmp_path):
     common = ["--params", str(tmp_path / "p.yaml"), "--variants", "llama,2", "--model_dir", str(tmp_path / "md"),
               "--devices", "cpu"]
     for mode in ("predict", "eval"):
-        out = subprocess.run([*command(CLI), "--mode", mode, *common,
-                              "--frontend", f"tcp://127.0.0.1:{free_port()}",
-                              "--backend", f"tcp://127.0.0.1:{free_port()}"],
+        out = subprocess.run([*command(CLI), "--mode", mode, *common, "--frontend", ANY_PORT, "--backend", ANY_PORT],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         assert ABORT not in out.stderr and "Traceback" not in out.stderr, out.stderr
-    front = f"tcp://127.0.0.1:{free_port()}"
-    serve = subprocess.Popen([*command(CLI), "--mode", "serve", *common, "--frontend", front,
-                              "--backend", f"tcp://127.0.0.1:{free_port()}"], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    serve = subprocess.Popen([*command(CLI), "--mode", "serve", *common, "--frontend", ANY_PORT, "--backend", ANY_PORT],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        front = read_frontend(serve)
         with Client(front, timeout=10) as c:
             wait_for(lambda: sum(w["loaded"] for w in c.status()["workers"]) == 2, 120)
             assert c.complete("llama", [1, 2], max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
@@ -198,7 +195,7 @@ def test_every_mode_exits_without_a_cpp_abort(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_demo_exits_cleanly(tmp_path):
+def test_the_demo_exits_cleanly(tmp_path, embedded_models):
     out = subprocess.run([*command(DEMO), "--model_dir", str(tmp_path / "demo")], cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr

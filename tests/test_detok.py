@@ -34,7 +34,7 @@ def test_byte_level_tiny_tokenizer_splits_characters_across_tokens():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["smollm2-135m", "gemma3-270m"])
-def test_real_tokenizers(source):
+def test_real_tokenizers(source, embedded_models):
     from fusion.data.prepare import tokenize_only
 
     tok = tokenize_only(source)

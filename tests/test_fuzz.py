@@ -13,7 +13,7 @@ from pathlib import Path
 import msgpack
 import psutil
 import zmq
-from support.cluster import free_port
+from support.cluster import ANY_PORT
 from support.models import tiny
 
 from routing import protocol as P
@@ -92,9 +92,12 @@ def garbage(rng: random.Random) -> list[bytes]:
 
 
 def test_fuzz_router_and_its_worker():
-    front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     router = subprocess.Popen([*command(ROUTER), "--models", "tiny:llama", "--dtype", "float32",
-                               "--frontend", front, "--backend", back], cwd=ROOT, stdout=subprocess.DEVNULL)
+                               "--frontend", ANY_PORT, "--backend", ANY_PORT], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    # it prints "router: clients ADDR, workers ADDR" once bound
+    words = router.stdout.readline().split()
+    front, back = words[2].rstrip(","), words[4]
     worker = subprocess.Popen([*command(WORKER), "--backend", back, "--threads", "1",
                                "--parent-pid", str(os.getpid())], cwd=ROOT)
     want = expected()
@@ -141,9 +144,8 @@ def test_fuzz_worker_directly():
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    port = free_port()
-    sock.bind(f"tcp://127.0.0.1:{port}")
-    worker = subprocess.Popen([*command(WORKER), "--backend", f"tcp://127.0.0.1:{port}",
+    sock.bind(ANY_PORT)
+    worker = subprocess.Popen([*command(WORKER), "--backend", sock.getsockopt_string(zmq.LAST_ENDPOINT),
                                "--threads", "1", "--parent-pid", str(os.getpid())], cwd=ROOT)
     want = expected()
     rng = random.Random(99)

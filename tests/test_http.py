@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -13,7 +14,8 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from support.cluster import TINY, Deployment, engine_reference, free_port, wait_for
+from support.cluster import ANY_PORT, ROOT, TINY, Deployment, engine_reference, one_worker, wait_for
+from support.cluster import TINY_CONFIG as CONFIG
 from support.models import plain_logits, tiny
 
 from routing.client import Client
@@ -36,7 +38,7 @@ def dep():
 
 @pytest.fixture(scope="module")
 def gw(dep):
-    g = GatewayThread(GatewaySettings(router=dep.frontend, max_body_bytes=64 * 1024), "127.0.0.1", free_port()).start()
+    g = GatewayThread(GatewaySettings(router=dep.frontend, max_body_bytes=64 * 1024), "127.0.0.1", 0).start()
     yield g
     g.stop()
 
@@ -228,7 +230,7 @@ def test_health_names_models_without_a_worker(gw):
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     wait_for(lambda: box, 10)
-    g = GatewayThread(GatewaySettings(router=box[0].frontend_addr), "127.0.0.1", free_port()).start()
+    g = GatewayThread(GatewaySettings(router=box[0].frontend_addr), "127.0.0.1", 0).start()
     try:
         r = httpx.get(g.url + "/health", timeout=10)
         assert r.status_code == 503 and r.json()["models_without_worker"] == ["lonely:0"]
@@ -239,7 +241,7 @@ def test_health_names_models_without_a_worker(gw):
 
 
 def test_api_keys(dep):
-    g = GatewayThread(GatewaySettings(router=dep.frontend, api_keys=("s3cret",)), "127.0.0.1", free_port()).start()
+    g = GatewayThread(GatewaySettings(router=dep.frontend, api_keys=("s3cret",)), "127.0.0.1", 0).start()
     try:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=g.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -267,7 +269,6 @@ def test_listening_off_loopback_needs_keys(tmp_path, monkeypatch):
 def test_run_mm_serve_refuses_http_off_loopback_without_keys(tmp_path):
     import subprocess
 
-    from test_routing import CONFIG, ROOT
 
     out = subprocess.run([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--http",
                           "0.0.0.0:8000"], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -279,15 +280,15 @@ def test_serve_with_http_end_to_end(tmp_path):
     import subprocess
 
     import psutil
-    from test_routing import CONFIG, ROOT
 
-    port = free_port()
     proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--variants",
-                             "llama,1", "--devices", "cpu", "--frontend", f"tcp://127.0.0.1:{free_port()}",
-                             "--backend", f"tcp://127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{port}"],
+                             "llama,1", "--devices", "cpu", "--frontend", ANY_PORT, "--backend", ANY_PORT,
+                             "--http", "127.0.0.1:0"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        url = f"http://127.0.0.1:{port}"
+        # port 0: the OS picks one, serve prints it, and a restarted gateway listens there again
+        url = next(ln for ln in proc.stdout if ln.startswith("serving: OpenAI-compatible HTTP at ")).split()[-1]
+        url = url.removesuffix("/v1")
 
         def healthy():
             try:
@@ -323,7 +324,7 @@ def test_serve_with_http_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_chat_ends_at_the_end_of_turn_token():
+def test_real_chat_ends_at_the_end_of_turn_token(embedded_models):
     """SmolLM2-Instruct through its own ChatML template: the reply ends at <|im_end|> (finish_reason
     stop), which the content never shows."""
     from fusion.deploy import build_fusion
@@ -335,7 +336,7 @@ def test_real_chat_ends_at_the_end_of_turn_token():
     fusion = build_fusion(params, ["smollm2,1"])
     with LocalDeployment(fusion, make_plan(fusion, None, "cpu", 2), "tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as d:
         d.wait_loaded(300)
-        g = GatewayThread(GatewaySettings(router=d.frontend), "127.0.0.1", free_port()).start()
+        g = GatewayThread(GatewaySettings(router=d.frontend), "127.0.0.1", 0).start()
         try:
             client = openai.OpenAI(base_url=g.url + "/v1", api_key="x", max_retries=0, timeout=120)
             r = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=64,
@@ -348,10 +349,9 @@ def test_real_chat_ends_at_the_end_of_turn_token():
 
 
 def test_a_stream_that_fails_part_way_ends_with_an_error_event_then_done():
-    from test_router_lifecycle import one_worker
 
     with one_worker() as (router, worker, _):
-        g = GatewayThread(GatewaySettings(router=router.frontend_addr), "127.0.0.1", free_port()).start()
+        g = GatewayThread(GatewaySettings(router=router.frontend_addr), "127.0.0.1", 0).start()
         try:
             body = {"model": "llama", "prompt": [1, 2, 3], "max_tokens": 480, "ignore_eos": True, "stream": True}
             events = []
@@ -377,11 +377,9 @@ def test_gateway_process_exits_with_its_parent():
     import sys
 
     import psutil
-    from test_routing import ROOT
 
-    port = free_port()
     spawn = ("import os, subprocess, sys, time; "
-             f"p = subprocess.Popen({command(GATEWAY, '--router', 'tcp://127.0.0.1:9', '--http', f'127.0.0.1:{port}')!r}"
+             f"p = subprocess.Popen({command(GATEWAY, '--router', 'tcp://127.0.0.1:9', '--http', '127.0.0.1:0')!r}"
              " + ['--parent-pid', str(os.getpid()), '--log-level', 'warning'], "
              "stdout=subprocess.PIPE, text=True); "
              "print(p.pid, flush=True); print(p.stdout.readline(), end='', flush=True); "
@@ -390,7 +388,7 @@ def test_gateway_process_exits_with_its_parent():
     try:
         gw = psutil.Process(int(parent.stdout.readline()))
         lines = parent.stdout.readline() + parent.stdout.readline()
-        assert f"gateway: listening on http://127.0.0.1:{port}" in lines
+        assert re.search(r"gateway: listening on http://127\.0\.0\.1:[1-9][0-9]*", lines), lines
         parent.kill()
         parent.wait()
         gw.wait(15)  # raises psutil.TimeoutExpired if it outlived its parent

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.cluster import Deployment, free_port
+from support.cluster import Deployment
 from support.models import plain_logits, tiny
 
 from routing.http.app import GatewaySettings
@@ -21,7 +21,7 @@ DATA = Path(__file__).parent / "data" / "lm_eval"
 @pytest.fixture(scope="module")
 def gateway():
     d = Deployment(["llama,1", "gpt2,1"], num_workers=2)
-    g = GatewayThread(GatewaySettings(router=d.frontend), "127.0.0.1", free_port()).start()
+    g = GatewayThread(GatewaySettings(router=d.frontend), "127.0.0.1", 0).start()
     yield g
     g.stop()
     d.close()

@@ -49,8 +49,8 @@ def _complete_all(front: str, prompts: list, **params) -> list[list[int]]:
 
 def _router_at_fixed_addresses():
     """A router thread and one worker process, on addresses that a restarted router can bind again."""
-    backend = f"tcp://127.0.0.1:{free_port()}"
-    router, thread = start_router(backend=backend)
+    router, thread = start_router()
+    backend = router.backend_addr
     return router, thread, backend, router.frontend_addr, start_worker(backend)
 
 

@@ -57,8 +57,8 @@ def _params(tmp_path: Path, variants: dict, **run) -> dict:
                                           "max_batch_tokens": 64, "temperature": 0.0, **model}}
                          for name, (arch, model) in variants.items()},
             "runconfig": {"threads_per_worker": 1, "devices": "cpu", "max_restarts": 3, "restart_wait": 60,
-                          "frontend": f"tcp://{LOOPBACK}:{free_port()}",
-                          "backend": f"tcp://{LOOPBACK}:{free_port()}", "ray_router_host": LOOPBACK, **run}}
+                          "frontend": f"tcp://{LOOPBACK}:*",
+                          "backend": f"tcp://{LOOPBACK}:*", "ray_router_host": LOOPBACK, **run}}
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(data))
     return load_params(path)

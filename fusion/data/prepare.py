@@ -18,12 +18,15 @@ import numpy as np
 def tokenize_only(source: str):
     """The tokenizer of a model source, without loading its weights where that can be avoided."""
     from workers.models import load_model
-    from workers.sources import EMBEDDED, embedded_gguf
+    from workers.sources import EMBEDDED, embedded_gguf, gguf_cache_dir
 
     if source in EMBEDDED or source.endswith(".gguf"):
         from transformers import AutoTokenizer
 
         path = embedded_gguf(source) if source in EMBEDDED else Path(source)
+        converted = gguf_cache_dir(path)  # the tokenizer saved beside the converted weights reads in a moment
+        if converted is not None:
+            return AutoTokenizer.from_pretrained(str(converted), local_files_only=True)
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if Path(source).is_dir():
         from transformers import AutoTokenizer
