@@ -27,7 +27,7 @@ from fusion.jobs import variant_groups
 from fusion.model_info import MultiModelFusion
 from fusion.params import input_value
 from fusion.plan import DeploymentPlan, available_bytes
-from workers.compiled import compile_mode
+from workers.buckets import compile_mode
 from workers.config_keys import model_value
 from workers.sources import gguf_cache_dir, source_gguf
 

@@ -18,7 +18,7 @@ from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
 from routing import entrypoints
 from workers.config_keys import model_value
-from workers.weight_owner import KEY_ENV, remove_ipc_files
+from workers.owner_ipc import KEY_ENV, remove_ipc_files
 
 
 def owner_groups(fusion: MultiModelFusion, plan: DeploymentPlan) -> dict[tuple, list[int]]:

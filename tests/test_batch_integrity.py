@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import subprocess
 import threading
-import time
 
 import h5py
 import numpy as np
 import pytest
 from support.batch import hdf5_reference, hdf5_setup, run_mm, tiny_variant, write_params
-from support.cluster import ANY_PORT, ROOT, TINY, read_frontend, start_worker, wait_for
+from support.cluster import ANY_PORT, ROOT, TINY, start_worker, wait_for
 
 from fusion.jobs import Transient, complete
 from routing import protocol as P
@@ -166,32 +164,6 @@ def test_a_retried_request_samples_the_same_tokens():
 
 
 ABORT = "terminate called"
-
-
-def test_every_mode_exits_without_a_cpp_abort(tmp_path):
-    hdf5_setup(tmp_path, [[3, 4, 5], [6, 7]], end=99998)
-    common = ["--params", str(tmp_path / "p.yaml"), "--variants", "llama,2", "--model_dir", str(tmp_path / "md"),
-              "--devices", "cpu"]
-    for mode in ("predict", "eval"):
-        out = subprocess.run([*command(CLI), "--mode", mode, *common, "--frontend", ANY_PORT, "--backend", ANY_PORT],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        assert ABORT not in out.stderr and "Traceback" not in out.stderr, out.stderr
-    serve = subprocess.Popen([*command(CLI), "--mode", "serve", *common, "--frontend", ANY_PORT, "--backend", ANY_PORT],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        front = read_frontend(serve)
-        with Client(front, timeout=10) as c:
-            wait_for(lambda: sum(w["loaded"] for w in c.status()["workers"]) == 2, 120)
-            assert c.complete("llama", [1, 2], max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
-        time.sleep(0.5)
-        serve.send_signal(signal.SIGINT)
-        assert serve.wait(60) == 0
-        err = serve.stderr.read()
-        assert ABORT not in err and "Traceback" not in err, err
-    finally:
-        if serve.poll() is None:
-            serve.kill()
 
 
 @pytest.mark.slow

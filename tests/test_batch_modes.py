@@ -130,6 +130,7 @@ def test_eval_matches_plain_forward_logprobs(tmp_path):
                                      "gpt2": tiny_variant("gpt2", "GptHDF5MapDataProcessor", hdir, start_token=START)})
     out = run_mm(params, "eval", ["llama,1", "gpt2,1"], tmp_path / "md")
     assert out.returncode == 0, out.stderr
+    assert "terminate called" not in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "perplexity" in out.stdout
     for name, prompts in (("llama", ["Some text to score", "x", None, [3, 4, 5, 6]]), ("gpt2", rows)):
         rep = json.loads((tmp_path / "md" / "eval" / f"{name}.json").read_text())
@@ -237,14 +238,15 @@ def _kill_setup(tmp_path: Path) -> Path:
     hdir.mkdir()
     jdir.mkdir()
     rng = np.random.default_rng(0)
-    arr = np.full((80, 16), START, dtype=np.int32)
-    for i in range(80):
+    # enough work that a kill after CRASH_AFTER lands mid-run, and no more
+    arr = np.full((2 * CRASH_BATCHES, 16), START, dtype=np.int32)
+    for i in range(2 * CRASH_BATCHES):
         n = int(rng.integers(2, 8))
         arr[i, :n] = rng.integers(1, 256, n)
     with h5py.File(hdir / "p.h5", "w") as f:
         f["data"] = arr
     with open(jdir / "q.jsonl", "w") as f:
-        for i in range(400):
+        for i in range(CRASH_LINES):
             f.write(json.dumps({"prompt": f"request number {i}", "max_tokens": 8, "logprobs": 1}) + "\n")
     return write_params(tmp_path, {
         "llama": tiny_variant("llama", "GptHDF5MapDataProcessor", hdir, batch_size=2, start_token=START,
@@ -270,6 +272,8 @@ def crash_case(tmp_path_factory):
 
 
 CRASH_VARIANTS = ["llama,1", "gpt2,1"]
+CRASH_BATCHES, CRASH_LINES = 20, 200  # HDF5 batches of 2 rows, JSONL lines
+CRASH_AFTER = (5, 20)  # the batches and lines written before the tests kill something
 
 
 def _wait_mid_run(proc, pred: Path) -> None:
@@ -279,19 +283,19 @@ def _wait_mid_run(proc, pred: Path) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         npz = list((pred / "llama").glob("predictions_*.npz")) if (pred / "llama").exists() else []
-        if len(npz) >= 5 and partial.exists() and partial.read_text().count("\n") >= 20:
+        if len(npz) >= CRASH_AFTER[0] and partial.exists() and partial.read_text().count("\n") >= CRASH_AFTER[1]:
             return
         time.sleep(0.01)
 
 
 def _same_outputs(pred: Path, clean: Path) -> None:
-    for x in range(1, 41):
+    for x in range(1, CRASH_BATCHES + 1):
         with np.load(pred / "llama" / f"predictions_{x}.npz") as a, \
                 np.load(clean / "llama" / f"predictions_{x}.npz") as b:
             assert int(a["global_step"]) == x and a["predictions"].tolist() == b["predictions"].tolist()
     got = (pred / "output_q.jsonl").read_text().splitlines()
     want = (clean / "output_q.jsonl").read_text().splitlines()
-    assert len(got) == 400
+    assert len(got) == CRASH_LINES
     for g, w in zip(got, want):
         g, w = _strip_volatile(g), _strip_volatile(w)
         # same tokens and text; logprobs equal up to float rounding (batches were packed differently)
@@ -313,7 +317,7 @@ def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case)
     proc.wait()
     # the kill landed mid-run: some outputs exist, not all, and no final file is half-written
     done = sorted((pred / "llama").glob("predictions_*.npz"))
-    assert 5 <= len(done) < 40 and not (pred / "output_q.jsonl").exists()
+    assert CRASH_AFTER[0] <= len(done) < CRASH_BATCHES and not (pred / "output_q.jsonl").exists()
     for f in done:
         with np.load(f) as z:
             assert z["predictions"].shape == (2, 16)

@@ -14,7 +14,8 @@ import torch
 from support.models import hf_greedy, real_mixed_batch_matches_transformers, tiny
 
 from workers import compile_cache
-from workers.compiled import Buckets, compile_mode, default_buckets, graphs_compiled
+from workers.buckets import Buckets, compile_mode, default_buckets
+from workers.compiled import graphs_compiled
 from workers.engine import Engine, EngineConfig
 from workers.models import load_engine
 from workers.params import SamplingParams

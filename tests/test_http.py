@@ -7,14 +7,13 @@ import asyncio
 import json
 import re
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from support.cluster import ANY_PORT, ROOT, TINY, Deployment, engine_reference, one_worker, wait_for
+from support.cluster import ROOT, TINY, Deployment, engine_reference, one_worker, wait_for
 from support.cluster import TINY_CONFIG as CONFIG
 from support.models import plain_logits, tiny
 
@@ -273,54 +272,6 @@ def test_run_mm_serve_refuses_http_off_loopback_without_keys(tmp_path):
     out = subprocess.run([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--http",
                           "0.0.0.0:8000"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "API key" in out.stderr and "Traceback" not in out.stderr
-
-
-def test_serve_with_http_end_to_end(tmp_path):
-    import signal
-    import subprocess
-
-    import psutil
-
-    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--variants",
-                             "llama,1", "--devices", "cpu", "--frontend", ANY_PORT, "--backend", ANY_PORT,
-                             "--http", "127.0.0.1:0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        # port 0: the OS picks one, serve prints it, and a restarted gateway listens there again
-        url = next(ln for ln in proc.stdout if ln.startswith("serving: OpenAI-compatible HTTP at ")).split()[-1]
-        url = url.removesuffix("/v1")
-
-        def healthy():
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        def completes():
-            r = httpx.post(url + "/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 3, "ignore_eos": True},
-                           timeout=30)
-            return r.status_code == 200 and json.loads(r.text)["usage"]["completion_tokens"] == 3
-
-        def gateways():
-            return [c for c in psutil.Process(proc.pid).children() if "routing.http" in " ".join(c.cmdline())]
-
-        wait_for(healthy, timeout=120)
-        assert completes()
-        # the gateway is a process of its own (no GIL shared with the router), restarted when it dies
-        (first,) = gateways()
-        first.kill()
-        first.wait(10)
-        wait_for(lambda: len(gateways()) == 1 and healthy(), timeout=60)
-        assert gateways()[0].pid != first.pid and completes()
-        second = gateways()[0]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-        assert not second.is_running() or second.status() == psutil.STATUS_ZOMBIE
-        assert "terminate called" not in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        time.sleep(0)
 
 
 @pytest.mark.slow

@@ -20,6 +20,8 @@ def test_predict_hdf5_end_to_end_and_resume(tmp_path):
     setup(tmp_path, rows, end)
     out = predict(tmp_path)
     assert out.returncode == 0, out.stderr
+    # every process of the run exits cleanly: no C++ abort ("terminate called ..."), no traceback
+    assert "terminate called" not in out.stderr and "Traceback" not in out.stderr, out.stderr
     pred_dir = tmp_path / "md" / "predictions" / "llama"
     files = sorted(p.name for p in pred_dir.iterdir())
     assert files == ["predictions_1.npz", "predictions_2.npz", "predictions_3.npz"]

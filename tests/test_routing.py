@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import msgpack
 import pytest
-from support.cluster import ANY_PORT, ROOT, Deployment, engine_reference, read_frontend
-from support.cluster import TINY_CONFIG as CONFIG
+from support.cluster import Deployment, engine_reference
 from support.models import tiny
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
-from routing.entrypoints import CLI, command
 from workers.completions import sampling_params
 from workers.engine import Engine, EngineConfig
 
@@ -142,37 +137,6 @@ def test_garbage_and_oversized_frames(two_archs, frame, match):
         reply = c.recv(time.monotonic() + 30)
         assert reply["type"] == P.ERROR and match in reply["message"]
         assert c.complete(model="gpt2", prompt=[1, 2], max_tokens=1)["choices"]
-
-
-def test_serve_shuts_down_cleanly(tmp_path):
-    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(CONFIG),
-                             "--variants", "llama,1", "gpt2,1", "--frontend", ANY_PORT, "--backend", ANY_PORT,
-                             "--devices", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        front = read_frontend(proc)
-        deadline = time.monotonic() + 120
-        pids = []
-        with Client(front, timeout=5) as c:
-            while time.monotonic() < deadline:
-                try:
-                    st = c.status()
-                except TimeoutError:
-                    continue
-                if len(st["workers"]) == 2 and all(w["loaded"] for w in st["workers"]):
-                    pids = [w["pid"] for w in st["workers"]]
-                    break
-                time.sleep(0.2)
-            assert c.complete(model="gpt2", prompt="hi", max_tokens=2)["choices"]
-        assert len(pids) == 2
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        assert "stopped" in proc.stdout.read()
-        time.sleep(0.5)
-        for pid in pids:
-            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_stream_texts_add_up_to_the_final_text_with_stop_strings(two_archs):

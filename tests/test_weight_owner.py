@@ -56,7 +56,7 @@ def _copy(addr: str, key: str, env: dict) -> tuple[subprocess.Popen, dict]:
 
 
 def _check_owner(tmp_path: Path, device: str) -> None:
-    from workers.weight_owner import ipc_files, remove_ipc_files
+    from workers.owner_ipc import ipc_files, remove_ipc_files
 
     ref = load_model("tiny:llama", dtype="float32", device=device)
     with torch.inference_mode():
@@ -215,7 +215,7 @@ def test_deployment_copies_on_one_gpu_share_an_owner(tmp_path, monkeypatch):
             assert answers([0, 1, 2]) == [want] * 3  # the restarted copy attached again
     finally:
         d.__exit__(None, None, None)
-    from workers.weight_owner import ipc_files
+    from workers.owner_ipc import ipc_files
 
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in owner_pids)
     assert [f for p in owner_pids for f in ipc_files(p)] == []

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.compiled import Buckets, compile_mode, default_buckets, prepare
+from workers.buckets import Buckets, compile_mode, default_buckets
+from workers.compiled import prepare
+from workers.config_keys import MODEL
 from workers.loaded_model import LoadedModel
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.params import SamplingParams
@@ -37,7 +39,7 @@ class EngineConfig:
     max_batch_tokens: int = _SCHEDULING.max_batch_tokens
     min_shared_prefix: int = _SCHEDULING.min_shared_prefix
     num_threads: int | None = None  # torch threads for this process; None leaves torch's default
-    compile: str | bool = "auto"  # auto: compiled when the cache has artifacts; true: compile if needed
+    compile: str | bool = MODEL["compile"].default  # auto: compiled when the cache has artifacts; true: compile now
     compile_buckets: tuple[int, ...] | list[int] | None = None  # padded token counts; None: default_buckets
 
     def __post_init__(self) -> None:

@@ -12,8 +12,9 @@ from workers import shared_weights
 from workers.engine import Engine, EngineConfig
 from workers.hf_loader import load_private
 from workers.loaded_model import LoadedModel
+from workers.owner_ipc import KEY_ENV
 from workers.sources import context_len, resolve_dtype
-from workers.weight_owner import KEY_ENV, attach_remote
+from workers.weight_owner import attach_remote
 
 
 def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from workers import attention
-from workers.compiled import Buckets, CompiledLayers
+from workers.buckets import Buckets
+from workers.compiled import CompiledLayers
 from workers.kv_cache import SlotKVCache
 from workers.loaded_model import LoadedModel
 from workers.sampler import SampleSpec, sample, top_alternatives

@@ -20,7 +20,6 @@ Handles are torch's own picklable reductions, so they travel over a local, authe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
@@ -33,10 +32,8 @@ import torch
 
 from workers import shared_weights as S
 from workers.hf_loader import load_private
+from workers.owner_ipc import KEY_ENV, remove_ipc_files
 from workers.sources import resolve_dtype
-
-KEY_ENV = "MMFUSION_OWNER_KEY"
-
 
 # --- the seam ---------------------------------------------------------------------------------------------
 
@@ -52,23 +49,6 @@ def export_tensor(t: torch.Tensor):
 def import_tensor(handle) -> torch.Tensor:
     rebuild, args = handle
     return rebuild(*args)
-
-
-def ipc_files(pid: int, shm: Path = Path("/dev/shm")) -> list[Path]:
-    """The shared-memory files a process's IPC left: the CUDA driver's `cuda.shm.<dev>.<pid in hex>.<n>`
-    (an exporting process leaves them behind on H100 with driver 580, however it exits) and torch's
-    `torch_<pid>_...` (file_system sharing)."""
-    return [*shm.glob(f"cuda.shm.*.{pid:x}.*"), *shm.glob(f"torch_{pid}_*")]
-
-
-def remove_ipc_files(pid: int) -> int:
-    """After process `pid` has exited: remove what its IPC left in /dev/shm. Returns how many."""
-    n = 0
-    for f in ipc_files(pid):
-        with contextlib.suppress(FileNotFoundError):
-            f.unlink()
-            n += 1
-    return n
 
 
 # --- the owner ----------------------------------------------------------------------------------------------
