@@ -2,7 +2,7 @@
 
 Prints one JSON line per system (useful tokens/s), a forward-only line (the engine's own
 schedule of model calls replayed alone) and a summary line with the ratios; then
-  engine_compiled: the same workload on the compiled forward (workers.compiled; compile_start_s is
+  engine_compiled: the same workload on the compiled forward (workers.engine.compiled; compile_start_s is
                  the compile, or the load from $MMFUSION_CACHE/compiled when compile_from_cache);
   single_stream: one 64-token prompt, 128 new tokens, ms/token of the eager and the compiled engine
                  and of transformers `generate`;
@@ -33,10 +33,10 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import torch  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
-from workers.attention import hf_attention  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
+from workers.engine.attention import hf_attention  # noqa: E402
+from workers.engine.params import SamplingParams  # noqa: E402
 from workers.models import load_model  # noqa: E402
-from workers.params import SamplingParams  # noqa: E402
 
 
 def workload(n: int, vocab: int, seed: int = 0):

@@ -159,8 +159,8 @@ def bench_e2e(n: int, model: str, dtype: str) -> None:
     from bench.engine import workload
     from routing.client import AsyncClient
     from workers.engine import Engine, EngineConfig
+    from workers.engine.params import SamplingParams
     from workers.models import load_model
-    from workers.params import SamplingParams
 
     lm = load_model(model, dtype=dtype)
     prompts, max_tokens = workload(n, lm.vocab_size)

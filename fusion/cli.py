@@ -167,7 +167,7 @@ def evaluate(params: dict, fusion, plan) -> int:
 
 def compile_models(fusion, plan) -> int:
     from fusion.compile import compile_only
-    from workers.compiled import summary as compile_summary
+    from workers.engine.compiled import summary as compile_summary
 
     print(plan.describe(), flush=True)
     reports, devices = compile_only(fusion, plan)

@@ -1,5 +1,5 @@
 """run_mm.py --mode compile_only: load each variant once, compile its forward for the worker's
-token buckets and save the artifacts under $MMFUSION_CACHE/compiled (workers.compile_cache) so that
+token buckets and save the artifacts under $MMFUSION_CACHE/compiled (workers.engine.compile_cache) so that
 predict and serve start compiled from them, run one batch at its configured batch size, and report
 whether the planned deployment fits and the memory measured. A variant with `compile: false`
 stays eager.
@@ -27,9 +27,9 @@ from fusion.jobs import variant_groups
 from fusion.model_info import MultiModelFusion
 from fusion.params import input_value
 from fusion.plan import DeploymentPlan, available_bytes
-from workers.buckets import compile_mode
 from workers.config_keys import model_value
-from workers.sources import gguf_cache_dir, source_gguf
+from workers.engine.buckets import compile_mode
+from workers.weights.sources import gguf_cache_dir, source_gguf
 
 TEST_BATCH_MAX_TOKENS = 16  # new tokens per prompt of the test batch when the variant sets no max_tokens
 
@@ -53,7 +53,7 @@ class CompileReport:
     error: str | None = None
     weight_bytes: int = 0
     shared_weights: bool = False  # one mapping for every copy on a device (counted once there)
-    compile: dict | None = None  # workers.compiled.CompileInfo: compiled or not, seconds, cache entry
+    compile: dict | None = None  # workers.engine.compiled.CompileInfo: compiled or not, seconds, cache entry
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -77,8 +77,8 @@ def _in_fresh_process(fn, *args):
 
 def _convert(source: str, dtype: str, device: str) -> float:
     """First load of a GGUF (dequantizing it), then the safetensors cache. Returns the load time."""
-    from workers.hf_loader import write_gguf_cache
     from workers.models import load_model
+    from workers.weights.hf_loader import write_gguf_cache
 
     t = time.perf_counter()
     lm = load_model(source, dtype=dtype, device=device, use_cache=False)
@@ -91,8 +91,8 @@ def _measure(source: str, dtype: str, device: str, max_model_len: int | None, en
              max_tokens: int, share_weights: bool = False) -> dict:
     """Load as a worker would and run one batch; the memory it took and the times."""
     from workers.engine import Engine, EngineConfig
+    from workers.engine.params import SamplingParams
     from workers.models import load_model
-    from workers.params import SamplingParams
 
     dev = torch.device(device)
     base = psutil.Process().memory_info().rss

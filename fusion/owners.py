@@ -1,8 +1,8 @@
 """The weight owners of a local deployment: one process per (CUDA device, source, dtype) whose
-copies share their weights (workers.weight_owner). Started before the workers, given back their
+copies share their weights (workers.weights.owner). Started before the workers, given back their
 socket address in each worker's assignment, started again if one dies, stopped last.
 
-CPU copies need no owner: they map one file (workers.shared_weights)."""
+CPU copies need no owner: they map one file (workers.weights.shared)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
 from routing import entrypoints
 from workers.config_keys import model_value
-from workers.owner_ipc import KEY_ENV, remove_ipc_files
+from workers.weights.owner_ipc import KEY_ENV, remove_ipc_files
 
 
 def owner_groups(fusion: MultiModelFusion, plan: DeploymentPlan) -> dict[tuple, list[int]]:

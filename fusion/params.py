@@ -79,7 +79,7 @@ class ParamsError(ValueError):
 
 
 def _check_compile(model: dict, where: str) -> None:
-    from workers.buckets import Buckets, compile_mode
+    from workers.engine.buckets import Buckets, compile_mode
 
     key = "compile"
     try:

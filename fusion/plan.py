@@ -5,7 +5,7 @@ a device split its cores as torch threads. Workers sharing a device split its ba
 proportion to their models' deltat_scaling_factor. Memory per device is estimated from the
 weights plus the KV cache budget (max_batch_size x max_model_len) plus a process overhead per
 worker, and checked before any load. Copies of one (source, dtype) on a CPU device that share
-their weights (`share_weights`, the default: workers.shared_weights) count the weights once.
+their weights (`share_weights`, the default: workers.weights.shared) count the weights once.
 """
 
 from __future__ import annotations

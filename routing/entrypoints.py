@@ -10,7 +10,7 @@ import sys
 
 CLI = "fusion.cli"  # run_mm.py, the `mmfusion` console script
 WORKER = "workers.worker"
-WEIGHT_OWNER = "workers.weight_owner"
+WEIGHT_OWNER = "workers.weights.owner"
 GATEWAY = "routing.http"
 ROUTER = "routing.router"
 KEYS = "routing.security"

@@ -21,9 +21,9 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE / "inductor")
 
 import pytest  # noqa: E402
 
-from workers.hf_loader import write_gguf_cache  # noqa: E402
 from workers.models import load_model  # noqa: E402
-from workers.sources import embedded_gguf, gguf_cache_dir  # noqa: E402
+from workers.weights.hf_loader import write_gguf_cache  # noqa: E402
+from workers.weights.sources import embedded_gguf, gguf_cache_dir  # noqa: E402
 
 
 def embedded(name: str):

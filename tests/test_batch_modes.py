@@ -203,8 +203,8 @@ def test_compile_only_names_bad_data(tmp_path):
 def test_compile_only_caches_gguf_as_safetensors(tmp_path, monkeypatch, smollm2_fp32):
     import os
 
+    from workers.engine.params import SamplingParams
     from workers.models import load_model
-    from workers.params import SamplingParams
 
     data = tmp_path / "data"
     data.mkdir()

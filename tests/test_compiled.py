@@ -13,12 +13,11 @@ import pytest
 import torch
 from support.models import hf_greedy, real_mixed_batch_matches_transformers, tiny
 
-from workers import compile_cache
-from workers.buckets import Buckets, compile_mode, default_buckets
-from workers.compiled import graphs_compiled
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine, EngineConfig, compile_cache
+from workers.engine.buckets import Buckets, compile_mode, default_buckets
+from workers.engine.compiled import graphs_compiled
+from workers.engine.params import SamplingParams
 from workers.models import load_engine
-from workers.params import SamplingParams
 
 PACKED = ["gpt2", "llama", "mistral", "opt", "gemma3"]  # the tiny architectures on the packed slot path
 BUCKETS = (8, 48)  # small for CI: every step pads to one of two graphs
@@ -113,7 +112,7 @@ _CHILD = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
 from workers.models import load_engine
-from workers.params import SamplingParams
+from workers.engine.params import SamplingParams
 eng = load_engine("tiny:llama", dtype="float32", max_batch_size=2, max_batch_tokens=48,
                   compile=sys.argv[1], compile_buckets=(8, 48))
 out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
@@ -176,7 +175,7 @@ def test_real_models_compiled_match_transformers(fixture, request, cache_dir):
 
 
 def test_cuda_graph_seam_is_inert_on_cpu_and_asks_for_graphs_on_cuda():
-    from workers.compiled import GraphReplay
+    from workers.engine.compiled import GraphReplay
 
     cpu = GraphReplay("cpu")
     assert not cpu.enabled and cpu.compile_options() == {}

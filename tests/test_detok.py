@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from support.models import tiny
 
-from workers.detok import IncrementalText
+from workers.engine.detok import IncrementalText
 
 TEXTS = ["Hello, wörld! 🌍 — naïve café\n  indented:\n\tdef f(x):\n\t\treturn x**2  # ✓",
          "日本語のテキストと emoji 👩‍👩‍👧 mixed with   multiple   spaces and a trailing space ",

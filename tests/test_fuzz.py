@@ -20,7 +20,7 @@ from routing import protocol as P
 from routing.client import Client
 from routing.entrypoints import ROUTER, WORKER, command
 from workers.engine import Engine, EngineConfig
-from workers.params import SamplingParams
+from workers.engine.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [11, 12, 13, 14]

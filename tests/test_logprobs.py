@@ -9,7 +9,7 @@ import torch
 from support.models import plain_logits, tiny
 
 from workers.engine import Engine, EngineConfig
-from workers.params import SamplingParams
+from workers.engine.params import SamplingParams
 
 
 def _check(lm, prompt, max_tokens, k=3):

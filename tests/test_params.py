@@ -6,8 +6,8 @@ import pytest
 from support.models import tiny
 
 from workers.engine import Engine, EngineConfig
-from workers.params import SamplingParams
-from workers.scheduler import SchedulerConfig
+from workers.engine.params import SamplingParams
+from workers.engine.scheduler import SchedulerConfig
 
 
 @pytest.mark.parametrize("kwargs,name", [

@@ -8,7 +8,7 @@ import pytest
 from support.models import ARCHS, hf_greedy, real_mixed_batch_matches_transformers, tiny
 
 from workers.engine import Engine, EngineConfig
-from workers.params import SamplingParams
+from workers.engine.params import SamplingParams
 
 
 def _greedy(m: int) -> SamplingParams:
@@ -64,7 +64,7 @@ def test_real_models_match_transformers(fixture, request):
 def test_equal_length_prompts_attend_as_one_batch(arch):
     """Whole prompts of one length in a step are one batched attention call: still transformers'
     tokens for each, next to prompts of other lengths and a chunked one."""
-    from workers.attention import Segment, StepContext
+    from workers.engine.attention import Segment, StepContext
 
     segs = [Segment(0, 5, 3, 0), Segment(5, 5, 0, 0), Segment(10, 2, 1, 0), Segment(12, 5, 2, 0),
             Segment(17, 5, 4, 9)]  # the last is a later chunk of a prompt: attended alone

@@ -30,7 +30,7 @@ from fusion.ray_cluster import RayDeployment, bundles
 from routing.client import Client
 from routing.entrypoints import CLI, command
 from workers.engine import Engine
-from workers.params import SamplingParams
+from workers.engine.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"

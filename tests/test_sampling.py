@@ -10,8 +10,8 @@ import torch
 from support.models import tiny
 
 from workers.engine import Engine, EngineConfig
-from workers.params import SamplingParams
-from workers.sampler import SampleSpec, sample, uniform
+from workers.engine.params import SamplingParams
+from workers.engine.sampler import SampleSpec, sample, uniform
 
 
 def _engine(lm, **kw):

@@ -7,9 +7,9 @@ import random
 from support.models import hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
-from workers.params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sequence import Sequence, SequenceGroup
+from workers.engine.params import SamplingParams
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.sequence import Sequence, SequenceGroup
 
 
 def _group(rid, prompt, n=1, max_tokens=4):

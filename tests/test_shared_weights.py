@@ -1,4 +1,4 @@
-"""Copies of a model on one CPU share one read-only mapping of its weights (workers.shared_weights):
+"""Copies of a model on one CPU share one read-only mapping of its weights (workers.weights.shared):
 in-process checks of the mapping, then real worker processes of a deployment."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from fusion.deploy import build_fusion
 from fusion.local import LocalDeployment
 from fusion.plan import make_plan
 from routing.client import Client
-from workers import shared_weights as S
 from workers.completions import sampling_params
 from workers.models import load_engine, load_model
+from workers.weights import shared as S
 
 PROMPTS = [[5, 17, 33, 2, 99, 4], [100, 7, 8], [42] * 12]
 

@@ -8,8 +8,8 @@ import pytest
 from support.models import hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
+from workers.engine.params import SamplingParams
 from workers.models import load_model
-from workers.params import SamplingParams
 
 PROMPT = [10, 20, 30, 40, 50]
 

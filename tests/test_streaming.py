@@ -5,7 +5,7 @@ from __future__ import annotations
 from support.models import tiny
 
 from workers.engine import Engine, EngineConfig
-from workers.params import SamplingParams
+from workers.engine.params import SamplingParams
 
 
 def test_new_tokens_add_up_to_the_output():

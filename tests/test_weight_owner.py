@@ -1,4 +1,4 @@
-"""The weight owner (workers.weight_owner): one process holds a model's weights, copies attach.
+"""The weight owner (workers.weights.owner): one process holds a model's weights, copies attach.
 On CPU the seam is torch's file_system sharing; the CUDA test (only where CUDA is present) runs the
 same path over CUDA IPC."""
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 33, 2, 99, 4]
 COPY = """
 import json, sys, torch
-from workers.weight_owner import attach_remote
+from workers.weights.owner import attach_remote
 model, tok, info = attach_remote(sys.argv[1], sys.argv[2].encode(), timeout=120)
 dev = next(model.parameters()).device
 before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
@@ -56,7 +56,7 @@ def _copy(addr: str, key: str, env: dict) -> tuple[subprocess.Popen, dict]:
 
 
 def _check_owner(tmp_path: Path, device: str) -> None:
-    from workers.owner_ipc import ipc_files, remove_ipc_files
+    from workers.weights.owner_ipc import ipc_files, remove_ipc_files
 
     ref = load_model("tiny:llama", dtype="float32", device=device)
     with torch.inference_mode():
@@ -79,7 +79,7 @@ def _check_owner(tmp_path: Path, device: str) -> None:
         # a wrong key gets nothing, and the owner goes on serving
         from multiprocessing import AuthenticationError
 
-        from workers.weight_owner import attach_remote
+        from workers.weights.owner import attach_remote
 
         with pytest.raises(AuthenticationError):
             attach_remote(addr, b"wrong", timeout=10)
@@ -215,7 +215,7 @@ def test_deployment_copies_on_one_gpu_share_an_owner(tmp_path, monkeypatch):
             assert answers([0, 1, 2]) == [want] * 3  # the restarted copy attached again
     finally:
         d.__exit__(None, None, None)
-    from workers.owner_ipc import ipc_files
+    from workers.weights.owner_ipc import ipc_files
 
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in owner_pids)
     assert [f for p in owner_pids for f in ipc_files(p)] == []

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from workers.outputs import RequestOutput
-from workers.params import SamplingParams
+from workers.engine.outputs import RequestOutput
+from workers.engine.params import SamplingParams
 
 # OpenAI parameter -> SamplingParams field (extensions: top_k, stop_token_ids, ignore_eos)
 _DIRECT = {"max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids",

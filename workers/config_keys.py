@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from workers.scheduler import SchedulerConfig
+from workers.engine.scheduler import SchedulerConfig
 
 REQUIRED = object()  # the default of a key that must be given
 

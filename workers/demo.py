@@ -10,8 +10,8 @@ import time
 
 import torch
 
+from workers.engine.params import SamplingParams
 from workers.models import load_engine
-from workers.params import SamplingParams
 
 PROMPTS = [
     "The three primary colors are",

@@ -1,6 +1,6 @@
 """The model loader: turn a source string into an engine-ready model, offline, with its weights
 private, shared through a read-only mapping (CPU), or attached from the device's owner (CUDA).
-What a source can be is in workers.sources."""
+What a source can be is in workers.weights.sources."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import os
 
 import torch
 
-from workers import shared_weights
 from workers.engine import Engine, EngineConfig
-from workers.hf_loader import load_private
-from workers.loaded_model import LoadedModel
-from workers.owner_ipc import KEY_ENV
-from workers.sources import context_len, resolve_dtype
-from workers.weight_owner import attach_remote
+from workers.weights import shared as shared_weights
+from workers.weights.hf_loader import load_private
+from workers.weights.loaded_model import LoadedModel
+from workers.weights.owner import attach_remote
+from workers.weights.owner_ipc import KEY_ENV
+from workers.weights.sources import context_len, resolve_dtype
 
 
 def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
@@ -24,8 +24,8 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
 
     A GGUF source loads from its safetensors cache when one exists and `use_cache` is true. With
     `share_weights` on CPU, the weights are a read-only mapping that every copy of this (source,
-    dtype) shares (workers.shared_weights); on CUDA they are the device's owner process's memory,
-    reached through CUDA IPC at `owner` (workers.weight_owner)."""
+    dtype) shares (workers.weights.shared); on CUDA they are the device's owner process's memory,
+    reached through CUDA IPC at `owner` (workers.weights.owner)."""
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
     if not isinstance(source, str) or not source:

@@ -29,7 +29,7 @@ import zmq
 
 from routing import protocol as P
 from routing.security import connect_curve
-from workers.detok import IncrementalText
+from workers.engine.detok import IncrementalText
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import numpy as np
 def tokenize_only(source: str):
     """The tokenizer of a model source, without loading its weights where that can be avoided."""
     from workers.models import load_model
-    from workers.sources import EMBEDDED, embedded_gguf, gguf_cache_dir
+    from workers.weights.sources import EMBEDDED, embedded_gguf, gguf_cache_dir
 
     if source in EMBEDDED or source.endswith(".gguf"):
         from transformers import AutoTokenizer

@@ -13,7 +13,7 @@ from routing.entrypoints import CLI, command
 from support.cluster import ANY_PORT, ROOT
 from support.models import tiny
 from workers.engine import Engine, EngineConfig
-from workers.params import SamplingParams
+from workers.engine.params import SamplingParams
 
 # the HDF5 layout of the predict tests: rows of SEQ tokens, prompts end at START
 START, SEQ, MAX_TOKENS = 500, 24, 6

@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from workers.attention import hf_attention
+from workers.engine.attention import hf_attention
+from workers.engine.params import SamplingParams
 from workers.models import load_model
-from workers.params import SamplingParams
 
 ARCHS = ["gpt2", "llama", "mistral", "opt", "bloom", "gemma3"]
 

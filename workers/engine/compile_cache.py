@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from workers.files import atomic_replace, cache_root
-from workers.sources import source_key
+from workers.weights.sources import source_key
 
 log = logging.getLogger("mmfusion.compile")
 

@@ -6,7 +6,7 @@ Registering a name the mask factory does not know also makes the model skip buil
 masks: this module builds them once per step from the sequences' lengths.
 
 The whole step (K/V writes into the slot cache, decode and prefill attention) is one opaque
-custom op, `mmfusion::attend`, as vLLM's unified attention is: a compiled forward (workers.compiled)
+custom op, `mmfusion::attend`, as vLLM's unified attention is: a compiled forward (workers.engine.compiled)
 calls it as an extern kernel, so the graph holds only tensor math and its shapes depend only on the
 padded token count, never on how the step's tokens split into sequences. Eager runs call the same
 function directly. The op finds the step's context and cache through the holder named by its id.

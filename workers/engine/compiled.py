@@ -7,7 +7,7 @@ specialise on). Cold compiles take seconds instead of minutes, and the cache hol
 
 Shapes are static per bucket: the runner pads a step's packed tokens up to the next bucket
 (padded rows are zeros that the attention op never writes to the cache), so a handful of graphs
-cover every step. Attention itself is the opaque op `mmfusion::attend` (workers.attention); the
+cover every step. Attention itself is the opaque op `mmfusion::attend` (workers.engine.attention); the
 graph around it holds the projections, norms, rotary embeddings and MLP.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers import attention, compile_cache
-from workers.buckets import Buckets
+from workers.engine import attention, compile_cache
+from workers.engine.buckets import Buckets
 
 log = logging.getLogger("mmfusion.compile")
 CAPACITY_DIM = 3  # of SlotKVCache.keys/values: [layers, slots, kv_heads, capacity, head_dim]

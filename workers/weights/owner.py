@@ -2,7 +2,7 @@
 dtype) holds them, and every copy attaches through CUDA IPC.
 
 The owner runs no inference, so a copy that crashes cannot take the weights with it; it loads the
-model once (through the shared directory of workers.shared_weights, which also gives the copies
+model once (through the shared directory of workers.weights.shared, which also gives the copies
 their config and tokenizer), moves it to its device and answers each copy that asks with an IPC
 handle per tensor. A copy builds its model on the `meta` device and binds the tensors the handles
 open. The owner exits with its parent (the deployment), which frees the weights when the last
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from workers import shared_weights as S
-from workers.hf_loader import load_private
-from workers.owner_ipc import KEY_ENV, remove_ipc_files
-from workers.sources import resolve_dtype
+from workers.weights import shared as S
+from workers.weights.hf_loader import load_private
+from workers.weights.owner_ipc import KEY_ENV, remove_ipc_files
+from workers.weights.sources import resolve_dtype
 
 # --- the seam ---------------------------------------------------------------------------------------------
 

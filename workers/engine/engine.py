@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.buckets import Buckets, compile_mode, default_buckets
-from workers.compiled import prepare
 from workers.config_keys import MODEL
-from workers.loaded_model import LoadedModel
-from workers.outputs import CompletionOutput, RequestOutput
-from workers.params import SamplingParams
-from workers.runner import BaseRunner, make_runner
-from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from workers.sequence import Sequence, SequenceGroup
-from workers.stops import finish_reason
+from workers.engine.buckets import Buckets, compile_mode, default_buckets
+from workers.engine.compiled import prepare
+from workers.engine.outputs import CompletionOutput, RequestOutput
+from workers.engine.params import SamplingParams
+from workers.engine.runner import BaseRunner, make_runner
+from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workers.engine.sequence import Sequence, SequenceGroup
+from workers.engine.stops import finish_reason
+from workers.weights.loaded_model import LoadedModel
 
 
 def _same(x):

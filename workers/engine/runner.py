@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers import attention
-from workers.buckets import Buckets
-from workers.compiled import CompiledLayers
-from workers.kv_cache import SlotKVCache
-from workers.loaded_model import LoadedModel
-from workers.sampler import SampleSpec, sample, top_alternatives
-from workers.scheduler import Chunk, SchedulerOutput
-from workers.sequence import Sequence, SequenceGroup
+from workers.engine import attention
+from workers.engine.buckets import Buckets
+from workers.engine.compiled import CompiledLayers
+from workers.engine.kv_cache import SlotKVCache
+from workers.engine.sampler import SampleSpec, sample, top_alternatives
+from workers.engine.scheduler import Chunk, SchedulerOutput
+from workers.engine.sequence import Sequence, SequenceGroup
+from workers.weights.loaded_model import LoadedModel
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ class LoadedModel:
     device: torch.device
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
-    weights: Any = None  # shared_weights.WeightsInfo: bytes, and whether shared with other copies
+    weights: Any = None  # weights.shared.WeightsInfo: bytes, and whether shared with other copies
     # read once: the config lookup behind it costs microseconds, and every request checks its prompt
     vocab_size: int = field(init=False, default=0)
 

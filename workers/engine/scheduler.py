@@ -14,7 +14,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from workers.sequence import Sequence, SequenceGroup, Status
+from workers.engine.sequence import Sequence, SequenceGroup, Status
 
 
 @dataclass(slots=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from workers.detok import IncrementalText
-from workers.sequence import Sequence
+from workers.engine.detok import IncrementalText
+from workers.engine.sequence import Sequence
 
 
 def finish_reason(seq: Sequence, token: int, eos_ids: list[int], max_model_len: int, tokenizer) -> str | None:

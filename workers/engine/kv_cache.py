@@ -15,7 +15,7 @@ import torch
 
 
 class SlotKVCache:
-    """Per-layer K/V buffers indexed by (slot, position), written by the attention op (workers.attention)."""
+    """Per-layer K/V buffers indexed by (slot, position), written by the attention op (workers.engine.attention)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, max_capacity: int = 2048, block: int = 64,

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.params import SamplingParams
+from workers.engine.params import SamplingParams
 
 
 class Status(enum.Enum):

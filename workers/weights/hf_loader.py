@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from workers import tiny
 from workers.files import atomic_replace
-from workers.sources import EMBEDDED, embedded_gguf, gguf_cache_dir, gguf_cache_path
+from workers.weights import tiny
+from workers.weights.sources import EMBEDDED, embedded_gguf, gguf_cache_dir, gguf_cache_path
 
 
 def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
