@@ -9,7 +9,6 @@ ID and device. The router hears of every exit at once, and of the supervisor giv
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import socket
@@ -22,11 +21,11 @@ from dataclasses import dataclass
 import zmq
 
 from fusion.deploy import model_entries, worker_overrides
+from fusion.launcher import WorkerProcess, start_worker
 from fusion.model_info import MultiModelFusion
 from fusion.owners import WeightOwners
 from fusion.params import RUNCONFIG_DEFAULTS
 from fusion.plan import DeploymentPlan
-from routing import entrypoints
 from routing import protocol as P
 from routing.router import Router, RouterConfig
 
@@ -65,7 +64,7 @@ class LocalDeployment:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.router: Router | None = None
         self.thread: threading.Thread | None = None
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[WorkerProcess] = []
         self.restarts: list[int] = []
         self.gave_up: set[int] = set()
         self._closing = threading.Event()
@@ -113,13 +112,12 @@ class LocalDeployment:
         """What a client of this deployment needs besides the address."""
         return {"curve_keys": self.config.curve_keys} if self.config.curve_keys else {}
 
-    def _spawn(self, slot: int) -> subprocess.Popen:
-        cmd = entrypoints.command(entrypoints.WORKER, "--backend", self.router.backend_addr,
-                                  "--parent-pid", str(os.getpid()), "--slot", str(slot))
+    def _spawn(self, slot: int) -> WorkerProcess:
+        argv = ["--backend", self.router.backend_addr, "--slot", str(slot)]
         if self.config.curve_keys:
-            cmd += ["--curve-keys", self.config.curve_keys]
+            argv += ["--curve-keys", self.config.curve_keys]
         # per-tensor GGUF conversion bars from every worker would bury the run's own progress
-        return subprocess.Popen(cmd, env={**os.environ, **self.owners.env, "TQDM_DISABLE": "1"})
+        return start_worker(argv, {**self.owners.env, "TQDM_DISABLE": "1"})
 
     def _supervise(self) -> None:
         tell = self.router.ctx.socket(zmq.PUSH)  # the router's control socket: "this worker exited"

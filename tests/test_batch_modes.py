@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from support.batch import START, run_mm, tiny_variant, write_params
-from support.cluster import ROOT
+from support.cluster import ROOT, forked_workers
 from support.models import plain_logits, tiny
 
 from routing.entrypoints import CLI, command
@@ -329,7 +329,6 @@ def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case)
 
 
 def test_predict_finishes_correctly_when_a_worker_crashes(tmp_path, crash_case):
-    import psutil
 
     params, clean = crash_case
     md = tmp_path / "crashed"
@@ -337,7 +336,7 @@ def test_predict_finishes_correctly_when_a_worker_crashes(tmp_path, crash_case):
     proc = run_mm(params, "predict", CRASH_VARIANTS, md, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                   text=True)
     _wait_mid_run(proc, pred)
-    workers = [c for c in psutil.Process(proc.pid).children() if "workers.worker" in " ".join(c.cmdline())]
+    workers = forked_workers(proc.pid)
     assert len(workers) == 2 and proc.poll() is None
     for w in workers:  # both: neither model has a replica, so their requests fail and predict resends them
         w.kill()

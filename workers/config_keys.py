@@ -1,16 +1,14 @@
 """Every key of a variant's `model` section in the params YAML: its default and its valid values.
 
-This table is where those defaults are defined; the planner, the deployment, predict, compile_only
-and the worker read them from here, and docs/configuration.md is generated from it
+This table is where those defaults are defined; the planner, the deployment, predict, compile_only,
+the worker, the scheduler and the engine read them from here, and docs/configuration.md is generated from it
 (`python -m fusion.config_doc`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
-
-from workers.engine.scheduler import SchedulerConfig
 
 REQUIRED = object()  # the default of a key that must be given
 
@@ -29,11 +27,6 @@ class Key:
             raise ValueError(f"configuration key {self.name!r}: give a name, its valid values and what it does")
 
 
-def _scheduling(name: str) -> Any:
-    """The scheduler's own default for one of its limits (the engine's are the same)."""
-    return next(f.default for f in fields(SchedulerConfig) if f.name == name)
-
-
 MODEL_KEYS: tuple[Key, ...] = (
     Key("source", REQUIRED, "`smollm2-135m`, `gemma3-270m`, `tiny:<arch>[:seed]`, a Hugging Face directory, "
         "or a `.gguf` file", "what to load (see Model sources in the README)"),
@@ -41,9 +34,9 @@ MODEL_KEYS: tuple[Key, ...] = (
         "the serving dtype; `auto` is bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 elsewhere"),
     Key("max_model_len", None, "a positive integer, or null",
         "the longest sequence (prompt + generated) served; null: the model's own context length"),
-    Key("max_batch_size", _scheduling("max_batch_size"), "a positive integer",
+    Key("max_batch_size", 64, "a positive integer",
         "sequences a worker runs at once (before `deltat_scaling_factor` shares a device's capacity)"),
-    Key("max_batch_tokens", _scheduling("max_batch_tokens"), "a positive integer",
+    Key("max_batch_tokens", 512, "a positive integer",
         "tokens a worker's step computes at most (decode tokens plus prefill chunks)"),
     Key("deltat_scaling_factor", 1.0, "a positive number",
         "this model's relative share of batch capacity among the workers of one device"),

@@ -428,6 +428,16 @@ class Worker:
         return True
 
 
+def run_forked(argv: list[str], env: dict[str, str], cwd: str) -> None:
+    """A worker forked from a launcher's server (fusion.launcher) that has imported torch already.
+    It takes the environment and directory its starter has now (the server's are those of when it
+    started), and follows the server's exit as its parent's."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    main([*argv, "--parent-pid", str(os.getppid())])
+
+
 def main(argv: list[str] | None = None) -> None:
     defaults = WorkerConfig()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

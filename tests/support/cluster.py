@@ -3,7 +3,6 @@ the in-process engine answers they are checked against."""
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import socket
@@ -13,13 +12,16 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+
+from fusion import launcher
 from fusion.deploy import build_fusion
+from fusion.launcher import WorkerProcess
 from fusion.local import LocalDeployment
 from fusion.params import load_params
 from fusion.plan import make_plan
 from routing import protocol as P
 from routing.client import Client
-from routing.entrypoints import WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
 from support.models import tiny
 from workers.completions import sampling_params
@@ -60,9 +62,15 @@ def start_router(backend=ANY_PORT, frontend=ANY_PORT, **cfg) -> tuple[Router, th
     return box.get(timeout=10), t
 
 
-def start_worker(backend: str) -> subprocess.Popen:
-    return subprocess.Popen([*command(WORKER), "--backend", backend, "--parent-pid",
-                             str(os.getpid()), "--threads", "1", "--heartbeat", "0.2"], cwd=ROOT)
+def start_worker(backend: str) -> WorkerProcess:
+    """A worker process for `backend`, forked as deployments start theirs (fusion.launcher)."""
+    return launcher.start_worker(["--backend", backend, "--threads", "1", "--heartbeat", "0.2"])
+
+
+def forked_workers(pid: int) -> list[psutil.Process]:
+    """The worker processes a deployment's process `pid` started: children of its launcher's fork server."""
+    servers = [c for c in psutil.Process(pid).children() if "forkserver" in " ".join(c.cmdline())]
+    return [w for s in servers for w in s.children()]
 
 
 @contextmanager

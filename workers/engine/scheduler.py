@@ -14,13 +14,14 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+from workers.config_keys import MODEL
 from workers.engine.sequence import Sequence, SequenceGroup, Status
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_batch_size: int = 64  # sequences holding a cache slot at once
-    max_batch_tokens: int = 512  # tokens computed in one step (decode + prefill chunks)
+    max_batch_size: int = MODEL["max_batch_size"].default  # sequences holding a cache slot at once
+    max_batch_tokens: int = MODEL["max_batch_tokens"].default  # tokens computed in one step (decode + prefill)
     min_shared_prefix: int = 16  # shortest prompt prefix worth copying from another sequence
 
     def __post_init__(self) -> None:
