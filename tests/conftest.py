@@ -54,3 +54,14 @@ def gemma3_fp32():
 @pytest.fixture(scope="session")
 def embedded_models(smollm2_fp32, gemma3_fp32) -> None:
     """For tests whose subprocesses load the embedded models: converted in the test cache first."""
+
+
+# The modules that take longest, first: pytest-xdist hands whole modules (--dist loadscope) to its
+# workers in collection order, so the long ones start at once and the short ones fill in after.
+LONGEST_FIRST = ["test_compiled.py", "test_parity.py", "test_batch_modes.py", "test_http.py", "test_batch_integrity.py",
+                 "test_ray.py", "test_integrity.py", "test_faults.py", "test_predict.py", "test_weight_owner.py"]
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

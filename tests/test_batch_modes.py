@@ -161,9 +161,9 @@ def test_compile_only_compiles_reports_memory_and_predict_starts_from_it(tmp_pat
     data.mkdir()
     (data / "r.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two two"}\n')
     params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data, batch_size=5,
-                                                           max_tokens=7, compile_buckets=[8, 64])})
+                                                           max_tokens=7, compile_buckets=[8, 48],
+                                                           max_batch_size=5, max_batch_tokens=48)})
     env = {**os.environ, "MMFUSION_CACHE": str(tmp_path / "cache")}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     out = run_mm(params, "compile_only", ["llama,2"], tmp_path / "md", env=env)
     assert out.returncode == 0, out.stderr
     recs = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
@@ -176,7 +176,7 @@ def test_compile_only_compiles_reports_memory_and_predict_starts_from_it(tmp_pat
     assert dev == {"device": "cpu", "workers": 2, "measured_bytes": 2 * rep["measured_bytes"] - rep["weight_bytes"],
                    "available_bytes": dev["available_bytes"], "fits": True}
     compiled = rep["compile"]
-    assert compiled["compiled"] and compiled["buckets"] == [8, 64] and compiled["cache"].startswith(str(tmp_path))
+    assert compiled["compiled"] and compiled["buckets"] == [8, 48] and compiled["cache"].startswith(str(tmp_path))
     assert (Path(compiled["cache"]) / "artifacts.bin").is_file()
     # predict (compile: auto) starts both workers from the artifacts, and answers as eagerly
     pred = run_mm(params, "predict", ["llama,2"], tmp_path / "md", env=env)

@@ -6,7 +6,9 @@ A GGUF file is dequantized once and kept as float32 safetensors under the cache
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -14,6 +16,30 @@ import torch
 from workers.files import atomic_replace
 from workers.weights import tiny
 from workers.weights.sources import EMBEDDED, embedded_gguf, gguf_cache_dir, gguf_cache_path
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Within the block, a GGUF file is parsed once. transformers parses the file's metadata for the
+    config, again for the tokenizer and again for the weights, and parsing a large vocabulary
+    (Gemma 3's 262k tokens) takes tens of seconds each time; the parsed reader is read-only, so
+    every caller can share it."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
@@ -52,9 +78,10 @@ def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
             # Dense weights: the packed-GGUF kernels compute in float32 and are slower here.
             from transformers import GgufConfig
 
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, quantization_config=GgufConfig(dequantize=True), **kw)
+            with gguf_parsed_once():
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, quantization_config=GgufConfig(dequantize=True), **kw)
     else:
         raise ValueError(f"model source {source!r} is a file but not .gguf")
     return model.eval(), tok
