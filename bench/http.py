@@ -136,9 +136,13 @@ class CpuMeter:
 
         root = psutil.Process(serve_pid)
         self.procs = {"router": root, "load_generator": psutil.Process()}
-        for child in root.children(recursive=True):
-            name = "gateway" if "routing.http" in " ".join(child.cmdline()) else "worker"
-            self.procs[name] = child
+        for child in root.children():
+            cmd = " ".join(child.cmdline())
+            if "routing.http" in cmd:
+                self.procs["gateway"] = child
+            elif "forkserver" in cmd:  # fusion.launcher's fork server: the workers are its children
+                for worker in child.children():
+                    self.procs["worker"] = worker
 
     def sample(self) -> dict[str, float]:
         return {k: sum(p.cpu_times()[:2]) for k, p in self.procs.items()}
