@@ -44,9 +44,9 @@ runconfig:                      # the keys of "Runconfig keys" below
   variants: [[smollm2, 2]]
 ```
 
-An unknown key stops the run before anything loads, with an error that names the file and the
-key; so does a bad value of most keys (the engine limits are checked by the worker that loads the
-model, which reports `load_failed` naming the parameter). This page is generated from the code's tables
+An unknown key, or a value outside the valid values below, stops the run before anything loads,
+with an error that names the file and the key. (Whether a model source can be loaded is found out
+by the worker that loads it, which reports `load_failed` with the loader's error.) This page is generated from the code's tables
 (`python -m fusion.config_doc --write`); a test keeps the two in step.
 """
 

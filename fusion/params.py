@@ -116,6 +116,10 @@ def load_params(path: str | Path) -> dict:
         if unknown:
             raise ParamsError(f"{where}.model.{unknown[0]}: unknown key; known keys: {sorted(MODEL_KEYS)}")
         _check_compile(model, where)
+        for name, value in model.items():
+            check = MODEL[name].check
+            if check is not None and not check(value):
+                raise ParamsError(f"{where}.model.{name} must be {MODEL[name].valid}, got {value!r}")
         res = model.get("resources")
         if res is not None and not (isinstance(res, dict) and all(
                 isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0

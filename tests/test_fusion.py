@@ -47,6 +47,16 @@ def test_variants_parsing():
     ("variants: [\n", "not valid YAML"),
     ("variants:\n  a: {model: {source: x}}\nrunconfig: {retry_delays: 5}\n", r"runconfig\.retry_delays must be a list"),
     ("variants:\n  a: {model: {source: x}}\nrunconfig: {retry_delays: [1, -2]}\n", r"runconfig\.retry_delays"),
+    # every model key with a table check: a value of the wrong kind names the key and its valid values
+    ("variants:\n  a: {model: {source: x, max_batch_size: many}}\n",
+     r"variants\.a\.model\.max_batch_size must be a positive integer, got 'many'"),
+    ("variants:\n  a: {model: {source: x, max_batch_tokens: 0}}\n", r"model\.max_batch_tokens must be"),
+    ("variants:\n  a: {model: {source: x, dtype: int4}}\n", r"model\.dtype must be `auto`"),
+    ("variants:\n  a: {model: {source: x, share_weights: maybe}}\n", r"model\.share_weights must be"),
+    ("variants:\n  a: {model: {source: x, top_p: 1.5}}\n", r"model\.top_p must be a number in \(0, 1\]"),
+    ("variants:\n  a: {model: {source: x, start_token: [1, x]}}\n", r"model\.start_token must be"),
+    ("variants:\n  a: {model: {source: x, loop_dim: 2}}\n", r"model\.loop_dim must be"),
+    ("variants:\n  a: {model: {source: x, max_model_len: -1}}\n", r"model\.max_model_len must be"),
 ])
 def test_params_errors_name_file_and_key(tmp_path, text, match):
     f = tmp_path / "p.yaml"

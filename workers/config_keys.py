@@ -7,10 +7,26 @@ the worker, the scheduler and the engine read them from here, and docs/configura
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 REQUIRED = object()  # the default of a key that must be given
+
+
+def _int(x, low: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _tokens(x) -> bool:
+    """A token ID or a non-empty list of them; an ID outside the vocabulary (even negative) is a marker."""
+    def one(t) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool)
+    return one(x) or (isinstance(x, list) and bool(x) and all(one(t) for t in x))
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,6 +37,7 @@ class Key:
     default: Any
     valid: str
     doc: str
+    check: Callable[[Any], bool] | None = None  # whether a given value is valid; None: checked where used
 
     def __post_init__(self) -> None:
         if not self.name or not self.valid or not self.doc:
@@ -31,18 +48,21 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("source", REQUIRED, "`smollm2-135m`, `gemma3-270m`, `tiny:<arch>[:seed]`, a Hugging Face directory, "
         "or a `.gguf` file", "what to load (see Model sources in the README)"),
     Key("dtype", "auto", "`auto`, `float32`, `bfloat16`, `float16`, `float64`",
-        "the serving dtype; `auto` is bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 elsewhere"),
+        "the serving dtype; `auto` is bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 elsewhere",
+        lambda x: x in ("auto", "float32", "bfloat16", "float16", "float64")),
     Key("max_model_len", None, "a positive integer, or null",
-        "the longest sequence (prompt + generated) served; null: the model's own context length"),
+        "the longest sequence (prompt + generated) served; null: the model's own context length",
+        lambda x: x is None or _int(x, 1)),
     Key("max_batch_size", 64, "a positive integer",
-        "sequences a worker runs at once (before `deltat_scaling_factor` shares a device's capacity)"),
+        "sequences a worker runs at once (before `deltat_scaling_factor` shares a device's capacity)",
+        lambda x: _int(x, 1)),
     Key("max_batch_tokens", 512, "a positive integer",
-        "tokens a worker's step computes at most (decode tokens plus prefill chunks)"),
+        "tokens a worker's step computes at most (decode tokens plus prefill chunks)", lambda x: _int(x, 1)),
     Key("deltat_scaling_factor", 1.0, "a positive number",
-        "this model's relative share of batch capacity among the workers of one device"),
+        "this model's relative share of batch capacity among the workers of one device", lambda x: _num(x) and x > 0),
     Key("share_weights", True, "`true`, `false`",
         "copies of this model on one device hold one set of weights (CPU: one read-only mapping; "
-        "CUDA: one owner process)"),
+        "CUDA: one owner process)", lambda x: isinstance(x, bool)),
     Key("compile", "auto", "`auto`, `true`, `false`",
         "run the compiled forward: `auto` when compiled artifacts are in the cache, `true` compiling "
         "now if needed, `false` eager"),
@@ -52,18 +72,23 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("resources", None, "a mapping of Ray resource names to positive amounts, or null",
         "custom Ray resources each copy asks for (with `--ray`), so that it runs only on nodes that have them"),
     Key("start_token", None, "a token ID or a list of them (the first pads)",
-        "HDF5 input: where each row's prompt ends and generation starts; required for HDF5 input"),
+        "HDF5 input: where each row's prompt ends and generation starts; required for HDF5 input",
+        lambda x: x is None or _tokens(x)),
     Key("end_token", None, "a token ID or a list of them, or null",
         "HDF5 input: generation stops after emitting one (kept in the output); IDs past the vocabulary "
-        "disable it"),
-    Key("loop_dim", 1, "`0`, `1`", "HDF5 input: 1 reads `data` as (samples, seq), 0 as (seq, samples)"),
+        "disable it", lambda x: x is None or _tokens(x)),
+    Key("loop_dim", 1, "`0`, `1`", "HDF5 input: 1 reads `data` as (samples, seq), 0 as (seq, samples)",
+        lambda x: x in (0, 1) and not isinstance(x, bool)),
     Key("max_tokens", None, "a non-negative integer, or null",
         "new tokens at most: the default of requests that give none (else 16, as OpenAI); HDF5 rows: null "
-        "fills the row"),
+        "fills the row", lambda x: x is None or _int(x, 0)),
     Key("temperature", None, "a number >= 0, or null",
-        "the default of requests that give none (else 1.0); HDF5 rows: null is greedy (0)"),
-    Key("top_p", None, "a number in (0, 1], or null", "the default of requests that give none (else 1.0: off)"),
-    Key("top_k", None, "an integer >= 0, or null", "the default of requests that give none (else 0: off)"),
+        "the default of requests that give none (else 1.0); HDF5 rows: null is greedy (0)",
+        lambda x: x is None or (_num(x) and x >= 0)),
+    Key("top_p", None, "a number in (0, 1], or null", "the default of requests that give none (else 1.0: off)",
+        lambda x: x is None or (_num(x) and 0 < x <= 1)),
+    Key("top_k", None, "an integer >= 0 (0 or -1: off), or null", "the default of requests that give none (else 0: off)",
+        lambda x: x is None or _int(x, -1)),
 )
 MODEL = {k.name: k for k in MODEL_KEYS}
 # the model keys that are request defaults: the worker applies them to requests that leave them out
