@@ -39,6 +39,7 @@ import time  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from bench.router import emit, free_port, pct  # noqa: E402
 from bench.router import load as zmq_load  # noqa: E402
+from fusion.launcher import forked_workers  # noqa: E402
 from routing.entrypoints import CLI, command  # noqa: E402
 
 
@@ -137,12 +138,10 @@ class CpuMeter:
         root = psutil.Process(serve_pid)
         self.procs = {"router": root, "load_generator": psutil.Process()}
         for child in root.children():
-            cmd = " ".join(child.cmdline())
-            if "routing.http" in cmd:
+            if "routing.http" in " ".join(child.cmdline()):
                 self.procs["gateway"] = child
-            elif "forkserver" in cmd:  # fusion.launcher's fork server: the workers are its children
-                for worker in child.children():
-                    self.procs["worker"] = worker
+        for worker in forked_workers(serve_pid):
+            self.procs["worker"] = worker
 
     def sample(self) -> dict[str, float]:
         return {k: sum(p.cpu_times()[:2]) for k, p in self.procs.items()}

@@ -49,6 +49,15 @@ class WorkerProcess:
         self._proc.terminate()
 
 
+def forked_workers(pid: int) -> list:
+    """The worker processes that process `pid` started through this launcher (psutil Processes): the
+    children of its fork server. Their command line is the server's, so only the tree tells them apart."""
+    import psutil
+
+    servers = [c for c in psutil.Process(pid).children() if "forkserver" in " ".join(c.cmdline())]
+    return [w for s in servers for w in s.children()]
+
+
 def start_worker(argv: list[str], env: dict[str, str] | None = None) -> WorkerProcess:
     """A worker process running `python -m workers.worker ARGV` in this process's environment (plus
     `env`) and directory, forked from the preloaded server (started on first use).

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 from support.batch import START, run_mm, tiny_variant, write_params
-from support.cluster import ROOT, forked_workers
+from support.cluster import ROOT
 from support.models import plain_logits, tiny
 
+from fusion.launcher import forked_workers
 from routing.entrypoints import CLI, command
 from workers.completions import completion_response, sampling_params
 from workers.engine import Engine, EngineConfig

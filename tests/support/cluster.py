@@ -12,8 +12,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
-
 from fusion import launcher
 from fusion.deploy import build_fusion
 from fusion.launcher import WorkerProcess
@@ -66,11 +64,6 @@ def start_worker(backend: str) -> WorkerProcess:
     """A worker process for `backend`, forked as deployments start theirs (fusion.launcher)."""
     return launcher.start_worker(["--backend", backend, "--threads", "1", "--heartbeat", "0.2"])
 
-
-def forked_workers(pid: int) -> list[psutil.Process]:
-    """The worker processes a deployment's process `pid` started: children of its launcher's fork server."""
-    servers = [c for c in psutil.Process(pid).children() if "forkserver" in " ".join(c.cmdline())]
-    return [w for s in servers for w in s.children()]
 
 
 @contextmanager

@@ -24,7 +24,6 @@ from workers.engine import attention, compile_cache
 from workers.engine.buckets import Buckets
 
 log = logging.getLogger("mmfusion.compile")
-CAPACITY_DIM = 3  # of SlotKVCache.keys/values: [layers, slots, kv_heads, capacity, head_dim]
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:
@@ -62,11 +61,7 @@ class CompiledLayers:
         self._fns = [torch.compile(layer._call_impl, dynamic=False, fullgraph=True, **opts) for layer in self.layers]
 
     @contextlib.contextmanager
-    def active(self, cache):
-        """The compiled layers, for one forward over `cache` (a SlotKVCache): its capacity is a
-        dynamic dimension of the graphs, so the cache can grow without a recompile."""
-        for buf in (cache.keys, cache.values):
-            torch._dynamo.mark_dynamic(buf, CAPACITY_DIM)
+    def active(self):
         self.graphs.step_begin()
         for layer, fn in zip(self.layers, self._fns):
             layer._compiled_call_impl = fn

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+CAPACITY_DIM = 3  # of keys/values: [layers, slots, kv_heads, capacity, head_dim]
+
 
 class SlotKVCache:
     """Per-layer K/V buffers indexed by (slot, position), written by the attention op (workers.engine.attention)."""
@@ -37,8 +39,11 @@ class SlotKVCache:
         # always a normal tensor, even when a step inside inference mode grows the cache: a compiled
         # forward guards on the kind of tensor it was built for, and would recompile on the other
         with torch.inference_mode(False):
-            return torch.zeros(self.num_layers, self.num_slots, self.num_kv_heads, cap, dim, dtype=self.dtype,
-                               device=self.device)
+            buf = torch.zeros(self.num_layers, self.num_slots, self.num_kv_heads, cap, dim, dtype=self.dtype,
+                              device=self.device)
+        # its capacity is a dynamic dimension of compiled graphs: a cache that grows does not recompile
+        torch._dynamo.mark_dynamic(buf, CAPACITY_DIM)
+        return buf
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))

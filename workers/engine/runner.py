@@ -211,7 +211,7 @@ class SlotRunner(BaseRunner):
         # no transformers cache: the attention op writes the slot cache, handed down as a keyword
         kv = {attention.KV_KWARG: (self.cache.keys, self.cache.values)}
         if self.compiled is not None and self.compiled.buckets.pad(call["input_ids"].shape[1]) is not None:
-            with self.compiled.active(self.cache):
+            with self.compiled.active():
                 out = self.model(**call, use_cache=False, **kv)
         else:
             out = self.model(**call, use_cache=False, **kv)
