@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.models import hf_greedy, real_mixed_batch_matches_transformers, tiny
+from support.models import hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig, compile_cache
 from workers.engine.buckets import Buckets, compile_mode, default_buckets
@@ -126,12 +126,12 @@ def _child(mode: str, cache: Path) -> tuple[dict, str]:
     return json.loads(line[7:]), r.stderr
 
 
-def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path, cache_dir, monkeypatch):
+def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path, cache_dir, monkeypatch, caplog):
     """compile: true saves the artifacts; a later process with auto starts from them; a corrupt
     or stale entry gets one log line, a compile from scratch and a rewritten entry, never a crash."""
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))  # nothing cached here: auto stays eager
-    eng = load_engine("tiny:llama", dtype="float32", max_batch_size=5, max_batch_tokens=48,
-                      compile="auto", compile_buckets=(8, 48))
+    cfg = {"dtype": "float32", "max_batch_size": 5, "max_batch_tokens": 48, "compile_buckets": (8, 48)}
+    eng = load_engine("tiny:llama", **cfg, compile="auto")
     assert not eng.compile_info.compiled and "no compiled artifacts" in eng.compile_info.reason
     out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     cold = {"tokens": out[0].outputs[0].token_ids}
@@ -141,33 +141,29 @@ def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path,
     assert (entry / compile_cache.ARTIFACTS).stat().st_size > 0
     assert made["tokens"] == cold["tokens"]
 
-    warm, _ = _child("auto", tmp_path)
+    warm, _ = _child("auto", tmp_path)  # a fresh process: nothing of the compile in its memory
     assert warm["info"]["compiled"] and warm["info"]["warm"], warm["info"]
     assert warm["tokens"] == cold["tokens"]
 
+    # a bad entry is refused before torch reads it, so this process may check the rest itself
+    def bad_entry_compiles_again(what: str) -> None:
+        caplog.clear()
+        eng = load_engine("tiny:llama", **cfg, compile="auto")
+        assert eng.compile_info.compiled and not eng.compile_info.warm
+        assert [r for r in caplog.records if "unusable" in r.getMessage() and what in r.getMessage()], caplog.text
+        out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+        assert out[0].outputs[0].token_ids == cold["tokens"]
+
+    caplog.set_level("WARNING", logger="mmfusion.compile")
     (entry / compile_cache.ARTIFACTS).write_bytes(b"not an artifact")
-    again, log = _child("auto", tmp_path)
-    assert again["info"]["compiled"] and not again["info"]["warm"]
-    assert [x for x in log.splitlines() if "unusable" in x and "checksum" in x], log[-2000:]
-    assert again["tokens"] == cold["tokens"]
+    bad_entry_compiles_again("checksum")
     meta = json.loads((entry / compile_cache.META).read_text())  # rewritten, valid again
     assert meta["bytes"] == (entry / compile_cache.ARTIFACTS).stat().st_size
 
     meta["key"]["torch_version"] = "0.0.1"
     (entry / compile_cache.META).write_text(json.dumps(meta))
-    stale, log = _child("auto", tmp_path)
-    assert stale["info"]["compiled"] and not stale["info"]["warm"]
-    assert [x for x in log.splitlines() if "stale" in x], log[-2000:]
+    bad_entry_compiles_again("stale")
     assert json.loads((entry / compile_cache.META).read_text())["key"]["torch_version"] == torch.__version__
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["smollm2_fp32", "gemma3_fp32"])
-def test_real_models_compiled_match_transformers(fixture, request, cache_dir):
-    lm = request.getfixturevalue(fixture)
-    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96, compile="true", compile_buckets=(8, 96)))
-    assert eng.compile_info.compiled
-    real_mixed_batch_matches_transformers(fixture, lm, eng)
 
 
 def test_cuda_graph_seam_is_inert_on_cpu_and_asks_for_graphs_on_cuda():

@@ -55,9 +55,14 @@ def test_requests_joining_a_running_batch(arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["smollm2_fp32", "gemma3_fp32"])
-def test_real_models_match_transformers(fixture, request):
+def test_real_models_match_transformers_eager_and_compiled(fixture, request):
+    """One test for both paths: transformers' references for a real model take seconds, computed once."""
     lm = request.getfixturevalue(fixture)
-    real_mixed_batch_matches_transformers(fixture, lm, Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96)))
+    cfg = {"max_batch_size": 4, "max_batch_tokens": 96}
+    real_mixed_batch_matches_transformers(fixture, lm, Engine(lm, EngineConfig(**cfg, compile="false")))
+    compiled = Engine(lm, EngineConfig(**cfg, compile="true", compile_buckets=(8, 96)))
+    assert compiled.compile_info.compiled, compiled.compile_info.reason
+    real_mixed_batch_matches_transformers(fixture, lm, compiled)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
