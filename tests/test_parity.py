@@ -71,12 +71,11 @@ def test_equal_length_prompts_attend_as_one_batch(arch):
     tokens for each, next to prompts of other lengths and a chunked one."""
     from workers.engine.attention import Segment, StepContext
 
-    segs = [Segment(0, 5, 3, 0), Segment(5, 5, 0, 0), Segment(10, 2, 1, 0), Segment(12, 5, 2, 0),
-            Segment(17, 5, 4, 9)]  # the last is a later chunk of a prompt: attended alone
-    ctx = StepContext(0, 22, None, None, True, 0, 0, segs)
+    segs = [Segment(0, 5, 0), Segment(5, 5, 0), Segment(10, 2, 0), Segment(12, 5, 0),
+            Segment(17, 5, 9)]  # the last is a later chunk of a prompt: attended alone
+    ctx = StepContext(0, 22, [], segs)
     groups, alone = ctx.whole_prompt_groups(None, "cpu")
-    assert [(t.tolist(), s.tolist(), n) for t, s, n in groups] == [
-        ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16], [3, 0, 2], 5)]
+    assert [(t.tolist(), n) for t, n in groups] == [([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16], 5)]
     assert alone == [2, 4]
     assert ctx.whole_prompt_groups(4, "cpu") == ([], [0, 1, 2, 3, 4])  # a window shorter than them
 

@@ -45,7 +45,11 @@ def test_n_samples_differ_and_share_one_prefill():
         final = next((o for o in outs if o.finished), final)
     seqs = [c.token_ids for c in final.outputs]
     assert len(seqs) == 4 and len({tuple(s) for s in seqs}) == 4
-    assert prefill_tokens == len(prompt)  # computed once, not four times
+    # the prompt's two full blocks are computed once and shared; each other sample computes only
+    # the 8 tokens of the last, partial block
+    bs = eng.scheduler.blocks.block_size
+    assert bs == 16 and prefill_tokens == len(prompt) + 3 * (len(prompt) - 2 * bs)
+    assert eng.stats()["prefix_cache_hits"] == 3 * 2 * bs
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():

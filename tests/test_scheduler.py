@@ -1,13 +1,17 @@
-"""Scheduler state, step by step: limits, chunking, admission, prefix sharing."""
+"""Scheduler and paged cache state, step by step: limits, chunking, admission, preemption, prefix caching."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from support.models import hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
+from workers.engine.block_manager import NO_BLOCK, BlockManager, CacheGroups
+from workers.engine.kv_cache import bytes_per_block
 from workers.engine.params import SamplingParams
+from workers.engine.runner import kv_dims
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence, SequenceGroup
 
@@ -16,6 +20,37 @@ def _group(rid, prompt, n=1, max_tokens=4):
     g = SequenceGroup(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens), seed=0, arrival=0)
     g.seqs = [Sequence(i, g, i, prompt) for i in range(n)]
     return g
+
+
+def _greedy(m: int) -> SamplingParams:
+    return SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+
+
+def _engine(lm, blocks: int, block_size: int = 4, **kw) -> Engine:
+    """An engine whose pool holds exactly `blocks` blocks."""
+    holder_groups = CacheGroups.from_windows([None] * lm.model.config.get_text_config().num_hidden_layers)
+    if lm.model.config.model_type == "gemma3":
+        from workers.engine.attention import install
+
+        holder_groups = install(lm.model).groups
+    per_block = bytes_per_block(holder_groups, block_size, *kv_dims(lm), lm.dtype)
+    eng = Engine(lm, EngineConfig(kv_cache_memory=blocks * per_block, kv_block_size=block_size, **kw))
+    assert eng.scheduler.blocks.num_blocks == blocks
+    return eng
+
+
+def _run(eng: Engine, prompts, params, check=None) -> list:
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(ids, prompts, params):
+        eng.add_request(rid, p, sp)
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o.outputs[0].token_ids
+        if check:
+            check(eng)
+    return [final[r] for r in ids]
 
 
 def test_limits_hold_at_every_step():
@@ -27,84 +62,192 @@ def test_limits_hold_at_every_step():
         eng.add_request(f"r{i}", [rng.randrange(256) for _ in range(rng.randint(1, 70))],
                         SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True))
     seen_chunked = False
+    blocks = eng.scheduler.blocks
     while eng.has_unfinished():
         eng.step()
         plan = eng.last_plan
         assert plan.num_tokens <= cfg.max_batch_tokens
         assert len(eng.scheduler.running) <= cfg.max_batch_size
-        assert eng.scheduler.slots_in_use() <= cfg.max_batch_size
-        assert len({s.slot for s in eng.scheduler.running}) == len(eng.scheduler.running)  # no shared slot
+        held = {b for s in eng.scheduler.running for t in s.blocks.tables for b in t if b != NO_BLOCK}
+        assert len(held) == blocks.num_used  # every used block is some running sequence's
+        for s in eng.scheduler.running:  # a sequence holds the blocks of its own length, no more
+            assert all(len(t) == -(-s.num_computed // blocks.block_size) for t in s.blocks.tables)
         seen_chunked |= any(c.length < len(c.seq.prompt) for c in plan.prefill)
     assert seen_chunked
-    assert eng.scheduler.slots_in_use() == 0
+    assert blocks.num_used == 0 and blocks.num_free == blocks.num_blocks
 
 
 def test_plan_contents_step_by_step():
-    s = Scheduler(SchedulerConfig(max_batch_size=2, max_batch_tokens=8, min_shared_prefix=4))
+    groups = CacheGroups.from_windows([None, None])
+    s = Scheduler(SchedulerConfig(max_batch_size=2, max_batch_tokens=8), BlockManager(64, 4, groups, 8))
     a, b, c = _group("a", list(range(10))), _group("b", [50] * 3), _group("c", [60] * 2)
     for g in (a, b, c):
         s.add(g)
-    p1 = s.schedule()  # a takes the whole budget: 8 of its 10 prompt tokens
+    p1 = s.schedule()  # a takes the whole budget: 8 of its 10 prompt tokens, in 2 blocks
     assert [(ch.seq.group.request_id, ch.start, ch.length) for ch in p1.prefill] == [("a", 0, 8)]
-    assert not p1.prefill[0].need_logits
+    assert not p1.prefill[0].need_logits and len(p1.new_blocks) == 2
+    assert a.seqs[0].blocks.tables == [p1.new_blocks]  # both layers in one group: one table
     a.seqs[0].num_computed += 8
-    p2 = s.schedule()  # a finishes its prompt (2), then b is admitted (3 tokens), c waits: no slot left
+    p2 = s.schedule()  # a finishes its prompt (2), then b is admitted (3 tokens), c waits: 2 sequences run
     assert [(ch.seq.group.request_id, ch.start, ch.length) for ch in p2.prefill] == [("a", 8, 2), ("b", 0, 3)]
     assert all(ch.need_logits for ch in p2.prefill)
-    assert [g.request_id for g in s.waiting] == ["c"] and s.slots_in_use() == 2
+    assert [g.request_id for g in s.waiting] == ["c"] and len(s.running) == 2
     for ch in p2.prefill:
         ch.seq.num_computed += ch.length
         ch.seq.output.append(1)
     p3 = s.schedule()  # both decode, one token each
     assert sorted(x.group.request_id for x in p3.decode) == ["a", "b"] and not p3.prefill
+    used = s.blocks.num_used
     s.finish(b.seqs[0], "stop")
-    p4 = s.schedule()  # b's slot went back; c is admitted
+    assert s.blocks.num_used == used - 1
+    p4 = s.schedule()  # b's place went back; c is admitted
     assert [ch.seq.group.request_id for ch in p4.prefill] == ["c"]
-    assert c.seqs[0].slot == 1
 
 
-def test_shared_prefix_is_copied_not_recomputed():
-    lm = tiny("mistral")
-    rng = random.Random(9)
-    shared = [rng.randrange(256) for _ in range(60)]
-    prompts = [shared + [rng.randrange(256) for _ in range(rng.randint(1, 10))] for _ in range(4)]
-    eng = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=128, min_shared_prefix=16))
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    computed, copies, outs = 0, [], {}
+def test_group_waits_for_enough_room():
+    s = Scheduler(SchedulerConfig(max_batch_size=3, max_batch_tokens=64),
+                  BlockManager(64, 4, CacheGroups.from_windows([None]), 64))
+    s.add(_group("a", [1, 2, 3]))
+    s.add(_group("b", [4, 5, 6], n=3))
+    s.schedule()
+    assert len(s.running) == 1 and [g.request_id for g in s.waiting] == ["b"]
+
+
+def test_preemption_recomputes_and_keeps_outputs_exact():
+    """A pool too small for the batch: the newest sequences are preempted, queued again and
+    recomputed; every stream still equals transformers' greedy tokens, none repeated or missing."""
+    lm = tiny("llama", dtype="float32")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(6)]
+    max_tokens = [rng.randint(20, 40) for _ in prompts]
+    eng = _engine(lm, blocks=24, block_size=4, max_batch_size=6, max_batch_tokens=32)
+    streamed: dict[str, list[int]] = {}
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        eng.add_request(f"r{i}", p, _greedy(m))
+    final = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            streamed.setdefault(o.request_id, []).extend(o.outputs[0].new_token_ids)
+            if o.finished:
+                final[o.request_id] = o.outputs[0].token_ids
+        assert eng.scheduler.blocks.num_used <= 24
+    assert eng.stats()["preemptions"] > 0
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        want = hf_greedy(lm.model, p, m)
+        assert final[f"r{i}"] == want
+        assert streamed[f"r{i}"] == want  # the stream: no token twice, none missing
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once():
+    lm = tiny("llama")
+    eng = _engine(lm, blocks=8, block_size=4)  # 32 tokens
+    with pytest.raises(ValueError, match=r"holds 32 tokens of one sequence.*kv_cache_memory"):
+        eng.add_request("big", list(range(1, 30)), SamplingParams(max_tokens=4))
+    assert not eng.has_unfinished()
+    out = eng.generate([list(range(1, 29))], _greedy(4))[0]  # exactly the pool: served
+    assert out.outputs[0].token_ids == hf_greedy(lm.model, list(range(1, 29)), 4)
+
+
+def test_a_prompt_at_the_full_context_is_served_while_others_stream():
+    lm = tiny("llama", dtype="float32")
+    ctx = lm.max_model_len
+    rng = random.Random(2)
+    long = [rng.randrange(256) for _ in range(ctx - 4)]
+    shorts = [[rng.randrange(256) for _ in range(5)] for _ in range(3)]
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64))
+    for i, p in enumerate(shorts):
+        eng.add_request(f"s{i}", p, _greedy(30))
+    eng.step()
+    eng.add_request("long", long, _greedy(4))
+    decoding_steps = 0
+    outs = {}
     while eng.has_unfinished():
         for o in eng.step():
             if o.finished:
                 outs[o.request_id] = o.outputs[0].token_ids
-        computed += sum(c.length for c in eng.last_plan.prefill)
-        copies += eng.last_plan.copies
-    assert len(copies) == 3 and all(n == 60 for _, _, n in copies)
-    assert computed == sum(map(len, prompts)) - 3 * 60
-    for i, p in enumerate(prompts):  # and the results are those of an unshared run
-        assert outs[f"r{i}"] == hf_greedy(lm.model, p, 8)
+        plan = eng.last_plan
+        if any(c.seq.group.request_id == "long" for c in plan.prefill):
+            decoding_steps += len(plan.decode) == 3  # the short streams went on beside its chunks
+    assert decoding_steps >= 5
+    assert outs["long"] == hf_greedy(lm.model, long, 4)
+    for i, p in enumerate(shorts):
+        assert outs[f"s{i}"] == hf_greedy(lm.model, p, 30)
 
 
-def test_group_waits_for_enough_slots():
-    s = Scheduler(SchedulerConfig(max_batch_size=3, max_batch_tokens=64))
-    s.add(_group("a", [1, 2, 3]))
-    s.add(_group("b", [4, 5, 6], n=3))
-    s.schedule()
-    assert s.slots_in_use() == 1 and [g.request_id for g in s.waiting] == ["b"]
+def test_prefix_blocks_are_reused_without_copy_then_evicted_lru():
+    lm = tiny("mistral", dtype="float32")
+    rng = random.Random(9)
+    shared = [rng.randrange(256) for _ in range(40)]
+    eng = _engine(lm, blocks=40, block_size=8, max_batch_size=4, max_batch_tokens=64)
+    blocks = eng.scheduler.blocks
+    first = shared + [1, 2, 3]
+    out = _run(eng, [first], [_greedy(6)])
+    assert out[0] == hf_greedy(lm.model, first, 6)
+    cached = {d: b for d, b in blocks.cached[0].items()}
+    assert len(cached) == (len(first) + 6 - 1) // 8  # its full blocks, prompt and output, stay cached
+
+    # a finished request's blocks serve the next prompt with the same prefix: 5 blocks, no copy
+    second = shared + [7, 7]
+    eng.add_request("second", second, _greedy(5))
+    eng.step()
+    seq = eng.scheduler.running[0]
+    assert eng.last_plan.prefill[0].start == 40 and seq.blocks.tables[0][:5] == [cached[d] for d in seq.blocks.digests[:5]]
+    assert all(blocks.ref[b] == 1 for b in seq.blocks.tables[0][:5])
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats()["prefix_cache_hits"] == 40
+
+    # prompts that need most of the pool evict cached blocks to make room, and run exactly
+    before = set(blocks.cached[0])
+    filler = [[rng.randrange(256) for _ in range(70)] for _ in range(4)]
+    assert _run(eng, filler, [_greedy(3)] * 4) == [hf_greedy(lm.model, f, 3) for f in filler]
+    assert before - set(blocks.cached[0])  # some were evicted
+    assert blocks.num_free == blocks.num_blocks
 
 
-def test_finished_slots_are_compacted():
-    s = Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=64))
-    groups = [_group(r, [i + 1, i + 2]) for i, r in enumerate("abcd")]
-    for g in groups:
-        s.add(g)
-    plan = s.schedule()
-    for ch in plan.prefill:
-        ch.seq.num_computed += ch.length
-        ch.seq.output.append(7)
-    assert [g.seqs[0].slot for g in groups] == [0, 1, 2, 3]
-    s.finish(groups[0].seqs[0], "stop")  # slot 0 becomes a hole
-    s.finish(groups[2].seqs[0], "stop")  # and slot 2
-    plan = s.schedule()
-    assert plan.moves == [(3, 0, 2)]  # d (slot 3, 2 tokens cached) moves into the lowest hole
-    assert sorted(x.slot for x in plan.decode) == [0, 1]
-    assert s.free_slots == [2, 3]
+def test_sliding_window_layers_hold_only_their_window():
+    lm = tiny("gemma3", dtype="float32")
+    from workers.engine.attention import install
+
+    groups = install(lm.model).groups
+    window = next(w for w in groups.windows if w is not None)
+    rng = random.Random(4)
+    prompt = [rng.randrange(256) for _ in range(min(lm.max_model_len - 40, 3 * window + 20))]
+    eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=32, kv_block_size=8))
+    eng.add_request("a", prompt, _greedy(30))
+    most = [0] * len(groups.windows)
+    out = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            out = o
+        for s in eng.scheduler.running:
+            for g, t in enumerate(s.blocks.tables):
+                most[g] = max(most[g], sum(b != NO_BLOCK for b in t))
+    bs = 8
+    for g, w in enumerate(groups.windows):
+        if w is None:
+            assert most[g] >= -(-len(prompt) // bs)  # every position
+        else:
+            assert most[g] <= -(-(w - 1 + 32) // bs) + 1 < -(-len(prompt) // bs)
+    assert out.outputs[0].token_ids == hf_greedy(lm.model, prompt, 30)
+
+
+def test_decode_reads_only_the_blocks_each_sequence_holds():
+    """Decode cost follows the sum of the lengths: one long sequence beside short ones adds its own
+    blocks to the step, and the pool's tensors never change size."""
+    lm = tiny("llama", dtype="float32")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=8))
+    cache = eng.runner.cache
+    ptr, size = cache.keys.data_ptr(), cache.nbytes()
+    eng.runner.trace = []
+    rng = random.Random(6)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (400, 5, 6, 7)]
+    outs = eng.generate(prompts, _greedy(10))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 10)
+    decode_steps = [ctx for ctx, _ in eng.runner.trace if ctx.num_decode == 4]
+    assert decode_steps
+    for ctx in decode_steps:
+        pairs = ctx.groups[0].pair_blocks.numel()
+        assert pairs <= 52 + 3 * 3 < 4 * 51  # 400-410 tokens in at most 52 blocks, the short ones 1-3 each
+    assert cache.keys.data_ptr() == ptr and cache.nbytes() == size

@@ -66,28 +66,35 @@ def test_stop_string_is_cut_from_text(lm, reference):
     assert len(out.token_ids) < 20
 
 
-def test_context_length_stops_with_length():
+def test_context_length_bounds_the_request():
     lm = load_model("tiny:llama", dtype="float64", max_model_len=12)
     eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=16))
-    out = eng.generate([PROMPT], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    with pytest.raises(ValueError, match=r"context \(max_model_len\) is 12 tokens"):
+        eng.add_request("x", PROMPT, SamplingParams(max_tokens=100))  # can never fit: refused at once
+    assert not eng.has_unfinished()
+    out = eng.generate([PROMPT], SamplingParams(max_tokens=12 - len(PROMPT), temperature=0, ignore_eos=True))[0]
     assert len(PROMPT) + len(out.outputs[0].token_ids) == 12
     assert out.outputs[0].finish_reason == "length"
 
 
-def test_abort_frees_the_slot(lm):
+def test_abort_frees_the_blocks(lm):
     eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=16))
     eng.add_request("a", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     eng.add_request("b", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     eng.add_request("c", PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     eng.step()
     eng.step()
-    assert eng.scheduler.slots_in_use() == 2 and [g.request_id for g in eng.scheduler.waiting] == ["c"]
+    sched = eng.scheduler
+    assert len(sched.running) == 2 and [g.request_id for g in sched.waiting] == ["c"]
+    held = sched.blocks.num_used
+    assert held == sum(s.blocks.held() for s in sched.running) > 0
     assert eng.abort("a") is True
-    assert eng.scheduler.slots_in_use() == 1
+    assert len(sched.running) == 1 and sched.blocks.num_used < held
     assert eng.abort("a") is False  # already gone
     eng.step()
-    assert "c" not in [g.request_id for g in eng.scheduler.waiting]  # took the freed slot
-    assert eng.scheduler.slots_in_use() == 2
+    assert "c" not in [g.request_id for g in sched.waiting]  # took the freed place
+    assert len(sched.running) == 2
     eng.abort("b")
     eng.abort("c")
-    assert eng.scheduler.slots_in_use() == 0 and not eng.has_unfinished()
+    assert not sched.running and not eng.has_unfinished()
+    assert sched.blocks.num_free == sched.blocks.num_blocks  # every block back (some still cached)

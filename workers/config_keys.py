@@ -29,6 +29,27 @@ def _tokens(x) -> bool:
     return one(x) or (isinstance(x, list) and bool(x) and all(one(t) for t in x))
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(x) -> int | None:
+    """Bytes from an integer or a string such as `2GiB`, `512 MiB`, `1.5GB`; None when it is not one."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x if x > 0 else None
+    if not isinstance(x, str):
+        return None
+    s = x.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        n = float(num)
+    except ValueError:
+        return None
+    if unit not in _UNITS or n <= 0:
+        return None
+    return int(n * _UNITS[unit])
+
+
 @dataclass(slots=True, frozen=True)
 class Key:
     """One configuration key: its name, default (REQUIRED when it must be given), valid values and meaning."""
@@ -58,6 +79,11 @@ MODEL_KEYS: tuple[Key, ...] = (
         lambda x: _int(x, 1)),
     Key("max_batch_tokens", 512, "a positive integer",
         "tokens a worker's step computes at most (decode tokens plus prefill chunks)", lambda x: _int(x, 1)),
+    Key("kv_cache_memory", None, "a size (`2GiB`, `512MiB`, a number of bytes), `auto`, or null",
+        "the KV cache pool of each worker of this model, allocated once at load; null: the runconfig's "
+        "`kv_cache_memory`", lambda x: x is None or x == "auto" or parse_size(x) is not None),
+    Key("kv_block_size", 16, "a positive integer", "positions per KV cache block (the unit of paging and "
+        "of prefix caching)", lambda x: _int(x, 1)),
     Key("deltat_scaling_factor", 1.0, "a positive number",
         "this model's relative share of batch capacity among the workers of one device", lambda x: _num(x) and x > 0),
     Key("share_weights", True, "`true`, `false`",

@@ -1,19 +1,21 @@
-"""Attention over the slot KV cache for one packed step (decode tokens first, then prefill chunks).
+"""Attention over the paged KV cache for one packed step (decode tokens first, then prefill chunks).
 
 Registered with transformers' AttentionInterface as "mmfusion", so every model whose attention
 goes through that interface (Llama, Mistral, Gemma3, GPT-2, OPT, Qwen2, ...) runs on it unchanged.
 Registering a name the mask factory does not know also makes the model skip building its own
 masks: this module builds them once per step from the sequences' lengths.
 
-The whole step (K/V writes into the slot cache, decode and prefill attention) is one opaque
+The whole step (K/V writes into the cache's blocks, decode and prefill attention) is one opaque
 custom op, `mmfusion::attend`, as vLLM's unified attention is: a compiled forward (workers.engine.compiled)
 calls it as an extern kernel, so the graph holds only tensor math and its shapes depend only on the
 padded token count, never on how the step's tokens split into sequences. Eager runs call the same
 function directly. The op finds the step's context and cache through the holder named by its id.
 
-Decode rows are one batched GQA matmul over contiguous cache rows (no repeat_kv copy): on CPU
-that is ~10x faster than SDPA's flash kernel at q_len=1. Prefill chunks use SDPA with a causal
-mask offset by the chunk's start.
+Decode reads only the blocks each row holds: every (row, block) pair is scored as one batched
+matmul, and a softmax over each row's pairs (a max and a sum gathered per row, as flash-decoding
+splits a sequence) joins them, so its cost follows the sum of the lengths, not rows x longest.
+A prompt computed from its start attends over this step's own keys (SDPA, causal); a later chunk
+gathers its blocks.
 """
 
 from __future__ import annotations
@@ -27,18 +29,35 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from workers.engine.block_manager import CacheGroups
+
 ATTN_NAME = "mmfusion"
-KV_KWARG = "mmfusion_kv"  # the model call's keyword argument that carries (keys, values) of the slot cache
+KV_KWARG = "mmfusion_kv"  # the model call's keyword argument that carries (keys, values) of the paged cache
 
 
 @dataclass(slots=True)
 class Segment:
-    """A prefill chunk: packed tokens [tok_start, tok_start+length) of `slot`, at positions start_pos..."""
+    """A prefill chunk: packed tokens [tok_start, tok_start+length), at positions start_pos..., and
+    per cache group the blocks it attends over, the first of which starts at position first_pos[g]."""
 
     tok_start: int
     length: int
-    slot: int
     start_pos: int
+    blocks: list[torch.Tensor | None] = field(default_factory=list)  # None: from position 0, this step's keys
+    first_pos: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class GroupStep:
+    """One cache group's view of a step: where each packed token's K/V goes, and the (decode row,
+    block) pairs that decode attends over."""
+
+    write_blocks: torch.Tensor  # [N]
+    write_offsets: torch.Tensor  # [N]
+    pair_rows: torch.Tensor | None = None  # [T] decode row of each pair
+    pair_blocks: torch.Tensor | None = None  # [T]
+    pair_valid: torch.Tensor | None = None  # [T, block_size] positions the row may see
+    single: bool = False  # one pair per decode row, in row order: a plain softmax
 
 
 @dataclass(slots=True)
@@ -47,35 +66,16 @@ class StepContext:
 
     num_decode: int
     num_tokens: int  # real packed tokens; a compiled forward pads past them, and their rows stay zero
-    decode_slots: torch.Tensor | None  # [D] cache rows of the decode tokens
-    decode_lengths: torch.Tensor | None  # [D] keys visible to each decode token (position + 1)
-    dense: bool  # decode rows are exactly slots 0..D-1 in order: no scatter/gather needed
-    rows: int  # cache rows the decode matmul spans
-    span: int  # key positions the decode matmul spans (max length)
+    groups: list[GroupStep]
     segments: list[Segment]
     masks: dict = field(default_factory=dict)  # built lazily, shared by all layers
-    groups: dict = field(default_factory=dict)  # whole-prompt groupings by window, likewise
-
-    def decode_mask(self, window: int | None, dtype: torch.dtype, device) -> torch.Tensor:
-        key = ("d", window, dtype)
-        m = self.masks.get(key)
-        if m is None:
-            pos = torch.arange(self.span, device=device)
-            lengths = torch.full((self.rows,), self.span, dtype=torch.long, device=device)
-            lengths[self.decode_slots if not self.dense else slice(0, self.num_decode)] = self.decode_lengths
-            allowed = pos[None, :] < lengths[:, None]
-            if window is not None:
-                allowed &= pos[None, :] > (lengths[:, None] - 1 - window)
-            m = torch.zeros(self.rows, 1, 1, self.span, dtype=dtype, device=device)
-            m.masked_fill_(~allowed[:, None, None, :], torch.finfo(dtype).min)
-            self.masks[key] = m
-        return m
+    prompt_groups: dict = field(default_factory=dict)  # whole-prompt groupings by window, likewise
 
     def whole_prompt_groups(self, window: int | None, device) -> tuple[list, list[int]]:
         """Segments that are whole prompts (from position 0, inside the window), grouped by length
-        when two or more share one: [(packed token rows, cache slots, length)], and the segments
-        left to attend one by one. Built once per step, shared by all layers."""
-        got = self.groups.get(window)
+        when two or more share one: [(packed token rows, length)], and the segments left to
+        attend one by one. Built once per step, shared by all layers."""
+        got = self.prompt_groups.get(window)
         if got is None:
             by_len: dict[int, list[int]] = {}
             for i, seg in enumerate(self.segments):
@@ -87,18 +87,19 @@ class StepContext:
                     continue
                 segs = [self.segments[i] for i in members]
                 tokens = torch.tensor([s.tok_start + j for s in segs for j in range(length)], device=device)
-                groups.append((tokens, torch.tensor([s.slot for s in segs], device=device), length))
+                groups.append((tokens, length))
                 grouped.update(members)
-            got = self.groups[window] = (groups, [i for i in range(len(self.segments)) if i not in grouped])
+            got = self.prompt_groups[window] = (groups, [i for i in range(len(self.segments)) if i not in grouped])
         return got
 
-    def segment_mask(self, i: int, window: int | None, device) -> torch.Tensor:
-        key = ("s", i, window)
+    def segment_mask(self, i: int, g: int, window: int | None, device) -> torch.Tensor:
+        key = ("s", i, g, window)
         m = self.masks.get(key)
         if m is None:
             seg = self.segments[i]
+            first = seg.first_pos[g] if seg.blocks[g] is not None else 0
             q_pos = torch.arange(seg.start_pos, seg.start_pos + seg.length, device=device)[:, None]
-            k_pos = torch.arange(seg.start_pos + seg.length, device=device)[None, :]
+            k_pos = torch.arange(first, seg.start_pos + seg.length, device=device)[None, :]
             m = k_pos <= q_pos
             if window is not None:
                 m &= k_pos > q_pos - window
@@ -106,46 +107,60 @@ class StepContext:
         return m
 
 
-def _decode_attention(ctx: StepContext, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """q: [D, H, d]; key/value: full buffers [S, kvh, cap, d]. Returns [D, H, dv]."""
+def _decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float, softcap: float | None) -> torch.Tensor:
+    """q: [D, H, d]; key/value: one layer's blocks [num_blocks, kvh, block, d]. Returns [D, H, dv]."""
     d_rows, heads, dim = q.shape
     kvh = key.shape[1]
     qg = q.to(key.dtype).reshape(d_rows, kvh, heads // kvh, dim)
-    if not ctx.dense:
-        full = qg.new_zeros(ctx.rows, kvh, heads // kvh, dim)
-        full[ctx.decode_slots] = qg
-        qg = full
-    rows, g = ctx.rows, heads // kvh
-    # (rows, kvh) merge into one batch dim without a copy: bmm reads the strided cache in place.
-    k = key[:rows, :, : ctx.span].reshape(rows * kvh, ctx.span, dim)
-    v = value[:rows, :, : ctx.span].reshape(rows * kvh, ctx.span, value.shape[-1])
-    scores = torch.bmm(qg.reshape(rows * kvh, g, dim), k.transpose(1, 2)).view(rows, kvh, g, ctx.span)
-    scores = scores * scaling
+    kb = key.index_select(0, gs.pair_blocks)  # [T, kvh, block, d]: only the blocks the rows hold
+    vb = value.index_select(0, gs.pair_blocks)
+    qp = qg if gs.single else qg.index_select(0, gs.pair_rows)
+    scores = torch.matmul(qp, kb.transpose(-1, -2)).float() * scaling  # [T, kvh, g, block]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores + ctx.decode_mask(window, scores.dtype, scores.device)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    out = torch.bmm(probs.view(rows * kvh, g, ctx.span), v).view(rows, kvh, g, v.shape[-1])
-    if not ctx.dense:
-        out = out[ctx.decode_slots]
-    return out.reshape(d_rows, heads, v.shape[-1]).to(q.dtype)
+    scores = scores.masked_fill(~gs.pair_valid[:, None, None, :], float("-inf"))
+    if gs.single:
+        probs = torch.softmax(scores, dim=-1).to(vb.dtype)
+        out = torch.matmul(probs, vb)
+    else:
+        # softmax over each row's pairs: every pair has a visible position, so its max is finite
+        rows = gs.pair_rows
+        pair_max = scores.amax(-1)
+        row_max = pair_max.new_full((d_rows, *pair_max.shape[1:]), float("-inf")).scatter_reduce_(
+            0, rows[:, None, None].expand_as(pair_max), pair_max, "amax")
+        e = torch.exp(scores - row_max.index_select(0, rows).unsqueeze(-1))
+        denom = pair_max.new_zeros(row_max.shape).index_add_(0, rows, e.sum(-1))
+        part = torch.matmul(e.to(vb.dtype), vb).float()
+        out = part.new_zeros(d_rows, *part.shape[1:]).index_add_(0, rows, part) / denom.unsqueeze(-1)
+    return out.reshape(d_rows, heads, value.shape[-1]).to(q.dtype)
 
 
-def _segment_attention(ctx: StepContext, i: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """q: [1, H, c, d] for segment i. Returns [c, H, dv]."""
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions [0, length) of a block list as one [1, kvh, length, d] tensor."""
+    b = cache.index_select(0, blocks)  # [nb, kvh, block, d]
+    return b.transpose(0, 1).reshape(1, b.shape[1], -1, b.shape[-1])[:, :, :length]
+
+
+def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor, scaling: float, window: int | None,
+                       softcap: float | None) -> torch.Tensor:
+    """q: [1, H, c, d] for segment i; key/value: this step's [1, kvh, N, d]. Returns [c, H, dv]."""
     seg = ctx.segments[i]
     end = seg.start_pos + seg.length
-    k = key[seg.slot: seg.slot + 1, :, :end]
-    v = value[seg.slot: seg.slot + 1, :, :end]
+    if seg.blocks[g] is None:  # from position 0: this step computed every key it sees
+        k = key[:, :, seg.tok_start: seg.tok_start + seg.length]
+        v = value[:, :, seg.tok_start: seg.tok_start + seg.length]
+    else:
+        k = _gather(key_cache, seg.blocks[g], end - seg.first_pos[g])
+        v = _gather(value_cache, seg.blocks[g], end - seg.first_pos[g])
     heads, kvh = q.shape[1], k.shape[1]
     q = q.to(k.dtype)
     if softcap is None and seg.start_pos == 0 and (window is None or window >= end):
         # a whole prompt from its start: plain causal attention, no mask to build or read
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=heads != kvh)
         return out[0].transpose(0, 1)
-    mask = ctx.segment_mask(i, window, q.device)
+    mask = ctx.segment_mask(i, g, window, q.device)
     if softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=heads != kvh)
     else:
@@ -160,43 +175,50 @@ def _segment_attention(ctx: StepContext, i: int, q: torch.Tensor, key: torch.Ten
 def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
             softcap: float | None) -> torch.Tensor:
-    """Write this step's K/V into layer `layer` of the caches, attend. query: [1, H, N, d];
-    key/value: [1, kvh, N, d] (N may include padding past ctx.num_tokens); key_cache/value_cache:
-    every layer's buffers (SlotKVCache.keys/values). Returns [1, N, H, dv]."""
+    """Write this step's K/V into layer `layer`'s blocks, attend. query: [1, H, N, d]; key/value:
+    [1, kvh, N, d] (N may include padding past ctx.num_tokens); key_cache/value_cache: the whole
+    pool (PagedKVCache.keys/values). Returns [1, N, H, dv]."""
     ctx = holder.current
     n = ctx.num_tokens
-    key_buf, value_buf = key_cache[layer], value_cache[layer]
-    holder.cache.write(key_buf, value_buf, key[:, :, :n], value[:, :, :n])
+    g, p = holder.position[layer]
+    planned = holder.windows[g]
+    if planned is not None and (window is None or window > planned):
+        raise RuntimeError(f"layer {layer} attends over a window of {window}, but its cache group keeps {planned}")
+    gs = ctx.groups[g]
+    key_buf, value_buf = key_cache[p], value_cache[p]
+    dtype = key_buf.dtype
+    key_buf[gs.write_blocks, :, gs.write_offsets] = key[0, :, :n].transpose(0, 1).to(dtype)
+    value_buf[gs.write_blocks, :, gs.write_offsets] = value[0, :, :n].transpose(0, 1).to(dtype)
     heads, n_all = query.shape[1], query.shape[2]
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
     if d:
-        out[:d] = _decode_attention(ctx, query[0, :, :d].transpose(0, 1), key_buf, value_buf, scaling,
-                                    window, softcap)
+        out[:d] = _decode_attention(gs, query[0, :, :d].transpose(0, 1), key_buf, value_buf, scaling, softcap)
     alone = range(len(ctx.segments))
     if softcap is None and len(ctx.segments) > 1:
         groups, alone = ctx.whole_prompt_groups(window, query.device)
-        for tokens, slots, length in groups:
-            out.index_copy_(0, tokens, _whole_prompts_attention(query, tokens, slots, length, key_buf, value_buf,
-                                                                scaling))
+        for tokens, length in groups:
+            out.index_copy_(0, tokens, _whole_prompts_attention(query, key, value, tokens, length, scaling))
     for i in alone:
         seg = ctx.segments[i]
         q = query[:, :, seg.tok_start: seg.tok_start + seg.length]
         out[seg.tok_start: seg.tok_start + seg.length] = _segment_attention(
-            ctx, i, q, key_buf, value_buf, scaling, window, softcap)
+            ctx, i, g, q, key, value, key_buf, value_buf, scaling, window, softcap)
     return out.unsqueeze(0)
 
 
-def _whole_prompts_attention(query: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, length: int,
-                             key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal attention of G whole prompts of one length as one batched SDPA (a short-request step
-    holds dozens of them: one call per prompt per layer was most of its attention time).
-    tokens: [G*length] packed rows; slots: [G]. Returns [G*length, H, dv]."""
+def _whole_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tokens: torch.Tensor,
+                             length: int, scaling: float) -> torch.Tensor:
+    """Causal attention of G whole prompts of one length as one batched SDPA over this step's own
+    keys (a short-request step holds dozens of them: one call per prompt per layer was most of
+    its attention time). tokens: [G*length] packed rows. Returns [G*length, H, dv]."""
     heads, dim = query.shape[1], query.shape[-1]
-    g = slots.shape[0]
-    k, v = key[slots, :, :length], value[slots, :, :length]
-    q = query[0].index_select(1, tokens).view(heads, g, length, dim).transpose(0, 1).to(k.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=heads != k.shape[1])
+    kvh = key.shape[1]
+    g = tokens.shape[0] // length
+    q = query[0].index_select(1, tokens).view(heads, g, length, dim).transpose(0, 1)
+    k = key[0].index_select(1, tokens).view(kvh, g, length, dim).transpose(0, 1)
+    v = value[0].index_select(1, tokens).view(kvh, g, length, value.shape[-1]).transpose(0, 1)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=heads != kvh)
     return o.transpose(1, 2).reshape(g * length, heads, v.shape[-1]).to(query.dtype)
 
 
@@ -206,9 +228,8 @@ def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_c
               value_cache: torch.Tensor, holder: int, layer: torch.Tensor, scaling: float, window: int | None,
               softcap: float | None) -> torch.Tensor:
     # The caches are arguments the op declares it writes, so a compiled graph orders every read
-    # and write of them; their capacity dimension is dynamic (the runner marks it), so a cache
-    # that grows does not recompile. The layer index is a tensor so that one compiled graph
-    # serves every layer (see index_layers). The step's layout comes from the holder.
+    # and write of them; the pool never changes shape. The layer index is a tensor so that one
+    # compiled graph serves every layer (see index_layers). The step's layout comes from the holder.
     return _attend(_HOLDERS[holder], query, key, value, key_cache, value_cache, int(layer), scaling, window,
                    softcap)
 
@@ -222,7 +243,7 @@ def mmfusion_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                        attention_mask, scaling: float | None = None, dropout: float = 0.0,
                        sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers attention-interface entry point. query: [1, H, N, d]; key/value: this step's
-    new K/V (the model runs without a transformers cache; the op writes the slot cache, which the
+    new K/V (the model runs without a transformers cache; the op writes the paged cache, which the
     runner passes down the model's keyword arguments as `mmfusion_kv`)."""
     holder: ContextHolder = module._mmfusion_ctx
     key_cache, value_cache = kwargs[KV_KWARG]
@@ -245,17 +266,19 @@ class ContextHolder:
     """Mutable handle shared by the attention modules of one model (and by every engine on it):
     the runner that steps sets its cache and `current` for each forward."""
 
-    __slots__ = ("current", "cache", "id", "__weakref__")
+    __slots__ = ("current", "groups", "position", "windows", "id", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, groups: CacheGroups) -> None:
         self.current: StepContext | None = None
-        self.cache = None  # a SlotKVCache
+        self.groups = groups
+        self.position = groups.position_of()  # layer -> (cache group, index in its storage)
+        self.windows = groups.windows
         self.id = next(_HOLDER_IDS)
         _HOLDERS[self.id] = self
 
 
 def install(model) -> ContextHolder | None:
-    """Switch `model` to the slot-cache attention. Returns None if the model can't use it."""
+    """Switch `model` to the paged-cache attention. Returns None if the model can't use it."""
     if not getattr(model, "_supports_attention_backend", False):
         return None
     AttentionInterface.register(ATTN_NAME, mmfusion_attention)
@@ -263,18 +286,27 @@ def install(model) -> ContextHolder | None:
     if holder is not None:  # another engine on these weights: share the holder (its id is in compiled graphs)
         model.set_attn_implementation(ATTN_NAME)
         return holder
-    holder = ContextHolder()
-    n = 0
-    for mod in model.modules():
-        if hasattr(mod, "layer_idx") and (hasattr(mod, "q_proj") or hasattr(mod, "c_attn")):
-            # object.__setattr__: a plain attribute, not a registered submodule.
-            object.__setattr__(mod, "_mmfusion_ctx", holder)
-            n += 1
-    if n == 0:
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and (hasattr(m, "q_proj") or hasattr(m, "c_attn"))]
+    if not mods:
         return None
+    holder = ContextHolder(CacheGroups.from_windows(layer_windows(model, mods)))
+    for mod in mods:
+        # object.__setattr__: a plain attribute, not a registered submodule.
+        object.__setattr__(mod, "_mmfusion_ctx", holder)
     object.__setattr__(model, "_mmfusion_holder", holder)
     model.set_attn_implementation(ATTN_NAME)
     return holder
+
+
+def layer_windows(model, attention_modules: list) -> list[int | None]:
+    """The sliding window of each layer (None: full attention), as its attention module passes
+    it: Gemma 3 and Qwen 2 modules carry `sliding_window`; Mistral's pass the config's."""
+    cfg = model.config.get_text_config()
+    windows: list[int | None] = [None] * (max(m.layer_idx for m in attention_modules) + 1)
+    for mod in attention_modules:
+        w = mod.sliding_window if hasattr(mod, "sliding_window") else getattr(cfg, "sliding_window", None)
+        windows[mod.layer_idx] = int(w) if w else None
+    return windows
 
 
 def index_layers(model) -> None:

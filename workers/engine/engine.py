@@ -15,11 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from workers.config_keys import MODEL
+from workers.engine import attention
+from workers.engine.block_manager import BlockManager, CacheGroups, peak_blocks
 from workers.engine.buckets import Buckets, compile_mode, default_buckets
 from workers.engine.compiled import prepare
+from workers.engine.kv_cache import bytes_per_block, default_budget
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.params import SamplingParams
-from workers.engine.runner import BaseRunner, make_runner
+from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, kv_dims, num_layers
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
 from workers.engine.stops import finish_reason
@@ -37,7 +40,9 @@ _SCHEDULING = SchedulerConfig()  # the scheduling limits' defaults are the sched
 class EngineConfig:
     max_batch_size: int = _SCHEDULING.max_batch_size
     max_batch_tokens: int = _SCHEDULING.max_batch_tokens
-    min_shared_prefix: int = _SCHEDULING.min_shared_prefix
+    kv_cache_memory: int | None = None  # bytes of KV blocks; None: what max_batch_size x max_model_len can use,
+    # up to a share of the memory available (kv_cache.default_budget)
+    kv_block_size: int = MODEL["kv_block_size"].default  # positions per block
     num_threads: int | None = None  # torch threads for this process; None leaves torch's default
     compile: str | bool = MODEL["compile"].default  # auto: compiled when the cache has artifacts; true: compile now
     compile_buckets: tuple[int, ...] | list[int] | None = None  # padded token counts; None: default_buckets
@@ -45,6 +50,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer or None, got {self.num_threads!r}")
+        if self.kv_cache_memory is not None and (isinstance(self.kv_cache_memory, bool)
+                                                 or not isinstance(self.kv_cache_memory, int)
+                                                 or self.kv_cache_memory < 1):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes or None, got {self.kv_cache_memory!r}")
+        if not MODEL["kv_block_size"].check(self.kv_block_size):
+            raise ValueError(f"kv_block_size must be {MODEL['kv_block_size'].valid}, got {self.kv_block_size!r}")
         self.compile = compile_mode(self.compile)
         if self.compile_buckets is not None:
             self.compile_buckets = Buckets(tuple(self.compile_buckets)).tokens
@@ -53,7 +64,7 @@ class EngineConfig:
         return Buckets(self.compile_buckets or default_buckets(self.max_batch_tokens))
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_batch_size, self.max_batch_tokens, self.min_shared_prefix)
+        return SchedulerConfig(self.max_batch_size, self.max_batch_tokens)
 
 
 class Engine:
@@ -63,8 +74,7 @@ class Engine:
             torch.set_num_threads(self.config.num_threads)
         self.lm = lm
         self.tokenizer = lm.tokenizer
-        self.scheduler = Scheduler(self.config.scheduler_config())
-        self.runner: BaseRunner = make_runner(lm, self.config.max_batch_size)
+        self.scheduler = Scheduler(self.config.scheduler_config(), self._block_manager(lm))
         self.compile_info = prepare(self.runner, lm, self.config.compile, self.config.buckets())
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -72,6 +82,32 @@ class Engine:
         self.steps = 0
         self.last_plan: SchedulerOutput | None = None
         self.tokens_generated = 0
+
+    def _block_manager(self, lm: LoadedModel) -> BlockManager:
+        """Size the pool from the budget, and make the runner that owns its tensors."""
+        cfg = self.config
+        holder = attention.install(lm.model)
+        # the per-sequence runner holds a DynamicCache for each sequence: blocks of one group of
+        # every layer count its memory all the same
+        groups = holder.groups if holder is not None else CacheGroups.from_windows([None] * num_layers(lm))
+        bs = cfg.kv_block_size
+        per_block = bytes_per_block(groups, bs, *kv_dims(lm), lm.dtype)
+        useful = cfg.max_batch_size * peak_blocks(groups, bs, cfg.max_batch_tokens, lm.max_model_len)
+        budget = cfg.kv_cache_memory or default_budget(useful * per_block, lm.device)
+        num_blocks = min(useful, budget // per_block)
+        blocks = BlockManager(num_blocks, bs, groups, cfg.max_batch_tokens, enable_prefix_caching=holder is not None)
+        self.kv_bytes = num_blocks * per_block
+        self.runner: BaseRunner = (PagedRunner(lm, holder, num_blocks, bs) if holder is not None
+                                   else CompatRunner(lm))
+        return blocks
+
+    def stats(self) -> dict:
+        """The KV cache as status and /metrics show it."""
+        b = self.scheduler.blocks
+        return {"kv_cache_bytes": self.kv_bytes, "block_size": b.block_size, "blocks_total": b.num_blocks,
+                "blocks_used": b.num_used, "blocks_free": b.num_free, "tokens_capacity": b.max_tokens(),
+                "preemptions": b.stats.preemptions, "prefix_cache_queries": b.stats.prefix_queries,
+                "prefix_cache_hits": b.stats.prefix_hits, "prefix_cache_hit_rate": round(b.stats.prefix_hit_rate, 4)}
 
     # --- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -101,9 +137,14 @@ class Engine:
         if not ids:
             raise ValueError("prompt must not be empty")
         ctx = self.lm.max_model_len
-        if len(ids) >= ctx:
-            raise ValueError(f"prompt has {len(ids)} tokens but the model's context (max_model_len) is {ctx}: "
-                             "shorten the prompt")
+        if len(ids) >= ctx or len(ids) + params.max_tokens > ctx:
+            raise ValueError(f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, but the model's "
+                             f"context (max_model_len) is {ctx} tokens: shorten the prompt or lower max_tokens")
+        fits = self.scheduler.blocks.max_tokens()
+        if len(ids) + params.max_tokens > fits:
+            raise ValueError(f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, but this worker's "
+                             f"KV cache (kv_cache_memory {self.kv_bytes / 2**20:.1f} MiB) holds {fits} tokens of one "
+                             "sequence: shorten the prompt, lower max_tokens or raise kv_cache_memory")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         group = SequenceGroup(request_id, ids, params, seed, next(self._arrivals),
                               prompt_text=prompt if isinstance(prompt, str) else None)
@@ -118,8 +159,7 @@ class Engine:
         if group is None:
             return False
         for seq in group.seqs:
-            if seq.slot is not None:
-                self.runner.release(seq.slot)
+            self.runner.release(seq)
         self.scheduler.abort(request_id)
         return True
 
@@ -142,17 +182,19 @@ class Engine:
         new_tokens: dict[int, list[int]] = {}
         for seq in plan.decode:
             seq.num_computed += 1
+            self.scheduler.computed(seq)
         for chunk in plan.prefill:
             seq = chunk.seq
             seq.num_computed += chunk.length
-            if seq.num_computed == len(seq.prompt) and not seq.output:
+            self.scheduler.computed(seq)
+            if seq.sample_index == 0 and seq.num_computed == len(seq.prompt) and not seq.output:
                 group = seq.group
                 touched[group.request_id] = group
                 if group.params.max_tokens == 0:
                     for s in group.seqs:
                         self._finish(s, "length")
                 elif len(group.seqs) > 1:
-                    self.scheduler.start_forked(group)
+                    self.scheduler.start_samples(group)
         for ps in result.prompt_scores:
             g = ps.group
             g.prompt_logprobs[ps.first_target: ps.first_target + len(ps.logprobs)] = ps.logprobs
@@ -173,8 +215,7 @@ class Engine:
         return [self._output(g, new_tokens) for g in touched.values()]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.slot is not None:
-            self.runner.release(seq.slot)
+        self.runner.release(seq)
         self.scheduler.finish(seq, reason)
         if not seq.text_cut:
             seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)

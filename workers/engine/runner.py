@@ -1,14 +1,13 @@
 """Owns the model's tensors: turns a SchedulerOutput into one forward pass and sampled tokens.
 
-SlotRunner packs every scheduled token (decode tokens first, then prefill chunks) into a single
-[1, N] forward over the slot KV cache, and asks the LM head only for the rows that are sampled
+PagedRunner packs every scheduled token (decode tokens first, then prefill chunks) into a single
+[1, N] forward over the paged KV cache, and asks the LM head only for the rows that are sampled
 or scored. CompatRunner serves models whose attention does not go through transformers'
-attention interface (BLOOM's ALiBi): one forward per sequence with a DynamicCache per slot.
+attention interface (BLOOM's ALiBi): one forward per sequence with a DynamicCache of its own.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -18,7 +17,8 @@ import torch
 from workers.engine import attention
 from workers.engine.buckets import Buckets
 from workers.engine.compiled import CompiledLayers
-from workers.engine.kv_cache import SlotKVCache
+from workers.engine.block_manager import first_block
+from workers.engine.kv_cache import PagedKVCache
 from workers.engine.sampler import SampleSpec, sample, top_alternatives
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
@@ -58,40 +58,30 @@ def _chunk_tokens(chunk: Chunk) -> list[int]:
 
 
 class BaseRunner(ABC):
-    def __init__(self, lm: LoadedModel, max_batch_size: int):
+    def __init__(self, lm: LoadedModel):
         self.lm = lm
         self.model = lm.model
-        self.max_batch_size = max_batch_size
         self.forward_seconds = 0.0  # time inside forward passes (the rest of a step is bookkeeping)
 
     @abstractmethod
-    def _forward(self, decode: list[Sequence], chunks: list[Chunk], max_len: int) -> torch.Tensor:
+    def _forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
         """Logits of the kept rows, in plan order: decode sequences, then each chunk's kept rows."""
 
-    @abstractmethod
-    def _copy(self, src: int, dst: int, length: int) -> None:
-        """Copy the cached K/V of positions [0, length) from slot src to slot dst."""
+    def release(self, seq: Sequence) -> None:  # noqa: B027 - optional hook, the paged runner holds nothing per sequence
+        """A sequence gave its blocks back (finished, aborted or preempted); drop anything held for it."""
 
-    def release(self, slot: int) -> None:  # noqa: B027 - optional hook, most runners hold nothing per slot
-        """A slot was freed; drop anything held for it."""
-
-    def _move(self, src: int, dst: int, length: int) -> None:
-        """A sequence changes slot (compaction); its old slot is free afterwards."""
-        self._copy(src, dst, length)
+    def new_blocks(self, blocks: list[int]) -> None:  # noqa: B027 - optional hook
+        """Blocks handed to sequences this step, before anything is written to them."""
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        for src, dst, n in plan.moves:
-            self._move(src, dst, n)
-        for src, dst, n in plan.copies:
-            self._copy(src, dst, n)
-        decode = sorted(plan.decode, key=lambda s: s.slot)
+        for seq in plan.preempted:
+            self.release(seq)
+        self.new_blocks(plan.new_blocks)
         t0 = time.perf_counter()
-        logits = self._forward(decode, plan.prefill, plan.max_len)
+        logits = self._forward(plan.decode, plan.prefill)
         self.forward_seconds += time.perf_counter() - t0
-        for src, dst, n in plan.forks:
-            self._copy(src, dst, n)
-        return self._postprocess(decode, plan.prefill, logits)
+        return self._postprocess(plan.decode, plan.prefill, logits)
 
     def _postprocess(self, decode: list[Sequence], chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
         specs: list[SampleSpec] = []
@@ -112,10 +102,7 @@ class BaseRunner(ABC):
             if chunk.all_logits and kept:
                 result.prompt_scores.append(self._score_prompt(chunk, logits[row: row + len(kept)]))
             if chunk.need_logits and chunk.seq.group.params.max_tokens > 0:
-                seq = chunk.seq
-                targets = seq.group.seqs if (seq.sample_index == 0 and not seq.output) else [seq]
-                for s in targets:
-                    want(s, row + len(kept) - 1)
+                want(chunk.seq, row + len(kept) - 1)
             row += len(kept)
         tokens, chosen, tops = sample(logits, specs)
         result.samples = list(zip(owners, tokens, chosen, tops))
@@ -134,64 +121,87 @@ class BaseRunner(ABC):
         return PromptScores(chunk.seq.group, first_target, vals, tops)
 
 
-class SlotRunner(BaseRunner):
-    """Packed forward over the slot KV cache (models that use transformers' attention interface)."""
+class PagedRunner(BaseRunner):
+    """Packed forward over the paged KV cache (models that use transformers' attention interface)."""
 
-    def __init__(self, lm: LoadedModel, max_batch_size: int, holder: attention.ContextHolder):
-        super().__init__(lm, max_batch_size)
+    def __init__(self, lm: LoadedModel, holder: attention.ContextHolder, num_blocks: int, block_size: int):
+        super().__init__(lm)
         self.holder = holder
         self.compiled: CompiledLayers | None = None
         self.trace: list | None = None  # set to [] to record each step's model call (bench replay)
-        cfg = self.model.config.get_text_config()
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        self.cache = SlotKVCache(cfg.num_hidden_layers, max_batch_size, kv_heads, head_dim, lm.dtype, lm.device,
-                                 max_capacity=lm.max_model_len)
+        self.block_size = block_size
+        self.cache = PagedKVCache(holder.groups, num_blocks, block_size, *kv_dims(lm), lm.dtype, lm.device)
 
     def enable_compile(self, buckets: Buckets) -> None:
         """Run the decoder layers compiled from now on: every step pads its tokens up to a bucket."""
         self.compiled = CompiledLayers(self.model, buckets, self.lm.device)
 
-    def _copy(self, src: int, dst: int, length: int) -> None:
-        self.cache.copy_prefix(src, dst, length)
+    def new_blocks(self, blocks: list[int]) -> None:
+        self.cache.zero_blocks(blocks)
 
-    def _forward(self, decode: list[Sequence], chunks: list[Chunk], max_len: int) -> torch.Tensor:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        keep: list[int] = []
-        for i, seq in enumerate(decode):
-            ids.append(seq.token_at(seq.num_computed))
-            pos.append(seq.num_computed)
-            slots.append(seq.slot)
-            keep.append(i)
-        segments: list[attention.Segment] = []
+    def _group_steps(self, decode: list[Sequence], chunks: list[Chunk], pos: list[int]) -> list[attention.GroupStep]:
+        bs, dev = self.block_size, self.lm.device
+        offsets = torch.tensor([p % bs for p in pos], device=dev)
+        arange = torch.arange(bs, device=dev)
+        steps = []
+        for g, window in enumerate(self.holder.windows):
+            writes = [s.blocks.tables[g][s.num_computed // bs] for s in decode]
+            for c in chunks:
+                t = c.seq.blocks.tables[g]
+                writes.extend(t[p // bs] for p in range(c.start, c.start + c.length))
+            gs = attention.GroupStep(torch.tensor(writes, dtype=torch.long, device=dev), offsets)
+            if decode:
+                rows, blocks, starts, lengths = [], [], [], []
+                for r, s in enumerate(decode):
+                    t = s.blocks.tables[g]
+                    first, last = first_block(window, s.num_computed, bs), s.num_computed // bs
+                    rows.extend([r] * (last + 1 - first))
+                    blocks.extend(t[first: last + 1])
+                    starts.extend(range(first * bs, last * bs + 1, bs))
+                    lengths.extend([s.num_computed + 1] * (last + 1 - first))
+                key_pos = torch.tensor(starts, device=dev)[:, None] + arange
+                length = torch.tensor(lengths, device=dev)[:, None]
+                valid = key_pos < length
+                if window is not None:
+                    valid &= key_pos >= length - window
+                gs.pair_rows = torch.tensor(rows, device=dev)
+                gs.pair_blocks = torch.tensor(blocks, device=dev)
+                gs.pair_valid = valid
+                gs.single = len(rows) == len(decode)
+            steps.append(gs)
+        return steps
+
+    def _segments(self, chunks: list[Chunk], first_token: int) -> list[attention.Segment]:
+        bs, dev = self.block_size, self.lm.device
+        segments, t0 = [], first_token
+        for c in chunks:
+            seg = attention.Segment(t0, c.length, c.start)
+            for g, window in enumerate(self.holder.windows):
+                if c.start == 0:
+                    seg.blocks.append(None)
+                    seg.first_pos.append(0)
+                    continue
+                first = first_block(window, c.start, bs)
+                seg.blocks.append(torch.tensor(c.seq.blocks.tables[g][first: -(-(c.start + c.length) // bs)],
+                                               device=dev))
+                seg.first_pos.append(first * bs)
+            segments.append(seg)
+            t0 += c.length
+        return segments
+
+    def _forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
+        ids = [s.token_at(s.num_computed) for s in decode]
+        pos = [s.num_computed for s in decode]
+        keep = list(range(len(decode)))
         for chunk in chunks:
             t0 = len(ids)
             ids.extend(_chunk_tokens(chunk))
             pos.extend(range(chunk.start, chunk.start + chunk.length))
-            slots.extend([chunk.seq.slot] * chunk.length)
             keep.extend(t0 + r for r in _kept_rows(chunk))
-            segments.append(attention.Segment(t0, chunk.length, chunk.seq.slot, chunk.start))
-        self.cache.fit(max_len)
         dev = self.lm.device
-        d = len(decode)
-        dslots = slots[:d]
-        dense = dslots == list(range(d))
-        self.holder.cache = self.cache  # engines on the same weights share the holder
         self.holder.current = attention.StepContext(
-            num_decode=d,
-            num_tokens=len(ids),
-            decode_slots=torch.tensor(dslots, device=dev) if d else None,
-            decode_lengths=torch.tensor([p + 1 for p in pos[:d]], device=dev) if d else None,
-            dense=dense,
-            rows=(d if dense else max(dslots) + 1) if d else 0,
-            span=self.cache.capacity,  # whole rows: contiguous, see SlotKVCache
-            segments=segments,
-        )
-        self.cache.write_slots = torch.tensor(slots, device=dev)
-        self.cache.write_pos = torch.tensor(pos, device=dev)
+            num_decode=len(decode), num_tokens=len(ids), groups=self._group_steps(decode, chunks, pos),
+            segments=self._segments(chunks, len(decode)))
         padded = self.compiled.buckets.pad(len(ids)) if self.compiled is not None else None
         if padded is not None and padded > len(ids):
             # padded rows: token 0 at position 0; row-wise layers keep them apart and attention skips them
@@ -204,11 +214,11 @@ class SlotRunner(BaseRunner):
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
         )
         if self.trace is not None:
-            self.trace.append((max_len, self.holder.current, self.cache.write_slots, self.cache.write_pos, call))
+            self.trace.append((self.holder.current, call))
         return self._call(call)
 
     def _call(self, call: dict) -> torch.Tensor:
-        # no transformers cache: the attention op writes the slot cache, handed down as a keyword
+        # no transformers cache: the attention op writes the paged cache, handed down as a keyword
         kv = {attention.KV_KWARG: (self.cache.keys, self.cache.values)}
         if self.compiled is not None and self.compiled.buckets.pad(call["input_ids"].shape[1]) is not None:
             with self.compiled.active():
@@ -225,12 +235,11 @@ class SlotRunner(BaseRunner):
         if self.compiled is None:
             return
         dev = self.lm.device
-        self.holder.cache = self.cache
+        none = torch.zeros(0, dtype=torch.long, device=dev)
         for b in self.compiled.buckets.tokens:
             self.holder.current = attention.StepContext(
-                num_decode=0, num_tokens=0, decode_slots=None, decode_lengths=None, dense=True, rows=0,
-                span=self.cache.capacity, segments=[])
-            self.cache.write_slots = self.cache.write_pos = torch.zeros(0, dtype=torch.long, device=dev)
+                num_decode=0, num_tokens=0, groups=[attention.GroupStep(none, none) for _ in self.holder.windows],
+                segments=[])
             zeros = torch.zeros(1, b, dtype=torch.long, device=dev)
             self._call(dict(input_ids=zeros, position_ids=zeros,
                             logits_to_keep=torch.zeros(1, dtype=torch.long, device=dev)))
@@ -238,62 +247,57 @@ class SlotRunner(BaseRunner):
     @torch.inference_mode()
     def replay(self, trace: list) -> None:
         """Re-run recorded model calls alone: the forward-only cost of a schedule."""
-        for max_len, ctx, w_slots, w_pos, call in trace:
-            self.cache.fit(max_len)
+        for ctx, call in trace:
             ctx.masks.clear()
-            ctx.groups.clear()
-            self.holder.cache, self.holder.current = self.cache, ctx
-            self.cache.write_slots, self.cache.write_pos = w_slots, w_pos
+            ctx.prompt_groups.clear()
+            self.holder.current = ctx
             self._call(call)
 
 
 class CompatRunner(BaseRunner):
-    """One forward per sequence with its own DynamicCache: any causal LM, at batch-1 speed."""
+    """One forward per sequence with its own DynamicCache: any causal LM, at batch-1 speed. The
+    scheduler still counts its blocks, so the budget holds here too."""
 
-    def __init__(self, lm: LoadedModel, max_batch_size: int):
-        super().__init__(lm, max_batch_size)
-        self.caches: dict[int, object] = {}
+    def __init__(self, lm: LoadedModel):
+        super().__init__(lm)
+        self.caches: dict[int, object] = {}  # by sequence id
 
-    def release(self, slot: int) -> None:
-        self.caches.pop(slot, None)
+    def release(self, seq: Sequence) -> None:
+        self.caches.pop(seq.seq_id, None)
 
-    def _copy(self, src: int, dst: int, length: int) -> None:
-        c = copy.deepcopy(self.caches[src])
-        c.crop(length)
-        self.caches[dst] = c
-
-    def _move(self, src: int, dst: int, length: int) -> None:
-        if src in self.caches:
-            self.caches[dst] = self.caches.pop(src)
-
-    def _run(self, slot: int, ids: list[int], start: int, keep: range) -> torch.Tensor:
+    def _run(self, seq: Sequence, ids: list[int], start: int, keep: range) -> torch.Tensor:
         from transformers import DynamicCache
 
-        if start == 0 or slot not in self.caches:
-            self.caches[slot] = DynamicCache(config=self.model.config)
+        if start == 0 or seq.seq_id not in self.caches:
+            self.caches[seq.seq_id] = DynamicCache(config=self.model.config)
         dev = self.lm.device
         end = start + len(ids)
         out = self.model(
             input_ids=torch.tensor([ids], device=dev),
             attention_mask=torch.ones(1, end, dtype=torch.long, device=dev),
             position_ids=torch.arange(start, end, device=dev)[None],
-            past_key_values=self.caches[slot],
+            past_key_values=self.caches[seq.seq_id],
             use_cache=True,
         )
         return out.logits[0, keep.start: keep.stop]
 
-    def _forward(self, decode: list[Sequence], chunks: list[Chunk], max_len: int) -> torch.Tensor:
-        rows = [self._run(s.slot, [s.token_at(s.num_computed)], s.num_computed, range(0, 1)) for s in decode]
+    def _forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
+        rows = [self._run(s, [s.token_at(s.num_computed)], s.num_computed, range(0, 1)) for s in decode]
         for c in chunks:
-            rows.append(self._run(c.seq.slot, _chunk_tokens(c), c.start, _kept_rows(c)))
+            rows.append(self._run(c.seq, _chunk_tokens(c), c.start, _kept_rows(c)))
         vocab = self.lm.vocab_size
         rows = [r for r in rows if r.shape[0]]
         return torch.cat(rows) if rows else torch.empty(0, vocab, device=self.lm.device)
 
 
-def make_runner(lm: LoadedModel, max_batch_size: int) -> BaseRunner:
-    """The packed slot runner when the model's attention allows it, else the per-sequence one."""
-    holder = attention.install(lm.model)
-    if holder is None:
-        return CompatRunner(lm, max_batch_size)
-    return SlotRunner(lm, max_batch_size, holder)
+def kv_dims(lm: LoadedModel) -> tuple[int, int, int]:
+    """(kv heads, key head dim, value head dim) of the model's attention layers."""
+    cfg = lm.model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return kv_heads, head_dim, head_dim
+
+
+def num_layers(lm: LoadedModel) -> int:
+    return lm.model.config.get_text_config().num_hidden_layers

@@ -1,31 +1,35 @@
 """Decides which sequences run next and how many tokens each computes. Never touches tensors.
 
-Each step: every running sequence that is decoding computes one token; prompts still being
-prefilled continue in chunks; then waiting requests are admitted first-come first-served while
-cache slots (max_batch_size) and the step's token budget (max_batch_tokens) allow. A request's
-samples share one prefill: sample 0 computes the prompt and the others fork from it. A prompt
-that starts with tokens some running sequence already has in cache copies that prefix instead
-of recomputing it.
+Each step, oldest first:
+1. every running sequence that is decoding computes one token. When the pool has no block for
+   it, the newest running sequence is preempted: its blocks are freed and it is queued again,
+   first in line, to be recomputed (its prefix mostly from the prefix cache);
+2. prompts being prefilled continue in chunks, as far as the step's tokens and the free blocks go;
+3. preempted sequences, then waiting requests, first come first served, start while sequences
+   (max_batch_size), the step's tokens (max_batch_tokens) and the blocks of their whole prompt
+   allow. A prompt starts from the longest prefix of cached blocks.
+
+A request's samples share one prefill: sample 0 computes the prompt; when it is done, the other
+samples start from its cached blocks and compute only the part of the last block it left.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
 from workers.config_keys import MODEL
+from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import Sequence, SequenceGroup, Status
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_batch_size: int = MODEL["max_batch_size"].default  # sequences holding a cache slot at once
+    max_batch_size: int = MODEL["max_batch_size"].default  # sequences running at once
     max_batch_tokens: int = MODEL["max_batch_tokens"].default  # tokens computed in one step (decode + prefill)
-    min_shared_prefix: int = 16  # shortest prompt prefix worth copying from another sequence
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_batch_tokens", "min_shared_prefix"):
+        for name in ("max_batch_size", "max_batch_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -50,11 +54,9 @@ class Chunk:
 class SchedulerOutput:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[Chunk] = field(default_factory=list)
-    moves: list[tuple[int, int, int]] = field(default_factory=list)  # compaction (src, dst, len), first
-    copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, len) before the forward
-    forks: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, len) after the forward
     admitted: list[SequenceGroup] = field(default_factory=list)
-    max_len: int = 0  # longest cached length of any slot-holding sequence after this step
+    preempted: list[Sequence] = field(default_factory=list)  # freed this step, queued to be recomputed
+    new_blocks: list[int] = field(default_factory=list)  # handed out this step: the runner zeroes them
 
     @property
     def num_tokens(self) -> int:
@@ -70,42 +72,34 @@ class SchedulerOutput:
                 | {g.request_id for g in self.admitted})
 
 
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
         self.config = config
+        self.blocks = blocks
         self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[Sequence] = []  # sequences holding a slot that compute tokens
-        self.free_slots: list[int] = list(range(config.max_batch_size))
-        heapq.heapify(self.free_slots)
+        self.resume: deque[Sequence] = deque()  # preempted or forked samples, before any new request
+        self.running: list[Sequence] = []  # sequences computing tokens, oldest first
         self.groups: dict[str, SequenceGroup] = {}
+        self.num_seqs = 0  # admitted and unfinished, including samples waiting for their prompt
+        # a few blocks kept free at admission, so that a start does not preempt at the next step
+        self.watermark = max(1, blocks.num_blocks // 100)
 
     # --- queue management -----------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
         if group.params.num_samples > self.config.max_batch_size:
             raise ValueError(
                 f"n/best_of ({group.params.num_samples}) exceeds max_batch_size ({self.config.max_batch_size})")
+        for seq in group.seqs:
+            seq.blocks = self.blocks.new_seq()
         self.waiting.append(group)
         self.groups[group.request_id] = group
 
-    def slots_in_use(self) -> int:
-        return self.config.max_batch_size - len(self.free_slots)
-
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.resume or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        self._stop(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
-        if seq in self.running:
-            self.running.remove(seq)
-        self._release(seq)
         if seq.group.finished:
             self.groups.pop(seq.group.request_id, None)
 
@@ -117,105 +111,126 @@ class Scheduler:
             self.waiting.remove(group)
         for seq in group.seqs:
             if not seq.finished:
+                self._stop(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
-                if seq in self.running:
-                    self.running.remove(seq)
-                self._release(seq)
         return group
 
-    def _release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            heapq.heappush(self.free_slots, seq.slot)
-            seq.slot = None
+    def _stop(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING:
+            self.num_seqs -= 1
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.resume:
+            self.resume.remove(seq)
+        self.blocks.free(seq.blocks)
+
+    def computed(self, seq: Sequence) -> None:
+        """After a step: offer the sequence's completed blocks to the prefix cache, and drop the
+        sliding-window blocks no later query sees."""
+        if seq.num_computed // self.blocks.block_size > seq.blocks.committed:
+            self.blocks.commit(seq.blocks, seq.all_tokens(), seq.num_computed)
+        self.blocks.trim(seq.blocks, seq.num_computed)
 
     # --- the decision -----------------------------------------------------------------------
-    def _compact(self, out: SchedulerOutput) -> None:
-        """Keep occupied slots at 0..n-1: decode attention then spans only live rows."""
-        holders = [s for g in self.groups.values() for s in g.seqs if s.slot is not None]
-        n = len(holders)
-        holes = sorted(x for x in self.free_slots if x < n)
-        if not holes:
-            return
-        movers = sorted((s for s in holders if s.slot >= n), key=lambda s: -s.slot)
-        for hole, seq in zip(holes, movers):
-            out.moves.append((seq.slot, hole, seq.num_computed))
-            seq.slot = hole
-        self.free_slots = list(range(n, self.config.max_batch_size))
-        heapq.heapify(self.free_slots)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._compact(out)
-        budget = self.config.max_batch_tokens
-        prefilling: list[Sequence] = []
-        for seq in self.running:
-            if seq.in_prefill:
-                prefilling.append(seq)
-            else:
+        for seq in [s for s in self.running if not s.in_prefill]:
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self.blocks.allocate(seq.blocks, seq.num_computed, seq.num_computed + 1):
+                if self._preempt_newest(out) is seq:
+                    break
+            if seq.status is Status.RUNNING:
                 out.decode.append(seq)
-        budget -= len(out.decode)
-        for seq in prefilling:
-            if budget <= 0:
+        budget = self.config.max_batch_tokens - len(out.decode)
+        while True:
+            for seq in [s for s in self.running if s.in_prefill]:
+                if budget <= 0:
+                    break
+                budget -= self._add_chunk(out, seq, budget)
+            if not out.empty or len(self.running) < 2:
                 break
-            budget -= self._add_chunk(out, seq, budget)
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
-            need = group.params.num_samples
-            if need > len(self.free_slots):
-                break
-            src, plen = self._find_prefix(group)
-            if src is not None and src.num_computed < plen:
-                break  # the shared prefix is still being computed: admit next step and copy it
-            self.waiting.popleft()
-            self._admit(group, out, src, plen)
-            budget -= self._add_chunk(out, group.seqs[0], budget)
-        scheduled = {c.seq.seq_id: c.start + c.length for c in out.prefill}
-        out.max_len = max((scheduled.get(s.seq_id, s.num_computed + (not s.in_prefill)) for s in self.running),
-                          default=0)
+            # prompts part-way that all wait for blocks the others hold: the newest gives way
+            self._preempt_newest(out)
+        while budget > 0 and self._admit_next(out):
+            budget -= self._add_chunk(out, self.running[-1], budget)
+        out.new_blocks = self.blocks.take_new_blocks()
         return out
 
-    def _admit(self, group: SequenceGroup, out: SchedulerOutput, src: Sequence | None, plen: int) -> None:
-        for seq in group.seqs:
-            seq.slot = heapq.heappop(self.free_slots)
-            seq.status = Status.RUNNING
-        first = group.seqs[0]
-        self.running.append(first)  # the other samples join when the prompt is done (fork)
-        if src is not None:
-            out.copies.append((src.slot, first.slot, plen))
-            first.num_computed = plen
-            group.prefix_source, group.prefix_len = src, plen
-        out.admitted.append(group)
+    def _preempt_newest(self, out: SchedulerOutput) -> Sequence:
+        victim = self.running.pop()
+        if victim in out.decode:
+            out.decode.remove(victim)
+        self.blocks.free(victim.blocks)
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        self.num_seqs -= 1
+        self.blocks.stats.preemptions += 1
+        self.resume.appendleft(victim)
+        out.preempted.append(victim)
+        return victim
 
     def _add_chunk(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        """Schedule as much of the sequence's uncomputed tokens as the budget and the free blocks
+        allow (whole blocks when the pool is short). Returns the tokens scheduled."""
+        start = seq.num_computed
         length = min(seq.num_uncomputed, budget)
-        end = seq.num_computed + length
-        done = end == seq.length
-        group = seq.group
-        out.prefill.append(Chunk(seq, seq.num_computed, length, need_logits=done,
-                                 all_logits=group.params.prompt_logprobs is not None))
-        if done and seq.sample_index == 0 and not seq.output:
-            for child in group.seqs[1:]:
-                out.forks.append((seq.slot, child.slot, len(seq.prompt)))
+        while length > 0 and not self.blocks.allocate(seq.blocks, start, start + length):
+            bs = self.blocks.block_size
+            length = (start + length - 1) // bs * bs - start  # back to the previous block boundary
+        if length <= 0:
+            return 0
+        done = start + length == seq.length
+        scoring = seq.group.params.prompt_logprobs is not None and not seq.output and seq.sample_index == 0
+        out.prefill.append(Chunk(seq, start, length, need_logits=done, all_logits=scoring))
         return length
 
-    def _find_prefix(self, group: SequenceGroup) -> tuple[Sequence | None, int]:
-        """The running sequence sharing the longest prompt prefix with `group`, if long enough."""
-        if group.params.prompt_logprobs is not None:
-            return None, 0  # every prompt position must be computed to score it
-        limit = len(group.prompt) - 1  # the last prompt token is computed to get its logits
-        best, best_len = None, self.config.min_shared_prefix - 1
-        for seq in self.running:
-            n = common_prefix(seq.prompt, group.prompt, limit)
-            if n > best_len:
-                best, best_len = seq, n
-        if best is None:
-            return None, 0
-        return best, best_len
+    def _admit_next(self, out: SchedulerOutput) -> bool:
+        """Start the next preempted sample or waiting request if it fits; False when none does."""
+        if self.resume:
+            seqs, group = [self.resume[0]], None
+        elif self.waiting:
+            group = self.waiting[0]
+            seqs = group.seqs
+        else:
+            return False
+        if self.num_seqs + len(seqs) > self.config.max_batch_size:
+            return False
+        first = seqs[0]
+        tokens = first.all_tokens()
+        scoring = group is not None and group.params.prompt_logprobs is not None  # every position is scored
+        hit = 0 if scoring else self.blocks.match(first.blocks, tokens)
+        held = self.blocks.hit_blocks(hit)
+        need = max(0, self.blocks.peak_blocks(len(tokens)) - held)
+        reserved = sum(max(0, self.blocks.peak_blocks(s.length) - s.blocks.held()) for s in self.running
+                       if s.in_prefill)
+        free_after = self.blocks.num_free - self.blocks.evictable_among(first.blocks, hit)
+        if need + reserved + self.watermark > free_after and self.running:
+            return False  # alone, a request that passed Engine.add_request's check always fits
+        if need > free_after:
+            return False
+        if group is not None:
+            self.waiting.popleft()
+            out.admitted.append(group)
+            self.num_seqs += len(seqs)
+            for seq in seqs:
+                seq.status = Status.RUNNING  # the other samples start when the prompt is done
+        else:
+            self.resume.popleft()
+            self.num_seqs += 1
+            first.status = Status.RUNNING
+        self.blocks.stats.prefix_queries += len(tokens)
+        if hit:
+            self.blocks.take(first.blocks, hit)
+            self.blocks.stats.prefix_hits += hit * self.blocks.block_size
+        first.num_computed = hit * self.blocks.block_size
+        self.running.append(first)
+        return True
 
-    def start_forked(self, group: SequenceGroup) -> None:
-        """The first sample's prompt is done: the other samples start decoding from its cache."""
-        first = group.seqs[0]
+    def start_samples(self, group: SequenceGroup) -> None:
+        """The first sample's prompt is done: the others start from its cached blocks."""
         for child in group.seqs[1:]:
-            child.num_computed = first.num_computed
             if not child.finished:
-                self.running.append(child)
+                self.resume.append(child)
+                self.num_seqs -= 1  # counted again when it starts
+                child.status = Status.WAITING

@@ -17,7 +17,7 @@ class Status(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """One sample of a request: its tokens, how many have K/V in the cache, and its cache slot."""
+    """One sample of a request: its tokens, how many have K/V in the cache, and the blocks holding them."""
 
     seq_id: int
     group: SequenceGroup
@@ -25,7 +25,7 @@ class Sequence:
     prompt: list[int]
     output: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
-    slot: int | None = None
+    blocks: Any = None  # block_manager.SeqBlocks, given when the scheduler takes the request
     status: Status = Status.WAITING
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
@@ -43,13 +43,17 @@ class Sequence:
         p = len(self.prompt)
         return self.prompt[i] if i < p else self.output[i - p]
 
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output if self.output else self.prompt
+
     @property
     def num_uncomputed(self) -> int:
         return self.length - self.num_computed
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < len(self.prompt)
+        """More than the last sampled token to compute: a prompt, or a preempted sequence's tokens."""
+        return self.num_uncomputed > 1 or not self.output
 
     @property
     def finished(self) -> bool:
@@ -58,7 +62,7 @@ class Sequence:
 
 @dataclass(slots=True, eq=False)
 class SequenceGroup:
-    """A request: one prompt, `params.num_samples` sequences. Sample 0 prefills; the rest fork from it."""
+    """A request: one prompt, `params.num_samples` sequences. Sample 0 prefills; the rest start from its blocks."""
 
     request_id: str
     prompt: list[int]
@@ -68,8 +72,6 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
-    prefix_source: Sequence | None = None  # running sequence whose K/V prefix is copied in
-    prefix_len: int = 0
     prompt_text: str | None = None
 
     @property
