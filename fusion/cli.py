@@ -81,7 +81,7 @@ def configure(args) -> tuple[dict, object, object]:
         run["api_keys"] = list(keys)
         check_listen(parse_listen(run["http"])[0], keys, bool(run["insecure"]))
     fusion = build_fusion(params, run["variants"])
-    plan = make_plan(fusion, run["num_workers"], run["devices"], run["threads_per_worker"])
+    plan = make_plan(fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
     return params, fusion, plan
 
 

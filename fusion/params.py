@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from routing.dispatch import RouterConfig
-from workers.config_keys import MODEL, Key
+from workers.config_keys import MODEL, Key, parse_size
 
 MAX_RETRIES = 10
 
@@ -28,6 +28,11 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
         "where workers run, round-robin; `auto`: every CUDA device, else the CPU"),
     Key("threads_per_worker", None, "a positive integer, or null",
         "torch threads of each CPU worker; null: the device's cores split among its workers"),
+    Key("kv_cache_memory", "auto", "a size (`2GiB`, `512MiB`, a number of bytes), or `auto`",
+        "the KV cache pool of each worker whose model sets none; `auto`: half the device's available memory, "
+        "less the weights and process overheads planned there, shared among its workers, and never more than "
+        "`max_batch_size` sequences of `max_model_len` tokens use",
+        lambda x: x == "auto" or parse_size(x) is not None),
     Key("router", None, "a `tcp://HOST:PORT` address, or null",
         "use a router that is already running instead of starting one"),
     Key("frontend", _default(RouterConfig, "frontend"), "a `tcp://HOST:PORT` address (port `*` or 0: any free one)",
@@ -134,6 +139,9 @@ def load_params(path: str | Path) -> dict:
     if unknown:
         raise ParamsError(f"{path}: runconfig.{unknown[0]}: unknown key; known keys: {sorted(RUNCONFIG_DEFAULTS)}")
     run.update(given)
+    for key in RUNCONFIG_KEYS:
+        if key.check is not None and key.name in given and not key.check(given[key.name]):
+            raise ParamsError(f"{path}: runconfig.{key.name} must be {key.valid}, got {given[key.name]!r}")
     if run["placement"] not in ("spread", "pack"):
         raise ParamsError(f"{path}: runconfig.placement must be spread or pack, got {run['placement']!r}")
     delays = run["retry_delays"]

@@ -2,10 +2,13 @@
 
 Worker k serves model ID k mod M. Workers go round-robin over the devices; on CPU the workers of
 a device split its cores as torch threads. Workers sharing a device split its batch capacity in
-proportion to their models' deltat_scaling_factor. Memory per device is estimated from the
-weights plus the KV cache budget (max_batch_size x max_model_len) plus a process overhead per
-worker, and checked before any load. Copies of one (source, dtype) on a CPU device that share
-their weights (`share_weights`, the default: workers.weights.shared) count the weights once.
+proportion to their models' deltat_scaling_factor. Each worker gets a KV cache budget: its
+model's `kv_cache_memory`, else the runconfig's; `auto` shares KV_AUTO_SHARE of the device's
+available memory, less the weights and process overheads planned there, among its workers, and
+never more than max_batch_size sequences of max_model_len tokens can use. Memory per device is the
+weights plus the KV budgets plus a process overhead per worker, checked before any load. Copies of
+one (source, dtype) on a CPU device that share their weights (`share_weights`, the default:
+workers.weights.shared) count the weights once.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusion.model_info import MultiModelFusion
-from workers.config_keys import model_value
+from workers.config_keys import KV_AUTO_SHARE, model_value, parse_size
 
 BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "auto": 2}
 # parameters and KV bytes per token (at 2 bytes) of the embedded models, to plan without loading
@@ -26,6 +29,10 @@ DEFAULT_CTX = 2048
 # a worker process before its model (interpreter, torch, transformers, zmq), as PSS when several
 # run together: measured by bench/memory.py
 OVERHEAD_BYTES = 280 * 2**20
+# the KV budget of an `auto` worker where the device's memory is unknown
+KV_UNKNOWN_DEVICE_BYTES = 2**30
+# less than this for an `auto` worker's KV cache: the device is too full for it
+MIN_KV_BYTES = 16 * 2**20
 
 
 @dataclass(slots=True)
@@ -39,6 +46,9 @@ class WorkerPlan:
     est_bytes: int  # this worker alone: weights + KV cache + overhead
     weight_bytes: int = 0
     shares_weights: bool = False  # its weights are one mapping with the other copies on its device
+    kv_cache_bytes: int = 0  # the budget of its KV block pool
+    kv_tokens: int | None = None  # the tokens that budget holds (None: the model's shape is known at load)
+    block_size: int = 16
 
 
 @dataclass(slots=True)
@@ -54,7 +64,10 @@ class DeploymentPlan:
         lines += [f"  worker {w.worker_id} -> model {w.model_id} on {w.device}"
                   f" (threads {w.threads or 'default'}, max_batch_size {w.max_batch_size},"
                   f" max_batch_tokens {w.max_batch_tokens}, ~{w.est_bytes / 2**20:.0f} MiB"
-                  f"{', weights shared' if w.shares_weights else ''})" for w in self.workers]
+                  f"{', weights shared' if w.shares_weights else ''})\n"
+                  f"    KV cache {w.kv_cache_bytes / 2**20:.0f} MiB in blocks of {w.block_size} tokens, holding "
+                  f"{'~' + str(w.kv_tokens) if w.kv_tokens is not None else 'what its shape allows (known at load)'}"
+                  " tokens" for w in self.workers]
         lines.append("memory per device:")
         for d, info in self.devices.items():
             avail = info["available_bytes"]
@@ -102,37 +115,69 @@ def available_bytes(device: str) -> int | None:
     return torch.cuda.mem_get_info(torch.device(device))[0]
 
 
-def estimate_parts(source: str, dtype: str, max_batch_size: int, max_model_len: int) -> tuple[int, int]:
-    """(weight bytes, full KV cache bytes), without loading the model."""
+def kv_bytes_per_token(source: str, dtype: str) -> int | None:
+    """K and V of one position over all layers, or None when unknown before loading."""
     wbytes = BYTES.get(dtype, 2)
     if source in KNOWN:
-        n_params, kv_per_token = KNOWN[source]
-        return int(n_params * wbytes), int(kv_per_token * wbytes / 2 * max_batch_size * max_model_len)
+        return int(KNOWN[source][1] * wbytes / 2)
     if source.startswith("tiny:"):
-        return 2 * 2**20, 14 * 2**20
+        from workers.weights.tiny import TINY_CONFIGS
+
+        cfg = TINY_CONFIGS.get(source.split(":")[1])
+        return None if cfg is None else _kv_per_token(cfg, wbytes)
     path = Path(source)
     if path.is_dir() and (path / "config.json").exists():
         cfg = json.loads((path / "config.json").read_text())
-        files = list(path.glob("*.safetensors")) + list(path.glob("*.bin"))
-        weights = sum(f.stat().st_size for f in files)
-        layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or 12
-        hidden = cfg.get("hidden_size") or cfg.get("n_embd") or 768
-        heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 12
-        kvh = cfg.get("num_key_value_heads") or heads
-        kv = layers * 2 * kvh * (hidden // heads) * wbytes
-        return int(weights), int(kv * max_batch_size * max_model_len)
+        return _kv_per_token(cfg.get("text_config") or cfg, wbytes)
+    return None
+
+
+def _kv_per_token(cfg: dict, wbytes: int) -> int:
+    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or 12
+    hidden = cfg.get("hidden_size") or cfg.get("n_embd") or 768
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head") or 12
+    kvh = cfg.get("num_key_value_heads") or heads
+    return layers * 2 * kvh * (cfg.get("head_dim") or hidden // heads) * wbytes
+
+
+def weight_bytes(source: str, dtype: str) -> int:
+    """The weights' bytes in `dtype`, without loading the model (0 when unknown)."""
+    wbytes = BYTES.get(dtype, 2)
+    if source in KNOWN:
+        return int(KNOWN[source][0] * wbytes)
+    if source.startswith("tiny:"):
+        return 2 * 2**20
+    path = Path(source)
+    if path.is_dir():
+        return int(sum(f.stat().st_size for f in [*path.glob("*.safetensors"), *path.glob("*.bin")]))
     if path.suffix == ".gguf" and path.exists():
-        return int(path.stat().st_size * 4 * wbytes / 2), 0  # 4-bit blocks unpacked to 16-bit
-    return 0, 0
+        return int(path.stat().st_size * 4 * wbytes / 2)  # 4-bit blocks unpacked to 16-bit
+    return 0
 
 
-def estimate_bytes(source: str, dtype: str, max_batch_size: int, max_model_len: int) -> int:
-    """Weights plus a full KV cache, without loading the model."""
-    return sum(estimate_parts(source, dtype, max_batch_size, max_model_len))
+def _kv_budgets(fusion: MultiModelFusion, workers: list[WorkerPlan], avail: int | None, fixed: int) -> None:
+    """Give each `auto` worker of one device its share of the memory left for KV caches, never more
+    than its limits can use; then the tokens each budget holds."""
+    auto = [w for w in workers if w.kv_cache_bytes == 0]
+    left = None if avail is None else int(avail * KV_AUTO_SHARE) - fixed - sum(w.kv_cache_bytes for w in workers)
+    for w in workers:
+        info = fusion.models[w.model_id]
+        dtype = model_value(info.params, "dtype")
+        per_token = kv_bytes_per_token(info.source, dtype)
+        ctx = model_value(info.params, "max_model_len") or DEFAULT_CTX
+        if w in auto:
+            useful = None if per_token is None else per_token * w.max_batch_size * ctx
+            share = KV_UNKNOWN_DEVICE_BYTES if left is None else max(0, left // len(auto))
+            w.kv_cache_bytes = share if useful is None else min(share, useful)
+            if w.kv_cache_bytes < min(MIN_KV_BYTES, useful or MIN_KV_BYTES):
+                raise ValueError(f"device {w.device}: no memory left for worker {w.worker_id}'s KV cache after the "
+                                 "weights and process overheads planned there; use fewer workers or more devices, "
+                                 "or give kv_cache_memory")
+        w.kv_tokens = None if per_token is None else w.kv_cache_bytes // per_token
 
 
 def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices="auto",
-              threads_per_worker: int | None = None) -> DeploymentPlan:
+              threads_per_worker: int | None = None, kv_cache_memory: str | int = "auto") -> DeploymentPlan:
     m = len(fusion.models)
     n = m if num_workers is None else num_workers
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -160,29 +205,39 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         share = info.deltat_scaling_factor / mean_f
         batch = max(1, round(model_value(p, "max_batch_size") * share))
         tokens = max(batch, round(model_value(p, "max_batch_tokens") * share))
-        weights, kv = estimate_parts(info.source, model_value(p, "dtype"), batch,
-                                     model_value(p, "max_model_len") or DEFAULT_CTX)
+        dtype = model_value(p, "dtype")
         shares = bool(model_value(p, "share_weights"))  # CPU: one mapped file; CUDA: one owner process
-        workers.append(WorkerPlan(k, mid, dev, threads, batch, tokens, weights + kv + OVERHEAD_BYTES, weights,
-                                  shares))
+        w = WorkerPlan(k, mid, dev, threads, batch, tokens, 0, weight_bytes(info.source, dtype), shares,
+                       block_size=model_value(p, "kv_block_size"))
+        budget = model_value(p, "kv_cache_memory") or kv_cache_memory
+        w.kv_cache_bytes = 0 if budget == "auto" else parse_size(budget)
+        if w.kv_cache_bytes is None:
+            raise ValueError(f"variant {info.name!r}: kv_cache_memory {budget!r} is not a size (e.g. 2GiB, 512MiB) "
+                             "or auto")
+        workers.append(w)
     dev_info = {}
     for d, ks in by_dev.items():
         groups: dict[tuple, dict] = {}  # (source, dtype) -> the weights its sharing copies hold once
-        need = 0
+        fixed = 0  # weights and process overheads
         for k in ks:
             w = workers[k]
-            need += w.est_bytes - (w.weight_bytes if w.shares_weights else 0)
+            fixed += OVERHEAD_BYTES + (0 if w.shares_weights else w.weight_bytes)
             if w.shares_weights:
                 info = fusion.models[w.model_id]
                 key = (info.source, model_value(info.params, "dtype"))
                 g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0})
                 g["copies"] += 1
-        need += sum(g["bytes"] for g in groups.values())
+        fixed += sum(g["bytes"] for g in groups.values())
         avail = available_bytes(d)
+        _kv_budgets(fusion, [workers[k] for k in ks], avail, fixed)
+        for k in ks:
+            w = workers[k]
+            w.est_bytes = w.weight_bytes + w.kv_cache_bytes + OVERHEAD_BYTES
+        need = fixed + sum(workers[k].kv_cache_bytes for k in ks)
         if avail is not None and need > avail:
             raise ValueError(f"device {d}: the {len(ks)} workers planned there need ~{need / 2**30:.1f} GiB "
                              f"(weights + KV cache + process overhead) but {avail / 2**30:.1f} GiB is available; "
-                             "use fewer workers, smaller max_batch_size/max_model_len, or more devices")
+                             "use fewer workers, a smaller kv_cache_memory, or more devices")
         dev_info[d] = {"estimated_bytes": need, "available_bytes": avail,
                        "shared_weights": [g for g in groups.values() if g["copies"] > 1]}
     models = [{"model_id": i, "name": mi.name, "source": mi.source} for i, mi in enumerate(fusion.models)]

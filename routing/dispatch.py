@@ -350,7 +350,7 @@ class Dispatch:
             return  # a worker we dropped: it registers again when our heartbeats stop reaching it
         w.last_seen = now
         if mtype == P.HEARTBEAT and isinstance(msg.get("engine"), dict):
-            w.engine = {k: v for k, v in msg["engine"].items() if k in ("running", "aborted", "dropped") and isinstance(v, int)}
+            w.engine = {k: v for k, v in msg["engine"].items() if k in P.ENGINE_STATS and isinstance(v, int)}
         if mtype == P.LOADED:
             w.loaded = True
             w.load_error = None

@@ -14,7 +14,7 @@ Clients (DEALER) <-> router frontend (ROUTER):
 Workers (DEALER) <-> router backend (ROUTER):
   worker -> router   ready {capabilities: pid, host, slot (its planned worker, if any), ...}
                      loaded {model_id, weights: {bytes, shared, path}, compile: {compiled, reason, ...}}   load_failed {model_id, message}
-                     heartbeat {engine: {running, aborted}}
+                     heartbeat {engine: ENGINE_STATS}
   router -> worker   assign {worker_id, model_id, model}   cancel {id}   heartbeat {}   shutdown {}
   data path, two frames [header, body] so the router never re-encodes a body:
   router -> worker   [pack([request, key]), the client's complete frame as received]
@@ -69,6 +69,10 @@ NO_WORKER = "no_worker"  # queued, but no worker served the model within restart
 TOO_LARGE = "too_large"
 INTERNAL = "internal"
 ROUTER_LOST = "router_lost"  # raised by the client itself: the connection dropped with requests in flight
+# what a worker's heartbeat reports of its engine (integers), as the router's status shows it:
+# requests, and its KV cache (blocks, preemptions, prefix cache lookups and hits in tokens)
+ENGINE_STATS = ("running", "aborted", "dropped", "kv_cache_bytes", "block_size", "blocks_total", "blocks_used",
+                "blocks_free", "tokens_capacity", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
 REFUSED = "refused"  # raised by the client itself: the router refused its CurveZMQ handshake
 
 

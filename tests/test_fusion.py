@@ -10,7 +10,7 @@ import pytest
 from fusion.deploy import build_fusion, worker_overrides
 from fusion.model_info import ModelInfo, MultiModelFusion
 from fusion.params import ParamsError, load_params, parse_variants
-from fusion.plan import make_plan
+from fusion.plan import OVERHEAD_BYTES, make_plan
 from routing.entrypoints import CLI, command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,13 +100,28 @@ def test_deltat_scaling_factor_shares_batch_capacity():
     big, small = plan.workers
     assert (big.max_batch_size, small.max_batch_size) == (40, 20)  # 2:1, same total as 30 + 30
     assert (big.max_batch_tokens, small.max_batch_tokens) == (400, 200)
-    assert worker_overrides(plan)[0]["engine"] == {"max_batch_size": 40, "max_batch_tokens": 400}
+    engine = worker_overrides(plan)[0]["engine"]
+    assert (engine["max_batch_size"], engine["max_batch_tokens"]) == (40, 400)
+    assert engine["kv_cache_memory"] == big.kv_cache_bytes > 0 and engine["kv_block_size"] == 16
 
 
-def test_plan_refuses_what_does_not_fit():
-    fusion = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"max_batch_size": 100000})])
+def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 8 * 2**30)
+    fusion = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"max_batch_size": 100000, "dtype": "bfloat16"})])
+    plan = make_plan(fusion, 2, "cpu")  # auto: half of 8 GiB, less weights and overheads, shared by the two
+    w = plan.workers[0]
+    fixed = w.weight_bytes + 2 * OVERHEAD_BYTES  # the two copies share their weights
+    assert w.kv_cache_bytes == (4 * 2**30 - fixed) // 2 and w.kv_tokens == w.kv_cache_bytes // (30 * 2 * 3 * 64 * 2)
+    assert plan.devices["cpu"]["estimated_bytes"] == fixed + 2 * w.kv_cache_bytes
+    assert "KV cache" in plan.describe() and f"~{w.kv_tokens} tokens" in plan.describe()
+    small = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"max_batch_size": 2, "max_model_len": 1000,
+                                                                      "dtype": "bfloat16"})])
+    assert make_plan(small, 1, "cpu").workers[0].kv_tokens == 2 * 1000  # never more than its limits use
+    assert make_plan(fusion, 1, "cpu", kv_cache_memory="1GiB").workers[0].kv_cache_bytes == 2**30
     with pytest.raises(ValueError, match="device cpu: .* GiB"):
-        make_plan(fusion, 1, "cpu")
+        make_plan(fusion, 1, "cpu", kv_cache_memory="9GiB")
+    with pytest.raises(ValueError, match="kv_cache_memory 'lots' is not a size"):
+        make_plan(MultiModelFusion([ModelInfo("m", "tiny:llama", params={"kv_cache_memory": "lots"})]), 1, "cpu")
 
 
 def test_validate_only_prints_plan_without_loading():

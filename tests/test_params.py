@@ -59,8 +59,18 @@ def test_duplicate_request_id(engine):
 @pytest.mark.parametrize("kwargs,name", [
     (dict(max_batch_size=0), "max_batch_size"),
     (dict(max_batch_tokens=4, max_batch_size=8), "max_batch_tokens"),
-    (dict(min_shared_prefix=0), "min_shared_prefix"),
 ])
 def test_bad_scheduler_config(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SchedulerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(kv_cache_memory=0), "kv_cache_memory"), (dict(kv_cache_memory="2GiB"), "kv_cache_memory"),
+    (dict(kv_block_size=0), "kv_block_size"),
+])
+def test_bad_kv_cache_config(kwargs, name):
+    from workers.engine import EngineConfig
+
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**kwargs)

@@ -106,7 +106,8 @@ def test_the_dtype_is_part_of_the_key(cache):
 
 def _fusion(share: bool, copies: int):
     params = {"variants": {"m": {"model": {"source": "smollm2-135m", "dtype": "bfloat16", "share_weights": share,
-                                           "max_batch_size": 8, "max_model_len": 512}}},
+                                           "max_batch_size": 8, "max_model_len": 512,
+                                           "kv_cache_memory": "64MiB"}}},
               "runconfig": {}, "_path": "test"}
     return build_fusion(params, [f"m,{copies}"])
 

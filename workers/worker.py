@@ -299,7 +299,8 @@ class Worker:
         e = self.engine
         if e is None:
             return {}
-        return {"running": len(e.requests), "aborted": e.aborted, "dropped": e.dropped}
+        kv = e.engine.stats() if e.engine is not None else {}
+        return {"running": len(e.requests), "aborted": e.aborted, "dropped": e.dropped, **kv}
 
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)

@@ -28,6 +28,21 @@ class Metrics:
                               registry=r)
         self.live_workers = Gauge("mmfusion_live_workers", "Live, loaded workers per model copy", ["model"],
                                   registry=r)
+        # the workers' KV caches, summed per model copy over its live workers (from their heartbeats)
+        self.kv_blocks_used = Gauge("mmfusion_kv_cache_blocks_used", "KV cache blocks held by sequences",
+                                    ["model"], registry=r)
+        self.kv_blocks_free = Gauge("mmfusion_kv_cache_blocks_free", "KV cache blocks free (some still cached)",
+                                    ["model"], registry=r)
+        self.kv_usage = Gauge("mmfusion_kv_cache_usage_ratio", "Fraction of the KV cache blocks in use", ["model"],
+                              registry=r)
+        self.preemptions = Gauge("mmfusion_num_preemptions", "Sequences preempted for lack of KV blocks since "
+                                 "their workers started", ["model"], registry=r)
+        self.prefix_queries = Gauge("mmfusion_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                    "since the workers started", ["model"], registry=r)
+        self.prefix_hits = Gauge("mmfusion_prefix_cache_hits", "Prompt tokens found in the prefix cache since the "
+                                 "workers started", ["model"], registry=r)
+        self.prefix_hit_rate = Gauge("mmfusion_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries",
+                                     ["model"], registry=r)
 
         self._children: dict = {}  # (metric, labels) -> its child: labels() takes a lock and checks every call
 
@@ -54,6 +69,19 @@ class Metrics:
             self.live_workers.labels(label).set(sum(w["loaded"] for w in ws))
             self.inflight.labels(label).set(sum(w["inflight"] for w in ws))
             self.queued.labels(label).set(status["queued"].get(str(m["id"]), 0))
+            kv = [w.get("engine") or {} for w in ws]
+
+            def total(key: str) -> int:
+                return sum(e.get(key, 0) for e in kv)
+            used, blocks = total("blocks_used"), total("blocks_total")
+            self.kv_blocks_used.labels(label).set(used)
+            self.kv_blocks_free.labels(label).set(total("blocks_free"))
+            self.kv_usage.labels(label).set(used / blocks if blocks else 0.0)
+            self.preemptions.labels(label).set(total("preemptions"))
+            queries, hits = total("prefix_cache_queries"), total("prefix_cache_hits")
+            self.prefix_queries.labels(label).set(queries)
+            self.prefix_hits.labels(label).set(hits)
+            self.prefix_hit_rate.labels(label).set(hits / queries if queries else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -58,6 +58,7 @@ class GroupStep:
     pair_blocks: torch.Tensor | None = None  # [T]
     pair_valid: torch.Tensor | None = None  # [T, block_size] positions the row may see
     single: bool = False  # one pair per decode row, in row order: a plain softmax
+    per_row: int = 0  # >0: every decode row has this many pairs, rows in order
 
 
 @dataclass(slots=True)
@@ -123,6 +124,15 @@ def _decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: 
     if gs.single:
         probs = torch.softmax(scores, dim=-1).to(vb.dtype)
         out = torch.matmul(probs, vb)
+    elif gs.per_row:
+        # every row holds as many blocks: the per-row max and sums are reductions over a view
+        n = gs.per_row
+        pair_max = scores.amax(-1)
+        row_max = pair_max.view(d_rows, n, *pair_max.shape[1:]).amax(1)
+        e = torch.exp(scores - row_max.repeat_interleave(n, 0).unsqueeze(-1))
+        denom = e.sum(-1).view(d_rows, n, *pair_max.shape[1:]).sum(1)
+        part = torch.matmul(e.to(vb.dtype), vb).float()
+        out = part.view(d_rows, n, *part.shape[1:]).sum(1) / denom.unsqueeze(-1)
     else:
         # softmax over each row's pairs: every pair has a visible position, so its max is finite
         rows = gs.pair_rows

@@ -115,6 +115,7 @@ class BlockManager:
         self.cached: list[dict[bytes, int]] = [{} for _ in groups.windows]
         self.stats = BlockStats()
         self.new_blocks: list[int] = []  # allocated since the runner last took them (it zeroes them)
+        self._max_tokens: int | None = None
 
     # --- capacity ------------------------------------------------------------------------------
     @property
@@ -133,6 +134,11 @@ class BlockManager:
 
     def max_tokens(self) -> int:
         """The longest sequence the pool can ever hold alone."""
+        if self._max_tokens is None:
+            self._max_tokens = self._longest()
+        return self._max_tokens
+
+    def _longest(self) -> int:
         lo, hi = 0, self.num_blocks * self.block_size
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from workers.config_keys import KV_AUTO_SHARE
 from workers.engine.block_manager import CacheGroups
 
 
-# a pool sized without a budget takes at most this share of the memory available at load
-DEFAULT_BUDGET_SHARE = 0.5
 
 
 def default_budget(useful_bytes: int, device: torch.device) -> int:
@@ -26,7 +25,7 @@ def default_budget(useful_bytes: int, device: torch.device) -> int:
         import psutil
 
         free = psutil.virtual_memory().available
-    return max(1, min(useful_bytes, int(free * DEFAULT_BUDGET_SHARE)))
+    return max(1, min(useful_bytes, int(free * KV_AUTO_SHARE)))
 
 
 def bytes_per_block(groups: CacheGroups, block_size: int, kv_heads: int, head_dim: int, v_head_dim: int,

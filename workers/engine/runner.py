@@ -151,10 +151,11 @@ class PagedRunner(BaseRunner):
                 writes.extend(t[p // bs] for p in range(c.start, c.start + c.length))
             gs = attention.GroupStep(torch.tensor(writes, dtype=torch.long, device=dev), offsets)
             if decode:
-                rows, blocks, starts, lengths = [], [], [], []
+                rows, blocks, starts, lengths, per_row = [], [], [], [], set()
                 for r, s in enumerate(decode):
                     t = s.blocks.tables[g]
                     first, last = first_block(window, s.num_computed, bs), s.num_computed // bs
+                    per_row.add(last + 1 - first)
                     rows.extend([r] * (last + 1 - first))
                     blocks.extend(t[first: last + 1])
                     starts.extend(range(first * bs, last * bs + 1, bs))
@@ -168,6 +169,7 @@ class PagedRunner(BaseRunner):
                 gs.pair_blocks = torch.tensor(blocks, device=dev)
                 gs.pair_valid = valid
                 gs.single = len(rows) == len(decode)
+                gs.per_row = per_row.pop() if len(per_row) == 1 else 0
             steps.append(gs)
         return steps
 
