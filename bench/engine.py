@@ -8,7 +8,12 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  and of transformers `generate`;
   start:         a fresh process to a ready engine, eager and compiled from the cached artifacts;
   ceiling:       the workload's model FLOPs over a GEMM rate (the model's dtype) measured in this run, as
-                 tokens/s, with each system's fraction of it.
+                 tokens/s, with each system's fraction of it;
+  long_prompt:   32 short greedy streams, then a near-context prompt beside them: the streams' tokens/s
+                 before and while it is served, and the process's peak memory against the weights plus
+                 the KV budget plus a worker's overhead (a fresh process, --long-kv-budget);
+  prefix_cache:  requests sharing a 1,500-token prefix, one at a time: the first token of the cold
+                 request against the next ones', which start from its cached blocks.
 The first line describes the run: date, commit, CPU model and flags, versions, command.
 
     python bench/engine.py [--model smollm2-135m] [--dtype auto] [--n 64] [--threads 2]
@@ -22,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -227,6 +234,88 @@ def start_times(args) -> dict:
             "buckets": warm[0]["compile"]["buckets"]}
 
 
+def _until_first_token(eng: Engine, rid: str) -> float:
+    t = time.perf_counter()
+    while True:
+        for o in eng.step():
+            if o.request_id == rid and o.outputs[0].token_ids:
+                return time.perf_counter() - t
+
+
+def long_prompt(args) -> dict:
+    """In a fresh process: short streams alone, then beside a near-context prompt."""
+    import psutil
+
+    from fusion.plan import OVERHEAD_BYTES
+    from workers.config_keys import parse_size
+
+    lm = load_model(args.model, dtype=args.dtype)
+    eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512,
+                                  kv_cache_memory=parse_size(args.long_kv_budget)))
+    rng = random.Random(1)
+    n_short, long_len = 32, lm.max_model_len - 292
+    for i in range(n_short):
+        eng.add_request(f"s{i}", [rng.randrange(lm.vocab_size) for _ in range(32)],
+                        SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+    short_tokens = 0
+
+    def step() -> None:
+        nonlocal short_tokens
+        for o in eng.step():
+            if o.request_id.startswith("s"):
+                short_tokens += len(o.outputs[0].new_token_ids)
+
+    while eng.scheduler.waiting or any(s.in_prefill for s in eng.scheduler.running):
+        step()
+    for _ in range(5):
+        step()
+    t, short_tokens = time.perf_counter(), 0
+    for _ in range(40):
+        step()
+    baseline = short_tokens / (time.perf_counter() - t)
+    rss_before = psutil.Process().memory_info().rss
+    eng.add_request("long", [rng.randrange(lm.vocab_size) for _ in range(long_len)],
+                    SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    t, short_tokens, first = time.perf_counter(), 0, None
+    while "long" in eng.scheduler.groups:
+        step()
+        if first is None and eng.scheduler.groups.get("long") and eng.scheduler.groups["long"].seqs[0].output:
+            first = time.perf_counter() - t
+    during_s = time.perf_counter() - t
+    during = short_tokens / during_s
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    planned = lm.weights.bytes + eng.kv_bytes + OVERHEAD_BYTES
+    return {"system": "long_prompt", "model": args.model, "dtype": args.dtype, "threads": args.threads,
+            "short_streams": n_short, "long_prompt_tokens": long_len, "max_model_len": lm.max_model_len,
+            "short_tokens_per_s_alone": round(baseline, 1), "short_tokens_per_s_beside_long": round(during, 1),
+            "ratio": round(during / baseline, 3), "long_served_s": round(during_s, 2),
+            "long_first_token_s": round(first, 2) if first else None,
+            "preemptions": eng.stats()["preemptions"], "kv_cache_bytes": eng.kv_bytes,
+            "weight_bytes": lm.weights.bytes, "overhead_bytes": OVERHEAD_BYTES, "rss_before_long": rss_before,
+            "peak_rss_bytes": peak, "planned_bytes": planned, "peak_within_plan": peak <= planned}
+
+
+def prefix_cache(lm, args) -> dict:
+    """Requests that share a 1,500-token prefix, one at a time: the cold one computes it, the next
+    ones start from its cached blocks."""
+    eng = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens))
+    rng = random.Random(2)
+    prefix = [rng.randrange(lm.vocab_size) for _ in range(1500)]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ttft = []
+    for i in range(9):
+        eng.add_request(f"p{i}", prefix + [rng.randrange(lm.vocab_size) for _ in range(20)], sp)
+        ttft.append(_until_first_token(eng, f"p{i}"))
+        while eng.has_unfinished():
+            eng.step()
+    warm = sorted(ttft[1:])[len(ttft[1:]) // 2]
+    stats = eng.stats()
+    return {"system": "prefix_cache", "model": args.model, "dtype": args.dtype, "threads": args.threads,
+            "shared_prefix_tokens": 1500, "requests": 9, "cold_first_token_s": round(ttft[0], 3),
+            "warm_first_token_s_median": round(warm, 4), "speedup": round(ttft[0] / warm, 1),
+            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -238,9 +327,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2,
                     help="best of N for the engine, its replay and the static batches (the slow peers run once)")
     ap.add_argument("--systems",
-                    default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,start,ceiling",
+                    default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,start,ceiling,"
+                            "long_prompt,prefix_cache",
                     help="comma-separated subset to run")
+    ap.add_argument("--long-kv-budget", default="2GiB", help="long_prompt: the engine's kv_cache_memory")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # long_prompt's fresh process
     args = ap.parse_args()
+    if args.child == "long_prompt":
+        torch.set_num_threads(args.threads)
+        emit(**long_prompt(args))
+        return
     emit(**describe("engine", sys.argv))
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, dtype=args.dtype)
@@ -297,6 +393,16 @@ def main() -> None:
              **single_stream(lm, args.repeats), model=args.model, dtype=args.dtype, threads=args.threads)
     if "start" in systems:
         emit(system="start", **start_times(args), model=args.model, dtype=args.dtype, threads=args.threads)
+    if "long_prompt" in systems:
+        cmd = [sys.executable, __file__, "--child", "long_prompt", "--model", args.model, "--dtype", args.dtype,
+               "--threads", str(args.threads), "--long-kv-budget", args.long_kv_budget]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
+        if line is None:
+            raise RuntimeError(f"long_prompt failed: {out.stderr[-3000:]}")
+        print(line, flush=True)
+    if "prefix_cache" in systems:
+        emit(**prefix_cache(lm, args))
     if "ceiling" in systems:
         cfg = lm.model.config.get_text_config()
         rate = gemm_rate(lm.dtype, cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))

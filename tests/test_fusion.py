@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -130,6 +131,8 @@ def test_validate_only_prints_plan_without_loading():
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "worker 3 -> model 0 on cpu" in out.stdout and "model 2: gpt2" in out.stdout
+    # each worker's KV budget, its block size and the tokens it holds
+    assert len(re.findall(r"KV cache \d+ MiB in blocks of 16 tokens, holding ~\d+ tokens", out.stdout)) == 4
     bad = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(TINY),
                           "--variants", "nope,1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'nope' is not in" in bad.stderr

@@ -5,9 +5,17 @@ from __future__ import annotations
 import random
 
 import pytest
-from support.models import ARCHS, hf_greedy, real_mixed_batch_matches_transformers, tiny
+from support.models import (
+    ARCHS,
+    cache_groups,
+    engine_with_pool,
+    hf_greedy,
+    real_mixed_batch_matches_transformers,
+    tiny,
+)
 
 from workers.engine import Engine, EngineConfig
+from workers.engine.block_manager import peak_blocks
 from workers.engine.params import SamplingParams
 
 
@@ -56,13 +64,18 @@ def test_requests_joining_a_running_batch(arch):
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["smollm2_fp32", "gemma3_fp32"])
 def test_real_models_match_transformers_eager_and_compiled(fixture, request):
-    """One test for both paths: transformers' references for a real model take seconds, computed once."""
+    """One test for the eager, the compiled and a preempting engine: transformers' references for a
+    real model take seconds, computed once."""
     lm = request.getfixturevalue(fixture)
     cfg = {"max_batch_size": 4, "max_batch_tokens": 96}
     real_mixed_batch_matches_transformers(fixture, lm, Engine(lm, EngineConfig(**cfg, compile="false")))
     compiled = Engine(lm, EngineConfig(**cfg, compile="true", compile_buckets=(8, 96)))
     assert compiled.compile_info.compiled, compiled.compile_info.reason
     real_mixed_batch_matches_transformers(fixture, lm, compiled)
+    # a pool with room for the longest request and little more: the batch preempts, still exact
+    small = engine_with_pool(lm, peak_blocks(cache_groups(lm), 16, 96, 224) + 3, 16, **cfg, compile="false")
+    real_mixed_batch_matches_transformers(fixture, lm, small)
+    assert small.stats()["preemptions"] > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])

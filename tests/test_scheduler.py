@@ -5,15 +5,16 @@ from __future__ import annotations
 import random
 
 import pytest
-from support.models import hf_greedy, tiny
+import torch
+from support.models import cache_groups, engine_with_pool, hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
-from workers.engine.block_manager import NO_BLOCK, BlockManager, CacheGroups
-from workers.engine.kv_cache import bytes_per_block
+from workers.engine.block_manager import NO_BLOCK, BlockManager, CacheGroups, peak_blocks
 from workers.engine.params import SamplingParams
-from workers.engine.runner import kv_dims
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence, SequenceGroup
+
+PACKED = ["gpt2", "llama", "mistral", "opt", "gemma3"]  # the tiny architectures on the paged path
 
 
 def _group(rid, prompt, n=1, max_tokens=4):
@@ -24,19 +25,6 @@ def _group(rid, prompt, n=1, max_tokens=4):
 
 def _greedy(m: int) -> SamplingParams:
     return SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
-
-
-def _engine(lm, blocks: int, block_size: int = 4, **kw) -> Engine:
-    """An engine whose pool holds exactly `blocks` blocks."""
-    holder_groups = CacheGroups.from_windows([None] * lm.model.config.get_text_config().num_hidden_layers)
-    if lm.model.config.model_type == "gemma3":
-        from workers.engine.attention import install
-
-        holder_groups = install(lm.model).groups
-    per_block = bytes_per_block(holder_groups, block_size, *kv_dims(lm), lm.dtype)
-    eng = Engine(lm, EngineConfig(kv_cache_memory=blocks * per_block, kv_block_size=block_size, **kw))
-    assert eng.scheduler.blocks.num_blocks == blocks
-    return eng
 
 
 def _run(eng: Engine, prompts, params, check=None) -> list:
@@ -113,14 +101,17 @@ def test_group_waits_for_enough_room():
     assert len(s.running) == 1 and [g.request_id for g in s.waiting] == ["b"]
 
 
-def test_preemption_recomputes_and_keeps_outputs_exact():
+@pytest.mark.parametrize("arch", PACKED)
+def test_preemption_recomputes_and_keeps_outputs_exact(arch):
     """A pool too small for the batch: the newest sequences are preempted, queued again and
     recomputed; every stream still equals transformers' greedy tokens, none repeated or missing."""
-    lm = tiny("llama", dtype="float32")
+    lm = tiny(arch, dtype="float32")
     rng = random.Random(11)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 30))] for _ in range(6)]
     max_tokens = [rng.randint(20, 40) for _ in prompts]
-    eng = _engine(lm, blocks=24, block_size=4, max_batch_size=6, max_batch_tokens=32)
+    longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
+    blocks = peak_blocks(cache_groups(lm), 4, 32, longest) + 6  # each fits alone, not all six together
+    eng = engine_with_pool(lm, blocks=blocks, block_size=4, max_batch_size=6, max_batch_tokens=32)
     streamed: dict[str, list[int]] = {}
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         eng.add_request(f"r{i}", p, _greedy(m))
@@ -130,7 +121,7 @@ def test_preemption_recomputes_and_keeps_outputs_exact():
             streamed.setdefault(o.request_id, []).extend(o.outputs[0].new_token_ids)
             if o.finished:
                 final[o.request_id] = o.outputs[0].token_ids
-        assert eng.scheduler.blocks.num_used <= 24
+        assert eng.scheduler.blocks.num_used <= blocks
     assert eng.stats()["preemptions"] > 0
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         want = hf_greedy(lm.model, p, m)
@@ -140,7 +131,7 @@ def test_preemption_recomputes_and_keeps_outputs_exact():
 
 def test_a_request_that_can_never_fit_is_refused_at_once():
     lm = tiny("llama")
-    eng = _engine(lm, blocks=8, block_size=4)  # 32 tokens
+    eng = engine_with_pool(lm, blocks=8, block_size=4)  # 32 tokens
     with pytest.raises(ValueError, match=r"holds 32 tokens of one sequence.*kv_cache_memory"):
         eng.add_request("big", list(range(1, 30)), SamplingParams(max_tokens=4))
     assert not eng.has_unfinished()
@@ -178,7 +169,7 @@ def test_prefix_blocks_are_reused_without_copy_then_evicted_lru():
     lm = tiny("mistral", dtype="float32")
     rng = random.Random(9)
     shared = [rng.randrange(256) for _ in range(40)]
-    eng = _engine(lm, blocks=40, block_size=8, max_batch_size=4, max_batch_tokens=64)
+    eng = engine_with_pool(lm, blocks=40, block_size=8, max_batch_size=4, max_batch_tokens=64)
     blocks = eng.scheduler.blocks
     first = shared + [1, 2, 3]
     out = _run(eng, [first], [_greedy(6)])
@@ -207,9 +198,7 @@ def test_prefix_blocks_are_reused_without_copy_then_evicted_lru():
 
 def test_sliding_window_layers_hold_only_their_window():
     lm = tiny("gemma3", dtype="float32")
-    from workers.engine.attention import install
-
-    groups = install(lm.model).groups
+    groups = cache_groups(lm)
     window = next(w for w in groups.windows if w is not None)
     rng = random.Random(4)
     prompt = [rng.randrange(256) for _ in range(min(lm.max_model_len - 40, 3 * window + 20))]
@@ -251,3 +240,40 @@ def test_decode_reads_only_the_blocks_each_sequence_holds():
         pairs = ctx.groups[0].pair_blocks.numel()
         assert pairs <= 52 + 3 * 3 < 4 * 51  # 400-410 tokens in at most 52 blocks, the short ones 1-3 each
     assert cache.keys.data_ptr() == ptr and cache.nbytes() == size
+
+
+def test_a_device_decode_kernel_plugs_in_at_one_seam():
+    """The seam a CUDA paged kernel uses: registered for a device type, it gets every decode call
+    with the step's (row, block) pairs; here a CPU kernel that checks and delegates."""
+    from workers.engine import attention
+
+    lm = tiny("llama", dtype="float32")
+    calls = []
+
+    def kernel(gs, q, key, value, scaling, softcap):
+        calls.append(gs.pair_blocks.numel())
+        return attention._decode_attention(gs, q, key, value, scaling, softcap)
+
+    attention.register_decode_kernel("cpu", kernel)
+    try:
+        prompts = [[5, 6, 7], list(range(1, 40))]
+        outs = Engine(lm, EngineConfig(max_batch_size=2)).generate(prompts, _greedy(6))
+    finally:
+        attention.register_decode_kernel("cpu", None)
+    assert calls and "cpu" not in attention.DECODE_KERNELS
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_paged_cache_on_cuda_matches_transformers(arch):
+    from workers.models import load_model
+
+    lm = load_model(f"tiny:{arch}", dtype="float32", device="cuda")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 17, 60, 100)]
+    eng = engine_with_pool(lm, blocks=110, block_size=4, max_batch_size=4, max_batch_tokens=64)  # small: it preempts
+    outs = eng.generate(prompts, _greedy(20))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 20)

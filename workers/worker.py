@@ -161,6 +161,7 @@ class EngineThread(threading.Thread):
                                 share_weights=model_value(spec, "share_weights"), owner=spec.get("weights_owner"))
                 cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads,
                                    compile=model_value(spec, "compile"),
+                                   long_prefill_tokens=model_value(spec, "long_prefill_tokens"),
                                    compile_buckets=model_value(spec, "compile_buckets"))
                 self.engine, self.spec = Engine(lm, cfg), spec
                 if self.engine.compile_info.compiled:

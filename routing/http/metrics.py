@@ -70,15 +70,15 @@ class Metrics:
             self.inflight.labels(label).set(sum(w["inflight"] for w in ws))
             self.queued.labels(label).set(status["queued"].get(str(m["id"]), 0))
             kv = [w.get("engine") or {} for w in ws]
-
-            def total(key: str) -> int:
-                return sum(e.get(key, 0) for e in kv)
-            used, blocks = total("blocks_used"), total("blocks_total")
+            total = {k: sum(e.get(k, 0) for e in kv) for k in ("blocks_used", "blocks_total", "blocks_free",
+                                                                 "preemptions", "prefix_cache_queries",
+                                                                 "prefix_cache_hits")}
+            used, blocks = total["blocks_used"], total["blocks_total"]
             self.kv_blocks_used.labels(label).set(used)
-            self.kv_blocks_free.labels(label).set(total("blocks_free"))
+            self.kv_blocks_free.labels(label).set(total["blocks_free"])
             self.kv_usage.labels(label).set(used / blocks if blocks else 0.0)
-            self.preemptions.labels(label).set(total("preemptions"))
-            queries, hits = total("prefix_cache_queries"), total("prefix_cache_hits")
+            self.preemptions.labels(label).set(total["preemptions"])
+            queries, hits = total["prefix_cache_queries"], total["prefix_cache_hits"]
             self.prefix_queries.labels(label).set(queries)
             self.prefix_hits.labels(label).set(hits)
             self.prefix_hit_rate.labels(label).set(hits / queries if queries else 0.0)

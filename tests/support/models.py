@@ -57,3 +57,25 @@ def plain_logits(model, tokens: list[int]) -> torch.Tensor:
     attn = "eager" if model.config.model_type == "bloom" else "sdpa"
     with hf_attention(model, attn), torch.inference_mode():
         return model(torch.tensor([tokens])).logits[0].float()
+
+
+def cache_groups(lm):
+    """The KV cache groups an engine on `lm` uses (one group of every layer for the per-sequence runner)."""
+    from workers.engine.attention import install
+    from workers.engine.block_manager import CacheGroups
+
+    holder = install(lm.model)
+    return holder.groups if holder is not None else CacheGroups.from_windows(
+        [None] * lm.model.config.get_text_config().num_hidden_layers)
+
+
+def engine_with_pool(lm, blocks: int, block_size: int = 4, **kw):
+    """An engine whose KV pool holds exactly `blocks` blocks of `block_size` positions."""
+    from workers.engine import Engine, EngineConfig
+    from workers.engine.kv_cache import bytes_per_block
+    from workers.engine.runner import kv_dims
+
+    per_block = bytes_per_block(cache_groups(lm), block_size, *kv_dims(lm), lm.dtype)
+    eng = Engine(lm, EngineConfig(kv_cache_memory=blocks * per_block, kv_block_size=block_size, **kw))
+    assert eng.scheduler.blocks.num_blocks == blocks
+    return eng

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -146,6 +147,19 @@ def _decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: 
     return out.reshape(d_rows, heads, value.shape[-1]).to(q.dtype)
 
 
+# The seam for a device's own paged decode kernel (on CUDA, e.g. a FlashInfer or vLLM paged-attention
+# kernel): same arguments and result as _decode_attention, which serves every device without one.
+DECODE_KERNELS: dict[str, Callable] = {}
+
+
+def register_decode_kernel(device_type: str, kernel: Callable | None) -> None:
+    """Use `kernel` for decode attention on `device_type` ("cuda", "cpu"); None restores the default."""
+    if kernel is None:
+        DECODE_KERNELS.pop(device_type, None)
+    else:
+        DECODE_KERNELS[device_type] = kernel
+
+
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """Positions [0, length) of a block list as one [1, kvh, length, d] tensor."""
     b = cache.index_select(0, blocks)  # [nb, kvh, block, d]
@@ -203,7 +217,8 @@ def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
     if d:
-        out[:d] = _decode_attention(gs, query[0, :, :d].transpose(0, 1), key_buf, value_buf, scaling, softcap)
+        kernel = DECODE_KERNELS.get(key_buf.device.type, _decode_attention)
+        out[:d] = kernel(gs, query[0, :, :d].transpose(0, 1), key_buf, value_buf, scaling, softcap)
     alone = range(len(ctx.segments))
     if softcap is None and len(ctx.segments) > 1:
         groups, alone = ctx.whole_prompt_groups(window, query.device)

@@ -40,6 +40,7 @@ _SCHEDULING = SchedulerConfig()  # the scheduling limits' defaults are the sched
 class EngineConfig:
     max_batch_size: int = _SCHEDULING.max_batch_size
     max_batch_tokens: int = _SCHEDULING.max_batch_tokens
+    long_prefill_tokens: int = _SCHEDULING.long_prefill_tokens
     kv_cache_memory: int | None = None  # bytes of KV blocks; None: what max_batch_size x max_model_len can use,
     # up to a share of the memory available (kv_cache.default_budget)
     kv_block_size: int = MODEL["kv_block_size"].default  # positions per block
@@ -64,7 +65,7 @@ class EngineConfig:
         return Buckets(self.compile_buckets or default_buckets(self.max_batch_tokens))
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_batch_size, self.max_batch_tokens)
+        return SchedulerConfig(self.max_batch_size, self.max_batch_tokens, self.long_prefill_tokens)
 
 
 class Engine:

@@ -14,8 +14,6 @@ from workers.config_keys import KV_AUTO_SHARE
 from workers.engine.block_manager import CacheGroups
 
 
-
-
 def default_budget(useful_bytes: int, device: torch.device) -> int:
     """The pool when no kv_cache_memory is given: what the engine's limits can use, up to a share of
     the memory available now (a deployment's plan gives each worker its budget instead)."""

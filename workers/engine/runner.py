@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.engine import attention
+from workers.engine.block_manager import first_block
 from workers.engine.buckets import Buckets
 from workers.engine.compiled import CompiledLayers
-from workers.engine.block_manager import first_block
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.sampler import SampleSpec, sample, top_alternatives
 from workers.engine.scheduler import Chunk, SchedulerOutput

@@ -5,6 +5,8 @@ Each step, oldest first:
    it, the newest running sequence is preempted: its blocks are freed and it is queued again,
    first in line, to be recomputed (its prefix mostly from the prefix cache);
 2. prompts being prefilled continue in chunks, as far as the step's tokens and the free blocks go;
+   beside decoding sequences, a long prompt's chunk is about as large as the decode batch, so
+   that a near-context prompt slows the streams by a bounded factor instead of stalling them;
 3. preempted sequences, then waiting requests, first come first served, start while sequences
    (max_batch_size), the step's tokens (max_batch_tokens) and the blocks of their whole prompt
    allow. A prompt starts from the longest prefix of cached blocks.
@@ -27,9 +29,12 @@ from workers.engine.sequence import Sequence, SequenceGroup, Status
 class SchedulerConfig:
     max_batch_size: int = MODEL["max_batch_size"].default  # sequences running at once
     max_batch_tokens: int = MODEL["max_batch_tokens"].default  # tokens computed in one step (decode + prefill)
+    # while sequences decode, a prompt with more than max_batch_tokens left computes at most
+    # max(this, the decoding sequences) tokens a step: it goes at the pace of the streams beside it
+    long_prefill_tokens: int = MODEL["long_prefill_tokens"].default
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_batch_tokens"):
+        for name in ("max_batch_size", "max_batch_tokens", "long_prefill_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -174,6 +179,8 @@ class Scheduler:
         """Schedule as much of the sequence's uncomputed tokens as the budget and the free blocks
         allow (whole blocks when the pool is short). Returns the tokens scheduled."""
         start = seq.num_computed
+        if out.decode and seq.num_uncomputed > self.config.max_batch_tokens:
+            budget = min(budget, max(self.config.long_prefill_tokens, len(out.decode)))
         length = min(seq.num_uncomputed, budget)
         while length > 0 and not self.blocks.allocate(seq.blocks, start, start + length):
             bs = self.blocks.block_size
