@@ -10,6 +10,7 @@ from support.models import (
     cache_groups,
     engine_with_pool,
     hf_greedy,
+    hf_greedy_real,
     real_mixed_batch_matches_transformers,
     tiny,
 )
@@ -72,10 +73,14 @@ def test_real_models_match_transformers_eager_and_compiled(fixture, request):
     compiled = Engine(lm, EngineConfig(**cfg, compile="true", compile_buckets=(8, 96)))
     assert compiled.compile_info.compiled, compiled.compile_info.reason
     real_mixed_batch_matches_transformers(fixture, lm, compiled)
-    # a pool with room for the longest request and little more: the batch preempts, still exact
-    small = engine_with_pool(lm, peak_blocks(cache_groups(lm), 16, 96, 224) + 3, 16, **cfg, compile="false")
-    real_mixed_batch_matches_transformers(fixture, lm, small)
+    # four streams in a pool with room for about two: the newest are preempted, and still exact
+    prompts = [lm.tokenizer(t).input_ids for t in ("The capital of France is", "def fibonacci(n):", "Hello")]
+    prompts.append([1234])
+    small = engine_with_pool(lm, peak_blocks(cache_groups(lm), 4, 96, 40) + 2, 4, **cfg, compile="false")
+    outs = small.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     assert small.stats()["preemptions"] > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy_real(fixture, lm.model, p, 24)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
