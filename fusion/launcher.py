@@ -4,8 +4,10 @@ interpreter each, which spends seconds of CPU on imports before it can load a mo
 worker is back in a fraction of a second, and a deployment of many copies starts sooner.
 
 Each worker is still a process of its own, with its own memory, sockets and engine. The fork server
-runs no model and opens no socket, so forking it is safe. It exits with the process that started
-it; its workers then see their parent gone and exit too.
+runs no model and opens no socket, so forking it is safe. Each worker follows the process that
+started it, not the server: the server lives as long as any worker it forked does, so a starter
+killed with SIGKILL would otherwise leave both running for ever. Its workers exit when it is gone,
+and the server after them.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def start_worker(argv: list[str], env: dict[str, str] | None = None) -> WorkerPr
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     # daemon: a worker still running when this process exits is terminated, as an orphan would exit
-    proc = ctx.Process(target=run_forked, args=(list(argv), {**os.environ, **(env or {})}, os.getcwd()),
+    proc = ctx.Process(target=run_forked, args=(list(argv), {**os.environ, **(env or {})}, os.getcwd(), os.getpid()),
                        name="mmfusion-worker", daemon=True)
     proc.start()
     return WorkerProcess(proc)

@@ -307,13 +307,18 @@ def _same_outputs(pred: Path, clean: Path) -> None:
 def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case):
     import os
     import signal
-    import time
 
     params, clean = crash_case
     md = tmp_path / "killed"
     pred = md / "predictions"
     proc = run_mm(params, "predict", CRASH_VARIANTS, md, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_mid_run(proc, pred)
+    import psutil
+
+    from fusion.launcher import forked_workers
+
+    left = [*forked_workers(proc.pid), *psutil.Process(proc.pid).children()]  # the workers and the fork server
+    assert len(left) >= 3
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     # the kill landed mid-run: some outputs exist, not all, and no final file is half-written
@@ -322,7 +327,9 @@ def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case)
     for f in done:
         with np.load(f) as z:
             assert z["predictions"].shape == (2, 16)
-    time.sleep(2)  # orphaned workers notice their parent is gone and exit
+    # orphaned workers notice their starter is gone and exit, and the fork server after them
+    gone, alive = psutil.wait_procs(left, timeout=30)
+    assert not alive, [p.cmdline()[:3] for p in alive]
     rerun = run_mm(params, "predict", CRASH_VARIANTS, md)
     assert rerun.returncode == 0, rerun.stderr
     assert "already written" in rerun.stdout

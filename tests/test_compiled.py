@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.models import hf_greedy, tiny
+from support.models import engine_with_pool, hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig, compile_cache
 from workers.engine.buckets import Buckets, compile_mode, default_buckets
@@ -98,6 +98,18 @@ def test_steps_past_the_largest_bucket_run_eagerly(cache_dir):
     out = eng.generate([prompt], _greedy(6))[0]
     assert out.outputs[0].token_ids == hf_greedy(lm.model, prompt, 6)
     assert graphs_compiled() == after_warmup
+
+
+def test_a_pool_of_another_size_reuses_the_graphs(cache_dir):
+    """The number of KV blocks is dynamic in the graphs: workers with other budgets compile nothing new."""
+    lm = tiny("llama", dtype="float32")
+    cfg = {"max_batch_size": 4, "max_batch_tokens": 48, "compile": "true", "compile_buckets": (8, 48)}
+    engine_with_pool(lm, 40, 16, **cfg)
+    built = graphs_compiled()
+    second = engine_with_pool(lm, 60, 16, **cfg)
+    out = second.generate([list(range(5, 30))], _greedy(6))[0]
+    assert graphs_compiled() == built
+    assert out.outputs[0].token_ids == hf_greedy(lm.model, list(range(5, 30)), 6)
 
 
 def test_bloom_has_no_packed_path_and_stays_eager(cache_dir):

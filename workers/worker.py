@@ -314,7 +314,15 @@ class Worker:
 
     def _parent_alive(self) -> bool:
         pp = self.config.parent_pid
-        return pp is None or os.getppid() == pp
+        if pp is None or os.getppid() == pp:
+            return True
+        try:  # a forked worker's parent is the launcher's server: its starter is another process
+            os.kill(pp, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
     def _send(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         """Never blocks: with the router gone (or not reading) the message is lost, which the router
@@ -430,14 +438,14 @@ class Worker:
         return True
 
 
-def run_forked(argv: list[str], env: dict[str, str], cwd: str) -> None:
+def run_forked(argv: list[str], env: dict[str, str], cwd: str, starter_pid: int) -> None:
     """A worker forked from a launcher's server (fusion.launcher) that has imported torch already.
     It takes the environment and directory its starter has now (the server's are those of when it
-    started), and follows the server's exit as its parent's."""
+    started), and exits when its starter is gone."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    main([*argv, "--parent-pid", str(os.getppid())])
+    main([*argv, "--parent-pid", str(starter_pid)])
 
 
 def main(argv: list[str] | None = None) -> None:

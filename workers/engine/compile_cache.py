@@ -26,7 +26,7 @@ log = logging.getLogger("mmfusion.compile")
 
 ARTIFACTS = "artifacts.bin"
 META = "meta.json"
-FORMAT = 2  # bump when what a cache entry holds changes
+FORMAT = 3  # bump when what a cache entry holds changes
 
 
 @dataclass(slots=True, frozen=True)

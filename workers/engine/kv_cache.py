@@ -44,6 +44,10 @@ class PagedKVCache:
         with torch.inference_mode(False):
             self.keys = torch.empty(*shape, head_dim, dtype=dtype, device=device)
             self.values = torch.empty(*shape, v_head_dim, dtype=dtype, device=device)
+        for t in (self.keys, self.values):
+            # the number of blocks is a dynamic dimension of compiled graphs: artifacts compiled
+            # for one budget serve workers of another without a recompile
+            torch._dynamo.maybe_mark_dynamic(t, 1)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values))

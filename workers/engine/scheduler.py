@@ -29,8 +29,8 @@ from workers.engine.sequence import Sequence, SequenceGroup, Status
 class SchedulerConfig:
     max_batch_size: int = MODEL["max_batch_size"].default  # sequences running at once
     max_batch_tokens: int = MODEL["max_batch_tokens"].default  # tokens computed in one step (decode + prefill)
-    # while sequences decode, a prompt with more than max_batch_tokens left computes at most
-    # max(this, the decoding sequences) tokens a step: it goes at the pace of the streams beside it
+    # while sequences decode, a prompt longer than max_batch_tokens computes at most max(this, the
+    # decoding sequences) tokens a step: it goes at the pace of the streams beside it
     long_prefill_tokens: int = MODEL["long_prefill_tokens"].default
 
     def __post_init__(self) -> None:
@@ -179,7 +179,7 @@ class Scheduler:
         """Schedule as much of the sequence's uncomputed tokens as the budget and the free blocks
         allow (whole blocks when the pool is short). Returns the tokens scheduled."""
         start = seq.num_computed
-        if out.decode and seq.num_uncomputed > self.config.max_batch_tokens:
+        if out.decode and seq.length > self.config.max_batch_tokens:
             budget = min(budget, max(self.config.long_prefill_tokens, len(out.decode)))
         length = min(seq.num_uncomputed, budget)
         while length > 0 and not self.blocks.allocate(seq.blocks, start, start + length):
