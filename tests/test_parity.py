@@ -7,10 +7,12 @@ import random
 import pytest
 from support.models import (
     ARCHS,
+    REAL_BATCH_MAX_TOKENS,
     cache_groups,
     engine_with_pool,
     hf_greedy,
     hf_greedy_real,
+    real_batch_prompts,
     real_mixed_batch_matches_transformers,
     tiny,
 )
@@ -73,14 +75,15 @@ def test_real_models_match_transformers_eager_and_compiled(fixture, request):
     compiled = Engine(lm, EngineConfig(**cfg, compile="true", compile_buckets=(8, 96)))
     assert compiled.compile_info.compiled, compiled.compile_info.reason
     real_mixed_batch_matches_transformers(fixture, lm, compiled)
-    # four streams in a pool with room for about two: the newest are preempted, and still exact
-    prompts = [lm.tokenizer(t).input_ids for t in ("The capital of France is", "def fibonacci(n):", "Hello")]
-    prompts.append([1234])
-    small = engine_with_pool(lm, peak_blocks(cache_groups(lm), 4, 96, 40) + 2, 4, **cfg, compile="false")
-    outs = small.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    # the batch's four short requests in a pool with room for about two: the newest are preempted,
+    # and still exact (the references are the ones above)
+    prompts, max_tokens = real_batch_prompts(lm)[:4], REAL_BATCH_MAX_TOKENS[:4]
+    longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
+    small = engine_with_pool(lm, peak_blocks(cache_groups(lm), 4, 96, longest) + 2, 4, **cfg, compile="false")
+    outs = small.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])
     assert small.stats()["preemptions"] > 0
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy_real(fixture, lm.model, p, 24)
+    for p, m, o in zip(prompts, max_tokens, outs):
+        assert o.outputs[0].token_ids == hf_greedy_real(fixture, lm.model, p, m)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])

@@ -39,14 +39,21 @@ def hf_greedy_real(name: str, model, prompt: list[int], max_new: int) -> list[in
     return _REAL_REFERENCES[key]
 
 
-def real_mixed_batch_matches_transformers(name: str, lm, eng) -> None:
-    """Real-model parity in one mixed batch (text and random prompts of 1-200 tokens): `eng`'s
-    greedy output equals transformers generate for each, token for token."""
+REAL_BATCH_MAX_TOKENS = [12, 20, 9, 16, 5, 24]
+
+
+def real_batch_prompts(lm) -> list[list[int]]:
+    """The real-model batch: text and random prompts of 1-200 tokens."""
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
     rng = random.Random(0)
     prompts = [lm.tokenizer(t).input_ids for t in texts]
-    prompts += [[rng.randrange(1000, 30000) for _ in range(n)] for n in (1, 57, 200)]
-    max_tokens = [12, 20, 9, 16, 5, 24]
+    return prompts + [[rng.randrange(1000, 30000) for _ in range(n)] for n in (1, 57, 200)]
+
+
+def real_mixed_batch_matches_transformers(name: str, lm, eng) -> None:
+    """Real-model parity in one mixed batch (real_batch_prompts): `eng`'s greedy output equals
+    transformers generate for each, token for token."""
+    prompts, max_tokens = real_batch_prompts(lm), REAL_BATCH_MAX_TOKENS
     outs = eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])
     for p, m, o in zip(prompts, max_tokens, outs):
         assert o.outputs[0].token_ids == hf_greedy_real(name, lm.model, p, m)
