@@ -64,9 +64,7 @@ def test_requests_joining_a_running_batch(arch):
         assert done[rid] == hf_greedy(lm.model, p, max_tokens[rid]), rid
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["smollm2_fp32", "gemma3_fp32"])
-def test_real_models_match_transformers_eager_and_compiled(fixture, request):
+def _real_model_parity(fixture: str, request) -> None:
     """One test for the eager, the compiled and a preempting engine: transformers' references for a
     real model take seconds, computed once."""
     lm = request.getfixturevalue(fixture)
@@ -84,6 +82,20 @@ def test_real_models_match_transformers_eager_and_compiled(fixture, request):
     assert small.stats()["preemptions"] > 0
     for p, m, o in zip(prompts, max_tokens, outs):
         assert o.outputs[0].token_ids == hf_greedy_real(fixture, lm.model, p, m)
+
+
+# One class per real model: pytest-xdist (--dist loadscope) schedules a class as a unit of its
+# own, so the two longest tests of the suite run side by side instead of one after the other.
+@pytest.mark.slow
+class TestSmolLM2:
+    def test_matches_transformers_eager_compiled_and_preempted(self, request):
+        _real_model_parity("smollm2_fp32", request)
+
+
+@pytest.mark.slow
+class TestGemma3:
+    def test_matches_transformers_eager_compiled_and_preempted(self, request):
+        _real_model_parity("gemma3_fp32", request)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
