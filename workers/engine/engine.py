@@ -75,7 +75,8 @@ class Engine:
             torch.set_num_threads(self.config.num_threads)
         self.lm = lm
         self.tokenizer = lm.tokenizer
-        self.scheduler = Scheduler(self.config.scheduler_config(), self._block_manager(lm))
+        self.runner, blocks = self._paged_cache(lm)
+        self.scheduler = Scheduler(self.config.scheduler_config(), blocks)
         self.compile_info = prepare(self.runner, lm, self.config.compile, self.config.buckets())
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -84,8 +85,8 @@ class Engine:
         self.last_plan: SchedulerOutput | None = None
         self.tokens_generated = 0
 
-    def _block_manager(self, lm: LoadedModel) -> BlockManager:
-        """Size the pool from the budget, and make the runner that owns its tensors."""
+    def _paged_cache(self, lm: LoadedModel) -> tuple[BaseRunner, BlockManager]:
+        """Size the pool from the budget: the runner that owns its tensors, and its bookkeeping."""
         cfg = self.config
         holder = attention.install(lm.model)
         # the per-sequence runner holds a DynamicCache for each sequence: blocks of one group of
@@ -98,9 +99,8 @@ class Engine:
         num_blocks = min(useful, budget // per_block)
         blocks = BlockManager(num_blocks, bs, groups, cfg.max_batch_tokens, enable_prefix_caching=holder is not None)
         self.kv_bytes = num_blocks * per_block
-        self.runner: BaseRunner = (PagedRunner(lm, holder, num_blocks, bs) if holder is not None
-                                   else CompatRunner(lm))
-        return blocks
+        runner = PagedRunner(lm, holder, num_blocks, bs) if holder is not None else CompatRunner(lm)
+        return runner, blocks
 
     def stats(self) -> dict:
         """The KV cache as status and /metrics show it."""
