@@ -90,3 +90,21 @@ def test_gemma3_embedded(gemma3_fp32):
     c = out[0].outputs[0]
     assert len(c.token_ids) == 6 and c.finish_reason == "length"
     assert c.text == gemma3_fp32.tokenizer.decode(c.token_ids, skip_special_tokens=True) and c.text.strip()
+
+
+def test_fast_gguf_reader_reads_what_gguf_reads():
+    import gguf
+
+    from workers.weights.hf_loader import fast_gguf_reader_class
+
+    path = embedded_gguf("smollm2-135m")
+    fast, stock = fast_gguf_reader_class()(path), gguf.GGUFReader(path)
+    assert list(fast.fields) == list(stock.fields) and "tokenizer.ggml.tokens" in fast.fields
+    for name, want in stock.fields.items():
+        got = fast.fields[name]
+        assert (got.offset, got.data, got.types) == (want.offset, want.data, want.types), name
+        assert len(got.parts) == len(want.parts), name
+        for a, b in zip(got.parts, want.parts):
+            assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
+    assert [(t.name, t.data_offset) for t in fast.tensors] == [(t.name, t.data_offset) for t in stock.tensors]
+    assert fast.fields["tokenizer.ggml.tokens"].contents(5) == stock.fields["tokenizer.ggml.tokens"].contents(5)
