@@ -69,11 +69,15 @@ def fast_gguf_reader_class():
 @contextlib.contextmanager
 def gguf_parsed_once():
     """Within the block, a GGUF file is parsed once, and fast. transformers parses the file's
-    metadata for the config, again for the tokenizer and again for the weights; the parsed reader
-    is read-only, so every caller can share it."""
+    metadata for the config, again for the tokenizer and again for the weights, and builds the
+    tensor-name map again for every submodule (~20 ms each, hundreds of submodules); the reader
+    and the maps are read-only, so every caller can share them."""
+    import functools
+
     import gguf
 
     original, fast = gguf.GGUFReader, fast_gguf_reader_class()
+    original_map = gguf.get_tensor_name_map
     readers: dict = {}
 
     def reader(path, mode="r"):
@@ -83,10 +87,12 @@ def gguf_parsed_once():
         return readers[key]
 
     gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_map)
     try:
         yield
     finally:
         gguf.GGUFReader = original
+        gguf.get_tensor_name_map = original_map
 
 
 def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
