@@ -9,9 +9,10 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
   start:         a fresh process to a ready engine, eager and compiled from the cached artifacts;
   ceiling:       the workload's model FLOPs over a GEMM rate (the model's dtype) measured in this run, as
                  tokens/s, with each system's fraction of it;
-  long_prompt:   32 short greedy streams, then a near-context prompt beside them: the streams' tokens/s
-                 before and while it is served, and the process's peak memory against the weights plus
-                 the KV budget plus a worker's overhead (a fresh process, --long-kv-budget);
+  long_prompt:   32 short greedy streams beside a near-context prompt: the streams' tokens/s while it is
+                 served against the same streams over as many steps without it (on a new engine after
+                 it), and the process's peak memory against the weights plus the KV budget plus a worker's
+                 overhead (a fresh process, --long-kv-budget);
   prefix_cache:  requests sharing a 1,500-token prefix, one at a time: the first token of the cold
                  request against the next ones', which start from its cached blocks.
 The first line describes the run: date, commit, CPU model and flags, versions, command.
@@ -241,56 +242,73 @@ def _until_first_token(eng: Engine, rid: str) -> float:
                 return time.perf_counter() - t
 
 
+class _Streams:
+    """32 short greedy streams on a fresh engine, decoding; `step()` returns the stream tokens the
+    step produced."""
+
+    def __init__(self, lm, args):
+        from workers.config_keys import parse_size
+
+        rng = random.Random(1)
+        self.eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512,
+                                           kv_cache_memory=parse_size(args.long_kv_budget)))
+        for i in range(32):
+            self.eng.add_request(f"s{i}", [rng.randrange(lm.vocab_size) for _ in range(32)],
+                                 SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+        while self.eng.scheduler.waiting or any(s.in_prefill for s in self.eng.scheduler.running):
+            self.step()
+        for _ in range(5):
+            self.step()
+
+    def step(self) -> int:
+        return sum(len(o.outputs[0].new_token_ids) for o in self.eng.step() if o.request_id.startswith("s"))
+
+
 def long_prompt(args) -> dict:
-    """In a fresh process: short streams alone, then beside a near-context prompt."""
+    """In a fresh process: 32 short streams beside a near-context prompt, then the same streams on a
+    new engine for as many steps without it. The baseline is that counterfactual run, not a window
+    before the prompt arrives: the streams grow a token a step, and their decode cost with them."""
+    import gc
+
     import psutil
 
     from fusion.plan import OVERHEAD_BYTES
-    from workers.config_keys import parse_size
 
     lm = load_model(args.model, dtype=args.dtype)
-    eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512,
-                                  kv_cache_memory=parse_size(args.long_kv_budget)))
-    rng = random.Random(1)
-    n_short, long_len = 32, lm.max_model_len - 292
-    for i in range(n_short):
-        eng.add_request(f"s{i}", [rng.randrange(lm.vocab_size) for _ in range(32)],
-                        SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
-    short_tokens = 0
-
-    def step() -> None:
-        nonlocal short_tokens
-        for o in eng.step():
-            if o.request_id.startswith("s"):
-                short_tokens += len(o.outputs[0].new_token_ids)
-
-    while eng.scheduler.waiting or any(s.in_prefill for s in eng.scheduler.running):
-        step()
-    for _ in range(5):
-        step()
-    t, short_tokens = time.perf_counter(), 0
-    for _ in range(40):
-        step()
-    baseline = short_tokens / (time.perf_counter() - t)
-    rss_before = psutil.Process().memory_info().rss
-    eng.add_request("long", [rng.randrange(lm.vocab_size) for _ in range(long_len)],
-                    SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    t, short_tokens, first = time.perf_counter(), 0, None
-    proc, peak = psutil.Process(), rss_before
-    while "long" in eng.scheduler.groups:
-        step()
+    streams = _Streams(lm, args)
+    rng = random.Random(2)
+    long_len = lm.max_model_len - 292
+    proc = psutil.Process()
+    rss_before = peak = proc.memory_info().rss
+    streams.eng.add_request("long", [rng.randrange(lm.vocab_size) for _ in range(long_len)],
+                            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    groups = streams.eng.scheduler.groups
+    tokens = steps = 0
+    first = None
+    t = time.perf_counter()
+    while "long" in groups:
+        tokens += streams.step()
+        steps += 1
         peak = max(peak, proc.memory_info().rss)  # after every step: the step's own peak is its activations
-        if first is None and eng.scheduler.groups.get("long") and eng.scheduler.groups["long"].seqs[0].output:
+        if first is None and "long" in groups and groups["long"].seqs[0].output:
             first = time.perf_counter() - t
-    during_s = time.perf_counter() - t
-    during = short_tokens / during_s
-    planned = lm.weights.bytes + eng.kv_bytes + OVERHEAD_BYTES
+    seconds = time.perf_counter() - t
+    kv_bytes, preemptions = streams.eng.kv_bytes, streams.eng.stats()["preemptions"]
+    del streams, groups
+    gc.collect()
+    alone = _Streams(lm, args)
+    t = time.perf_counter()
+    base_tokens = sum(alone.step() for _ in range(steps))
+    baseline = base_tokens / (time.perf_counter() - t)
+    during = tokens / seconds
+    planned = lm.weights.bytes + kv_bytes + OVERHEAD_BYTES
     return {"system": "long_prompt", "model": args.model, "dtype": args.dtype, "threads": args.threads,
-            "short_streams": n_short, "long_prompt_tokens": long_len, "max_model_len": lm.max_model_len,
-            "short_tokens_per_s_alone": round(baseline, 1), "short_tokens_per_s_beside_long": round(during, 1),
-            "ratio": round(during / baseline, 3), "long_served_s": round(during_s, 2),
+            "short_streams": 32, "long_prompt_tokens": long_len, "max_model_len": lm.max_model_len,
+            "steps": steps, "short_tokens_per_s_alone": round(baseline, 1),
+            "short_tokens_per_s_beside_long": round(during, 1),
+            "ratio": round(during / baseline, 3), "long_served_s": round(seconds, 2),
             "long_first_token_s": round(first, 2) if first else None,
-            "preemptions": eng.stats()["preemptions"], "kv_cache_bytes": eng.kv_bytes,
+            "preemptions": preemptions, "kv_cache_bytes": kv_bytes,
             "weight_bytes": lm.weights.bytes, "overhead_bytes": OVERHEAD_BYTES, "rss_before_long": rss_before,
             "peak_rss_bytes": peak, "planned_bytes": planned, "peak_within_plan": peak <= planned}
 

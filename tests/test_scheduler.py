@@ -252,7 +252,7 @@ def test_a_device_decode_kernel_plugs_in_at_one_seam():
 
     def kernel(gs, q, key, value, scaling, softcap):
         calls.append(gs.pair_blocks.numel())
-        return attention._decode_attention(gs, q, key, value, scaling, softcap)
+        return attention.decode_attention(gs, q, key, value, scaling, softcap)
 
     attention.register_decode_kernel("cpu", kernel)
     try:

@@ -84,7 +84,7 @@ MODEL_KEYS: tuple[Key, ...] = (
         "tokens a worker's step computes at most (decode tokens plus prefill chunks)", lambda x: _int(x, 1)),
     Key("long_prefill_tokens", 16, "a positive integer",
         "while sequences decode, a prompt longer than `max_batch_tokens` computes at most this many tokens in a "
-        "step, or as many as sequences decode: a long prompt does not stall the streams beside it",
+        "step, or half as many as sequences decode: a long prompt does not stall the streams beside it",
         lambda x: _int(x, 1)),
     Key("kv_cache_memory", None, "a size (`2GiB`, `512MiB`, a number of bytes), `auto`, or null",
         "the KV cache pool of each worker of this model, allocated once at load; null: the runconfig's "

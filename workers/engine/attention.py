@@ -94,10 +94,14 @@ class StepContext:
             got = self.prompt_groups[window] = (groups, [i for i in range(len(self.segments)) if i not in grouped])
         return got
 
-    def segment_mask(self, i: int, g: int, window: int | None, device) -> torch.Tensor:
-        key = ("s", i, g, window)
+    def segment_mask(self, i: int, g: int, window: int | None, device, repeat: int = 1) -> torch.Tensor:
+        """Which keys each query row of segment i sees, [c, keys]; with `repeat`, the rows
+        repeated that many times (the query heads of one KV head, folded into rows)."""
+        key = ("s", i, g, window, repeat)
         m = self.masks.get(key)
-        if m is None:
+        if m is None and repeat > 1:
+            m = self.masks[key] = self.segment_mask(i, g, window, device).repeat(repeat, 1)
+        elif m is None:
             seg = self.segments[i]
             first = seg.first_pos[g] if seg.blocks[g] is not None else 0
             q_pos = torch.arange(seg.start_pos, seg.start_pos + seg.length, device=device)[:, None]
@@ -109,7 +113,7 @@ class StepContext:
         return m
 
 
-def _decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float, softcap: float | None) -> torch.Tensor:
     """q: [D, H, d]; key/value: one layer's blocks [num_blocks, kvh, block, d]. Returns [D, H, dv]."""
     d_rows, heads, dim = q.shape
@@ -148,7 +152,7 @@ def _decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: 
 
 
 # The seam for a device's own paged decode kernel (on CUDA, e.g. a FlashInfer or vLLM paged-attention
-# kernel): same arguments and result as _decode_attention, which serves every device without one.
+# kernel): same arguments and result as decode_attention, which serves every device without one.
 DECODE_KERNELS: dict[str, Callable] = {}
 
 
@@ -184,15 +188,20 @@ def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: t
         # a whole prompt from its start: plain causal attention, no mask to build or read
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=heads != kvh)
         return out[0].transpose(0, 1)
-    mask = ctx.segment_mask(i, g, window, q.device)
     if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=heads != kvh)
-    else:
-        k = k.repeat_interleave(heads // kvh, dim=1)
-        v = v.repeat_interleave(heads // kvh, dim=1)
-        s = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scaling / softcap) * softcap
-        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
-        out = torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype), v)
+        # the query heads that share a KV head attend as one head of g*c rows: each key block is
+        # read once per KV head instead of once per query head
+        c, per = q.shape[2], heads // kvh
+        mask = ctx.segment_mask(i, g, window, q.device, repeat=per)
+        out = F.scaled_dot_product_attention(q.reshape(1, kvh, per * c, q.shape[-1]), k, v, attn_mask=mask,
+                                             scale=scaling)
+        return out.view(heads, c, -1).transpose(0, 1)
+    mask = ctx.segment_mask(i, g, window, q.device)
+    k = k.repeat_interleave(heads // kvh, dim=1)
+    v = v.repeat_interleave(heads // kvh, dim=1)
+    s = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scaling / softcap) * softcap
+    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    out = torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype), v)
     return out[0].transpose(0, 1)
 
 
@@ -217,7 +226,7 @@ def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
     if d:
-        kernel = DECODE_KERNELS.get(key_buf.device.type, _decode_attention)
+        kernel = DECODE_KERNELS.get(key_buf.device.type, decode_attention)
         out[:d] = kernel(gs, query[0, :, :d].transpose(0, 1), key_buf, value_buf, scaling, softcap)
     alone = range(len(ctx.segments))
     if softcap is None and len(ctx.segments) > 1:

@@ -5,8 +5,9 @@ Each step, oldest first:
    it, the newest running sequence is preempted: its blocks are freed and it is queued again,
    first in line, to be recomputed (its prefix mostly from the prefix cache);
 2. prompts being prefilled continue in chunks, as far as the step's tokens and the free blocks go;
-   beside decoding sequences, a long prompt's chunk is about as large as the decode batch, so
-   that a near-context prompt slows the streams by a bounded factor instead of stalling them;
+   beside decoding sequences, a long prompt's chunk is `long_prefill_tokens`, or half the decode
+   batch if that is more: its attention over its whole context then costs about what the decode
+   rows cost, so a near-context prompt slows the streams by a bounded factor instead of stalling them;
 3. preempted sequences, then waiting requests, first come first served, start while sequences
    (max_batch_size), the step's tokens (max_batch_tokens) and the blocks of their whole prompt
    allow. A prompt starts from the longest prefix of cached blocks.
@@ -180,7 +181,7 @@ class Scheduler:
         allow (whole blocks when the pool is short). Returns the tokens scheduled."""
         start = seq.num_computed
         if out.decode and seq.length > self.config.max_batch_tokens:
-            budget = min(budget, max(self.config.long_prefill_tokens, len(out.decode)))
+            budget = min(budget, max(self.config.long_prefill_tokens, len(out.decode) // 2))
         length = min(seq.num_uncomputed, budget)
         while length > 0 and not self.blocks.allocate(seq.blocks, start, start + length):
             bs = self.blocks.block_size
