@@ -1,14 +1,16 @@
 """A near-context prompt beside short streams, through `run_mm.py serve`, printing JSON lines.
 
 Two copies of a model (SmolLM2-135M by default) with `max_batch_size: 64` and every other setting
-at its default serve 32 short greedy streams (16 per copy) through the ZeroMQ AsyncClient. After a
-baseline window, one near-context prompt goes to each copy. The lines give:
+at its default serve 32 short greedy streams (16 per copy) through the ZeroMQ AsyncClient, each a
+request of 32 + 512 tokens after another, their phases spread so that their lengths (and the cost
+of decoding them) stay the same over time. After a baseline window, one near-context prompt goes
+to each copy. The lines give:
   - the short streams' tokens/s alone and while the long prompts are served, and their ratio;
   - the workers lost or restarted (from the router's status) and the long requests' outcome;
   - the deployment's summed PSS (router, workers) before the long prompts and at its peak while
     they run, against what the plan (`validate_only`) counts for the device.
 
-    python bench/long_prompt.py [--model smollm2-135m] [--dtype auto] [--long-tokens 7900] [--baseline-s 15]
+    python bench/long_prompt.py [--model smollm2-135m] [--dtype auto] [--long-tokens 7900] [--baseline-s 20]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from bench.router import emit, free_port  # noqa: E402
 from routing.entrypoints import CLI, command  # noqa: E402
 
 SHORT_STREAMS = 32
+STREAM_TOKENS = 512  # new tokens of a short stream's request
 
 
 def pss_tree(pid: int) -> int:
@@ -65,16 +68,25 @@ async def scenario(front: str, vocab: int, args, serve_pid: int) -> dict:
     state = {"stop": False}
 
     async def short(c, i: int) -> None:
-        prompt = [rng.randrange(vocab) for _ in range(32)]
+        # Each stream runs request after request of 32 + 512 tokens. The first one starts part-way
+        # through such a request (a longer prompt, fewer new tokens), at a phase of its own, so the
+        # streams' lengths are spread evenly from the start: the decode cost is the same in the
+        # baseline window as while the long prompts run, instead of growing from one to the other.
+        offset = (i // 2) * STREAM_TOKENS // (SHORT_STREAMS // 2)
+        prompt = [rng.randrange(vocab) for _ in range(32 + offset)]
+        max_tokens = STREAM_TOKENS - offset
         while not state["stop"]:  # one stream after another, as long as the scenario runs
-            async for out in c.stream(i % 2, prompt, max_tokens=512, temperature=0.0, ignore_eos=True):
+            async for out in c.stream(i % 2, prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
                 counts[i] += len(out["token_ids"]) if isinstance(out.get("token_ids"), list) else 1
                 if state["stop"]:
                     return
+            prompt, max_tokens = prompt[:32], STREAM_TOKENS
 
     async with AsyncClient(front, timeout=1800) as c:
         tasks = [asyncio.create_task(short(c, i)) for i in range(SHORT_STREAMS)]
-        await asyncio.sleep(5)  # every stream started and decoding
+        while sum(x > 0 for x in counts) < SHORT_STREAMS:  # every stream's prompt computed, decoding
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(2)
         before, t = sum(counts), time.perf_counter()
         await asyncio.sleep(args.baseline_s)
         baseline = (sum(counts) - before) / (time.perf_counter() - t)
@@ -111,7 +123,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--long-tokens", type=int, default=7900)
-    ap.add_argument("--baseline-s", type=float, default=15.0)
+    ap.add_argument("--baseline-s", type=float, default=20.0)
     args = ap.parse_args()
     emit(**describe("long_prompt", sys.argv))
     from fusion.deploy import build_fusion
