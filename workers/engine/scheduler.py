@@ -30,8 +30,8 @@ from workers.engine.sequence import Sequence, SequenceGroup, Status
 class SchedulerConfig:
     max_batch_size: int = MODEL["max_batch_size"].default  # sequences running at once
     max_batch_tokens: int = MODEL["max_batch_tokens"].default  # tokens computed in one step (decode + prefill)
-    # while sequences decode, a prompt longer than max_batch_tokens computes at most max(this, the
-    # decoding sequences) tokens a step: it goes at the pace of the streams beside it
+    # while sequences decode, a prompt longer than max_batch_tokens computes at most max(this, half
+    # the decoding sequences) tokens a step: it goes at the pace of the streams beside it
     long_prefill_tokens: int = MODEL["long_prefill_tokens"].default
 
     def __post_init__(self) -> None:

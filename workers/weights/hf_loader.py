@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ def fast_gguf_reader_class():
             if itype == GGUFValueType.STRING:
                 data, buf = self._plain, memoryview(self._plain)
                 for _ in range(n):
-                    slen = int.from_bytes(buf[offs:offs + 8], "little")
+                    slen = int.from_bytes(buf[offs:offs + 8], sys.byteorder)  # "I": the host's order
                     parts.append(data[offs:offs + 8].view(np.uint64))
                     parts.append(data[offs + 8:offs + 8 + slen])
                     offs += 8 + slen
