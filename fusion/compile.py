@@ -135,6 +135,7 @@ def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -
     engine_kw = {"max_batch_size": w.max_batch_size, "max_batch_tokens": w.max_batch_tokens, "num_threads": w.threads,
                  "kv_cache_memory": w.kv_cache_bytes, "kv_block_size": w.block_size,
                  "long_prefill_tokens": model_value(p, "long_prefill_tokens"),
+                 "prepack_weights": bool(model_value(p, "prepack_weights")),
                  # compile_only is where the artifacts are made: `auto` compiles here
                  "compile": "false" if compile_mode(model_value(p, "compile")) == "false" else "true",
                  "compile_buckets": model_value(p, "compile_buckets")}

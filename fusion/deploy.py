@@ -30,6 +30,7 @@ def model_entries(fusion: MultiModelFusion) -> list[ModelEntry]:
                 "share_weights": bool(model_value(p, "share_weights")),
                 "compile": model_value(p, "compile"), "compile_buckets": model_value(p, "compile_buckets"),
                 "long_prefill_tokens": model_value(p, "long_prefill_tokens"),
+                "prepack_weights": bool(model_value(p, "prepack_weights")),
                 "defaults": {k: p[k] for k in SAMPLING_DEFAULTS if p.get(k) is not None}}
         out.append(ModelEntry(i, info.name, spec))
     return out

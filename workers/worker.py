@@ -162,6 +162,7 @@ class EngineThread(threading.Thread):
                 cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads,
                                    compile=model_value(spec, "compile"),
                                    long_prefill_tokens=model_value(spec, "long_prefill_tokens"),
+                                   prepack_weights=model_value(spec, "prepack_weights"),
                                    compile_buckets=model_value(spec, "compile_buckets"))
                 self.engine, self.spec = Engine(lm, cfg), spec
                 if self.engine.compile_info.compiled:

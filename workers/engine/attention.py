@@ -173,12 +173,13 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
 def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        key_cache: torch.Tensor, value_cache: torch.Tensor, scaling: float, window: int | None,
                        softcap: float | None) -> torch.Tensor:
-    """q: [1, H, c, d] for segment i; key/value: this step's [1, kvh, N, d]. Returns [c, H, dv]."""
+    """q: [c, H, d] for segment i; key/value: this step's [N, kvh, d]. Returns [c, H, dv]."""
     seg = ctx.segments[i]
     end = seg.start_pos + seg.length
+    q = q.transpose(0, 1).unsqueeze(0)  # [1, H, c, d]
     if seg.blocks[g] is None:  # from position 0: this step computed every key it sees
-        k = key[:, :, seg.tok_start: seg.tok_start + seg.length]
-        v = value[:, :, seg.tok_start: seg.tok_start + seg.length]
+        k = key[seg.tok_start: seg.tok_start + seg.length].transpose(0, 1).unsqueeze(0)
+        v = value[seg.tok_start: seg.tok_start + seg.length].transpose(0, 1).unsqueeze(0)
     else:
         k = _gather(key_cache, seg.blocks[g], end - seg.first_pos[g])
         v = _gather(value_cache, seg.blocks[g], end - seg.first_pos[g])
@@ -205,12 +206,12 @@ def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: t
     return out[0].transpose(0, 1)
 
 
-def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
-            softcap: float | None) -> torch.Tensor:
-    """Write this step's K/V into layer `layer`'s blocks, attend. query: [1, H, N, d]; key/value:
-    [1, kvh, N, d] (N may include padding past ctx.num_tokens); key_cache/value_cache: the whole
-    pool (PagedKVCache.keys/values). Returns [1, N, H, dv]."""
+def attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
+           softcap: float | None) -> torch.Tensor:
+    """Write this step's K/V into layer `layer`'s blocks, attend. Token-major: query [N, H, d];
+    key/value [N, kvh, d] (N may include padding past ctx.num_tokens); key_cache/value_cache:
+    the whole pool (PagedKVCache.keys/values). Returns [N, H, dv]."""
     ctx = holder.current
     n = ctx.num_tokens
     g, p = holder.position[layer]
@@ -220,14 +221,14 @@ def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value
     gs = ctx.groups[g]
     key_buf, value_buf = key_cache[p], value_cache[p]
     dtype = key_buf.dtype
-    key_buf[gs.write_blocks, :, gs.write_offsets] = key[0, :, :n].transpose(0, 1).to(dtype)
-    value_buf[gs.write_blocks, :, gs.write_offsets] = value[0, :, :n].transpose(0, 1).to(dtype)
-    heads, n_all = query.shape[1], query.shape[2]
+    key_buf[gs.write_blocks, :, gs.write_offsets] = key[:n].to(dtype)
+    value_buf[gs.write_blocks, :, gs.write_offsets] = value[:n].to(dtype)
+    n_all, heads = query.shape[0], query.shape[1]
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
     if d:
         kernel = DECODE_KERNELS.get(key_buf.device.type, decode_attention)
-        out[:d] = kernel(gs, query[0, :, :d].transpose(0, 1), key_buf, value_buf, scaling, softcap)
+        out[:d] = kernel(gs, query[:d], key_buf, value_buf, scaling, softcap)
     alone = range(len(ctx.segments))
     if softcap is None and len(ctx.segments) > 1:
         groups, alone = ctx.whole_prompt_groups(window, query.device)
@@ -235,10 +236,10 @@ def _attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value
             out.index_copy_(0, tokens, _whole_prompts_attention(query, key, value, tokens, length, scaling))
     for i in alone:
         seg = ctx.segments[i]
-        q = query[:, :, seg.tok_start: seg.tok_start + seg.length]
-        out[seg.tok_start: seg.tok_start + seg.length] = _segment_attention(
-            ctx, i, g, q, key, value, key_buf, value_buf, scaling, window, softcap)
-    return out.unsqueeze(0)
+        rows = slice(seg.tok_start, seg.tok_start + seg.length)
+        out[rows] = _segment_attention(ctx, i, g, query[rows], key, value, key_buf, value_buf, scaling, window,
+                                       softcap)
+    return out
 
 
 def _whole_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tokens: torch.Tensor,
@@ -249,11 +250,20 @@ def _whole_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     heads, dim = query.shape[1], query.shape[-1]
     kvh = key.shape[1]
     g = tokens.shape[0] // length
-    q = query[0].index_select(1, tokens).view(heads, g, length, dim).transpose(0, 1)
-    k = key[0].index_select(1, tokens).view(kvh, g, length, dim).transpose(0, 1)
-    v = value[0].index_select(1, tokens).view(kvh, g, length, value.shape[-1]).transpose(0, 1)
+    q = query.index_select(0, tokens).view(g, length, heads, dim).transpose(1, 2)
+    k = key.index_select(0, tokens).view(g, length, kvh, dim).transpose(1, 2).to(q.dtype)
+    v = value.index_select(0, tokens).view(g, length, kvh, value.shape[-1]).transpose(1, 2).to(q.dtype)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=heads != kvh)
     return o.transpose(1, 2).reshape(g * length, heads, v.shape[-1]).to(query.dtype)
+
+
+def _attend_hf(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
+               softcap: float | None) -> torch.Tensor:
+    """attend() in transformers' layouts: query [1, H, N, d], key/value [1, kvh, N, d]; returns
+    [1, N, H, dv]."""
+    return attend(holder, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache,
+                  value_cache, layer, scaling, window, softcap).unsqueeze(0)
 
 
 @torch.library.custom_op("mmfusion::attend", mutates_args=("key_cache", "value_cache"),
@@ -264,8 +274,8 @@ def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_c
     # The caches are arguments the op declares it writes, so a compiled graph orders every read
     # and write of them; the pool never changes shape. The layer index is a tensor so that one
     # compiled graph serves every layer (see index_layers). The step's layout comes from the holder.
-    return _attend(_HOLDERS[holder], query, key, value, key_cache, value_cache, int(layer), scaling, window,
-                   softcap)
+    return _attend_hf(_HOLDERS[holder], query, key, value, key_cache, value_cache, int(layer), scaling, window,
+                      softcap)
 
 
 @attend_op.register_fake
@@ -287,8 +297,8 @@ def mmfusion_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         out = attend_op(query, key, value, key_cache, value_cache, holder.id, module._mmfusion_layer, scaling,
                         sliding_window, softcap)
     else:  # eager: skip the custom-op dispatch
-        out = _attend(holder, query, key, value, key_cache, value_cache, module.layer_idx, scaling, sliding_window,
-                      softcap)
+        out = _attend_hf(holder, query, key, value, key_cache, value_cache, module.layer_idx, scaling,
+                         sliding_window, softcap)
     return out, None
 
 

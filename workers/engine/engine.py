@@ -20,6 +20,9 @@ from workers.engine.block_manager import BlockManager, CacheGroups, peak_blocks
 from workers.engine.buckets import Buckets, compile_mode, default_buckets
 from workers.engine.compiled import prepare
 from workers.engine.kv_cache import bytes_per_block, default_budget
+from workers.engine.lean import LeanLlama
+from workers.engine.lean import unsupported as lean_unsupported
+from workers.engine.linears import can_pack
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.params import SamplingParams
 from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, kv_dims, num_layers
@@ -44,6 +47,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes of KV blocks; None: what max_batch_size x max_model_len can use,
     # up to a share of the memory available (kv_cache.default_budget)
     kv_block_size: int = MODEL["kv_block_size"].default  # positions per block
+    prepack_weights: bool = MODEL["prepack_weights"].default  # CPU: the lean forward on packed weights
     num_threads: int | None = None  # torch threads for this process; None leaves torch's default
     compile: str | bool = MODEL["compile"].default  # auto: compiled when the cache has artifacts; true: compile now
     compile_buckets: tuple[int, ...] | list[int] | None = None  # padded token counts; None: default_buckets
@@ -57,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes or None, got {self.kv_cache_memory!r}")
         if not MODEL["kv_block_size"].check(self.kv_block_size):
             raise ValueError(f"kv_block_size must be {MODEL['kv_block_size'].valid}, got {self.kv_block_size!r}")
+        if not isinstance(self.prepack_weights, bool):
+            raise ValueError(f"prepack_weights must be true or false, got {self.prepack_weights!r}")
         self.compile = compile_mode(self.compile)
         if self.compile_buckets is not None:
             self.compile_buckets = Buckets(tuple(self.compile_buckets)).tokens
@@ -99,8 +105,12 @@ class Engine:
         num_blocks = min(useful, budget // per_block)
         blocks = BlockManager(num_blocks, bs, groups, cfg.max_batch_tokens, enable_prefix_caching=holder is not None)
         self.kv_bytes = num_blocks * per_block
-        runner = PagedRunner(lm, holder, num_blocks, bs) if holder is not None else CompatRunner(lm)
-        return runner, blocks
+        if holder is None:
+            return CompatRunner(lm), blocks
+        lean = None
+        if cfg.prepack_weights and lm.device.type == "cpu" and lean_unsupported(lm.model) is None:
+            lean = LeanLlama(lm.model, holder, pack=can_pack(lm.dtype, lm.device))
+        return PagedRunner(lm, holder, num_blocks, bs, lean), blocks
 
     def stats(self) -> dict:
         """The KV cache as status and /metrics show it."""

@@ -19,6 +19,7 @@ from workers.engine.block_manager import first_block
 from workers.engine.buckets import Buckets
 from workers.engine.compiled import CompiledLayers
 from workers.engine.kv_cache import PagedKVCache
+from workers.engine.lean import LeanLlama
 from workers.engine.sampler import SampleSpec, sample, top_alternatives
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
@@ -124,9 +125,11 @@ class BaseRunner(ABC):
 class PagedRunner(BaseRunner):
     """Packed forward over the paged KV cache (models that use transformers' attention interface)."""
 
-    def __init__(self, lm: LoadedModel, holder: attention.ContextHolder, num_blocks: int, block_size: int):
+    def __init__(self, lm: LoadedModel, holder: attention.ContextHolder, num_blocks: int, block_size: int,
+                 lean: LeanLlama | None = None):
         super().__init__(lm)
         self.holder = holder
+        self.lean = lean  # the lean forward on packed weights, where the model's family has one
         self.compiled: CompiledLayers | None = None
         self.trace: list | None = None  # set to [] to record each step's model call (bench replay)
         self.block_size = block_size
@@ -222,6 +225,11 @@ class PagedRunner(BaseRunner):
     def _call(self, call: dict) -> torch.Tensor:
         # no transformers cache: the attention op writes the paged cache, handed down as a keyword
         kv = {attention.KV_KWARG: (self.cache.keys, self.cache.values)}
+        if self.lean is not None and self.compiled is None:
+            logits = self.lean.forward(call["input_ids"][0], call["position_ids"][0], call["logits_to_keep"],
+                                       kv[attention.KV_KWARG])
+            self.holder.current = None
+            return logits
         if self.compiled is not None and self.compiled.buckets.pad(call["input_ids"].shape[1]) is not None:
             with self.compiled.active():
                 out = self.model(**call, use_cache=False, **kv)

@@ -1,0 +1,120 @@
+"""A lean packed forward for the Llama family (Llama, SmolLM2, Mistral, Qwen 2): transformers'
+weights and math in a fraction of its operations.
+
+A decode step of a small model is mostly not its matmuls: transformers' modules issue some
+sixty tensor operations per layer (norms in five steps, rotary embeddings for q and k apart,
+three projections where one would do), and at a few rows each operation costs its dispatch.
+Here a layer is one fused q/k/v projection, one fused gate/up projection (both prepacked for
+oneDNN on CPU, workers.engine.linears), the rotary embedding of q and k together, the paged
+attention op, and fused norms: about twenty operations.
+
+The weights are the model's own parameters (norms, embeddings) or this process's fused and
+packed copies of them (`own_bytes`); the transformers modules are left as they are, so a
+reference run on the same model still runs transformers' code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.engine import attention
+from workers.engine.linears import Linear, fused
+
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def unsupported(model) -> str | None:
+    """Why `model` cannot run the lean forward, or None when it can."""
+    name = type(model).__name__
+    if name not in LLAMA_FAMILY:
+        return f"{name} is not of the Llama family ({', '.join(LLAMA_FAMILY)})"
+    cfg = model.config.get_text_config()
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} is not silu"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp is not 1"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if "dynamic" in rope or rope == "longrope":
+        return f"rope_type {rope!r} changes with the sequence length"
+    return None
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+    window: int | None
+
+
+class LeanLlama:
+    """forward(ids, positions, keep, kv) -> logits of the kept rows, over the paged cache."""
+
+    def __init__(self, model, holder: attention.ContextHolder, pack: bool):
+        cfg = model.config.get_text_config()
+        inner = model.model
+        self.holder = holder
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        first = inner.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.scaling = first.scaling
+        self.eps = cfg.rms_norm_eps
+        self.hidden = cfg.hidden_size
+        self.embed = inner.embed_tokens.weight.detach()
+        self.rotary = inner.rotary_emb
+        self.final_norm = inner.norm.weight.detach()
+        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), pack)
+        windows = attention.layer_windows(model, [layer.self_attn for layer in inner.layers])
+        self.layers = [
+            _Layer(layer.input_layernorm.weight.detach(),
+                   fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
+                   fused([layer.self_attn.o_proj], pack),
+                   layer.post_attention_layernorm.weight.detach(),
+                   fused([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
+                   fused([layer.mlp.down_proj], pack),
+                   windows[i])
+            for i, layer in enumerate(inner.layers)]
+
+    @property
+    def own_bytes(self) -> int:
+        """Memory this process holds of its own for the fused and packed weights."""
+        linears = [self.lm_head] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(x.own_bytes for x in linears)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm: normalized in float32, cast back, then scaled
+        return weight * F.rms_norm(x.float(), (self.hidden,), eps=self.eps).to(x.dtype)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """ids, positions: [N]; keep: the rows whose logits are returned. Returns [len(keep), vocab]."""
+        h = F.embedding(ids, self.embed)
+        cos, sin = self.rotary(h, positions[None])
+        half = self.head_dim // 2
+        cos = cos[0, :, None, :]
+        # rotate_half(x) * sin == roll(x, half) * [-sin_low, sin_high]: one roll, no cat of halves
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None, :]
+        n, heads, kvh, d = ids.shape[0], self.heads, self.kv_heads, self.head_dim
+        key_cache, value_cache = kv
+        for i, layer in enumerate(self.layers):
+            x = self._norm(h, layer.input_norm)
+            qkv = layer.qkv(x)
+            qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
+            qk = qk * cos + qk.roll(half, -1) * sin
+            v = qkv[:, (heads + kvh) * d:].view(n, kvh, d)
+            a = attention.attend(self.holder, qk[:, :heads], qk[:, heads:], v, key_cache, value_cache, i,
+                                 self.scaling, layer.window, None)
+            h = h + layer.o(a.reshape(n, heads * d))
+            x = self._norm(h, layer.post_norm)
+            gu = layer.gate_up(x)
+            inter = gu.shape[1] // 2
+            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+        h = self._norm(h.index_select(0, keep), self.final_norm)
+        return self.lm_head(h)
