@@ -60,6 +60,10 @@ class GroupStep:
     pair_valid: torch.Tensor | None = None  # [T, block_size] positions the row may see
     single: bool = False  # one pair per decode row, in row order: a plain softmax
     per_row: int = 0  # >0: every decode row has this many pairs, rows in order
+    # per decode row: (its first pair, its pair count, and the span [lo, hi) of positions it sees
+    # within its gathered blocks)
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    span_table: torch.Tensor | None = None  # spans as a tensor, made once a step by the kernel that wants it
 
 
 @dataclass(slots=True)
@@ -113,10 +117,20 @@ class StepContext:
         return m
 
 
+# Up to this many decode rows attend one row at a time through SDPA (a handful of operations a
+# row); more go through the batched pairs below (a fixed twenty or so for the whole batch).
+FEW_DECODE_ROWS = 2
+
+
 def decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      scaling: float, softcap: float | None) -> torch.Tensor:
+                     scaling: float, softcap: float | None) -> torch.Tensor:
     """q: [D, H, d]; key/value: one layer's blocks [num_blocks, kvh, block, d]. Returns [D, H, dv]."""
     d_rows, heads, dim = q.shape
+    if d_rows <= FEW_DECODE_ROWS and softcap is None and gs.spans:
+        return torch.cat([_row_attention(q[r], key, value, gs.pair_blocks[a: a + n], lo, hi, scaling)
+                          for r, (a, n, lo, hi) in enumerate(gs.spans)]) if d_rows > 1 else \
+            _row_attention(q[0], key, value, gs.pair_blocks[gs.spans[0][0]: gs.spans[0][0] + gs.spans[0][1]],
+                           gs.spans[0][2], gs.spans[0][3], scaling)
     kvh = key.shape[1]
     qg = q.to(key.dtype).reshape(d_rows, kvh, heads // kvh, dim)
     kb = key.index_select(0, gs.pair_blocks)  # [T, kvh, block, d]: only the blocks the rows hold
@@ -149,6 +163,17 @@ def decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: t
         part = torch.matmul(e.to(vb.dtype), vb).float()
         out = part.new_zeros(d_rows, *part.shape[1:]).index_add_(0, rows, part) / denom.unsqueeze(-1)
     return out.reshape(d_rows, heads, value.shape[-1]).to(q.dtype)
+
+
+def _row_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, lo: int, hi: int,
+                   scaling: float) -> torch.Tensor:
+    """One decode row: q [H, d] over positions [lo, hi) of its gathered blocks. Returns [1, H, dv]."""
+    heads = q.shape[0]
+    k = _gather(key, blocks, hi)[:, :, lo:]
+    v = _gather(value, blocks, hi)[:, :, lo:]
+    out = F.scaled_dot_product_attention(q.to(k.dtype).view(1, heads, 1, -1), k, v, scale=scaling,
+                                         enable_gqa=heads != k.shape[1])
+    return out.view(1, heads, -1).to(q.dtype)
 
 
 # The seam for a device's own paged decode kernel (on CUDA, e.g. a FlashInfer or vLLM paged-attention
@@ -227,7 +252,7 @@ def attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value:
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
     if d:
-        kernel = DECODE_KERNELS.get(key_buf.device.type, decode_attention)
+        kernel = DECODE_KERNELS.get(key_buf.device.type) or holder.decode_kernel or decode_attention
         out[:d] = kernel(gs, query[:d], key_buf, value_buf, scaling, softcap)
     alone = range(len(ctx.segments))
     if softcap is None and len(ctx.segments) > 1:
@@ -310,7 +335,7 @@ class ContextHolder:
     """Mutable handle shared by the attention modules of one model (and by every engine on it):
     the runner that steps sets its cache and `current` for each forward."""
 
-    __slots__ = ("current", "groups", "position", "windows", "id", "__weakref__")
+    __slots__ = ("current", "groups", "position", "windows", "id", "decode_kernel", "__weakref__")
 
     def __init__(self, groups: CacheGroups) -> None:
         self.current: StepContext | None = None
@@ -318,6 +343,8 @@ class ContextHolder:
         self.position = groups.position_of()  # layer -> (cache group, index in its storage)
         self.windows = groups.windows
         self.id = next(_HOLDER_IDS)
+        # this model's own decode kernel (the CPU's C++ one); a kernel registered for the device wins
+        self.decode_kernel: Callable | None = None
         _HOLDERS[self.id] = self
 
 

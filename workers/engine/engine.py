@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.config_keys import MODEL
-from workers.engine import attention
+from workers.engine import attention, cpu_kernels
 from workers.engine.block_manager import BlockManager, CacheGroups, peak_blocks
 from workers.engine.buckets import Buckets, compile_mode, default_buckets
 from workers.engine.compiled import prepare
@@ -107,6 +107,8 @@ class Engine:
         self.kv_bytes = num_blocks * per_block
         if holder is None:
             return CompatRunner(lm), blocks
+        if lm.device.type == "cpu":
+            holder.decode_kernel = cpu_kernels.decode_kernel()
         lean = None
         if cfg.prepack_weights and lm.device.type == "cpu" and lean_unsupported(lm.model) is None:
             lean = LeanLlama(lm.model, holder, pack=can_pack(lm.dtype, lm.device))

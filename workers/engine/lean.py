@@ -89,8 +89,9 @@ class LeanLlama:
         return sum(x.own_bytes for x in linears)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm: normalized in float32, cast back, then scaled
-        return weight * F.rms_norm(x.float(), (self.hidden,), eps=self.eps).to(x.dtype)
+        # one fused op, in float32 inside: transformers' LlamaRMSNorm rounds to the dtype once more,
+        # before the scale (the same in float32; within a rounding in bfloat16)
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

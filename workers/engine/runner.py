@@ -154,10 +154,13 @@ class PagedRunner(BaseRunner):
                 writes.extend(t[p // bs] for p in range(c.start, c.start + c.length))
             gs = attention.GroupStep(torch.tensor(writes, dtype=torch.long, device=dev), offsets)
             if decode:
-                rows, blocks, starts, lengths, per_row = [], [], [], [], set()
+                rows, blocks, starts, lengths, per_row, spans = [], [], [], [], set(), []
                 for r, s in enumerate(decode):
                     t = s.blocks.tables[g]
                     first, last = first_block(window, s.num_computed, bs), s.num_computed // bs
+                    n = s.num_computed + 1
+                    lo = max(0, n - window) if window is not None else 0
+                    spans.append((len(blocks), last + 1 - first, lo - first * bs, n - first * bs))
                     per_row.add(last + 1 - first)
                     rows.extend([r] * (last + 1 - first))
                     blocks.extend(t[first: last + 1])
@@ -173,6 +176,7 @@ class PagedRunner(BaseRunner):
                 gs.pair_valid = valid
                 gs.single = len(rows) == len(decode)
                 gs.per_row = per_row.pop() if len(per_row) == 1 else 0
+                gs.spans = spans
             steps.append(gs)
         return steps
 

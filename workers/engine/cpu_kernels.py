@@ -1,0 +1,96 @@
+"""The CPU's own paged decode kernel (kernels/paged_decode.cpp), built once per machine.
+
+Decode attention in PyTorch operations costs a few dozen small operations per layer, and their
+dispatch, not their arithmetic, is most of a decode step's attention time. The C++ kernel
+does one pass per (row, KV head) over only the positions the row sees, as vLLM's CPU paged
+attention does. It is compiled at first use with torch's extension builder into the cache
+(`$MMFUSION_CACHE/kernels/<source, torch and CPU hash>`; tens of seconds, once), and an engine
+on CPU hands it to its model's attention (ContextHolder.decode_kernel). Where it cannot be built
+(no compiler) or does not apply (float64, softcapped scores), attention.decode_attention serves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from workers.engine import attention
+from workers.files import cache_root
+
+log = logging.getLogger("mmfusion.kernels")
+SOURCE = Path(__file__).with_name("kernels") / "paged_decode.cpp"
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _Built:
+    """The built extension module, or the reason it is not there; built at most once per process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.module = None
+        self.error: str | None = None
+        self.tried = False
+
+    def get(self):
+        with self.lock:
+            if not self.tried:
+                self.tried = True
+                try:
+                    self.module = _build()
+                except Exception as exc:  # no compiler, no ninja: the PyTorch path serves
+                    self.error = f"{type(exc).__name__}: {exc}"
+                    log.warning("paged decode kernel not built (%s): decode attention runs in PyTorch operations",
+                                self.error)
+            return self.module
+
+
+def _cpu_tag() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{flags}"
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha1(src + torch.__version__.encode() + _cpu_tag().encode()).hexdigest()[:16]
+    build = cache_root() / "kernels" / tag
+    build.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=f"mmfusion_paged_decode_{tag}", sources=[str(SOURCE)], build_directory=str(build),
+                              # fast-math and OpenMP (at::parallel_for, omp simd): the dot products and exponentials vectorize
+                              # (glibc's libmvec holds the vector exp)
+                              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
+                                            "-fopenmp"],
+                              extra_ldflags=["-lmvec", "-fopenmp"], verbose=False)
+
+
+_BUILT = _Built()
+
+
+def paged_decode_cpu(gs: attention.GroupStep, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scaling: float, softcap: float | None) -> torch.Tensor:
+    """attention.decode_attention's contract, through the C++ kernel where it applies."""
+    module = _BUILT.get() if key.dtype in KERNEL_DTYPES and softcap is None and gs.spans else None
+    if module is None:
+        return attention.decode_attention(gs, q, key, value, scaling, softcap)
+    if gs.span_table is None:
+        gs.span_table = torch.tensor(gs.spans, dtype=torch.long)
+    return module.paged_decode(q, key, value, gs.pair_blocks, gs.span_table, scaling).to(q.dtype)
+
+
+def decode_kernel() -> Callable | None:
+    """The CPU decode kernel (built once), or None when it could not be built."""
+    return paged_decode_cpu if _BUILT.get() is not None else None

@@ -1,0 +1,115 @@
+// Decode attention over the paged KV cache, one pass per (decode row, KV head): the query heads
+// that share a KV head read each key and value once, with an online softmax in float32 (as
+// flash-decoding does), over only the positions the row sees. Built at first use by
+// workers/engine/cpu_kernels.py; the PyTorch version in attention.py is its reference.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <math.h>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// n values to float32; bfloat16 as its bits shifted into a float's high half, which vectorizes
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+template <typename T>
+void decode(const T* q, const T* kc, const T* vc, const int64_t* blocks, const int64_t* spans, T* out,
+            int64_t rows, int64_t heads, int64_t kvh, int64_t bs, int64_t d, int64_t dv, float scale) {
+  const int64_t g = heads / kvh;
+  at::parallel_for(0, rows * kvh, 1, [&](int64_t begin, int64_t end) {
+    // per block: its keys and values in float32, the g heads' scores, then one rescale
+    std::vector<float> qf(g * d), acc(g * dv), m(g), l(g), kf(bs * d), vf(bs * dv), s(g * bs);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kvh, kh = item % kvh;
+      const int64_t first = spans[r * 4], lo = spans[r * 4 + 2], hi = spans[r * 4 + 3];
+      for (int64_t j = 0; j < g; ++j) {
+        const T* qh = q + (r * heads + kh * g + j) * d;
+        for (int64_t i = 0; i < d; ++i) qf[j * d + i] = static_cast<float>(qh[i]) * scale;
+        m[j] = -std::numeric_limits<float>::infinity();
+        l[j] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = lo / bs; b * bs < hi; ++b) {
+        const int64_t blk = blocks[first + b];
+        const int64_t t0 = std::max(lo - b * bs, int64_t(0)), t1 = std::min(hi - b * bs, bs), n = t1 - t0;
+        const T* k = kc + ((blk * kvh + kh) * bs + t0) * d;
+        const T* v = vc + ((blk * kvh + kh) * bs + t0) * dv;
+        to_float(k, kf.data(), n * d);
+        to_float(v, vf.data(), n * dv);
+        for (int64_t j = 0; j < g; ++j) {
+          const float* qj = qf.data() + j * d;
+          float* sj = s.data() + j * bs;
+          float mb = m[j];
+          for (int64_t t = 0; t < n; ++t) {
+            const float* kt = kf.data() + t * d;
+            float dot = 0.f;
+            for (int64_t i = 0; i < d; ++i) dot += qj[i] * kt[i];
+            sj[t] = dot;
+            mb = std::max(mb, dot);
+          }
+          const float c = std::exp(m[j] - mb);  // 0 on the first block (m = -inf)
+          float* a = acc.data() + j * dv;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < n; ++t) {
+            sj[t] = expf(sj[t] - mb);
+            sum += sj[t];
+          }
+          for (int64_t i = 0; i < dv; ++i) a[i] *= c;
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = sj[t];
+            const float* vt = vf.data() + t * dv;
+            for (int64_t i = 0; i < dv; ++i) a[i] += p * vt[i];
+          }
+          l[j] = l[j] * c + sum;
+          m[j] = mb;
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        T* o = out + (r * heads + kh * g + j) * dv;
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        for (int64_t i = 0; i < dv; ++i) o[i] = static_cast<T>(acc[j * dv + i] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [D, H, d]; key/value caches of one layer [num_blocks, kvh, block, d|dv] (contiguous);
+// blocks [T] the rows' block lists one after another; spans [D, 4]: (first entry in blocks,
+// entries, lo, hi) with [lo, hi) the positions the row sees, counted from its first block.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor blocks,
+                           torch::Tensor spans, double scale) {
+  TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && value.dim() == 4, "paged_decode: bad ranks");
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), "paged_decode: caches must be contiguous");
+  q = q.to(key.scalar_type()).contiguous();
+  blocks = blocks.to(torch::kLong).contiguous();
+  spans = spans.to(torch::kLong).contiguous();
+  const int64_t rows = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kvh = key.size(1), bs = key.size(2), dv = value.size(3);
+  TORCH_CHECK(heads % kvh == 0, "paged_decode: heads must be a multiple of KV heads");
+  auto out = torch::empty({rows, heads, dv}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "paged_decode", [&] {
+    decode<scalar_t>(q.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
+                     blocks.data_ptr<int64_t>(), spans.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), rows, heads,
+                     kvh, bs, d, dv, static_cast<float>(scale));
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
