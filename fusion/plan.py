@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusion.model_info import MultiModelFusion
-from workers.config_keys import KV_AUTO_SHARE, model_value, parse_size
+from workers.config_keys import KV_AUTO_SHARE, LEAN_ARCHITECTURES, model_value, parse_size
 
 BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "auto": 2}
 # parameters and KV bytes per token (at 2 bytes) of the embedded models, to plan without loading
 KNOWN = {"smollm2-135m": (134.5e6, 30 * 2 * 3 * 64 * 2), "gemma3-270m": (268e6, 18 * 2 * 1 * 256 * 2)}
+KNOWN_ARCHITECTURE = {"smollm2-135m": "LlamaForCausalLM", "gemma3-270m": "Gemma3ForCausalLM"}
 # the context assumed for the KV estimate of a model whose own is unknown before loading
 DEFAULT_CTX = 2048
 # a worker process before its model (interpreter, torch, transformers, zmq), as PSS when several
@@ -43,9 +44,10 @@ class WorkerPlan:
     threads: int | None
     max_batch_size: int
     max_batch_tokens: int
-    est_bytes: int  # this worker alone: weights + KV cache + overhead
+    est_bytes: int  # this worker alone: weights + its packed linears + KV cache + overhead
     weight_bytes: int = 0
     shares_weights: bool = False  # its weights are one mapping with the other copies on its device
+    packed_bytes: int = 0  # its own prepacked copy of the linear weights (prepack_weights, CPU)
     kv_cache_bytes: int = 0  # the budget of its KV block pool
     kv_tokens: int | None = None  # the tokens that budget holds (None: the model's shape is known at load)
     block_size: int = 16
@@ -64,7 +66,8 @@ class DeploymentPlan:
         lines += [f"  worker {w.worker_id} -> model {w.model_id} on {w.device}"
                   f" (threads {w.threads or 'default'}, max_batch_size {w.max_batch_size},"
                   f" max_batch_tokens {w.max_batch_tokens}, ~{w.est_bytes / 2**20:.0f} MiB"
-                  f"{', weights shared' if w.shares_weights else ''})\n"
+                  f"{', weights shared' if w.shares_weights else ''}"
+                  f"{f', {w.packed_bytes / 2**20:.0f} MiB of prepacked linears of its own' if w.packed_bytes else ''})\n"
                   f"    KV cache {w.kv_cache_bytes / 2**20:.0f} MiB in blocks of {w.block_size} tokens, holding "
                   f"{'~' + str(w.kv_tokens) if w.kv_tokens is not None else 'what its shape allows (known at load)'}"
                   " tokens" for w in self.workers]
@@ -155,6 +158,22 @@ def weight_bytes(source: str, dtype: str) -> int:
     return 0
 
 
+def packs_weights(source: str, device: str, prepack: bool) -> bool:
+    """Whether a worker runs the lean forward on its own prepacked linears (CPU, Llama family).
+    A source whose architecture is unknown before loading counts as packing: the plan errs high."""
+    if not prepack or device != "cpu":
+        return False
+    if source in KNOWN_ARCHITECTURE:
+        return KNOWN_ARCHITECTURE[source] in LEAN_ARCHITECTURES
+    if source.startswith("tiny:"):
+        return source.split(":")[1] in ("llama", "mistral", "qwen2")
+    path = Path(source)
+    if path.is_dir() and (path / "config.json").exists():
+        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+        return any(a in LEAN_ARCHITECTURES for a in archs)
+    return True
+
+
 def _kv_budgets(fusion: MultiModelFusion, workers: list[WorkerPlan], avail: int | None, fixed: int) -> None:
     """Give each `auto` worker of one device its share of the memory left for KV caches, never more
     than its limits can use; then the tokens each budget holds."""
@@ -209,6 +228,8 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         shares = bool(model_value(p, "share_weights"))  # CPU: one mapped file; CUDA: one owner process
         w = WorkerPlan(k, mid, dev, threads, batch, tokens, 0, weight_bytes(info.source, dtype), shares,
                        block_size=model_value(p, "kv_block_size"))
+        if packs_weights(info.source, dev, bool(model_value(p, "prepack_weights"))):
+            w.packed_bytes = w.weight_bytes  # every linear packed, the LM head included: about all the weights
         budget = model_value(p, "kv_cache_memory") or kv_cache_memory
         w.kv_cache_bytes = 0 if budget == "auto" else parse_size(budget)
         if w.kv_cache_bytes is None:
@@ -221,7 +242,7 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         fixed = 0  # weights and process overheads
         for k in ks:
             w = workers[k]
-            fixed += OVERHEAD_BYTES + (0 if w.shares_weights else w.weight_bytes)
+            fixed += OVERHEAD_BYTES + w.packed_bytes + (0 if w.shares_weights else w.weight_bytes)
             if w.shares_weights:
                 info = fusion.models[w.model_id]
                 key = (info.source, model_value(info.params, "dtype"))
@@ -232,7 +253,7 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         _kv_budgets(fusion, [workers[k] for k in ks], avail, fixed)
         for k in ks:
             w = workers[k]
-            w.est_bytes = w.weight_bytes + w.kv_cache_bytes + OVERHEAD_BYTES
+            w.est_bytes = w.weight_bytes + w.packed_bytes + w.kv_cache_bytes + OVERHEAD_BYTES
         need = fixed + sum(workers[k].kv_cache_bytes for k in ks)
         if avail is not None and need > avail:
             raise ValueError(f"device {d}: the {len(ks)} workers planned there need ~{need / 2**30:.1f} GiB "

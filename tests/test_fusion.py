@@ -111,10 +111,17 @@ def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
     fusion = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"max_batch_size": 100000, "dtype": "bfloat16"})])
     plan = make_plan(fusion, 2, "cpu")  # auto: half of 8 GiB, less weights and overheads, shared by the two
     w = plan.workers[0]
-    fixed = w.weight_bytes + 2 * OVERHEAD_BYTES  # the two copies share their weights
+    # the two copies share their weights, and each holds its own prepacked linears (about as many bytes)
+    assert w.packed_bytes == w.weight_bytes > 0
+    fixed = w.weight_bytes + 2 * (OVERHEAD_BYTES + w.packed_bytes)
     assert w.kv_cache_bytes == (4 * 2**30 - fixed) // 2 and w.kv_tokens == w.kv_cache_bytes // (30 * 2 * 3 * 64 * 2)
     assert plan.devices["cpu"]["estimated_bytes"] == fixed + 2 * w.kv_cache_bytes
     assert "KV cache" in plan.describe() and f"~{w.kv_tokens} tokens" in plan.describe()
+    assert "MiB of prepacked linears of its own" in plan.describe()
+    unpacked = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"dtype": "bfloat16", "prepack_weights": False})])
+    assert make_plan(unpacked, 2, "cpu").workers[0].packed_bytes == 0
+    gemma = MultiModelFusion([ModelInfo("m", "gemma3-270m", params={"dtype": "bfloat16"})])
+    assert make_plan(gemma, 1, "cpu").workers[0].packed_bytes == 0  # transformers' modules: nothing packed
     small = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"max_batch_size": 2, "max_model_len": 1000,
                                                                       "dtype": "bfloat16"})])
     assert make_plan(small, 1, "cpu").workers[0].kv_tokens == 2 * 1000  # never more than its limits use

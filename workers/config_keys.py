@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 REQUIRED = object()  # the default of a key that must be given
+# `prepack_weights`: the transformers classes the lean forward (workers.engine.lean) runs
+LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # `kv_cache_memory: auto`: the share of a device's available memory that its workers' KV caches
 # take, less the weights and process overheads planned there (an engine without a plan: its own)
 KV_AUTO_SHARE = 0.5

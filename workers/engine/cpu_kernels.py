@@ -91,6 +91,12 @@ def paged_decode_cpu(gs: attention.GroupStep, q: torch.Tensor, key: torch.Tensor
     return module.paged_decode(q, key, value, gs.pair_blocks, gs.span_table, scaling).to(q.dtype)
 
 
+def build_error() -> str | None:
+    """Why the kernel could not be built (after a try), or None."""
+    _BUILT.get()
+    return _BUILT.error
+
+
 def decode_kernel() -> Callable | None:
     """The CPU decode kernel (built once), or None when it could not be built."""
     return paged_decode_cpu if _BUILT.get() is not None else None

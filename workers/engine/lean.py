@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.config_keys import LEAN_ARCHITECTURES as LLAMA_FAMILY
 from workers.engine import attention
 from workers.engine.linears import Linear, fused
-
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 def unsupported(model) -> str | None:
