@@ -166,7 +166,7 @@ def test_abandoned_and_cancelled_async_requests_are_cancelled_on_the_worker():
                     break
                 await agen.aclose()  # a consumer that stops reading
                 task = asyncio.ensure_future(ac.complete("llama", [4, 5, 6], max_tokens=480, ignore_eos=True))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.1)  # 480 tokens take longer than this: it is still running
                 task.cancel()  # e.g. the HTTP connection behind it closed
                 with pytest.raises(asyncio.CancelledError):
                     await task
