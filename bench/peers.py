@@ -38,9 +38,7 @@ def hf_directory(source: str, dtype: torch.dtype = torch.bfloat16) -> Path:
     def fill(tmp: Path) -> None:
         model, tok = load_private(source, dtype, use_cache=False)
         # the loader's dequantize marker: vLLM would read it as a GGUF checkpoint
-        model.config.quantization_config = None
-        if hasattr(model.config, "__dict__"):
-            model.config.__dict__.pop("quantization_config", None)
+        model.config.__dict__.pop("quantization_config", None)
         model.hf_quantizer = None
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))

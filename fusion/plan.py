@@ -166,7 +166,7 @@ def packs_weights(source: str, device: str, prepack: bool) -> bool:
     if source in KNOWN_ARCHITECTURE:
         return KNOWN_ARCHITECTURE[source] in LEAN_ARCHITECTURES
     if source.startswith("tiny:"):
-        return source.split(":")[1] in ("llama", "mistral", "qwen2")
+        return f"{source.split(':')[1]}forcausallm" in {a.lower() for a in LEAN_ARCHITECTURES}
     path = Path(source)
     if path.is_dir() and (path / "config.json").exists():
         archs = json.loads((path / "config.json").read_text()).get("architectures") or []

@@ -127,10 +127,9 @@ def decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: t
     """q: [D, H, d]; key/value: one layer's blocks [num_blocks, kvh, block, d]. Returns [D, H, dv]."""
     d_rows, heads, dim = q.shape
     if d_rows <= FEW_DECODE_ROWS and softcap is None and gs.spans:
-        return torch.cat([_row_attention(q[r], key, value, gs.pair_blocks[a: a + n], lo, hi, scaling)
-                          for r, (a, n, lo, hi) in enumerate(gs.spans)]) if d_rows > 1 else \
-            _row_attention(q[0], key, value, gs.pair_blocks[gs.spans[0][0]: gs.spans[0][0] + gs.spans[0][1]],
-                           gs.spans[0][2], gs.spans[0][3], scaling)
+        rows = [_row_attention(q[r], key, value, gs.pair_blocks[a: a + n], lo, hi, scaling)
+                for r, (a, n, lo, hi) in enumerate(gs.spans)]
+        return rows[0] if d_rows == 1 else torch.cat(rows)
     kvh = key.shape[1]
     qg = q.to(key.dtype).reshape(d_rows, kvh, heads // kvh, dim)
     kb = key.index_select(0, gs.pair_blocks)  # [T, kvh, block, d]: only the blocks the rows hold
@@ -276,8 +275,8 @@ def _whole_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     kvh = key.shape[1]
     g = tokens.shape[0] // length
     q = query.index_select(0, tokens).view(g, length, heads, dim).transpose(1, 2)
-    k = key.index_select(0, tokens).view(g, length, kvh, dim).transpose(1, 2).to(q.dtype)
-    v = value.index_select(0, tokens).view(g, length, kvh, value.shape[-1]).transpose(1, 2).to(q.dtype)
+    k = key.index_select(0, tokens).view(g, length, kvh, dim).transpose(1, 2)
+    v = value.index_select(0, tokens).view(g, length, kvh, value.shape[-1]).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=heads != kvh)
     return o.transpose(1, 2).reshape(g * length, heads, v.shape[-1]).to(query.dtype)
 

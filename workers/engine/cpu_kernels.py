@@ -4,17 +4,19 @@ Decode attention in PyTorch operations costs a few dozen small operations per la
 dispatch, not their arithmetic, is most of a decode step's attention time. The C++ kernel
 does one pass per (row, KV head) over only the positions the row sees, as vLLM's CPU paged
 attention does. It is compiled at first use with torch's extension builder into the cache
-(`$MMFUSION_CACHE/kernels/<source, torch and CPU hash>`; tens of seconds, once), and an engine
-on CPU hands it to its model's attention (ContextHolder.decode_kernel). Where it cannot be built
-(no compiler) or does not apply (float64, softcapped scores), attention.decode_attention serves.
+(`$MMFUSION_KERNEL_CACHE`, default `$MMFUSION_CACHE/kernels`, under a hash of the source, torch
+and the CPU; tens of seconds, once), and an engine on CPU hands it to its model's attention
+(ContextHolder.decode_kernel). Where it cannot be built (no compiler) or does not apply
+(float64, softcapped scores), attention.decode_attention serves.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import os
 import platform
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,28 +28,19 @@ from workers.files import cache_root
 log = logging.getLogger("mmfusion.kernels")
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode.cpp"
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
+KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
 
 
-class _Built:
-    """The built extension module, or the reason it is not there; built at most once per process."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.module = None
-        self.error: str | None = None
-        self.tried = False
-
-    def get(self):
-        with self.lock:
-            if not self.tried:
-                self.tried = True
-                try:
-                    self.module = _build()
-                except Exception as exc:  # no compiler, no ninja: the PyTorch path serves
-                    self.error = f"{type(exc).__name__}: {exc}"
-                    log.warning("paged decode kernel not built (%s): decode attention runs in PyTorch operations",
-                                self.error)
-            return self.module
+@functools.cache
+def _built() -> tuple[object | None, str | None]:
+    """(the built extension module, None) or (None, why it could not be built): tried once per process."""
+    try:
+        return _build(), None
+    except Exception as exc:  # no compiler, no ninja: the PyTorch path serves
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("paged decode kernel not built (%s): decode attention runs in PyTorch operations", error)
+        return None, error
 
 
 def _cpu_tag() -> str:
@@ -67,7 +60,7 @@ def _build():
 
     src = SOURCE.read_bytes()
     tag = hashlib.sha1(src + torch.__version__.encode() + _cpu_tag().encode()).hexdigest()[:16]
-    build = cache_root() / "kernels" / tag
+    build = Path(os.environ.get(KERNEL_CACHE_ENV) or cache_root() / "kernels") / tag
     build.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(name=f"mmfusion_paged_decode_{tag}", sources=[str(SOURCE)], build_directory=str(build),
                               # fast-math and OpenMP (at::parallel_for, omp simd): the dot products and exponentials vectorize
@@ -77,13 +70,10 @@ def _build():
                               extra_ldflags=["-lmvec", "-fopenmp"], verbose=False)
 
 
-_BUILT = _Built()
-
-
 def paged_decode_cpu(gs: attention.GroupStep, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scaling: float, softcap: float | None) -> torch.Tensor:
     """attention.decode_attention's contract, through the C++ kernel where it applies."""
-    module = _BUILT.get() if key.dtype in KERNEL_DTYPES and softcap is None and gs.spans else None
+    module = _built()[0] if key.dtype in KERNEL_DTYPES and softcap is None and gs.spans else None
     if module is None:
         return attention.decode_attention(gs, q, key, value, scaling, softcap)
     if gs.span_table is None:
@@ -93,10 +83,9 @@ def paged_decode_cpu(gs: attention.GroupStep, q: torch.Tensor, key: torch.Tensor
 
 def build_error() -> str | None:
     """Why the kernel could not be built (after a try), or None."""
-    _BUILT.get()
-    return _BUILT.error
+    return _built()[1]
 
 
 def decode_kernel() -> Callable | None:
     """The CPU decode kernel (built once), or None when it could not be built."""
-    return paged_decode_cpu if _BUILT.get() is not None else None
+    return paged_decode_cpu if _built()[0] is not None else None

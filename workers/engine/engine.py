@@ -20,9 +20,7 @@ from workers.engine.block_manager import BlockManager, CacheGroups, peak_blocks
 from workers.engine.buckets import Buckets, compile_mode, default_buckets
 from workers.engine.compiled import prepare
 from workers.engine.kv_cache import bytes_per_block, default_budget
-from workers.engine.lean import LeanLlama
-from workers.engine.lean import unsupported as lean_unsupported
-from workers.engine.linears import can_pack
+from workers.engine.lean import lean_forward
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.params import SamplingParams
 from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, kv_dims, num_layers
@@ -109,9 +107,7 @@ class Engine:
             return CompatRunner(lm), blocks
         if lm.device.type == "cpu":
             holder.decode_kernel = cpu_kernels.decode_kernel()
-        lean = None
-        if cfg.prepack_weights and lm.device.type == "cpu" and lean_unsupported(lm.model) is None:
-            lean = LeanLlama(lm.model, holder, pack=can_pack(lm.dtype, lm.device))
+        lean = lean_forward(lm.model, holder, lm.device, lm.dtype, cfg.prepack_weights)
         return PagedRunner(lm, holder, num_blocks, bs, lean), blocks
 
     def stats(self) -> dict:

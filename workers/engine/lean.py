@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from workers.config_keys import LEAN_ARCHITECTURES as LLAMA_FAMILY
 from workers.engine import attention
-from workers.engine.linears import Linear, fused
+from workers.engine.linears import Linear, can_pack, fused
 
 
 def unsupported(model) -> str | None:
@@ -39,6 +39,15 @@ def unsupported(model) -> str | None:
     if "dynamic" in rope or rope == "longrope":
         return f"rope_type {rope!r} changes with the sequence length"
     return None
+
+
+def lean_forward(model, holder: attention.ContextHolder, device: torch.device, dtype: torch.dtype,
+                 prepack: bool) -> LeanLlama | None:
+    """The lean forward for this model when `prepack` asks for it and it applies (CPU, Llama
+    family), its linears packed where oneDNN takes the dtype; else None (transformers' modules)."""
+    if not prepack or device.type != "cpu" or unsupported(model) is not None:
+        return None
+    return LeanLlama(model, holder, pack=can_pack(dtype, device))
 
 
 @dataclass(slots=True)

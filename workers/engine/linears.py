@@ -27,13 +27,12 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
 class Linear:
     """y = x @ weight.T + bias over rows x [M, in]; the weight prepacked when `pack` is true."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "own_bytes")
+    __slots__ = ("weight", "bias", "packed", "own_bytes")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, own: bool = False):
         """`own`: the weight is a tensor of this process already (not the model's parameter)."""
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
-        self.out_features = weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if pack else None
         self.weight = None if pack else weight  # packed: the plain copy is not needed again
         self.own_bytes = weight.numel() * weight.element_size() if pack or own else 0
