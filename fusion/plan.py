@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,11 @@ DEFAULT_CTX = 2048
 # a worker process before its model (interpreter, torch, transformers, zmq), as PSS when several
 # run together: measured by bench/memory.py
 OVERHEAD_BYTES = 280 * 2**20
+# GPU memory of a CUDA worker beyond its weights and KV pool (the CUDA context, cuBLAS workspaces,
+# the step's activations and logits in the caching allocator), and of a weight owner beyond the
+# weights (its context): measured by bench/gpu.py (H100, torch 2.11, SmolLM2 at 512 batch tokens)
+CUDA_WORKER_OVERHEAD_BYTES = 960 * 2**20
+CUDA_OWNER_OVERHEAD_BYTES = 560 * 2**20
 # the KV budget of an `auto` worker where the device's memory is unknown
 KV_UNKNOWN_DEVICE_BYTES = 2**30
 # less than this for an `auto` worker's KV cache: the device is too full for it
@@ -78,7 +85,9 @@ class DeploymentPlan:
                          + (f" of {avail / 2**20:.0f} MiB available" if avail else ""))
             for g in info.get("shared_weights", []):
                 lines.append(f"    weights of {g['source']} ({g['dtype']}), {g['bytes'] / 2**20:.0f} MiB: counted once, "
-                             f"shared by {g['copies']} copies (without sharing: {g['copies'] * g['bytes'] / 2**20:.0f} MiB)")
+                             f"shared by {g['copies']} copies (without sharing: {g['copies'] * g['bytes'] / 2**20:.0f} MiB)"
+                             + ("" if d == "cpu" else f"; held by one owner process, ~{CUDA_OWNER_OVERHEAD_BYTES / 2**20:.0f}"
+                                " MiB more for its CUDA context"))
         return "\n".join(lines)
 
 
@@ -115,7 +124,18 @@ def available_bytes(device: str) -> int | None:
     if index >= torch.cuda.device_count():
         raise ValueError(f"devices: {device} does not exist: this machine has {torch.cuda.device_count()} CUDA "
                          f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return torch.cuda.mem_get_info(torch.device(device))[0]
+    # asked in a child process: a CUDA context here would hold ~500 MiB of the GPU for as long as the
+    # serving process lives (the router and gateway never use the GPU)
+    code = f"import torch; print(torch.cuda.mem_get_info({index})[0])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"could not read the free memory of {device}: {out.stderr.strip()[-500:]}")
+    return int(out.stdout.split()[-1])
+
+
+def worker_overhead(device: str) -> int:
+    """Memory of a worker beyond its weights, packed linears and KV pool, on the device's memory."""
+    return OVERHEAD_BYTES if device == "cpu" else CUDA_WORKER_OVERHEAD_BYTES
 
 
 def kv_bytes_per_token(source: str, dtype: str) -> int | None:
@@ -242,18 +262,20 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         fixed = 0  # weights and process overheads
         for k in ks:
             w = workers[k]
-            fixed += OVERHEAD_BYTES + w.packed_bytes + (0 if w.shares_weights else w.weight_bytes)
+            fixed += worker_overhead(d) + w.packed_bytes + (0 if w.shares_weights else w.weight_bytes)
             if w.shares_weights:
                 info = fusion.models[w.model_id]
                 key = (info.source, model_value(info.params, "dtype"))
                 g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0})
                 g["copies"] += 1
-        fixed += sum(g["bytes"] for g in groups.values())
+        # on CUDA the shared weights live in an owner process with a context of its own
+        owner = 0 if d == "cpu" else CUDA_OWNER_OVERHEAD_BYTES
+        fixed += sum(g["bytes"] + owner for g in groups.values())
         avail = available_bytes(d)
         _kv_budgets(fusion, [workers[k] for k in ks], avail, fixed)
         for k in ks:
             w = workers[k]
-            w.est_bytes = w.weight_bytes + w.packed_bytes + w.kv_cache_bytes + OVERHEAD_BYTES
+            w.est_bytes = w.weight_bytes + w.packed_bytes + w.kv_cache_bytes + worker_overhead(d)
         need = fixed + sum(workers[k].kv_cache_bytes for k in ks)
         if avail is not None and need > avail:
             raise ValueError(f"device {d}: the {len(ks)} workers planned there need ~{need / 2**30:.1f} GiB "

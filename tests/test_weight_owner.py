@@ -219,3 +219,18 @@ def test_deployment_copies_on_one_gpu_share_an_owner(tmp_path, monkeypatch):
 
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in owner_pids)
     assert [f for p in owner_pids for f in ipc_files(p)] == []
+
+
+def test_the_plan_counts_cuda_contexts_and_each_owner(monkeypatch):
+    from fusion.plan import CUDA_OWNER_OVERHEAD_BYTES, CUDA_WORKER_OVERHEAD_BYTES, OVERHEAD_BYTES
+
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 64 * 2**30)
+    fusion, plan = _plan("cuda:0", 3)  # three llama copies share an owner; gpt2 has one of its own
+    ws = plan.workers
+    assert all(w.est_bytes == w.weight_bytes + w.kv_cache_bytes + CUDA_WORKER_OVERHEAD_BYTES for w in ws)
+    weights = ws[0].weight_bytes + ws[3].weight_bytes  # once per owner
+    assert plan.devices["cuda:0"]["estimated_bytes"] == (sum(w.kv_cache_bytes for w in ws) + weights
+                                                         + 4 * CUDA_WORKER_OVERHEAD_BYTES + 2 * CUDA_OWNER_OVERHEAD_BYTES)
+    _, cpu = _plan("cpu", 3)
+    assert all(w.est_bytes == w.weight_bytes + w.packed_bytes + w.kv_cache_bytes + OVERHEAD_BYTES for w in cpu.workers)
+    assert "owner process" in plan.describe() and "owner process" not in cpu.describe()

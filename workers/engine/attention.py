@@ -220,7 +220,7 @@ def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: t
         mask = ctx.segment_mask(i, g, window, q.device, repeat=per)
         out = F.scaled_dot_product_attention(q.reshape(1, kvh, per * c, q.shape[-1]), k, v, attn_mask=mask,
                                              scale=scaling)
-        return out.view(heads, c, -1).transpose(0, 1)
+        return out.reshape(heads, c, -1).transpose(0, 1)
     mask = ctx.segment_mask(i, g, window, q.device)
     k = k.repeat_interleave(heads // kvh, dim=1)
     v = v.repeat_interleave(heads // kvh, dim=1)

@@ -1,0 +1,275 @@
+"""The engine and a deployment on a CUDA GPU, printing JSON lines; every figure from this run.
+
+  parity:        fp32 and bf16: the engine's greedy tokens for 8 prompts in one mixed batch against
+                 transformers `generate` on each prompt alone, on the GPU (how many prompts match
+                 token for token, and the first differing position of the others);
+  workload:      bench/engine.py's workload (64 requests, greedy, no early stop) in bf16: the engine
+                 eager and compiled (CUDA graphs), and transformers' static batches of 32;
+  single_stream: one 64-token prompt, 128 new tokens, ms/token: engine eager, compiled, `generate`;
+  deployment:    `run_mm.py --mode serve` with the HTTP gateway, --copies copies of the model in bf16
+                 on one GPU sharing one weight owner: the plan (`validate_only`), the workload as
+                 concurrent streaming HTTP requests (tokens/s), each copy's greedy answer to one
+                 prompt (all equal?), and the GPU memory of every process (nvidia-smi) against the plan.
+
+    python bench/gpu.py [--model smollm2-135m] [--device cuda:0] [--copies 3] [--parts ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# run as a script, bench/ is first on sys.path, where bench/http.py would shadow the standard
+# library's http package: the repository root goes there
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+ROOT = Path(__file__).resolve().parents[1]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.engine import emit, single_prompt, workload  # noqa: E402
+from bench.machine import describe  # noqa: E402
+from bench.router import free_port  # noqa: E402
+from routing.entrypoints import CLI, command  # noqa: E402
+from workers.engine import Engine, EngineConfig  # noqa: E402
+from workers.engine.attention import hf_attention  # noqa: E402
+from workers.engine.params import SamplingParams  # noqa: E402
+from workers.models import load_model  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+def hf_greedy(model, prompt: list[int], new: int, device: str) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt], device=device),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def parity(args) -> None:
+    for dtype in ("float32", "bfloat16"):
+        lm = load_model(args.model, dtype=dtype, device=args.device)
+        prompts, _ = workload(8, lm.vocab_size, seed=3)
+        new = 32
+        eng = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=256))
+        got = [o.outputs[0].token_ids for o in
+               eng.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))]
+        with hf_attention(lm.model, "sdpa"):
+            want = [hf_greedy(lm.model, p, new, args.device) for p in prompts]
+        first_diff = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]
+        emit(part="parity", dtype=dtype, prompts=len(prompts), new_tokens=new,
+             prompt_lengths=[len(p) for p in prompts], equal=sum(d is None for d in first_diff),
+             first_differing_position=first_diff)
+        del eng, lm
+
+
+def timed_engine(lm, prompts, max_tokens, compile: str, device: str, batch: int = 64, tokens: int = 512):
+    eng = Engine(lm, EngineConfig(max_batch_size=batch, max_batch_tokens=tokens, compile=compile))
+    eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+    sync(device)
+    t = time.perf_counter()
+    outs = eng.generate(prompts, params)
+    sync(device)
+    wall = time.perf_counter() - t
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(max_tokens), "engine stopped early"
+    return wall
+
+
+def hf_static(model, prompts, max_tokens, batch: int, device: str) -> tuple[float, int]:
+    sync(device)
+    t = time.perf_counter()
+    useful = 0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            ps, ms = prompts[i: i + batch], max_tokens[i: i + batch]
+            width = max(len(p) for p in ps)
+            ids = torch.zeros(len(ps), width, dtype=torch.long)
+            mask = torch.zeros(len(ps), width, dtype=torch.long)
+            for j, p in enumerate(ps):
+                ids[j, width - len(p):] = torch.tensor(p)
+                mask[j, width - len(p):] = 1
+            m = max(ms)
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=m,
+                                 min_new_tokens=m, do_sample=False, pad_token_id=0)
+            useful += sum(min(mm, out.shape[1] - width) for mm in ms)
+    sync(device)
+    return time.perf_counter() - t, useful
+
+
+def speed(args) -> None:
+    lm = load_model(args.model, dtype="bfloat16", device=args.device)
+    prompts, max_tokens = workload(64, lm.vocab_size)
+    useful = sum(max_tokens)
+    common = dict(model=args.model, dtype="bfloat16", device=device_name(args.device),
+                  requests=len(prompts), prompt_tokens=sum(map(len, prompts)), new_tokens=useful)
+    if "workload" in args.parts:
+        with hf_attention(lm.model, "sdpa"):
+            hf = min(hf_static(lm.model, prompts, max_tokens, 32, args.device)[0] for _ in range(args.repeats))
+        rows = {}
+        for compile in ("false", "true"):
+            if compile == "true":
+                t = time.perf_counter()
+                Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512, compile="true"))
+                emit(part="compile", start_s=round(time.perf_counter() - t, 1), **common)
+            rows[compile] = min(timed_engine(lm, prompts, max_tokens, compile, args.device)
+                                for _ in range(args.repeats))
+        emit(part="workload", engine_eager_tokens_per_s=round(useful / rows["false"], 1),
+             engine_compiled_tokens_per_s=round(useful / rows["true"], 1),
+             hf_static32_tokens_per_s=round(useful / hf, 1),
+             eager_vs_hf_static32=round(hf / rows["false"], 2), compiled_vs_hf_static32=round(hf / rows["true"], 2),
+             repeats=args.repeats, **common)
+    if "single_stream" in args.parts:
+        prompt, new = single_prompt(lm.vocab_size), 128
+        ms = {}
+        for compile in ("false", "true"):
+            ms[compile] = min(timed_engine(lm, [prompt], [new], compile, args.device, batch=1, tokens=128)
+                              for _ in range(args.repeats)) / new * 1e3
+        with hf_attention(lm.model, "sdpa"):
+            hf_greedy(lm.model, prompt[:8], 2, args.device)
+            hf_ms = []
+            for _ in range(args.repeats):
+                sync(args.device)
+                t = time.perf_counter()
+                hf_greedy(lm.model, prompt, new, args.device)
+                sync(args.device)
+                hf_ms.append((time.perf_counter() - t) / new * 1e3)
+        emit(part="single_stream", engine_eager_ms_per_token=round(ms["false"], 2),
+             engine_compiled_ms_per_token=round(ms["true"], 2), transformers_generate_ms_per_token=round(min(hf_ms), 2),
+             stream_prompt_tokens=len(prompt), stream_new_tokens=new, repeats=args.repeats,
+             model=args.model, dtype="bfloat16", device=device_name(args.device))
+
+
+def gpu_memory_by_pid() -> dict[int, int]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [line.split(",") for line in out.strip().splitlines() if line.strip()]
+    return {int(pid): int(mib) * 2**20 for pid, mib in rows}
+
+
+async def stream_all(url: str, model: str, prompts, max_tokens) -> tuple[float, int]:
+    import httpx
+
+    async def one(client, p, m):
+        body = {"model": model, "prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        n = 0
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
+        return n
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t = time.perf_counter()
+        counts = await asyncio.gather(*[one(client, p, m) for p, m in zip(prompts, max_tokens)])
+        return time.perf_counter() - t, sum(counts)
+
+
+def role(cmdline: list[str]) -> str:
+    text = " ".join(cmdline)
+    return next((name for key, name in (("--http", "serve"), ("owner", "weight owner"), ("routing.http", "http gateway"))
+                 if key in text), "worker")
+
+
+def deployment(args) -> None:
+    import httpx
+    import psutil
+
+    from fusion.deploy import build_fusion
+    from fusion.params import load_params
+    from fusion.plan import make_plan
+
+    params = {"variants": {"m": {"model": {"source": args.model, "dtype": "bfloat16", "max_batch_size": 64}}},
+              "runconfig": {"devices": args.device}}
+    cfg = ROOT / "bench" / "_gpu.yaml"
+    cfg.write_text(json.dumps(params))
+    variants = f"m,{args.copies}"
+    plan = make_plan(build_fusion(load_params(cfg), [variants]), None, args.device, None)
+    shown = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(cfg), "--variants", variants],
+                           cwd=ROOT, capture_output=True, text=True)
+    emit(part="validate_only", rc=shown.returncode, output=shown.stdout.strip().splitlines()[-12:])
+    front, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants", variants,
+                             "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}", "--http", http],
+                            cwd=ROOT, stdout=subprocess.DEVNULL)
+    url = f"http://{http}"
+    try:
+        t0 = time.perf_counter()
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.perf_counter() - t0 > 600:
+                raise RuntimeError("run_mm.py serve did not become healthy")
+            time.sleep(0.5)
+        ready_s = time.perf_counter() - t0
+        answers = []
+        for i in range(args.copies):
+            r = httpx.post(f"{url}/v1/completions", timeout=120,
+                           json={"model": f"m:{i}", "prompt": "The three primary colours are", "max_tokens": 16,
+                                 "temperature": 0})
+            r.raise_for_status()
+            answers.append(r.json()["choices"][0]["text"])
+        prompts, max_tokens = workload(64, args.vocab)
+        runs = [asyncio.run(stream_all(url, "m", prompts, max_tokens)) for _ in range(args.repeats)]
+        wall, got = min(runs)
+        mem = gpu_memory_by_pid() if args.device.startswith("cuda") else {}
+        tree = {p.pid: p for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]}
+        ours = {pid: b for pid, b in mem.items() if pid in tree}
+        names = {pid: f"{pid} {role(tree[pid].cmdline())}" for pid in ours}
+        planned = plan.devices[args.device]["estimated_bytes"]
+        emit(part="deployment", copies=args.copies, ready_s=round(ready_s, 1),
+             greedy_answers_equal=all(a == answers[0] for a in answers), answer=answers[0],
+             http_stream_tokens_per_s=round(got / wall, 1), tokens=got, expected_tokens=sum(max_tokens),
+             gpu_memory_mib={names[p]: b // 2**20 for p, b in ours.items()},
+             gpu_memory_total_mib=sum(ours.values()) // 2**20,
+             plan_total_mib=planned // 2**20, repeats=args.repeats)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        cfg.unlink(missing_ok=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--copies", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=49152, help="deployment: token ids of the workload below this")
+    ap.add_argument("--parts", default="parity,workload,single_stream,deployment")
+    args = ap.parse_args()
+    args.parts = args.parts.split(",")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench/gpu.py needs a CUDA device (--device cpu runs its parts on the CPU)")
+    emit(**describe("gpu", sys.argv), gpu=device_name(args.device))
+    if "parity" in args.parts:
+        parity(args)
+    if {"workload", "single_stream"} & set(args.parts):
+        speed(args)
+    if "deployment" in args.parts:
+        deployment(args)
+
+
+if __name__ == "__main__":
+    main()
