@@ -4,6 +4,7 @@ they replace."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,10 +86,13 @@ def _pairs(lengths: list[int], block: int, window: int | None, num_blocks: int, 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 20])
-def test_cpu_decode_kernel_matches_the_pytorch_reference(dtype, tol, window):
+@pytest.mark.parametrize("d", [32, 64])  # 64 in bfloat16: the AVX512-BF16 path where the CPU has it
+def test_cpu_decode_kernel_matches_the_pytorch_reference(dtype, tol, window, d):
     assert cpu_kernels.decode_kernel() is not None, cpu_kernels.build_error()
+    if "avx512_bf16" in Path("/proc/cpuinfo").read_text():
+        assert "bf16_avx512" in cpu_kernels.kernel_paths()
     rng = random.Random(0)
-    block, kvh, heads, d = 8, 2, 6, 32
+    block, kvh, heads = (8 if d == 32 else 32), 2, 6  # 32: a block of two 16-position chunks
     lengths = [1, 7, 8, 9, 40, 130] + [rng.randint(1, 200) for _ in range(10)]
     num_blocks = sum(-(-n // block) for n in lengths) + 5
     gen = torch.Generator().manual_seed(1)

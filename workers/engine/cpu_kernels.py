@@ -86,6 +86,12 @@ def build_error() -> str | None:
     return _built()[1]
 
 
+def kernel_paths() -> list[str]:
+    """The paths the built kernel has ("generic", and "bf16_avx512" on CPUs with AVX512-BF16)."""
+    module = _built()[0]
+    return list(module.paths()) if module is not None else []
+
+
 def decode_kernel() -> Callable | None:
     """The CPU decode kernel (built once), or None when it could not be built."""
     return paged_decode_cpu if _built()[0] is not None else None
