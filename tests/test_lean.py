@@ -104,3 +104,21 @@ def test_cpu_decode_kernel_matches_the_pytorch_reference(dtype, tol, window, d):
     out = cpu_kernels.paged_decode_cpu(gs, q, key, value, 0.2, None)
     assert out.dtype == dtype and out.shape == ref.shape
     assert (out.double() - ref).abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_cpu_norms_match_torch(dtype, rows):
+    norms = cpu_kernels.norm_kernels()
+    assert norms is not None, cpu_kernels.build_error()
+    gen = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 576, generator=gen).to(dtype)
+    delta = torch.randn(rows, 576, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    want_h = h + delta
+    want = torch.nn.functional.rms_norm(want_h, (576,), w, 1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 0  # bfloat16 rounds where torch rounds: the same bits
+    assert (norms.rms_norm(want_h, w, 1e-5).float() - want.float()).abs().max() <= tol * want.abs().max()
+    got = norms.add_rms_norm(h, delta, w, 1e-5)  # h becomes h + delta
+    assert torch.equal(h, want_h)
+    assert (got.float() - want.float()).abs().max() <= tol * want.abs().max()

@@ -55,3 +55,15 @@ def test_max_tokens_zero_scores_prompt_only():
     logp = torch.log_softmax(plain_logits(lm.model, prompt), dim=-1)
     expect = [None] + [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
     assert out.prompt_logprobs[1:] == pytest.approx(expect[1:], abs=1e-4)
+
+
+def test_logprobs_only_for_requests_that_ask():
+    eng = Engine(tiny("llama"), EngineConfig(max_batch_size=4, max_batch_tokens=32))
+    plain = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    asked = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    ranked = SamplingParams(n=1, best_of=2, max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)
+    a, b, c = eng.generate([[1, 2, 3]] * 3, [plain, asked, ranked])
+    assert a.outputs[0].logprobs is None and a.outputs[0].cumulative_logprob is None
+    assert len(b.outputs[0].logprobs) == 5 and all(v <= 0 for v in b.outputs[0].logprobs)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids  # the same tokens either way
+    assert len(c.outputs[0].logprobs) == 5  # best_of ranks its samples by them

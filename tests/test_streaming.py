@@ -32,6 +32,6 @@ def test_best_of_returns_the_n_best_by_mean_logprob():
     out = eng.generate([[3, 4, 5]], params)[0]
     assert [c.index for c in out.outputs] == [0, 1]
     everyone = Engine(tiny("llama"), EngineConfig(max_batch_size=8, max_batch_tokens=64)).generate(
-        [[3, 4, 5]], SamplingParams(n=5, max_tokens=6, temperature=1.2, seed=11, ignore_eos=True))[0]
+        [[3, 4, 5]], SamplingParams(n=5, max_tokens=6, temperature=1.2, seed=11, ignore_eos=True, logprobs=0))[0]
     best = sorted(everyone.outputs, key=lambda c: -c.mean_logprob)[:2]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best]

@@ -26,7 +26,8 @@ from workers.engine import attention
 from workers.files import cache_root
 
 log = logging.getLogger("mmfusion.kernels")
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode.cpp"
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "rms_norm.cpp", "bindings.cpp")]
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
 KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
@@ -58,11 +59,11 @@ def _cpu_tag() -> str:
 def _build():
     from torch.utils import cpp_extension
 
-    src = SOURCE.read_bytes()
+    src = b"".join(path.read_bytes() for path in SOURCES)
     tag = hashlib.sha1(src + torch.__version__.encode() + _cpu_tag().encode()).hexdigest()[:16]
     build = Path(os.environ.get(KERNEL_CACHE_ENV) or cache_root() / "kernels") / tag
     build.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=f"mmfusion_paged_decode_{tag}", sources=[str(SOURCE)], build_directory=str(build),
+    return cpp_extension.load(name=f"mmfusion_paged_decode_{tag}", sources=[str(path) for path in SOURCES], build_directory=str(build),
                               # fast-math and OpenMP (at::parallel_for, omp simd): the dot products and exponentials vectorize
                               # (glibc's libmvec holds the vector exp)
                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
@@ -90,6 +91,12 @@ def kernel_paths() -> list[str]:
     """The paths the built kernel has ("generic", and "bf16_avx512" on CPUs with AVX512-BF16)."""
     module = _built()[0]
     return list(module.paths()) if module is not None else []
+
+
+def norm_kernels():
+    """The built module, whose rms_norm(x, w, eps) and add_rms_norm(h, delta, w, eps) the lean
+    forward runs on CPU, or None when it could not be built."""
+    return _built()[0]
 
 
 def decode_kernel() -> Callable | None:

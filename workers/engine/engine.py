@@ -212,7 +212,8 @@ class Engine:
             if seq.finished:
                 continue
             seq.output.append(tok)
-            seq.logprobs.append(lp)
+            if lp is not None:
+                seq.logprobs.append(lp)
             if top is not None:
                 seq.top_logprobs.append(top)
             new_tokens.setdefault(seq.seq_id, []).append(tok)
@@ -245,7 +246,7 @@ class Engine:
                 index=i if finished and p.num_samples > p.n else s.sample_index,
                 token_ids=own(s.output),
                 text=s.text if s.finished else "",
-                logprobs=own(s.logprobs),
+                logprobs=own(s.logprobs) if p.wants_logprobs else None,
                 top_logprobs=own(s.top_logprobs) if p.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 new_token_ids=new_tokens.get(s.seq_id, []),

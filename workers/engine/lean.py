@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.config_keys import LEAN_ARCHITECTURES as LLAMA_FAMILY
-from workers.engine import attention
+from workers.engine import attention, cpu_kernels
 from workers.engine.linears import Linear, can_pack, fused
 
 
@@ -47,7 +47,7 @@ def lean_forward(model, holder: attention.ContextHolder, device: torch.device, d
     family), its linears packed where oneDNN takes the dtype; else None (transformers' modules)."""
     if not prepack or device.type != "cpu" or unsupported(model) is not None:
         return None
-    return LeanLlama(model, holder, pack=can_pack(dtype, device))
+    return LeanLlama(model, holder, pack=can_pack(dtype, device), norms=cpu_kernels.norm_kernels())
 
 
 @dataclass(slots=True)
@@ -64,8 +64,9 @@ class _Layer:
 class LeanLlama:
     """forward(ids, positions, keep, kv) -> logits of the kept rows, over the paged cache."""
 
-    def __init__(self, model, holder: attention.ContextHolder, pack: bool):
+    def __init__(self, model, holder: attention.ContextHolder, pack: bool, norms=None):
         cfg = model.config.get_text_config()
+        self.norms = norms  # the C++ norms (cpu_kernels), or None for F.rms_norm
         inner = model.model
         self.holder = holder
         self.heads = cfg.num_attention_heads
@@ -97,9 +98,18 @@ class LeanLlama:
         return sum(x.own_bytes for x in linears)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # one fused op, in float32 inside: transformers' LlamaRMSNorm rounds to the dtype once more,
-        # before the scale (the same in float32; within a rounding in bfloat16)
+        # in float32 inside: transformers' LlamaRMSNorm rounds to the dtype once more, before the
+        # scale (the same in float32; within a rounding in bfloat16)
+        if self.norms is not None:
+            return self.norms.rms_norm(x.contiguous(), weight, self.eps)
         return F.rms_norm(x, (self.hidden,), weight, self.eps)
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, its norm): one pass over the rows with the C++ norms, h updated in place."""
+        if self.norms is not None:
+            return h, self.norms.add_rms_norm(h, delta, weight, self.eps)
+        h = h + delta
+        return h, F.rms_norm(h, (self.hidden,), weight, self.eps)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -112,18 +122,22 @@ class LeanLlama:
         sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None, :]
         n, heads, kvh, d = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         key_cache, value_cache = kv
+        x = self._norm(h, self.layers[0].input_norm)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = self._norm(h, layer.input_norm)
             qkv = layer.qkv(x)
             qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
             qk = qk * cos + qk.roll(half, -1) * sin
             v = qkv[:, (heads + kvh) * d:].view(n, kvh, d)
             a = attention.attend(self.holder, qk[:, :heads], qk[:, heads:], v, key_cache, value_cache, i,
                                  self.scaling, layer.window, None)
-            h = h + layer.o(a.reshape(n, heads * d))
-            x = self._norm(h, layer.post_norm)
+            h, x = self._add_norm(h, layer.o(a.reshape(n, heads * d)), layer.post_norm)
             gu = layer.gate_up(x)
             inter = gu.shape[1] // 2
-            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            delta = layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            if i < last:
+                h, x = self._add_norm(h, delta, self.layers[i + 1].input_norm)
+            else:
+                h = h + delta
         h = self._norm(h.index_select(0, keep), self.final_norm)
         return self.lm_head(h)

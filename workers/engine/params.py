@@ -71,6 +71,11 @@ class SamplingParams:
         """Sequences to run: best_of when given (the n best are returned), else n."""
         return self.best_of or self.n
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """The chosen tokens' log-probabilities are needed: asked for, or to rank best_of samples."""
+        return self.logprobs is not None or self.num_samples > self.n
+
 
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):

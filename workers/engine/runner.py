@@ -91,7 +91,7 @@ class BaseRunner(ABC):
         def want(seq: Sequence, row: int) -> None:
             p = seq.group.params
             specs.append(SampleSpec(row, p.temperature, p.top_k, p.top_p, seq.group.seed, seq.sample_index,
-                                    len(seq.output), p.logprobs))
+                                    len(seq.output), p.logprobs, p.wants_logprobs))
             owners.append(seq)
 
         for i, seq in enumerate(decode):

@@ -39,6 +39,7 @@ class SampleSpec:
     sample_index: int
     token_index: int
     num_top: int | None  # top-k alternatives to report, None for none
+    want_logprob: bool = True  # the chosen token's log-probability (a full-vocabulary logsumexp)
 
 
 def _sample_row(logits: torch.Tensor, spec: SampleSpec) -> int:
@@ -59,21 +60,37 @@ def _sample_row(logits: torch.Tensor, spec: SampleSpec) -> int:
     return int(order[idx])
 
 
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if rows == list(range(x.shape[0])):
+        return x  # the usual case: every row, in order - no gather
+    return x.index_select(0, torch.tensor(rows, device=x.device))
+
+
 def sample(logits: torch.Tensor, specs: list[SampleSpec]):
-    """Pick a token per spec. Returns (tokens, chosen logprobs, top alternatives per spec)."""
+    """Pick a token per spec. Returns (tokens, chosen logprobs, top alternatives per spec); a
+    chosen logprob is None where its spec does not want it."""
     if not specs:
         return [], [], []
-    row_ids = [s.row for s in specs]
-    if row_ids == list(range(logits.shape[0])):
-        sel = logits.float()  # the usual case: every row is sampled once, in order - no gather
-    else:
-        sel = logits.index_select(0, torch.tensor(row_ids, device=logits.device)).float()
-    greedy = sel.argmax(dim=-1).tolist()
-    tokens = [greedy[i] if s.temperature == 0 else _sample_row(sel[i], s) for i, s in enumerate(specs)]
-    picked = sel.gather(1, torch.tensor(tokens, device=sel.device)[:, None])[:, 0]
-    chosen = (picked - torch.logsumexp(sel, dim=-1)).tolist()
+    sel = _rows(logits, [s.row for s in specs])
+    # greedy in the logits' own dtype: the argmax is the same, without a float copy of every row
+    tokens = sel.argmax(dim=-1).tolist()
+    for i, s in enumerate(specs):
+        if s.temperature != 0:
+            tokens[i] = _sample_row(sel[i], s)
+    chosen: list[float | None] = [None] * len(specs)
+    want = [i for i, s in enumerate(specs) if s.want_logprob]
+    if want:
+        rows = _rows(sel, want).float()
+        picked = rows.gather(1, torch.tensor([tokens[i] for i in want], device=rows.device)[:, None])[:, 0]
+        for i, v in zip(want, (picked - torch.logsumexp(rows, dim=-1)).tolist()):
+            chosen[i] = v
     ks = [s.num_top for s in specs]
-    tops = top_alternatives(torch.log_softmax(sel, dim=-1), ks) if any(k is not None for k in ks) else [None] * len(ks)
+    tops: list = [None] * len(ks)
+    asked = [i for i, k in enumerate(ks) if k is not None]
+    if asked:
+        found = top_alternatives(torch.log_softmax(_rows(sel, asked).float(), dim=-1), [ks[i] for i in asked])
+        for i, t in zip(asked, found):
+            tops[i] = t
     return tokens, chosen, tops
 
 

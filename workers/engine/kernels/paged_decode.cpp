@@ -228,8 +228,3 @@ std::vector<std::string> paths() {
 #endif
   return p;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("paths", &paths, "the specialised paths compiled into this build");
-}
