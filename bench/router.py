@@ -5,7 +5,9 @@
     through client -> router -> worker -> router -> client, minus the same round trip to an
     echo server connected directly (no router in between).
 (b) e2e: tokens/s on the bench/engine.py workload through `run_mm.py --mode serve` with one
-    worker, against the engine in-process, in the same run.
+    worker, against the engine in-process, in the same run; then one stream alone (64-token
+    prompt, 128 new tokens) through serve against in-process: ms/token and their ratio. Both
+    sides run eagerly (compile: false).
 
     python bench/router.py [--seconds 5] [--skip-e2e] [--n 64]
 """
@@ -153,10 +155,10 @@ def bench_echo(seconds: float) -> None:
         server.terminate()
 
 
-def bench_e2e(n: int, model: str, dtype: str) -> None:
+def bench_e2e(n: int, model: str, dtype: str, repeats: int = 2) -> None:
     import asyncio
 
-    from bench.engine import workload
+    from bench.engine import single_prompt, workload
     from routing.client import AsyncClient
     from workers.engine import Engine, EngineConfig
     from workers.engine.params import SamplingParams
@@ -164,16 +166,25 @@ def bench_e2e(n: int, model: str, dtype: str) -> None:
 
     lm = load_model(model, dtype=dtype)
     prompts, max_tokens = workload(n, lm.vocab_size)
-    eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512, num_threads=2))
+    # eager on both sides (compile: auto would load compiled artifacts a bench left in the cache)
+    eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512, num_threads=2, compile="false"))
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))
     t = time.perf_counter()
     eng.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])
     inproc = time.perf_counter() - t
+    # one stream alone: a 64-token prompt, 128 new tokens, best of `repeats`
+    single, new = single_prompt(lm.vocab_size), 128
+    one = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    inproc_single = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        eng.generate([single], one)
+        inproc_single.append(time.perf_counter() - t)
     del eng, lm
     useful = sum(max_tokens)
     cfg = ROOT / "bench" / "_e2e.yaml"
     cfg.write_text(json.dumps({"variants": {"m": {"model": {"source": model, "dtype": dtype, "max_batch_size": 64,
-                                                             "max_batch_tokens": 512}}},
+                                                             "max_batch_tokens": 512, "compile": "false"}}},
                                "runconfig": {"threads_per_worker": 2}}))
     port = 30000 + os.getpid() % 20000
     front = f"tcp://127.0.0.1:{port}"
@@ -192,10 +203,17 @@ def bench_e2e(n: int, model: str, dtype: str) -> None:
             t = time.perf_counter()
             res = await asyncio.gather(*[c.complete("m", p, max_tokens=m, temperature=0.0, ignore_eos=True)
                                          for p, m in zip(prompts, max_tokens)])
-            return time.perf_counter() - t, sum(r["usage"]["completion_tokens"] for r in res)
+            wall = time.perf_counter() - t
+            served_single = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                r = await c.complete("m", single, max_tokens=new, temperature=0.0, ignore_eos=True)
+                served_single.append(time.perf_counter() - t)
+                assert r["usage"]["completion_tokens"] == new
+            return wall, sum(r["usage"]["completion_tokens"] for r in res), served_single
 
     try:
-        wall, got = asyncio.run(go())
+        wall, got, served_single = asyncio.run(go())
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -204,6 +222,10 @@ def bench_e2e(n: int, model: str, dtype: str) -> None:
     emit(bench="router_e2e", model=model, dtype=dtype, requests=n, tokens=useful,
          served_tokens_per_s=round(useful / wall, 2), inprocess_tokens_per_s=round(useful / inproc, 2),
          ratio=round(inproc / wall, 3))
+    a, b = min(inproc_single) / new * 1e3, min(served_single) / new * 1e3
+    emit(bench="serve_single_stream", model=model, dtype=dtype, prompt_tokens=len(single), new_tokens=new,
+         inprocess_ms_per_token=round(a, 2), served_ms_per_token=round(b, 2), served_vs_inprocess=round(b / a, 3),
+         repeats=repeats)
 
 
 def main() -> None:
