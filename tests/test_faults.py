@@ -98,7 +98,7 @@ def test_async_client_timeout_reaches_the_worker_and_frees_the_slot():
     """AsyncClient's timeouts come from one sweep timer for all requests: a wait past it fails
     on time, only that request, and its cancel reaches the engine."""
     async def go(address):
-        async with AsyncClient(address, timeout=0.4) as ac:
+        async with AsyncClient(address, timeout=0.25) as ac:
             quick = asyncio.ensure_future(ac.complete("llama", [1, 2], max_tokens=2, ignore_eos=True))
             t = time.monotonic()
             with pytest.raises(TimeoutError):
@@ -107,8 +107,9 @@ def test_async_client_timeout_reaches_the_worker_and_frees_the_slot():
             return waited, (await quick)["usage"]["completion_tokens"], ac._queues
 
     with one_worker() as (router, _, c):
+        c.complete("llama", [1, 2], max_tokens=2)  # the first step's one-off set-up, outside the timeouts
         waited, quick_tokens, left = asyncio.run(go(router.frontend_addr))
-        assert 0.4 <= waited < 1.0 and quick_tokens == 2 and not left
+        assert 0.25 <= waited < 0.85 and quick_tokens == 2 and not left
         wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)
         wait_for(lambda: c.status()["workers"][0]["engine"]["running"] == 0 and c.status()["pending"] == 0)
 
