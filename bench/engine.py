@@ -97,7 +97,7 @@ def run_hf_single(model, prompts, max_tokens):
     return time.perf_counter() - t, useful
 
 
-def run_hf_static(model, prompts, max_tokens, batch):
+def run_hf_static(model, prompts, max_tokens, batch, device: str = "cpu"):
     t = time.perf_counter()
     useful = 0
     with torch.inference_mode():
@@ -110,8 +110,10 @@ def run_hf_static(model, prompts, max_tokens, batch):
                 ids[j, width - len(p):] = torch.tensor(p)
                 mask[j, width - len(p):] = 1
             m = max(ms)
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=m, min_new_tokens=m, do_sample=False,
-                                 pad_token_id=0)
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=m, min_new_tokens=m,
+                                 do_sample=False, pad_token_id=0)
+            if device != "cpu":
+                torch.cuda.synchronize(device)
             # each request only wanted its own max_tokens: the rest of the padded batch is waste
             useful += sum(min(mm, out.shape[1] - width) for mm in ms)
     return time.perf_counter() - t, useful

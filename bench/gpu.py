@@ -32,7 +32,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.engine import emit, single_prompt, workload  # noqa: E402
+from bench.engine import emit, run_hf_static, single_prompt, workload  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from bench.router import free_port  # noqa: E402
 from routing.entrypoints import CLI, command  # noqa: E402
@@ -89,27 +89,6 @@ def timed_engine(lm, prompts, max_tokens, compile: str, device: str, batch: int 
     return wall
 
 
-def hf_static(model, prompts, max_tokens, batch: int, device: str) -> tuple[float, int]:
-    sync(device)
-    t = time.perf_counter()
-    useful = 0
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch):
-            ps, ms = prompts[i: i + batch], max_tokens[i: i + batch]
-            width = max(len(p) for p in ps)
-            ids = torch.zeros(len(ps), width, dtype=torch.long)
-            mask = torch.zeros(len(ps), width, dtype=torch.long)
-            for j, p in enumerate(ps):
-                ids[j, width - len(p):] = torch.tensor(p)
-                mask[j, width - len(p):] = 1
-            m = max(ms)
-            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=m,
-                                 min_new_tokens=m, do_sample=False, pad_token_id=0)
-            useful += sum(min(mm, out.shape[1] - width) for mm in ms)
-    sync(device)
-    return time.perf_counter() - t, useful
-
-
 def speed(args) -> None:
     lm = load_model(args.model, dtype="bfloat16", device=args.device)
     prompts, max_tokens = workload(64, lm.vocab_size)
@@ -118,7 +97,9 @@ def speed(args) -> None:
                   requests=len(prompts), prompt_tokens=sum(map(len, prompts)), new_tokens=useful)
     if "workload" in args.parts:
         with hf_attention(lm.model, "sdpa"):
-            hf = min(hf_static(lm.model, prompts, max_tokens, 32, args.device)[0] for _ in range(args.repeats))
+            sync(args.device)
+            hf = min(run_hf_static(lm.model, prompts, max_tokens, 32, args.device)[0]
+                     for _ in range(args.repeats))
         rows = {}
         for compile in ("false", "true"):
             if compile == "true":
