@@ -124,6 +124,18 @@ def test_top_k_keeps_only_the_k_most_likely():
     assert set(got) == {1, 3}
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
+    """bfloat16 logits tie often (8 bits of mantissa over a large vocabulary); transformers takes
+    the first maximal index, and so must greedy here, in whatever dtype the logits come."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randint(0, 3, (64, 5000), generator=gen).to(dtype)  # every row has many tied maxima
+        specs = [SampleSpec(row=r, temperature=0, top_k=0, top_p=1.0, seed=0, sample_index=0, token_index=0,
+                            num_top=None, want_logprob=False) for r in range(64)]
+        tokens, _, _ = sample(logits, specs)
+        assert tokens == logits.float().argmax(-1).tolist()
+
+
 def test_sampler_makes_its_tensors_on_the_logits_device():
     """A tensor created without the logits' device lands on `meta` here, and mixing devices raises:
     the CPU stand-in for a CUDA run (where a CPU tensor among CUDA ones fails every sampled request)."""
