@@ -64,6 +64,11 @@ class GroupStep:
     # within its gathered blocks)
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     span_table: torch.Tensor | None = None  # spans as a tensor, made once a step by the kernel that wants it
+    # for a prefill kernel (ContextHolder.prefill_kernel): the chunks' block lists one after another,
+    # and per chunk (first token row, tokens, first position, offset in prefill_blocks, position of
+    # its first block)
+    prefill_blocks: torch.Tensor | None = None
+    prefill_table: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -253,6 +258,9 @@ def attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value:
     if d:
         kernel = DECODE_KERNELS.get(key_buf.device.type) or holder.decode_kernel or decode_attention
         out[:d] = kernel(gs, query[:d], key_buf, value_buf, scaling, softcap)
+    if (ctx.segments and softcap is None and holder.prefill_kernel is not None and gs.prefill_table is not None
+            and holder.prefill_kernel(out, query, key_buf, value_buf, gs, window, scaling)):
+        return out
     alone = range(len(ctx.segments))
     if softcap is None and len(ctx.segments) > 1:
         groups, alone = ctx.whole_prompt_groups(window, query.device)
@@ -334,7 +342,7 @@ class ContextHolder:
     """Mutable handle shared by the attention modules of one model (and by every engine on it):
     the runner that steps sets its cache and `current` for each forward."""
 
-    __slots__ = ("current", "groups", "position", "windows", "id", "decode_kernel", "__weakref__")
+    __slots__ = ("current", "groups", "position", "windows", "id", "decode_kernel", "prefill_kernel", "__weakref__")
 
     def __init__(self, groups: CacheGroups) -> None:
         self.current: StepContext | None = None
@@ -344,6 +352,9 @@ class ContextHolder:
         self.id = next(_HOLDER_IDS)
         # this model's own decode kernel (the CPU's C++ one); a kernel registered for the device wins
         self.decode_kernel: Callable | None = None
+        # and its prefill kernel: (out, query, key cache, value cache, GroupStep, window, scaling) ->
+        # whether it wrote out's prefill rows (else the PyTorch path runs)
+        self.prefill_kernel: Callable | None = None
         _HOLDERS[self.id] = self
 
 

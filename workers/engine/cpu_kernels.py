@@ -1,4 +1,4 @@
-"""The CPU's own paged decode kernel (kernels/paged_decode.cpp), built once per machine.
+"""The CPU's own attention and norm kernels (kernels/), built once per machine.
 
 Decode attention in PyTorch operations costs a few dozen small operations per layer, and their
 dispatch, not their arithmetic, is most of a decode step's attention time. The C++ kernel
@@ -27,7 +27,7 @@ from workers.files import cache_root
 
 log = logging.getLogger("mmfusion.kernels")
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "rms_norm.cpp", "bindings.cpp")]
+SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "bindings.cpp")]
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
 KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
@@ -97,6 +97,19 @@ def norm_kernels():
     """The built module, whose rms_norm(x, w, eps) and add_rms_norm(h, delta, w, eps) the lean
     forward runs on CPU, or None when it could not be built."""
     return _built()[0]
+
+
+def paged_prefill_cpu(out: torch.Tensor, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gs: attention.GroupStep,
+                      window: int | None, scaling: float) -> bool:
+    """Every prefill chunk of the step for one layer, into `out`'s rows; False where the kernel has
+    no path (not bfloat16 on AVX512-BF16, another head size) and attention's PyTorch path must serve."""
+    return _built()[0].paged_prefill(out, q, key, value, gs.prefill_blocks, gs.prefill_table, window or 0, scaling)
+
+
+def prefill_kernel() -> Callable | None:
+    """The CPU prefill kernel (built once), or None when this build has none (no compiler, no
+    AVX512-BF16: it serves bfloat16 only)."""
+    return paged_prefill_cpu if "bf16_avx512" in kernel_paths() else None
 
 
 def decode_kernel() -> Callable | None:

@@ -198,6 +198,19 @@ class PagedRunner(BaseRunner):
             t0 += c.length
         return segments
 
+    def _prefill_tables(self, steps: list[attention.GroupStep], chunks: list[Chunk], first_token: int) -> None:
+        """The prefill kernel's view of the chunks (GroupStep.prefill_table), per cache group."""
+        bs = self.block_size
+        for g, (gs, window) in enumerate(zip(steps, self.holder.windows)):
+            blocks, rows, t0 = [], [], first_token
+            for c in chunks:
+                first = first_block(window, c.start, bs)
+                rows.append((t0, c.length, c.start, len(blocks), first * bs))
+                blocks.extend(c.seq.blocks.tables[g][first: -(-(c.start + c.length) // bs)])
+                t0 += c.length
+            gs.prefill_blocks = torch.tensor(blocks, dtype=torch.long)
+            gs.prefill_table = torch.tensor(rows, dtype=torch.long)
+
     def _forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
         ids = [s.token_at(s.num_computed) for s in decode]
         pos = [s.num_computed for s in decode]
@@ -208,9 +221,11 @@ class PagedRunner(BaseRunner):
             pos.extend(range(chunk.start, chunk.start + chunk.length))
             keep.extend(t0 + r for r in _kept_rows(chunk))
         dev = self.lm.device
+        groups = self._group_steps(decode, chunks, pos)
+        if chunks and self.holder.prefill_kernel is not None:
+            self._prefill_tables(groups, chunks, len(decode))
         self.holder.current = attention.StepContext(
-            num_decode=len(decode), num_tokens=len(ids), groups=self._group_steps(decode, chunks, pos),
-            segments=self._segments(chunks, len(decode)))
+            num_decode=len(decode), num_tokens=len(ids), groups=groups, segments=self._segments(chunks, len(decode)))
         padded = self.compiled.buckets.pad(len(ids)) if self.compiled is not None else None
         if padded is not None and padded > len(ids):
             # padded rows: token 0 at position 0; row-wise layers keep them apart and attention skips them

@@ -1,0 +1,197 @@
+// Prefill attention over the paged KV cache: every prompt chunk of a step in one call, reading the
+// keys and values straight from their blocks (no gather into a contiguous copy, no mask tensor),
+// causal and windowed by position, with an online softmax in float32 (flash attention's).
+//
+// The query rows of one KV head (its query heads times the chunk's tokens) sit in the 16 lanes of
+// a vector, so the scores of one key position are one vdpbf16ps per 32 elements of the head with
+// the key broadcast from the cache, and the softmax over a tile of 16 positions needs no
+// horizontal reductions. Values are widened to float32 once per tile and the probabilities stay
+// float32 (the decode kernel's precision). bfloat16 with AVX512-BF16 only, heads of 64, 128 or
+// 256; attention.py's PyTorch path serves everything else and is this kernel's reference.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define MMFUSION_PREFILL_BF16 1
+#endif
+
+namespace {
+
+#ifdef MMFUSION_PREFILL_BF16
+constexpr int LANES = 16;  // query rows per work item, and key positions per tile
+
+// e^x for x <= 0 (Cephes' expf: 2^n e^r with |r| <= ln2/2, relative error ~2e-7). Inputs below
+// -88, -inf and NaN give a tiny positive number: every caller masks the lanes that see nothing.
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Layout {
+  const c10::BFloat16 *q, *kc, *vc;
+  c10::BFloat16* out;
+  const int64_t *blocks, *segs;
+  int64_t q_tok, q_head, o_tok, o_head;  // strides (elements) of a token and a head in q and out
+  int64_t heads, kvh, bs, window;
+  float scale;
+};
+
+// one work item: up to 16 query rows (token-major, then the query heads of KV head kh) of segment s
+template <int D>
+void prefill_item(const Layout& L, int64_t s, int64_t kh, int64_t row0) {
+  constexpr int P = D / 2;  // bf16 pairs in a head
+  const int64_t* seg = L.segs + s * 5;
+  const int64_t tok0 = seg[0], length = seg[1], start = seg[2], boff = seg[3], first_pos = seg[4];
+  const int64_t g = L.heads / L.kvh;
+  const int64_t rows = std::min<int64_t>(LANES, length * g - row0);
+
+  alignas(64) uint32_t qt[P * LANES];  // qt[p][lane]: pair p of the lane's query
+  alignas(64) int32_t pos[LANES], lo[LANES];
+  std::fill(qt, qt + P * LANES, 0u);
+  int64_t klo = std::numeric_limits<int64_t>::max(), khi = 0;
+  for (int64_t k = 0; k < LANES; ++k) {
+    if (k >= rows) {
+      pos[k] = -1;  // a lane past the rows sees no position
+      lo[k] = std::numeric_limits<int32_t>::max();
+      continue;
+    }
+    const int64_t r = row0 + k, i = r / g, j = r % g;
+    const uint32_t* qr = reinterpret_cast<const uint32_t*>(L.q + (tok0 + i) * L.q_tok + (kh * g + j) * L.q_head);
+    for (int p = 0; p < P; ++p) qt[p * LANES + k] = qr[p];
+    pos[k] = static_cast<int32_t>(start + i);
+    lo[k] = static_cast<int32_t>(L.window > 0 ? std::max<int64_t>(0, start + i - L.window + 1) : 0);
+    klo = std::min<int64_t>(klo, lo[k]);
+    khi = std::max<int64_t>(khi, start + i + 1);
+  }
+  const __m512i vpos = _mm512_load_si512(pos), vlo = _mm512_load_si512(lo);
+  const __m512 vscale = _mm512_set1_ps(L.scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+
+  alignas(64) float acc[D * LANES];  // acc[dim][lane]
+  alignas(64) float vf[LANES * D];   // this tile's values in float32
+  alignas(64) float pr[LANES * LANES];  // this tile's probabilities, [position][lane]
+  std::fill(acc, acc + D * LANES, 0.f);
+  __m512 m = ninf, l = _mm512_setzero_ps();
+  const int64_t kv_stride = L.bs * D;
+
+  for (int64_t t0 = klo; t0 < khi; t0 += LANES) {
+    const int n = static_cast<int>(std::min<int64_t>(LANES, khi - t0));
+    const uint32_t* kp[LANES];
+    for (int t = 0; t < n; ++t) {
+      const int64_t rel = t0 + t - first_pos, blk = L.blocks[boff + rel / L.bs];
+      const int64_t off = (blk * L.kvh + kh) * kv_stride + (rel % L.bs) * D;
+      kp[t] = reinterpret_cast<const uint32_t*>(L.kc + off);
+      const __m256i* vt = reinterpret_cast<const __m256i*>(L.vc + off);
+      for (int c = 0; c < D / 16; ++c)
+        _mm512_store_ps(vf + t * D + 16 * c, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(vt + c)));
+    }
+    __m512 sc[LANES];
+    for (int t = 0; t < n; ++t) sc[t] = _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      const __m512bh qp = (__m512bh)_mm512_load_si512(qt + p * LANES);
+      for (int t = 0; t < n; ++t)
+        sc[t] = _mm512_dpbf16_ps(sc[t], qp, (__m512bh)_mm512_set1_epi32(static_cast<int>(kp[t][p])));
+    }
+    __mmask16 seen[LANES];
+    __m512 mx = ninf;
+    for (int t = 0; t < n; ++t) {
+      const __m512i kpos = _mm512_set1_epi32(static_cast<int32_t>(t0 + t));
+      seen[t] = _mm512_cmple_epi32_mask(kpos, vpos) & _mm512_cmpge_epi32_mask(kpos, vlo);
+      sc[t] = _mm512_mask_mul_ps(ninf, seen[t], sc[t], vscale);
+      mx = _mm512_max_ps(mx, sc[t]);
+    }
+    const __m512 mnew = _mm512_max_ps(m, mx);
+    const __m512 corr = exp_neg(_mm512_sub_ps(m, mnew));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < n; ++t) {
+      const __m512 e = _mm512_maskz_mov_ps(seen[t], exp_neg(_mm512_sub_ps(sc[t], mnew)));
+      _mm512_store_ps(pr + t * LANES, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    l = _mm512_fmadd_ps(l, corr, sum);
+    m = mnew;
+    for (int c = 0; c < D / 16; ++c) {
+      __m512 a[16];
+      for (int k = 0; k < 16; ++k) a[k] = _mm512_mul_ps(_mm512_load_ps(acc + (16 * c + k) * LANES), corr);
+      for (int t = 0; t < n; ++t) {
+        const __m512 pt = _mm512_load_ps(pr + t * LANES);
+        const float* vt = vf + t * D + 16 * c;
+        for (int k = 0; k < 16; ++k) a[k] = _mm512_fmadd_ps(pt, _mm512_set1_ps(vt[k]), a[k]);
+      }
+      for (int k = 0; k < 16; ++k) _mm512_store_ps(acc + (16 * c + k) * LANES, a[k]);
+    }
+  }
+  alignas(64) float inv[LANES];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_max_ps(l, _mm512_set1_ps(1e-30f))));
+  for (int64_t k = 0; k < rows; ++k) {
+    const int64_t r = row0 + k, i = r / g, j = r % g;
+    c10::BFloat16* o = L.out + (tok0 + i) * L.o_tok + (kh * g + j) * L.o_head;
+    for (int dd = 0; dd < D; ++dd) o[dd] = static_cast<c10::BFloat16>(acc[dd * LANES + k] * inv[k]);
+  }
+}
+
+template <int D>
+void prefill_all(const Layout& L, int64_t num_segs) {
+  const int64_t g = L.heads / L.kvh;
+  std::vector<int64_t> items;  // (segment, kv head, first row) flattened in threes
+  for (int64_t s = 0; s < num_segs; ++s) {
+    const int64_t rows = L.segs[s * 5 + 1] * g;
+    for (int64_t kh = 0; kh < L.kvh; ++kh)
+      for (int64_t r = 0; r < rows; r += LANES) items.insert(items.end(), {s, kh, r});
+  }
+  const int64_t n = static_cast<int64_t>(items.size()) / 3;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) prefill_item<D>(L, items[it * 3], items[it * 3 + 1], items[it * 3 + 2]);
+  });
+}
+#endif
+
+}  // namespace
+
+// out [N, H, d] (written at the segments' rows only) and q [N, H, d], any strides but a contiguous
+// last dimension; key/value caches of one layer [num_blocks, kvh, block, d] (contiguous); blocks: the
+// segments' block lists one after another; segs [S, 5]: (first token row, tokens, position of
+// the first token, offset of its block list in blocks, position its first block starts at);
+// window: positions a query sees back from its own (0: all). Returns false where this build or
+// these shapes have no kernel (the caller's PyTorch path serves).
+bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor blocks,
+                   torch::Tensor segs, int64_t window, double scale) {
+#ifdef MMFUSION_PREFILL_BF16
+  const int64_t d = q.size(2);
+  if (q.scalar_type() != at::kBFloat16 || key.scalar_type() != at::kBFloat16 || value.scalar_type() != at::kBFloat16 ||
+      out.scalar_type() != at::kBFloat16 || value.size(3) != d || key.size(3) != d || q.stride(2) != 1 ||
+      out.stride(2) != 1 || !key.is_contiguous() || !value.is_contiguous())
+    return false;
+  TORCH_CHECK(blocks.scalar_type() == torch::kLong && segs.scalar_type() == torch::kLong && blocks.is_contiguous() &&
+              segs.is_contiguous(), "paged_prefill: blocks and segs must be contiguous int64");
+  TORCH_CHECK(q.size(1) % key.size(1) == 0, "paged_prefill: heads must be a multiple of KV heads");
+  Layout L{q.data_ptr<c10::BFloat16>(), key.data_ptr<c10::BFloat16>(), value.data_ptr<c10::BFloat16>(),
+           out.data_ptr<c10::BFloat16>(), blocks.data_ptr<int64_t>(), segs.data_ptr<int64_t>(),
+           q.stride(0), q.stride(1), out.stride(0), out.stride(1), q.size(1), key.size(1), key.size(2), window,
+           static_cast<float>(scale)};
+  switch (d) {
+    case 64: prefill_all<64>(L, segs.size(0)); return true;
+    case 128: prefill_all<128>(L, segs.size(0)); return true;
+    case 256: prefill_all<256>(L, segs.size(0)); return true;
+    default: return false;
+  }
+#else
+  return false;
+#endif
+}
