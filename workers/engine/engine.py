@@ -23,7 +23,7 @@ from workers.engine.kv_cache import bytes_per_block, default_budget
 from workers.engine.lean import lean_forward
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.params import SamplingParams
-from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, kv_dims, num_layers
+from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, attention_span, kv_dims, num_layers
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
 from workers.engine.stops import finish_reason
@@ -68,8 +68,8 @@ class EngineConfig:
     def buckets(self) -> Buckets:
         return Buckets(self.compile_buckets or default_buckets(self.max_batch_tokens))
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_batch_size, self.max_batch_tokens, self.long_prefill_tokens)
+    def scheduler_config(self, attention_span: int | None = None) -> SchedulerConfig:
+        return SchedulerConfig(self.max_batch_size, self.max_batch_tokens, self.long_prefill_tokens, attention_span)
 
 
 class Engine:
@@ -80,7 +80,7 @@ class Engine:
         self.lm = lm
         self.tokenizer = lm.tokenizer
         self.runner, blocks = self._paged_cache(lm)
-        self.scheduler = Scheduler(self.config.scheduler_config(), blocks)
+        self.scheduler = Scheduler(self.config.scheduler_config(attention_span(lm)), blocks)
         self.compile_info = prepare(self.runner, lm, self.config.compile, self.config.buckets())
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

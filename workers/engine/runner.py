@@ -330,3 +330,21 @@ def kv_dims(lm: LoadedModel) -> tuple[int, int, int]:
 
 def num_layers(lm: LoadedModel) -> int:
     return lm.model.config.get_text_config().num_hidden_layers
+
+
+# Prefill attention runs at about 40% of the linears' FLOP rate (the C++ kernel's 75-90 GFLOP/s a
+# thread against oneDNN's ~190 in bfloat16): a position of context costs more than its FLOPs say.
+ATTENTION_RATE = 0.4
+
+
+def attention_span(lm: LoadedModel) -> int:
+    """Positions of context whose attention costs about what one token's linears do: a token's
+    linear FLOPs over its attention FLOPs per position it sees, from the model's shapes."""
+    model = lm.model
+    cfg = model.config.get_text_config()
+    _, dk, dv = kv_dims(lm)
+    embeddings = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                  if m is not None and hasattr(m, "weight")}
+    linear = max(1, sum(p.numel() for p in model.parameters()) - sum(embeddings.values()))
+    per_position = 2 * cfg.num_attention_heads * (dk + dv) * num_layers(lm)
+    return max(1, int(2 * linear / per_position * ATTENTION_RATE))

@@ -5,9 +5,10 @@ Each step, oldest first:
    it, the newest running sequence is preempted: its blocks are freed and it is queued again,
    first in line, to be recomputed (its prefix mostly from the prefix cache);
 2. prompts being prefilled continue in chunks, as far as the step's tokens and the free blocks go;
-   beside decoding sequences, a long prompt's chunk is `long_prefill_tokens`, or half the decode
-   batch if that is more: its attention over its whole context then costs about what the decode
-   rows cost, so a near-context prompt slows the streams by a bounded factor instead of stalling them;
+   beside decoding sequences, a long prompt's chunk costs about `long_prefill_tokens` tokens, or
+   half the decode batch if that is more, where a token at position p counts 1 + p/attention_span
+   (its attention over its context grows with p): a near-context prompt slows the streams by a
+   bounded factor at every position instead of stalling them;
 3. preempted sequences, then waiting requests, first come first served, start while sequences
    (max_batch_size), the step's tokens (max_batch_tokens) and the blocks of their whole prompt
    allow. A prompt starts from the longest prefix of cached blocks.
@@ -33,12 +34,18 @@ class SchedulerConfig:
     # while sequences decode, a prompt longer than max_batch_tokens computes at most max(this, half
     # the decoding sequences) tokens a step: it goes at the pace of the streams beside it
     long_prefill_tokens: int = MODEL["long_prefill_tokens"].default
+    # context positions whose attention costs about what a token's linears do (the engine derives it
+    # from the model); None: a long prompt's chunk counts its tokens only
+    attention_span: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "long_prefill_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.attention_span is not None and (isinstance(self.attention_span, bool)
+                                                or not isinstance(self.attention_span, int) or self.attention_span < 1):
+            raise ValueError(f"attention_span must be a positive integer or None, got {self.attention_span!r}")
         if self.max_batch_tokens < self.max_batch_size:
             raise ValueError(
                 f"max_batch_tokens ({self.max_batch_tokens}) must be >= max_batch_size "
@@ -181,7 +188,10 @@ class Scheduler:
         allow (whole blocks when the pool is short). Returns the tokens scheduled."""
         start = seq.num_computed
         if out.decode and seq.length > self.config.max_batch_tokens:
-            budget = min(budget, max(self.config.long_prefill_tokens, len(out.decode) // 2))
+            share = max(self.config.long_prefill_tokens, len(out.decode) // 2)
+            if self.config.attention_span:
+                share = max(1, int(share / (1 + start / self.config.attention_span)))
+            budget = min(budget, share)
         length = min(seq.num_uncomputed, budget)
         while length > 0 and not self.blocks.allocate(seq.blocks, start, start + length):
             bs = self.blocks.block_size
