@@ -85,8 +85,9 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("max_batch_tokens", 512, "a positive integer",
         "tokens a worker's step computes at most (decode tokens plus prefill chunks)", lambda x: _int(x, 1)),
     Key("long_prefill_tokens", 16, "a positive integer",
-        "while sequences decode, a prompt longer than `max_batch_tokens` computes at most this many tokens in a "
-        "step, or half as many as sequences decode: a long prompt does not stall the streams beside it",
+        "while sequences decode, a prompt longer than `max_batch_tokens` computes a chunk costing about this many "
+        "tokens a step, or half as many as sequences decode (a token deep in the prompt counts more: its attention "
+        "grows with its position): a long prompt does not stall the streams beside it",
         lambda x: _int(x, 1)),
     Key("kv_cache_memory", None, "a size (`2GiB`, `512MiB`, a number of bytes), `auto`, or null",
         "the KV cache pool of each worker of this model, allocated once at load; null: the runconfig's "

@@ -2,7 +2,8 @@
 
 Randomness is one uniform number per sampled token, a counter-based hash of (seed, sample
 index, token index), applied through the inverse CDF of the filtered distribution. No RNG
-state is shared between rows, so a token never depends on what else is in the batch.
+state is shared between rows, so a token never depends on what else is in the batch. The rows
+of a step are sampled together, with tensor operations over all of them, not one by one.
 """
 
 from __future__ import annotations
@@ -42,22 +43,49 @@ class SampleSpec:
     want_logprob: bool = True  # the chosen token's log-probability (a full-vocabulary logsumexp)
 
 
-def _sample_row(logits: torch.Tensor, spec: SampleSpec) -> int:
-    x = logits.float() / spec.temperature
-    if 0 < spec.top_k < x.shape[-1]:
-        kth = torch.topk(x, spec.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs, order = torch.sort(torch.softmax(x, dim=-1), descending=True, stable=True)
-    if spec.top_p < 1.0:
-        cum = torch.cumsum(probs, dim=-1)
-        # keep the smallest head whose mass reaches top_p (the token crossing it included)
-        keep = (cum - probs) < spec.top_p
-        probs = probs * keep
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative mass passes u x the row's total mass."""
     cum = torch.cumsum(probs, dim=-1)
-    u = uniform(spec.seed, spec.sample_index, spec.token_index) * float(cum[-1])
-    idx = int(torch.searchsorted(cum, torch.tensor([u], dtype=cum.dtype, device=cum.device), right=True)[0])
-    idx = min(idx, int((probs > 0).sum()) - 1)
-    return int(order[idx])
+    idx = torch.searchsorted(cum, (u * cum[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    over = idx >= probs.shape[-1]  # u x total rounded up to the total: the last token with mass
+    if bool(over.any()):
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(-1)
+        idx = torch.where(over, last, idx)
+    return idx
+
+
+def _sample_rows(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
+    """Sampled tokens for rows with a temperature, all rows at once. Only rows with top_k sort
+    (k values), only rows with top_p sort their whole distribution; the others invert the CDF in
+    vocabulary order. Every step is row by row, so a row's token never depends on the others."""
+    dev = logits.device
+    x = logits.float() / torch.tensor([s.temperature for s in specs], device=dev)[:, None]
+    vocab = x.shape[-1]
+    with_k = [i for i, s in enumerate(specs) if 0 < s.top_k < vocab]
+    if with_k:
+        ks = [specs[i].top_k for i in with_k]
+        vals = torch.topk(x[with_k], max(ks), dim=-1).values
+        kth = vals.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)
+        rows = torch.tensor(with_k, device=dev)
+        x.index_copy_(0, rows, x[with_k].masked_fill(x[with_k] < kth, float("-inf")))
+    probs = torch.softmax(x, dim=-1)
+    u = torch.tensor([uniform(s.seed, s.sample_index, s.token_index) for s in specs], dtype=probs.dtype, device=dev)
+    tokens = [0] * len(specs)
+    with_p = [i for i, s in enumerate(specs) if s.top_p < 1.0]
+    plain = [i for i in range(len(specs)) if specs[i].top_p >= 1.0]
+    if plain:
+        sel = plain if len(plain) < len(specs) else slice(None)
+        for i, t in zip(plain, _inverse_cdf(probs[sel], u[sel]).tolist()):
+            tokens[i] = t
+    if with_p:
+        sorted_p, order = torch.sort(probs[with_p], dim=-1, descending=True, stable=True)
+        top_p = torch.tensor([specs[i].top_p for i in with_p], dtype=probs.dtype, device=dev)[:, None]
+        # keep the smallest head whose mass reaches top_p (the token crossing it included)
+        sorted_p = sorted_p * ((torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p)
+        picked = order.gather(1, _inverse_cdf(sorted_p, u[with_p])[:, None])[:, 0]
+        for i, t in zip(with_p, picked.tolist()):
+            tokens[i] = t
+    return tokens
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -75,9 +103,10 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]):
     # greedy: max(dim) returns the first maximal index, as argmax does, and runs some 4x faster than
     # argmax on bfloat16 rows (which has no vectorized path), with no float copy of every row
     tokens = sel.max(dim=-1).indices.tolist()
-    for i, s in enumerate(specs):
-        if s.temperature != 0:
-            tokens[i] = _sample_row(sel[i], s)
+    hot = [i for i, s in enumerate(specs) if s.temperature != 0]
+    if hot:
+        for i, t in zip(hot, _sample_rows(_rows(sel, hot), [specs[i] for i in hot])):
+            tokens[i] = t
     chosen: list[float | None] = [None] * len(specs)
     want = [i for i, s in enumerate(specs) if s.want_logprob]
     if want:
