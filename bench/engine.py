@@ -253,25 +253,41 @@ def _until_first_token(eng: Engine, rid: str) -> float:
 
 
 class _Streams:
-    """32 short greedy streams on a fresh engine, decoding; `step()` returns the stream tokens the
-    step produced."""
+    """32 short greedy streams on a fresh engine, decoding: requests of 32 + 512 tokens, each
+    followed by another when it ends, their first ones of spread lengths so that the streams'
+    lengths (and the cost of decoding them) stay about the same over time; `step()` returns the
+    stream tokens the step produced. Two instances go through the same requests step for step."""
+
+    STREAMS, PROMPT, TOKENS = 32, 32, 512
 
     def __init__(self, lm, args):
         from workers.config_keys import parse_size
 
-        rng = random.Random(1)
+        self.rng = random.Random(1)
+        self.vocab = lm.vocab_size
+        self.started = 0
         self.eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512,
                                            kv_cache_memory=parse_size(args.long_kv_budget)))
-        for i in range(32):
-            self.eng.add_request(f"s{i}", [rng.randrange(lm.vocab_size) for _ in range(32)],
-                                 SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+        for i in range(self.STREAMS):
+            self._start(self.TOKENS * (i + 1) // self.STREAMS)
         while self.eng.scheduler.waiting or any(s.in_prefill for s in self.eng.scheduler.running):
             self.step()
         for _ in range(5):
             self.step()
 
+    def _start(self, tokens: int) -> None:
+        self.eng.add_request(f"s{self.started}", [self.rng.randrange(self.vocab) for _ in range(self.PROMPT)],
+                             SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        self.started += 1
+
     def step(self) -> int:
-        return sum(len(o.outputs[0].new_token_ids) for o in self.eng.step() if o.request_id.startswith("s"))
+        got = 0
+        for o in self.eng.step():
+            if o.request_id.startswith("s"):
+                got += len(o.outputs[0].new_token_ids)
+                if o.finished:
+                    self._start(self.TOKENS)
+        return got
 
 
 def long_prompt(args) -> dict:

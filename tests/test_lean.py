@@ -169,6 +169,33 @@ def test_cpu_prefill_kernel_matches_a_float64_reference(window, block, heads, kv
     assert (got - want).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpu_rope_write_is_bit_equal_to_torch_and_fills_the_cache(dtype):
+    """The C++ rotation of q and k equals torch's `x * cos + roll(x) * sin` bit for bit, and each
+    token's rotated k and its v land in its (block, offset) of the cache."""
+    kernels = cpu_kernels.norm_kernels()
+    assert kernels is not None, cpu_kernels.build_error()
+    gen = torch.Generator().manual_seed(3)
+    n, heads, kvh, d, block, num_blocks = 7, 6, 2, 64, 4, 9
+    qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=gen).to(dtype)
+    angle = torch.rand(n, d // 2, generator=gen, dtype=torch.float64) * 100
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(dtype)
+    sin = torch.cat((-angle.sin(), angle.sin()), -1).to(dtype)  # first half negated, as lean passes it
+    blocks, offsets = torch.tensor([3, 3, 8, 0, 5, 5, 5]), torch.tensor([0, 1, 3, 2, 0, 1, 2])
+    key = torch.zeros(num_blocks, kvh, block, d, dtype=dtype)
+    value = torch.zeros_like(key)
+    qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
+    want = qk * cos[:, None] + qk.roll(d // 2, -1) * sin[:, None]
+    v = qkv[:, (heads + kvh) * d:].view(n, kvh, d).clone()
+    kernels.rope_write(qkv, cos, sin, key, value, blocks, offsets, heads, kvh)
+    assert torch.equal(qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d), want)
+    assert torch.equal(qkv[:, (heads + kvh) * d:].view(n, kvh, d), v)  # v is not rotated
+    assert torch.equal(key[blocks, :, offsets], want[:, heads:]) and torch.equal(value[blocks, :, offsets], v)
+    untouched = torch.ones(num_blocks, block, dtype=torch.bool)
+    untouched[blocks, offsets] = False
+    assert not key.transpose(1, 2)[untouched].any() and not value.transpose(1, 2)[untouched].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_cpu_norms_match_torch(dtype, rows):

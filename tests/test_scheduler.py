@@ -165,12 +165,14 @@ def test_a_prompt_at_the_full_context_is_served_while_others_stream():
         assert outs[f"s{i}"] == hf_greedy(lm.model, p, 30)
 
 
-def test_a_long_prompt_chunk_shrinks_as_its_attention_grows():
+@pytest.mark.parametrize("floor", [1, 5])
+def test_a_long_prompt_chunk_shrinks_as_its_attention_grows(floor):
     """Beside decoding sequences, a long prompt's chunk at position p counts 1 + p/attention_span
-    per token: the chunk is long_prefill_tokens at its start and at most a quarter of it three spans on."""
+    per token: the chunk is long_prefill_tokens at its start and at most a quarter of it three
+    spans on, but never fewer than min_long_chunk tokens."""
     blocks = BlockManager(200, 16, CacheGroups.from_windows([None]), 64)
     sched = Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=64, long_prefill_tokens=16,
-                                      attention_span=100), blocks)
+                                      attention_span=100, min_long_chunk=floor), blocks)
     sched.add(_group("short", [1, 2, 3], max_tokens=500))
     (chunk,) = sched.schedule().prefill
     chunk.seq.num_computed = len(chunk.seq.prompt)
@@ -190,8 +192,8 @@ def test_a_long_prompt_chunk_shrinks_as_its_attention_grows():
         sizes[chunk.start] = chunk.length
         long_seq.num_computed += chunk.length
         sched.computed(long_seq)
-    assert sizes[0] == 16 and {n for p, n in sizes.items() if p >= 300} <= {3, 4}  # 16 / (1 + p/100)
-    assert all(n == max(1, int(16 / (1 + p / 100))) for p, n in sizes.items())
+    assert sizes[0] == 16 and {n for p, n in sizes.items() if p >= 300} <= ({3, 4} if floor == 1 else {floor})
+    assert all(n == max(floor, int(16 / (1 + p / 100))) for p, n in sizes.items())
 
 
 def test_prefix_blocks_are_reused_without_copy_then_evicted_lru():

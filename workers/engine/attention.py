@@ -235,12 +235,19 @@ def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: t
     return out[0].transpose(0, 1)
 
 
+def layer_cache(holder: ContextHolder, layer: int, key_cache: torch.Tensor,
+                value_cache: torch.Tensor) -> tuple[GroupStep, torch.Tensor, torch.Tensor]:
+    """The step's view of layer `layer`'s cache group, and the layer's keys and values in the pool."""
+    g, p = holder.position[layer]
+    return holder.current.groups[g], key_cache[p], value_cache[p]
+
+
 def attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
-           softcap: float | None) -> torch.Tensor:
-    """Write this step's K/V into layer `layer`'s blocks, attend. Token-major: query [N, H, d];
-    key/value [N, kvh, d] (N may include padding past ctx.num_tokens); key_cache/value_cache:
-    the whole pool (PagedKVCache.keys/values). Returns [N, H, dv]."""
+           softcap: float | None, written: bool = False) -> torch.Tensor:
+    """Write this step's K/V into layer `layer`'s blocks (unless the caller has: `written`), attend.
+    Token-major: query [N, H, d]; key/value [N, kvh, d] (N may include padding past
+    ctx.num_tokens); key_cache/value_cache: the whole pool (PagedKVCache.keys/values). Returns [N, H, dv]."""
     ctx = holder.current
     n = ctx.num_tokens
     g, p = holder.position[layer]
@@ -249,9 +256,9 @@ def attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value:
         raise RuntimeError(f"layer {layer} attends over a window of {window}, but its cache group keeps {planned}")
     gs = ctx.groups[g]
     key_buf, value_buf = key_cache[p], value_cache[p]
-    dtype = key_buf.dtype
-    key_buf[gs.write_blocks, :, gs.write_offsets] = key[:n].to(dtype)
-    value_buf[gs.write_blocks, :, gs.write_offsets] = value[:n].to(dtype)
+    if not written:
+        key_buf[gs.write_blocks, :, gs.write_offsets] = key[:n].to(key_buf.dtype)
+        value_buf[gs.write_blocks, :, gs.write_offsets] = value[:n].to(value_buf.dtype)
     n_all, heads = query.shape[0], query.shape[1]
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode

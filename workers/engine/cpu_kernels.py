@@ -27,8 +27,9 @@ from workers.files import cache_root
 
 log = logging.getLogger("mmfusion.kernels")
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "bindings.cpp")]
+SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "bindings.cpp")]
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PREFILL_LANES = 16  # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp)
 # where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
 KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
 
@@ -94,8 +95,9 @@ def kernel_paths() -> list[str]:
 
 
 def norm_kernels():
-    """The built module, whose rms_norm(x, w, eps) and add_rms_norm(h, delta, w, eps) the lean
-    forward runs on CPU, or None when it could not be built."""
+    """The built module, whose rms_norm(x, w, eps), add_rms_norm(h, delta, w, eps) and
+    rope_write(qkv, cos, sin, key, value, blocks, offsets, heads, kvh) the lean forward runs on
+    CPU, or None when it could not be built."""
     return _built()[0]
 
 

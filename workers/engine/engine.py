@@ -68,8 +68,9 @@ class EngineConfig:
     def buckets(self) -> Buckets:
         return Buckets(self.compile_buckets or default_buckets(self.max_batch_tokens))
 
-    def scheduler_config(self, attention_span: int | None = None) -> SchedulerConfig:
-        return SchedulerConfig(self.max_batch_size, self.max_batch_tokens, self.long_prefill_tokens, attention_span)
+    def scheduler_config(self, attention_span: int | None = None, min_long_chunk: int = 1) -> SchedulerConfig:
+        return SchedulerConfig(self.max_batch_size, self.max_batch_tokens, self.long_prefill_tokens, attention_span,
+                               min_long_chunk)
 
 
 class Engine:
@@ -80,7 +81,7 @@ class Engine:
         self.lm = lm
         self.tokenizer = lm.tokenizer
         self.runner, blocks = self._paged_cache(lm)
-        self.scheduler = Scheduler(self.config.scheduler_config(attention_span(lm)), blocks)
+        self.scheduler = Scheduler(self.config.scheduler_config(attention_span(lm), self._min_long_chunk(lm)), blocks)
         self.compile_info = prepare(self.runner, lm, self.config.compile, self.config.buckets())
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -110,6 +111,15 @@ class Engine:
             holder.prefill_kernel = cpu_kernels.prefill_kernel()
         lean = lean_forward(lm.model, holder, lm.device, lm.dtype, cfg.prepack_weights)
         return PagedRunner(lm, holder, num_blocks, bs, lean), blocks
+
+    def _min_long_chunk(self, lm: LoadedModel) -> int:
+        """The tokens whose query rows fill one pass of the CPU prefill kernel over the context (16
+        rows of one KV head): a chunk of fewer costs as much."""
+        holder = getattr(self.runner, "holder", None)
+        if holder is None or holder.prefill_kernel is None:
+            return 1
+        heads, kv_heads = lm.model.config.get_text_config().num_attention_heads, kv_dims(lm)[0]
+        return max(1, cpu_kernels.PREFILL_LANES // max(1, heads // kv_heads))
 
     def stats(self) -> dict:
         """The KV cache as status and /metrics show it."""

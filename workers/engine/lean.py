@@ -117,20 +117,27 @@ class LeanLlama:
         h = F.embedding(ids, self.embed)
         cos, sin = self.rotary(h, positions[None])
         half = self.head_dim // 2
-        cos = cos[0, :, None, :]
+        cos = cos[0]
         # rotate_half(x) * sin == roll(x, half) * [-sin_low, sin_high]: one roll, no cat of halves
-        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)[:, None, :]
+        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         n, heads, kvh, d = ids.shape[0], self.heads, self.kv_heads, self.head_dim
         key_cache, value_cache = kv
+        # C++: the rotation of q and k and the cache writes in one pass per layer (bit-equal)
+        rope_write = getattr(self.norms, "rope_write", None) if cos.dtype == h.dtype else None
         x = self._norm(h, self.layers[0].input_norm)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
-            qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
-            qk = qk * cos + qk.roll(half, -1) * sin
+            if rope_write is not None:
+                gs, kb, vb = attention.layer_cache(self.holder, i, key_cache, value_cache)
+                rope_write(qkv, cos, sin, kb, vb, gs.write_blocks, gs.write_offsets, heads, kvh)
+                qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
+            else:
+                qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
+                qk = qk * cos[:, None, :] + qk.roll(half, -1) * sin[:, None, :]
             v = qkv[:, (heads + kvh) * d:].view(n, kvh, d)
             a = attention.attend(self.holder, qk[:, :heads], qk[:, heads:], v, key_cache, value_cache, i,
-                                 self.scaling, layer.window, None)
+                                 self.scaling, layer.window, None, written=rope_write is not None)
             h, x = self._add_norm(h, layer.o(a.reshape(n, heads * d)), layer.post_norm)
             gu = layer.gate_up(x)
             inter = gu.shape[1] // 2

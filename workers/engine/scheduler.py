@@ -37,9 +37,12 @@ class SchedulerConfig:
     # context positions whose attention costs about what a token's linears do (the engine derives it
     # from the model); None: a long prompt's chunk counts its tokens only
     attention_span: int | None = None
+    # the fewest tokens a long prompt's chunk shrinks to: the attention kernel's pass over the
+    # context costs as much for fewer (the engine derives it from the kernel and the model)
+    min_long_chunk: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_batch_tokens", "long_prefill_tokens"):
+        for name in ("max_batch_size", "max_batch_tokens", "long_prefill_tokens", "min_long_chunk"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -190,7 +193,7 @@ class Scheduler:
         if out.decode and seq.length > self.config.max_batch_tokens:
             share = max(self.config.long_prefill_tokens, len(out.decode) // 2)
             if self.config.attention_span:
-                share = max(1, int(share / (1 + start / self.config.attention_span)))
+                share = max(min(share, self.config.min_long_chunk), int(share / (1 + start / self.config.attention_span)))
             budget = min(budget, share)
         length = min(seq.num_uncomputed, budget)
         while length > 0 and not self.blocks.allocate(seq.blocks, start, start + length):

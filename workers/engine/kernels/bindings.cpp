@@ -10,12 +10,15 @@ std::vector<std::string> paths();
 bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor blocks,
                    torch::Tensor segs, int64_t window, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key, torch::Tensor value,
+                torch::Tensor blocks, torch::Tensor offsets, int64_t heads, int64_t kvh);
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("paged_prefill", &paged_prefill, "paged prefill attention of a step's chunks (CPU, bf16); false where it has no kernel");
   m.def("paths", &paths, "the specialised paths compiled into this build");
+  m.def("rope_write", &rope_write, "rotary embedding of q and k in place, k and v written into the paged cache");
   m.def("rms_norm", &rms_norm, "RMS norm of contiguous rows");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then the RMS norm of h");
 }
