@@ -39,6 +39,7 @@ def model_entries(fusion: MultiModelFusion) -> list[ModelEntry]:
 def worker_overrides(plan: DeploymentPlan) -> list[dict]:
     """Per planned worker: what the router adds to the model spec it assigns (device, threads, limits)."""
     return [{"model_id": w.model_id, "device": w.device, "num_threads": w.threads,
+             **({"cpus": w.cpus} if w.cpus else {}),
              "engine": {"max_batch_size": w.max_batch_size, "max_batch_tokens": w.max_batch_tokens,
                         "kv_cache_memory": w.kv_cache_bytes, "kv_block_size": w.block_size}}
             for w in plan.workers]

@@ -58,6 +58,9 @@ class WorkerPlan:
     kv_cache_bytes: int = 0  # the budget of its KV block pool
     kv_tokens: int | None = None  # the tokens that budget holds (None: the model's shape is known at load)
     block_size: int = 16
+    # the cores its threads are bound to (a CPU worker, when the device's workers' threads fit its
+    # cores without overlap), as vLLM binds its OpenMP threads: none of them migrates onto another's core
+    cpus: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -74,7 +77,8 @@ class DeploymentPlan:
                   f" (threads {w.threads or 'default'}, max_batch_size {w.max_batch_size},"
                   f" max_batch_tokens {w.max_batch_tokens}, ~{w.est_bytes / 2**20:.0f} MiB"
                   f"{', weights shared' if w.shares_weights else ''}"
-                  f"{f', {w.packed_bytes / 2**20:.0f} MiB of prepacked linears of its own' if w.packed_bytes else ''})\n"
+                  f"{f', {w.packed_bytes / 2**20:.0f} MiB of prepacked linears of its own' if w.packed_bytes else ''}"
+                  f"{f', bound to cores {w.cpus}' if w.cpus else ''})\n"
                   f"    KV cache {w.kv_cache_bytes / 2**20:.0f} MiB in blocks of {w.block_size} tokens, holding "
                   f"{'~' + str(w.kv_tokens) if w.kv_tokens is not None else 'what its shape allows (known at load)'}"
                   " tokens" for w in self.workers]
@@ -283,5 +287,18 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
                              "use fewer workers, a smaller kv_cache_memory, or more devices")
         dev_info[d] = {"estimated_bytes": need, "available_bytes": avail,
                        "shared_weights": [g for g in groups.values() if g["copies"] > 1]}
+    _bind_cores([w for w in workers if w.device == "cpu"])
     models = [{"model_id": i, "name": mi.name, "source": mi.source} for i, mi in enumerate(fusion.models)]
     return DeploymentPlan(models, workers, dev_info)
+
+
+def _bind_cores(workers: list[WorkerPlan]) -> None:
+    """Give each CPU worker cores of its own, in order, when their threads fit this process's cores
+    without overlap; otherwise leave them unbound (the OS places their threads)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not workers or any(not w.threads for w in workers) or sum(w.threads for w in workers) > len(cores):
+        return
+    at = 0
+    for w in workers:
+        w.cpus = cores[at: at + w.threads]
+        at += w.threads

@@ -172,6 +172,7 @@ class RayDeployment(LocalDeployment):
         for o in overrides:  # an actor sees only the GPUs Ray gave it: its share is device 0
             if str(o.get("device", "")).startswith("cuda"):
                 o["device"] = "cuda:0"
+            o.pop("cpus", None)  # the cores of this machine: Ray places the actors and their CPUs
         self._start_router(overrides)
         slots: dict[str, list[int]] = {}  # variant -> its workers (slots), in plan order
         for i, w in enumerate(self.plan.workers):

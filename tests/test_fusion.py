@@ -84,6 +84,13 @@ def test_plan_round_robin_devices_and_threads():
     import os
 
     assert sum(w.threads for w in cpu_plan.workers) == max(os.cpu_count(), 2)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # the workers' threads fit the cores: each worker gets its own, in order
+        assert [w.cpus for w in cpu_plan.workers] == [cores[:cpu_plan.workers[0].threads],
+                                                      cores[cpu_plan.workers[0].threads:][:cpu_plan.workers[1].threads]]
+        assert worker_overrides(cpu_plan)[1]["cpus"] == cpu_plan.workers[1].cpus
+    crowded = make_plan(fusion, 2, "cpu", threads_per_worker=len(cores))  # more threads than cores: unbound
+    assert all(w.cpus is None for w in crowded.workers) and "cpus" not in worker_overrides(crowded)[0]
     with pytest.raises(ValueError, match="fewer than the number of models"):
         make_plan(fusion, 1, "cpu")
     with pytest.raises(ValueError, match="not 'cpu' or 'cuda:N'"):

@@ -87,7 +87,7 @@ def _pairs(lengths: list[int], block: int, window: int | None, num_blocks: int, 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("d", [32, 64])  # 64 in bfloat16: the AVX512-BF16 path where the CPU has it
+@pytest.mark.parametrize("d", [32, 64, 256])  # 64, 256 in bfloat16: the AVX512-BF16 path where the CPU has it
 def test_cpu_decode_kernel_matches_the_pytorch_reference(dtype, tol, window, d):
     assert cpu_kernels.decode_kernel() is not None, cpu_kernels.build_error()
     if "avx512_bf16" in Path("/proc/cpuinfo").read_text():

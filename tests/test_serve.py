@@ -27,6 +27,16 @@ def _gone(pid: int) -> bool:
     return not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
 
+def _thread_cores(pid: int) -> set[str]:
+    """The cores each thread of a process may run on (Cpus_allowed_list), as a set of lists."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                found.add(line.split(":", 1)[1].strip())
+    return found
+
+
 def test_serve_restarts_what_crashes_and_stops_cleanly():
     proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--variants", "llama,1",
                              "gpt2,1", "--devices", "cpu", "--frontend", ANY_PORT, "--backend", ANY_PORT,
@@ -56,6 +66,10 @@ def test_serve_restarts_what_crashes_and_stops_cleanly():
                      timeout=120)
             wait_for(healthy, timeout=60)
             assert completes_over_http()
+            if len(os.sched_getaffinity(0)) >= 2:
+                # each worker's engine thread (and its OpenMP threads) is bound to cores of its own
+                bound = [_thread_cores(w["pid"]) - _thread_cores(proc.pid) for w in c.status()["workers"]]
+                assert all(len(b) == 1 for b in bound) and bound[0] != bound[1], bound
 
             # a crashed worker comes back on its slot: same planned model and device, a new worker ID
             gpt2 = next(w for w in c.status()["workers"] if w["model_id"] == 1)

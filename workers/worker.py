@@ -155,6 +155,7 @@ class EngineThread(threading.Thread):
 
         spec = msg["model"]
         try:
+            bind_cores(spec.get("cpus"))
             if self.spec != spec:
                 lm = load_model(spec["source"], dtype=model_value(spec, "dtype"), device=spec.get("device", "cpu"),
                                 max_model_len=model_value(spec, "max_model_len"),
@@ -258,6 +259,16 @@ class EngineThread(threading.Thread):
                                            info["token_ids"])
             self._send_data(out, P.RESULT, res.request_id, {"type": P.RESULT, "id": info["id"], "response": response},
                             response["usage"]["completion_tokens"])
+
+
+def bind_cores(cpus: list[int] | None) -> None:
+    """Bind the engine thread, and the OpenMP threads torch starts from it, to the planned cores
+    (vLLM binds its CPU workers' threads likewise); cores this process may not use are skipped."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    usable = set(cpus) & os.sched_getaffinity(0)
+    if usable:
+        os.sched_setaffinity(0, usable)  # 0: the calling thread, on Linux
 
 
 def held(text: str, hold: int) -> str:

@@ -28,6 +28,7 @@ from workers.files import cache_root
 log = logging.getLogger("mmfusion.kernels")
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "bindings.cpp")]
+HEADERS = [KERNELS / "avx512_math.h"]  # part of the build's hash: a change rebuilds
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREFILL_LANES = 16  # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp)
 # where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
@@ -60,7 +61,7 @@ def _cpu_tag() -> str:
 def _build():
     from torch.utils import cpp_extension
 
-    src = b"".join(path.read_bytes() for path in SOURCES)
+    src = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     tag = hashlib.sha1(src + torch.__version__.encode() + _cpu_tag().encode()).hexdigest()[:16]
     build = Path(os.environ.get(KERNEL_CACHE_ENV) or cache_root() / "kernels") / tag
     build.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "avx512_math.h"
 #define MMFUSION_BF16_DOT 1
 #endif
 
@@ -94,29 +94,33 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* blocks, const i
 }
 
 #ifdef MMFUSION_BF16_DOT
-// bfloat16 with AVX512-BF16, head size D (a multiple of 32): the scores take one vdpbf16ps per 32
-// elements straight from the cache, with no conversion of the keys; each head's output stays in
-// registers while it runs over a chunk of positions; the values are widened to float32 once per
-// chunk for all the heads of the group. Sums in float32, as the generic path.
+// bfloat16 with AVX512-BF16, head size D (a multiple of 32), positions in the lanes: a tile of 16
+// keys is transposed in registers (pair p of every position in one vector), so each head's 16
+// scores take one vdpbf16ps per pair with the query's pair broadcast, straight from the cache with
+// no conversion of the keys, and the softmax over them is vector work with two horizontal
+// reductions per head and tile. The values are widened to float32 once per tile for all the heads
+// of the group. Sums in float32, as the generic path.
 constexpr int64_t CHUNK = 16;
 
 template <int D>
-void decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* blocks,
-                 const int64_t* spans, c10::BFloat16* out, int64_t rows, int64_t heads, int64_t kvh, int64_t bs,
-                 float scale) {
-  constexpr int QV = D / 32, OV = D / 16;
+void decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
+                       const int64_t* blocks, const int64_t* spans, c10::BFloat16* out, int64_t rows, int64_t heads,
+                       int64_t kvh, int64_t bs, float scale) {
+  constexpr int QP = D / 2, OV = D / 16;
   const int64_t g = heads / kvh;
   at::parallel_for(0, rows * kvh, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float vf[CHUNK * D];
-    alignas(64) float s[CHUNK];
+    alignas(64) float pj[CHUNK];
+    alignas(64) __m512i kt[QP];  // kt[p]: pair p of the tile's positions
+    std::vector<uint32_t> qb(g * QP);
     std::vector<float> acc(g * D), m(g), l(g);
-    std::vector<__m512bh> qv(g * QV);
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kvh, kh = item % kvh;
       const int64_t first = spans[r * 4], lo = spans[r * 4 + 2], hi = spans[r * 4 + 3];
       for (int64_t j = 0; j < g; ++j) {
-        const c10::BFloat16* qh = q + (r * heads + kh * g + j) * D;
-        for (int c = 0; c < QV; ++c) qv[j * QV + c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+        const uint32_t* qh = reinterpret_cast<const uint32_t*>(q + (r * heads + kh * g + j) * D);
+        std::copy(qh, qh + QP, qb.data() + j * QP);
         m[j] = -std::numeric_limits<float>::infinity();
         l[j] = 0.f;
       }
@@ -127,37 +131,43 @@ void decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFl
         const c10::BFloat16* kb = kc + (blk * kvh + kh) * bs * D;
         const c10::BFloat16* vb = vc + (blk * kvh + kh) * bs * D;
         for (int64_t t0 = b0; t0 < b1; t0 += CHUNK) {
-          const int64_t n = std::min(CHUNK, b1 - t0);
+          const int n = static_cast<int>(std::min(CHUNK, b1 - t0));
+          const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+          for (int c = 0; c < QP / 16; ++c) {
+            __m512i rr[16];
+            for (int t = 0; t < 16; ++t)
+              rr[t] = t < n ? _mm512_loadu_si512(kb + (t0 + t) * D + 32 * c) : _mm512_setzero_si512();
+            mmfusion::transpose16(rr);
+            for (int i = 0; i < 16; ++i) kt[16 * c + i] = rr[i];
+          }
           for (int64_t t = 0; t < n; ++t) {
             const __m256i* vt = reinterpret_cast<const __m256i*>(vb + (t0 + t) * D);
             for (int c = 0; c < OV; ++c)
               _mm512_store_ps(vf + t * D + 16 * c, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(vt + c)));
           }
           for (int64_t j = 0; j < g; ++j) {
-            const __m512bh* qj = qv.data() + j * QV;
-            float mb = m[j];
-            for (int64_t t = 0; t < n; ++t) {
-              const c10::BFloat16* kt = kb + (t0 + t) * D;
-              __m512 dot = _mm512_setzero_ps();
-              for (int c = 0; c < QV; ++c) dot = _mm512_dpbf16_ps(dot, qj[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
-              s[t] = _mm512_reduce_add_ps(dot) * scale;
-              mb = std::max(mb, s[t]);
+            const uint32_t* qj = qb.data() + j * QP;
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;  // four chains of the dot products
+            for (int p = 0; p < QP; p += 4) {
+              s0 = _mm512_dpbf16_ps(s0, (__m512bh)kt[p], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p])));
+              s1 = _mm512_dpbf16_ps(s1, (__m512bh)kt[p + 1], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 1])));
+              s2 = _mm512_dpbf16_ps(s2, (__m512bh)kt[p + 2], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 2])));
+              s3 = _mm512_dpbf16_ps(s3, (__m512bh)kt[p + 3], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 3])));
             }
-            const float corr = std::exp(m[j] - mb);  // 0 on the first chunk (m = -inf)
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t t = 0; t < n; ++t) {
-              s[t] = expf(s[t] - mb);
-              sum += s[t];
-            }
-            l[j] = l[j] * corr + sum;
+            const __m512 sc = _mm512_mask_mul_ps(ninf, live, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)),
+                                                 vscale);
+            const float mb = std::max(m[j], _mm512_reduce_max_ps(sc));
+            const float corr = std::exp(m[j] - mb);  // 0 on the first tile (m = -inf)
+            const __m512 e = _mm512_maskz_mov_ps(live, mmfusion::exp_neg(_mm512_sub_ps(sc, _mm512_set1_ps(mb))));
+            l[j] = l[j] * corr + _mm512_reduce_add_ps(e);
             m[j] = mb;
+            _mm512_store_ps(pj, e);
             __m512 o[OV];
             const __m512 cv = _mm512_set1_ps(corr);
             for (int c = 0; c < OV; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc.data() + j * D + 16 * c), cv);
-            for (int64_t t = 0; t < n; ++t) {
-              const __m512 p = _mm512_set1_ps(s[t]);
-              for (int c = 0; c < OV; ++c) o[c] = _mm512_fmadd_ps(p, _mm512_load_ps(vf + t * D + 16 * c), o[c]);
+            for (int t = 0; t < n; ++t) {
+              const __m512 pt = _mm512_set1_ps(pj[t]);
+              for (int c = 0; c < OV; ++c) o[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf + t * D + 16 * c), o[c]);
             }
             for (int c = 0; c < OV; ++c) _mm512_storeu_ps(acc.data() + j * D + 16 * c, o[c]);
           }

@@ -17,7 +17,7 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "avx512_math.h"
 #define MMFUSION_PREFILL_BF16 1
 #endif
 
@@ -25,24 +25,7 @@ namespace {
 
 #ifdef MMFUSION_PREFILL_BF16
 constexpr int LANES = 16;  // query rows per work item, and key positions per tile
-
-// e^x for x <= 0 (Cephes' expf: 2^n e^r with |r| <= ln2/2, relative error ~2e-7). Inputs below
-// -88, -inf and NaN give a tiny positive number: every caller masks the lanes that see nothing.
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+using mmfusion::exp_neg;
 
 struct Layout {
   const c10::BFloat16 *q, *kc, *vc;

@@ -1,0 +1,50 @@
+// Vector helpers the AVX512 kernels share (included where AVX512F is available).
+#pragma once
+#include <immintrin.h>
+
+namespace mmfusion {
+
+// e^x for x <= 0 (Cephes' expf: 2^n e^r with |r| <= ln2/2, relative error ~2e-7). Inputs below
+// -88, -inf and NaN give a tiny positive number: every caller masks the lanes that see nothing.
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// r[0..15], 16 rows of 16 32-bit elements, transposed in place: r[c] becomes column c.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[4k + c], 128-bit lane L: column 4L + c of rows 4k..4k+3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);  // columns c, 8+c of rows 0-7
+    const __m512i b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);  // columns 4+c, 12+c of rows 0-7
+    const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);  // the same of rows 8-15
+    const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(a, e, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xdd);
+  }
+}
+
+}  // namespace mmfusion
