@@ -27,7 +27,8 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
     Key("devices", "auto", "`auto`, `cpu`, `cuda:N`, or a list of them",
         "where workers run, round-robin; `auto`: every CUDA device, else the CPU"),
     Key("threads_per_worker", None, "a positive integer, or null",
-        "torch threads of each CPU worker; null: the device's cores split among its workers"),
+        "torch threads of each CPU worker; null: the device's cores split among its workers (each bound to cores "
+        "of its own when their threads fit the cores)"),
     Key("kv_cache_memory", "auto", "a size (`2GiB`, `512MiB`, a number of bytes), or `auto`",
         "the KV cache pool of each worker whose model sets none; `auto`: half the device's available memory, "
         "less the weights and process overheads planned there, shared among its workers, and never more than "
