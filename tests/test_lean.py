@@ -122,11 +122,12 @@ def _reference_chunk(q, k, v, start, window, scaling):
     return out
 
 
-def _prefill_kernel():
-    """The CPU prefill kernel, which this machine must have when its CPU has AVX512-BF16."""
+def _prefill_kernel(head_dim: int):
+    """The CPU prefill kernel for bfloat16 heads of this size, which this machine must have when its
+    CPU has AVX512-BF16."""
     if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("the prefill kernel is bfloat16 on AVX512-BF16 only; this CPU lacks it")
-    kernel = cpu_kernels.prefill_kernel()
+    kernel = cpu_kernels.prefill_kernel(torch.bfloat16, head_dim)
     assert kernel is not None, cpu_kernels.build_error()
     return kernel
 
@@ -162,7 +163,7 @@ def test_cpu_prefill_kernel_matches_a_float64_reference(window, block, heads, kv
         t0 += c
     gs = attention.GroupStep(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
     gs.prefill_blocks, gs.prefill_table = torch.tensor(blocks), torch.tensor(table)
-    assert _prefill_kernel()(out, q, key, value, gs, window, 0.125)
+    assert _prefill_kernel(d)(out, q, key, value, gs, window, 0.125)
     assert (out[:3].float() == 7.0).all()
     got = out[3:].double()
     want = torch.cat(refs)
@@ -228,7 +229,7 @@ def _chunked_prompt_logprobs(lm, prompt, prefill_kernel: bool) -> torch.Tensor:
 def test_bf16_prefill_kernel_is_as_close_to_float32_as_the_pytorch_path(smollm2_fp32):
     """SmolLM2 (heads of 64) in bfloat16, a 300-token prompt in chunks: with the C++ prefill kernel
     its log-probabilities are as far from the float32 truth as with the PyTorch path."""
-    _prefill_kernel()
+    _prefill_kernel(64)
     rng = random.Random(7)
     prompt = [rng.randrange(1000, 40000) for _ in range(300)]
     truth = _chunked_prompt_logprobs(smollm2_fp32, prompt, prefill_kernel=False)

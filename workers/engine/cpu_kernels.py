@@ -31,6 +31,7 @@ SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", 
 HEADERS = [KERNELS / "avx512_math.h"]  # part of the build's hash: a change rebuilds
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREFILL_LANES = 16  # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp)
+PREFILL_HEAD_DIMS = (64, 128, 256)  # the head sizes it has a path for (bfloat16 only)
 # where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
 KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
 
@@ -104,14 +105,18 @@ def norm_kernels():
 
 def paged_prefill_cpu(out: torch.Tensor, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gs: attention.GroupStep,
                       window: int | None, scaling: float) -> bool:
-    """Every prefill chunk of the step for one layer, into `out`'s rows; False where the kernel has
-    no path (not bfloat16 on AVX512-BF16, another head size) and attention's PyTorch path must serve."""
+    """Every prefill chunk of the step for one layer, into `out`'s rows; False where the kernel
+    cannot take these tensors (a dtype or a layout prefill_kernel did not foresee) and attention's
+    PyTorch path must serve."""
     return _built()[0].paged_prefill(out, q, key, value, gs.prefill_blocks, gs.prefill_table, window or 0, scaling)
 
 
-def prefill_kernel() -> Callable | None:
-    """The CPU prefill kernel (built once), or None when this build has none (no compiler, no
-    AVX512-BF16: it serves bfloat16 only)."""
+def prefill_kernel(dtype: torch.dtype, head_dim: int) -> Callable | None:
+    """The CPU prefill kernel (built once) for a model of this dtype and head size, or None where
+    it has no path: not bfloat16, another head size, no compiler or no AVX512-BF16. Decided once
+    per model, so a model it does not serve builds no tables and makes no calls each step."""
+    if dtype != torch.bfloat16 or head_dim not in PREFILL_HEAD_DIMS:
+        return None
     return paged_prefill_cpu if "bf16_avx512" in kernel_paths() else None
 
 

@@ -108,7 +108,7 @@ class Engine:
             return CompatRunner(lm), blocks
         if lm.device.type == "cpu":
             holder.decode_kernel = cpu_kernels.decode_kernel()
-            holder.prefill_kernel = cpu_kernels.prefill_kernel()
+            holder.prefill_kernel = cpu_kernels.prefill_kernel(lm.dtype, kv_dims(lm)[1])
         lean = lean_forward(lm.model, holder, lm.device, lm.dtype, cfg.prepack_weights)
         return PagedRunner(lm, holder, num_blocks, bs, lean), blocks
 
