@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
 from routing.entrypoints import WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
+from workers.output_thread import OutputThread
 from workers.worker import EngineThread
 
 GREEDY = dict(ignore_eos=True, temperature=0.0)
@@ -279,7 +281,9 @@ def test_an_engine_failure_fails_only_the_requests_of_its_step():
     ctx = zmq.Context()
     pair = ctx.socket(zmq.PAIR)
     pair.bind("inproc://engine-test")
-    th = EngineThread(ctx, "inproc://engine-test", 1)
+    output = OutputThread(ctx, "inproc://engine-test", queue.Queue())
+    th = EngineThread(output, 1)
+    output.start()
     th.start()
     try:
         th.inbox.put(("assign", {"model_id": 0, "worker_id": 0,
@@ -299,10 +303,11 @@ def test_an_engine_failure_fails_only_the_requests_of_its_step():
             th.inbox.put(("request", (key, {"id": key, "prompt": prompt, "params": {"max_tokens": n, **GREEDY}})))
         answers = {}
         while len(answers) < 2:
-            head, body = pair.recv_multipart()
-            mtype, key, _ = msgpack.unpackb(head)
-            if mtype != P.CHUNK:
-                answers[key] = msgpack.unpackb(body)
+            frames = pair.recv_multipart()  # a turn's messages: (header, body) pairs
+            for head, body in zip(frames[::2], frames[1::2]):
+                mtype, key, _ = msgpack.unpackb(head)
+                if mtype != P.CHUNK:
+                    answers[key] = msgpack.unpackb(body)
         assert answers["a"]["type"] == P.ERROR and "injected fault" in answers["a"]["message"]
         assert answers["b"]["type"] == P.RESULT
         assert answers["b"]["response"]["choices"][0]["text"] == \
@@ -310,5 +315,7 @@ def test_an_engine_failure_fails_only_the_requests_of_its_step():
     finally:
         th.stop.set()
         th.join(10)
+        output.stop.set()
+        output.join(10)
         pair.close(0)
         ctx.term()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from workers.engine.detok import tokens_within
 from workers.engine.outputs import RequestOutput
 from workers.engine.params import SamplingParams
 
@@ -61,7 +62,7 @@ def _logprobs_block(tokenizer, token_ids, logprobs, tops, start_offset: int, pre
 def completion_response(out: RequestOutput, model_name: str, tokenizer, echo: bool, with_logprobs: bool,
                         token_ids: bool = False) -> dict:
     """An OpenAI `text_completion` object for a finished request."""
-    prompt_text = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+    prompt_text = "" if not echo else out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
     choices = []
     for c in out.outputs:
         text = (prompt_text + c.text) if echo else c.text
@@ -71,10 +72,7 @@ def completion_response(out: RequestOutput, model_name: str, tokenizer, echo: bo
             gen_ids = c.token_ids
             # stop strings cut the text: report only the tokens that are inside it
             if len(c.text) < n_text:
-                keep = 0
-                while keep < len(gen_ids) and len(tokenizer.decode(gen_ids[: keep + 1])) <= len(c.text):
-                    keep += 1
-                gen_ids = gen_ids[:keep]
+                gen_ids = gen_ids[: tokens_within(tokenizer, gen_ids, len(c.text))]
             tops = c.top_logprobs[: len(gen_ids)] if c.top_logprobs else [None] * len(gen_ids)
             gen = _logprobs_block(tokenizer, gen_ids, c.logprobs[: len(gen_ids)], tops,
                                   len(prompt_text) if echo else 0)

@@ -29,7 +29,7 @@ import zmq
 
 from routing import protocol as P
 from routing.security import connect_curve
-from workers.engine.detok import IncrementalText
+from workers.output_thread import OutputThread
 
 
 @dataclass(slots=True)
@@ -54,101 +54,74 @@ class WorkerConfig:
 
 
 class EngineThread(threading.Thread):
-    """Owns the Engine: load on assignment, then step while there is work."""
+    """Owns the Engine: load on assignment, then step while there is work. What a step produced
+    goes to the output thread, which makes text and messages of it while the next step runs."""
 
-    def __init__(self, ctx: zmq.Context, out_addr: str, num_threads: int | None):
+    def __init__(self, output: OutputThread, num_threads: int | None):
         # daemon only as a last resort: exit joins it (Worker.run), and never leaves it running
         super().__init__(daemon=True, name="engine")
-        self.inbox: queue.Queue = queue.Queue()
-        self.ctx, self.out_addr, self.num_threads = ctx, out_addr, num_threads
+        self.inbox: queue.Queue = output.engine_inbox
+        self.output, self.num_threads = output, num_threads
         self.stop = threading.Event()
         self.engine = None
         self.spec: dict | None = None
-        self.requests: dict[str, dict] = {}  # request key -> {stream, echo, logprobs, sent_text}
-        self.outbox: list[bytes] = []  # this turn's data messages (header, body, ...), sent as one
         self.aborted = 0  # requests cancelled while they ran (their batch slots freed)
         self.dropped = 0  # requests dropped because the worker was assigned again
 
     def run(self) -> None:
-        out = self.ctx.socket(zmq.PAIR)
-        out.setsockopt(zmq.LINGER, 0)
-        out.connect(self.out_addr)
-        try:
-            while not self.stop.is_set():
-                busy = self.engine is not None and self.engine.has_unfinished()
+        while not self.stop.is_set():
+            busy = self.engine is not None and self.engine.has_unfinished()
+            try:
+                item = self.inbox.get_nowait() if busy else self.inbox.get(timeout=0.05)
+                self._handle(item)
+                while True:
+                    self._handle(self.inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if self.engine is not None and self.engine.has_unfinished():
                 try:
-                    item = self.inbox.get_nowait() if busy else self.inbox.get(timeout=0.05)
-                    self._handle(item, out)
-                    while True:
-                        self._handle(self.inbox.get_nowait(), out)
-                except queue.Empty:
-                    pass
-                if self.engine is not None and self.engine.has_unfinished():
-                    try:
-                        results = self.engine.step()
-                    except Exception as exc:  # a bug must cost the requests of this step, not the worker
-                        self._fail_step(out, f"{type(exc).__name__}: {exc}")
-                        results = []
-                    for res in results:
-                        self._emit(res, out)
-                self._flush(out)
-        finally:
-            out.close(linger=0)
+                    results = self.engine.step()
+                except Exception as exc:  # a bug must cost the requests of this step, not the worker
+                    self._fail_step(f"{type(exc).__name__}: {exc}")
+                    results = []
+                if results:
+                    self.output.put_step(results)
 
-    def _fail_step(self, out, why: str) -> None:
+    def _fail_step(self, why: str) -> None:
         """Fail the requests the failed step touched; the others were left as they were and go on."""
         traceback.print_exc()
         plan = self.engine.last_plan
         keys = plan.request_ids() if plan is not None else set(self.engine.scheduler.groups)
         for key in sorted(keys):
             self.engine.abort(key)
-            info = self.requests.pop(key, None)
-            if info is not None:
-                self._send_data(out, P.ERROR, key, P.error(info["id"], P.INTERNAL, f"the engine failed: {why}"))
+            self.output.put_error(key, None, P.INTERNAL, f"the engine failed: {why}")
 
     def _drop_all(self) -> None:
         """A new assignment: the router resent everything we held; finishing it would only waste steps."""
         if self.engine is not None:
+            self.dropped += len(self.engine.scheduler.groups)
             for key in list(self.engine.scheduler.groups):
                 self.engine.abort(key)
-        self.dropped += len(self.requests)
-        self.requests.clear()
+        self.output.put_forget(None)
 
-    def _send(self, out, msg: dict) -> None:
-        self._flush(out)
-        self._put(out, [P.pack(msg)])
-
-    def _send_data(self, out, mtype: str, key: str, body: dict, tokens: int | list = 0) -> None:
-        self.outbox += (P.header(mtype, key, tokens), P.pack(body))
-
-    def _flush(self, out) -> None:
-        """A turn's data messages cross to the I/O thread as one message (it sends them on one by
-        one): one wake-up of that thread per engine step instead of one per request."""
-        if self.outbox:
-            frames, self.outbox = self.outbox, []
-            self._put(out, frames)
-
-    def _put(self, out, frames: list[bytes]) -> None:
-        while not self.stop.is_set():  # the main thread drains the pair; it may be exiting
-            try:
-                out.send_multipart(frames, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                time.sleep(0.001)
-
-    def _handle(self, item, out) -> None:
+    def _handle(self, item) -> None:
         kind, msg = item
         if kind == "assign":
             self._drop_all()
-            self._load(msg, out)
+            self._load(msg)
         elif kind == "request":
-            self._add(*msg, out)
+            self._add(*msg)
         elif kind == "cancel":
             if self.engine is not None and self.engine.abort(msg["id"]):
                 self.aborted += 1
-            self.requests.pop(msg["id"], None)
+            self.output.put_forget([msg["id"]])
+        elif kind == "finish":  # the output thread matched a stop string: stop running that sample
+            if self.engine is not None:
+                self.engine.finish_sample(*msg)
+        elif kind == "retire" and self.engine is not None:  # answered already: nothing left to run
+            self.engine.abort(msg)
 
-    def _load(self, msg: dict, out) -> None:
+    def _load(self, msg: dict) -> None:
         from workers.config_keys import model_value
         from workers.engine import Engine, EngineConfig
         from workers.models import load_model
@@ -171,12 +144,13 @@ class EngineThread(threading.Thread):
                           file=sys.stderr, flush=True)
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
             traceback.print_exc()
-            self._send(out, {"type": P.LOAD_FAILED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
-                             "message": f"{type(exc).__name__}: {exc}"})
+            self.output.put_control({"type": P.LOAD_FAILED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
+                                     "message": f"{type(exc).__name__}: {exc}"})
             return
-        self._send(out, {"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
-                         "weights": self.engine.lm.weights.as_dict(),
-                         "compile": self.engine.compile_info.as_dict()})
+        self.output.put_model(spec["name"], self.engine.tokenizer, self.engine.lm.eos_token_ids)
+        self.output.put_control({"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
+                                 "weights": self.engine.lm.weights.as_dict(),
+                                 "compile": self.engine.compile_info.as_dict()})
 
     def _task(self, task: str, prompt, params: dict) -> dict:
         """A tokenizer task's answer, computed here and now (no engine step)."""
@@ -189,7 +163,7 @@ class EngineThread(threading.Thread):
             return tasks.detokenize(e.tokenizer, prompt, e.lm.vocab_size)
         return tasks.tokenizer_info(e.tokenizer, name, e.lm.max_model_len)
 
-    def _add(self, key: str, msg: dict, out) -> None:
+    def _add(self, key: str, msg: dict) -> None:
         from workers.completions import sampling_params
         from workers.tasks import chat_prompt, end_of_turn_ids
 
@@ -200,7 +174,7 @@ class EngineThread(threading.Thread):
                 raise RuntimeError("no model loaded")
             if task in (P.TOKENIZE, P.DETOKENIZE, P.TOKENIZER_INFO):
                 answer = self._task(task, msg.get("prompt"), msg.get("params", {}))
-                self._send_data(out, P.RESULT, key, {"type": P.RESULT, "id": cid, "response": answer})
+                self.output.put_result(key, {"type": P.RESULT, "id": cid, "response": answer})
                 return
             prompt = msg["prompt"]
             if task == P.CHAT:
@@ -208,57 +182,13 @@ class EngineThread(threading.Thread):
             params, echo = sampling_params(msg.get("params", {}), self.spec.get("defaults"))
             if task == P.CHAT and not params.ignore_eos:  # the reply ends with the template's end of turn
                 params.stop_token_ids = sorted(set(params.stop_token_ids) | set(end_of_turn_ids(self.engine.tokenizer)))
+            # registered first: the output thread must know the request before its first step's output
+            self.output.put_request(key, msg, params, echo)
             self.engine.add_request(key, prompt, params)
         except ValueError as exc:
-            self._send_data(out, P.ERROR, key, P.error(cid, P.BAD_REQUEST, str(exc)))
-            return
+            self.output.put_error(key, cid, P.BAD_REQUEST, str(exc))
         except Exception as exc:  # never let one request take the worker down
-            self._send_data(out, P.ERROR, key, P.error(cid, P.INTERNAL, f"{type(exc).__name__}: {exc}"))
-            return
-        self.requests[key] = {"id": cid, "stream": bool(msg.get("stream")), "echo": echo,
-                              "token_ids": bool(msg.get("params", {}).get("return_token_ids")),
-                              "logprobs": params.logprobs is not None, "sent": {}, "detok": {},
-                              # sent again after a lost worker: these tokens already reached the client
-                              "skip": P.resume_counts(msg.get("resume")),
-                              "hold": max((len(x) for x in params.stop), default=1) - 1}
-
-    def _emit(self, res, out) -> None:
-        from workers.completions import completion_response
-
-        info = self.requests.get(res.request_id)
-        if info is None:
-            return
-        tok = self.engine.tokenizer
-        if info["stream"]:
-            outputs, counts = [], []
-            for c in res.outputs:
-                if not c.new_token_ids and not c.finish_reason:
-                    continue
-                total, skip = len(c.token_ids), info["skip"].get(c.index, 0)
-                if total <= skip:
-                    continue
-                hold = info["hold"]
-                inc = info["detok"].get(c.index)
-                if inc is None:  # a resent request: the client has the text of the first `skip` tokens
-                    inc = info["detok"][c.index] = IncrementalText(tok, c.token_ids[:skip])
-                    info["sent"][c.index] = held(inc.text, hold)
-                inc.extend(c.token_ids[len(inc.ids):])
-                text = c.text if c.finish_reason else held(inc.text, hold)
-                prev = info["sent"][c.index]
-                delta = text[len(prev):]
-                info["sent"][c.index] = prev + delta
-                outputs.append({"index": c.index, "token_ids": c.token_ids[max(skip, total - len(c.new_token_ids)):],
-                                "text": delta, "finish_reason": c.finish_reason})
-                counts.append([c.index, total])
-            if outputs:
-                self._send_data(out, P.CHUNK, res.request_id, {"type": P.CHUNK, "id": info["id"], "outputs": outputs},
-                                counts)
-        if res.finished:
-            self.requests.pop(res.request_id, None)
-            response = completion_response(res, self.spec["name"], tok, info["echo"], info["logprobs"],
-                                           info["token_ids"])
-            self._send_data(out, P.RESULT, res.request_id, {"type": P.RESULT, "id": info["id"], "response": response},
-                            response["usage"]["completion_tokens"])
+            self.output.put_error(key, cid, P.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 def bind_cores(cpus: list[int] | None) -> None:
@@ -269,13 +199,6 @@ def bind_cores(cpus: list[int] | None) -> None:
     usable = set(cpus) & os.sched_getaffinity(0)
     if usable:
         os.sched_setaffinity(0, usable)  # 0: the calling thread, on Linux
-
-
-def held(text: str, hold: int) -> str:
-    """The part of a stream's stable text that is safe to send before it ends: not the last `hold`
-    characters, which may begin a stop string that the final text cuts. (IncrementalText never
-    holds an incomplete UTF-8 sequence.) So the chunks' texts add up to the final text."""
-    return text[: len(text) - hold] if hold else text
 
 
 def echo_response(msg: dict) -> dict:
@@ -295,7 +218,8 @@ class Worker:
         self.out_addr = f"inproc://engine-out-{id(self)}"
         self.pair = self.ctx.socket(zmq.PAIR)
         self.pair.bind(self.out_addr)
-        self.engine = None if config.echo else EngineThread(self.ctx, self.out_addr, config.num_threads)
+        self.output = None if config.echo else OutputThread(self.ctx, self.out_addr, queue.Queue())
+        self.engine = None if config.echo else EngineThread(self.output, config.num_threads)
         self.worker_id: int | None = None
         self.model_id: int | None = None
         self.unsent = 0  # messages dropped because the router was not reading
@@ -313,7 +237,7 @@ class Worker:
         if e is None:
             return {}
         kv = e.engine.stats() if e.engine is not None else {}
-        return {"running": len(e.requests), "aborted": e.aborted, "dropped": e.dropped, **kv}
+        return {"running": len(self.output.requests), "aborted": e.aborted, "dropped": e.dropped, **kv}
 
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -351,21 +275,23 @@ class Worker:
             self._close()
 
     def _close(self) -> None:
-        e = self.engine
-        if e is not None and e.is_alive():
-            e.stop.set()
-            e.join(self.config.join_timeout)
-            if e.is_alive():  # stuck in a step: its socket stays open, so the context can't be terminated
-                print(f"worker: engine thread did not stop within {self.config.join_timeout}s; exiting anyway",
-                      file=sys.stderr, flush=True)
-                sys.stdout.flush()
-                os._exit(1)
+        for t in (self.engine, self.output):
+            if t is not None and t.is_alive():
+                t.stop.set()
+                t.join(self.config.join_timeout)
+                if t.is_alive():  # stuck in a step: the output thread's socket stays open, so the
+                    # context can't be terminated
+                    print(f"worker: {t.name} thread did not stop within {self.config.join_timeout}s; exiting anyway",
+                          file=sys.stderr, flush=True)
+                    sys.stdout.flush()
+                    os._exit(1)
         self.pair.close(linger=0)
         self.ctx.term()
 
     def _serve(self) -> None:
         cfg = self.config
         if self.engine is not None:
+            self.output.start()
             self.engine.start()
         backoff = cfg.reconnect_initial
         sock = self._connect()

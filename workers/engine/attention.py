@@ -44,7 +44,7 @@ class Segment:
     tok_start: int
     length: int
     start_pos: int
-    blocks: list[torch.Tensor | None] = field(default_factory=list)  # None: from position 0, this step's keys
+    blocks: list[list[int] | None] = field(default_factory=list)  # None: from position 0, this step's keys
     first_pos: list[int] = field(default_factory=list)
 
 
@@ -55,8 +55,9 @@ class GroupStep:
 
     write_blocks: torch.Tensor  # [N]
     write_offsets: torch.Tensor  # [N]
-    pair_rows: torch.Tensor | None = None  # [T] decode row of each pair
     pair_blocks: torch.Tensor | None = None  # [T]
+    # made from the spans only when the PyTorch path runs (ensure_pairs); the C++ kernel needs neither
+    pair_rows: torch.Tensor | None = None  # [T] decode row of each pair
     pair_valid: torch.Tensor | None = None  # [T, block_size] positions the row may see
     single: bool = False  # one pair per decode row, in row order: a plain softmax
     per_row: int = 0  # >0: every decode row has this many pairs, rows in order
@@ -69,6 +70,22 @@ class GroupStep:
     # its first block)
     prefill_blocks: torch.Tensor | None = None
     prefill_table: torch.Tensor | None = None
+
+    def ensure_pairs(self, block_size: int) -> None:
+        """pair_rows and pair_valid, from the spans: pair k of a row covers positions
+        [k * block_size, (k + 1) * block_size) of its blocks, of which it sees [lo, hi)."""
+        if self.pair_valid is not None:
+            return
+        dev = self.pair_blocks.device
+        rows, first, lo, hi = [], [], [], []
+        for r, (_, n, a, b) in enumerate(self.spans):
+            rows.extend([r] * n)
+            first.extend(range(0, n * block_size, block_size))
+            lo.extend([a] * n)
+            hi.extend([b] * n)
+        pos = torch.tensor(first, device=dev)[:, None] + torch.arange(block_size, device=dev)
+        self.pair_rows = torch.tensor(rows, device=dev)
+        self.pair_valid = (pos >= torch.tensor(lo, device=dev)[:, None]) & (pos < torch.tensor(hi, device=dev)[:, None])
 
 
 @dataclass(slots=True)
@@ -136,6 +153,7 @@ def decode_attention(gs: GroupStep, q: torch.Tensor, key: torch.Tensor, value: t
                 for r, (a, n, lo, hi) in enumerate(gs.spans)]
         return rows[0] if d_rows == 1 else torch.cat(rows)
     kvh = key.shape[1]
+    gs.ensure_pairs(key.shape[2])
     qg = q.to(key.dtype).reshape(d_rows, kvh, heads // kvh, dim)
     kb = key.index_select(0, gs.pair_blocks)  # [T, kvh, block, d]: only the blocks the rows hold
     vb = value.index_select(0, gs.pair_blocks)
@@ -210,8 +228,9 @@ def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: t
         k = key[seg.tok_start: seg.tok_start + seg.length].transpose(0, 1).unsqueeze(0)
         v = value[seg.tok_start: seg.tok_start + seg.length].transpose(0, 1).unsqueeze(0)
     else:
-        k = _gather(key_cache, seg.blocks[g], end - seg.first_pos[g])
-        v = _gather(value_cache, seg.blocks[g], end - seg.first_pos[g])
+        blocks = torch.tensor(seg.blocks[g], device=key_cache.device)
+        k = _gather(key_cache, blocks, end - seg.first_pos[g])
+        v = _gather(value_cache, blocks, end - seg.first_pos[g])
     heads, kvh = q.shape[1], k.shape[1]
     q = q.to(k.dtype)
     if softcap is None and seg.start_pos == 0 and (window is None or window >= end):

@@ -27,7 +27,8 @@ from workers.files import cache_root
 
 log = logging.getLogger("mmfusion.kernels")
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "bindings.cpp")]
+SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "silu_mul.cpp",
+                                       "bindings.cpp")]
 HEADERS = [KERNELS / "avx512_math.h"]  # part of the build's hash: a change rebuilds
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREFILL_LANES = 16  # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp)

@@ -9,12 +9,15 @@ incomplete UTF-8 sequence, so it never changes after it is taken.
 
 from __future__ import annotations
 
+import bisect
+
 
 class IncrementalText:
     def __init__(self, tokenizer, token_ids: list[int] | tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""  # the stable text so far
+        self.ends: list[int] = []  # per token, len(self.text) once it was added (non-decreasing)
         self._prefix = 0  # window start
         self._read = 0  # tokens whose text is in self.text
         self.extend(token_ids)
@@ -30,9 +33,16 @@ class IncrementalText:
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 self.text += full[len(prefix):]
                 self._prefix, self._read = self._read, len(self.ids)
+            self.ends.append(len(self.text))
         return self.text[before:]
 
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
         return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
+
+
+def tokens_within(tokenizer, token_ids: list[int], chars: int) -> int:
+    """How many of `token_ids` have their text inside its first `chars` characters (a stop string
+    cut the rest): one incremental pass, not a decode of every prefix."""
+    return bisect.bisect_right(IncrementalText(tokenizer, token_ids).ends, chars)

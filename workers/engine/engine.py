@@ -27,6 +27,7 @@ from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, attenti
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
 from workers.engine.stops import finish_reason
+from workers.engine.text_output import RequestText
 from workers.weights.loaded_model import LoadedModel
 
 
@@ -230,7 +231,7 @@ class Engine:
             new_tokens.setdefault(seq.seq_id, []).append(tok)
             self.tokens_generated += 1
             touched[seq.group.request_id] = seq.group
-            reason = finish_reason(seq, tok, self.lm.eos_token_ids, self.lm.max_model_len, self.tokenizer)
+            reason = finish_reason(seq, tok, self.lm.eos_token_ids, self.lm.max_model_len)
             if reason:
                 self._finish(seq, reason)
         return [self._output(g, new_tokens) for g in touched.values()]
@@ -238,31 +239,36 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.runner.release(seq)
         self.scheduler.finish(seq, reason)
-        if not seq.text_cut:
-            seq.text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
+
+    def finish_sample(self, request_id: str, index: int) -> bool:
+        """End one sample of a running request: a stop string matched its text (text_output). Its
+        tokens past the match are dropped there; here its blocks are freed."""
+        group = self.scheduler.groups.get(request_id)
+        if group is None or not 0 <= index < len(group.seqs) or group.seqs[index].finished:
+            return False
+        self._finish(group.seqs[index], "stop")
+        return True
 
     def _output(self, group: SequenceGroup, new_tokens: dict[int, list[int]]) -> RequestOutput:
-        """While a request runs, its output holds the engine's own growing lists (read them before
-        the next step, as the worker and generate() do): copying every list of every running
-        request on every step made a long generation quadratic. A finished output is a copy."""
+        """Tokens only: text, stop strings and best_of's choice are text_output's, off this thread.
+        While a request runs, its output holds the engine's own lists, which only ever grow (read
+        them up to their length at the step, as the worker and generate() do): copying every list
+        of every running request on every step made a long generation quadratic. A finished
+        output is a copy, with every sample (best_of's too)."""
         finished = group.finished
-        seqs = group.seqs
         p = group.params
         own = list if finished else _same
-        if finished and p.num_samples > p.n:
-            # best_of: the n samples with the highest mean token log-probability
-            seqs = sorted(seqs, key=lambda s: -(sum(s.logprobs) / len(s.logprobs)) if s.logprobs else 0.0)[: p.n]
         outs = [
             CompletionOutput(
-                index=i if finished and p.num_samples > p.n else s.sample_index,
+                index=s.sample_index,
                 token_ids=own(s.output),
-                text=s.text if s.finished else "",
+                text="",
                 logprobs=own(s.logprobs) if p.wants_logprobs else None,
                 top_logprobs=own(s.top_logprobs) if p.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 new_token_ids=new_tokens.get(s.seq_id, []),
             )
-            for i, s in enumerate(seqs)
+            for s in group.seqs
         ]
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt_text, prompt_token_ids=group.prompt, outputs=outs,
@@ -274,18 +280,26 @@ class Engine:
     # --- offline convenience ---------------------------------------------------------------------
     def generate(self, prompts: Iterable[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run prompts to completion, as vLLM's LLM.generate: one RequestOutput per prompt, in order."""
+        """Run prompts to completion, as vLLM's LLM.generate: one RequestOutput per prompt, in order,
+        with its text (stop strings applied, best_of's n best chosen). Text is made between steps
+        here; a worker makes it on another thread."""
         prompts = list(prompts)
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} params for {len(prompts)} prompts")
         base = f"gen-{next(self._arrivals)}-"
         ids = [f"{base}{i}" for i in range(len(prompts))]
+        texts: dict[str, RequestText] = {}
         for rid, prompt, p in zip(ids, prompts, plist):
             self.add_request(rid, prompt, p)
+            texts[rid] = RequestText(self.tokenizer, self.scheduler.groups[rid].params, self.lm.eos_token_ids)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+                text = texts[out.request_id]
+                for index in text.update(out):
+                    self.finish_sample(out.request_id, index)
+                if out.request_id not in final and text.done(out):
+                    final[out.request_id] = text.final(out)
+                    self.abort(out.request_id)  # ended by stop strings: nothing left to run
         return [final[r] for r in ids]

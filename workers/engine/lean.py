@@ -124,6 +124,8 @@ class LeanLlama:
         key_cache, value_cache = kv
         # C++: the rotation of q and k and the cache writes in one pass per layer (bit-equal)
         rope_write = getattr(self.norms, "rope_write", None) if cos.dtype == h.dtype else None
+        # C++ silu * up in one pass, where it rounds as torch does (float32 keeps torch's exp)
+        silu_mul = getattr(self.norms, "silu_mul", None) if h.dtype in (torch.bfloat16, torch.float16) else None
         x = self._norm(h, self.layers[0].input_norm)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -140,8 +142,11 @@ class LeanLlama:
                                  self.scaling, layer.window, None, written=rope_write is not None)
             h, x = self._add_norm(h, layer.o(a.reshape(n, heads * d)), layer.post_norm)
             gu = layer.gate_up(x)
-            inter = gu.shape[1] // 2
-            delta = layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            if silu_mul is not None:
+                delta = layer.down(silu_mul(gu))
+            else:
+                inter = gu.shape[1] // 2
+                delta = layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
             if i < last:
                 h, x = self._add_norm(h, delta, self.layers[i + 1].input_norm)
             else:

@@ -145,7 +145,6 @@ class PagedRunner(BaseRunner):
     def _group_steps(self, decode: list[Sequence], chunks: list[Chunk], pos: list[int]) -> list[attention.GroupStep]:
         bs, dev = self.block_size, self.lm.device
         offsets = torch.tensor([p % bs for p in pos], device=dev)
-        arange = torch.arange(bs, device=dev)
         steps = []
         for g, window in enumerate(self.holder.windows):
             writes = [s.blocks.tables[g][s.num_computed // bs] for s in decode]
@@ -154,34 +153,24 @@ class PagedRunner(BaseRunner):
                 writes.extend(t[p // bs] for p in range(c.start, c.start + c.length))
             gs = attention.GroupStep(torch.tensor(writes, dtype=torch.long, device=dev), offsets)
             if decode:
-                rows, blocks, starts, lengths, per_row, spans = [], [], [], [], set(), []
-                for r, s in enumerate(decode):
+                blocks, per_row, spans = [], set(), []
+                for s in decode:
                     t = s.blocks.tables[g]
                     first, last = first_block(window, s.num_computed, bs), s.num_computed // bs
                     n = s.num_computed + 1
                     lo = max(0, n - window) if window is not None else 0
                     spans.append((len(blocks), last + 1 - first, lo - first * bs, n - first * bs))
                     per_row.add(last + 1 - first)
-                    rows.extend([r] * (last + 1 - first))
                     blocks.extend(t[first: last + 1])
-                    starts.extend(range(first * bs, last * bs + 1, bs))
-                    lengths.extend([s.num_computed + 1] * (last + 1 - first))
-                key_pos = torch.tensor(starts, device=dev)[:, None] + arange
-                length = torch.tensor(lengths, device=dev)[:, None]
-                valid = key_pos < length
-                if window is not None:
-                    valid &= key_pos >= length - window
-                gs.pair_rows = torch.tensor(rows, device=dev)
                 gs.pair_blocks = torch.tensor(blocks, device=dev)
-                gs.pair_valid = valid
-                gs.single = len(rows) == len(decode)
+                gs.single = len(blocks) == len(decode)
                 gs.per_row = per_row.pop() if len(per_row) == 1 else 0
                 gs.spans = spans
             steps.append(gs)
         return steps
 
     def _segments(self, chunks: list[Chunk], first_token: int) -> list[attention.Segment]:
-        bs, dev = self.block_size, self.lm.device
+        bs = self.block_size
         segments, t0 = [], first_token
         for c in chunks:
             seg = attention.Segment(t0, c.length, c.start)
@@ -191,8 +180,7 @@ class PagedRunner(BaseRunner):
                     seg.first_pos.append(0)
                     continue
                 first = first_block(window, c.start, bs)
-                seg.blocks.append(torch.tensor(c.seq.blocks.tables[g][first: -(-(c.start + c.length) // bs)],
-                                               device=dev))
+                seg.blocks.append(c.seq.blocks.tables[g][first: -(-(c.start + c.length) // bs)])
                 seg.first_pos.append(first * bs)
             segments.append(seg)
             t0 += c.length

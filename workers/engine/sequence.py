@@ -30,10 +30,6 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    text: str = ""
-    stop_checked_len: int = 0  # chars of text already scanned for stop strings
-    text_cut: bool = False  # text was cut at a stop string: keep it as is
-    detok: Any = None  # IncrementalText of the output, made on the first stop-string check
 
     @property
     def length(self) -> int:

@@ -13,6 +13,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key, torch::Tensor value,
                 torch::Tensor blocks, torch::Tensor offsets, int64_t heads, int64_t kvh);
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
@@ -21,4 +22,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rotary embedding of q and k in place, k and v written into the paged cache");
   m.def("rms_norm", &rms_norm, "RMS norm of contiguous rows");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then the RMS norm of h");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate/up rows");
 }
