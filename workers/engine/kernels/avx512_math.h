@@ -22,6 +22,30 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+#ifdef __AVX512BF16__
+// 16 bfloat16 values (their bits) to float32, exactly
+inline __m512 bf16_to_f32(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 16 float32 values to bfloat16 bits, rounded to nearest even as torch rounds
+inline __m256i f32_to_bf16(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
+
+// n <= 16 bfloat16 values at p (the others 0), and their store
+inline __m512 load_bf16(const void* p, int n = 16) {
+  const __m256i b = n >= 16 ? _mm256_loadu_si256(static_cast<const __m256i*>(p))
+                            : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return bf16_to_f32(b);
+}
+
+inline void store_bf16(void* p, __m512 x, int n = 16) {
+  if (n >= 16)
+    _mm256_storeu_si256(static_cast<__m256i*>(p), f32_to_bf16(x));
+  else
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), f32_to_bf16(x));
+}
+#endif
+
 // r[0..15], 16 rows of 16 32-bit elements, transposed in place: r[c] becomes column c.
 inline void transpose16(__m512i r[16]) {
   __m512i t[16], u[16];

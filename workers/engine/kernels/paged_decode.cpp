@@ -101,6 +101,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* blocks, const i
 // reductions per head and tile. The values are widened to float32 once per tile for all the heads
 // of the group. Sums in float32, as the generic path.
 constexpr int64_t CHUNK = 16;
+constexpr int64_t PREFETCH = 1;  // blocks ahead
 
 template <int D>
 void decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
@@ -130,6 +131,23 @@ void decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFl
         const int64_t b0 = std::max(lo - b * bs, int64_t(0)), b1 = std::min(hi - b * bs, bs);
         const c10::BFloat16* kb = kc + (blk * kvh + kh) * bs * D;
         const c10::BFloat16* vb = vc + (blk * kvh + kh) * bs * D;
+        // the blocks are anywhere in the pool: ask for the keys and values PREFETCH blocks ahead,
+        // so that they arrive while this one is computed (the hardware prefetcher cannot guess
+        // the jumps); past the row's last block, the next item's first ones
+        int64_t ahead = -1;
+        if ((b + PREFETCH) * bs < hi) {
+          ahead = (blocks[first + b + PREFETCH] * kvh + kh) * bs * D;
+        } else if (item + 1 < end) {
+          const int64_t r2 = (item + 1) / kvh, kh2 = (item + 1) % kvh;
+          const int64_t b2 = spans[r2 * 4 + 2] / bs + (b + PREFETCH) - (hi - 1) / bs - 1;
+          if (b2 * bs < spans[r2 * 4 + 3]) ahead = (blocks[spans[r2 * 4] + b2] * kvh + kh2) * bs * D;
+        }
+        if (ahead >= 0) {
+          for (int64_t x = 0; x < bs * D; x += 32) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + ahead + x), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + ahead + x), _MM_HINT_T0);
+          }
+        }
         for (int64_t t0 = b0; t0 < b1; t0 += CHUNK) {
           const int n = static_cast<int>(std::min(CHUNK, b1 - t0));
           const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);

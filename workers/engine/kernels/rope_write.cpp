@@ -6,7 +6,13 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "avx512_math.h"
+#define MMFUSION_ROPE_BF16 1
+#endif
 
 namespace {
 
@@ -39,6 +45,61 @@ __attribute__((optimize("fp-contract=off"))) void rope_token(T* row, const T* c,
   }
 }
 
+#ifdef MMFUSION_ROPE_BF16
+// bfloat16 heads of d = 32 k elements, 16 lanes at a time, with the generic path's roundings: each
+// product to bfloat16, then their sum (a conversion between them, so no fused multiply-add)
+template <int V>  // V = d / 16 vectors per head
+void rope_token_bf16(c10::BFloat16* row, const c10::BFloat16* c, const c10::BFloat16* s, c10::BFloat16* kd,
+                     c10::BFloat16* vd, int64_t heads, int64_t kvh, int64_t bs) {
+  using mmfusion::bf16_to_f32;
+  using mmfusion::f32_to_bf16;
+  constexpr int D = V * 16;
+  __m512 cv[V], sv[V];
+  for (int i = 0; i < V; ++i) {
+    cv[i] = mmfusion::load_bf16(c + 16 * i);
+    sv[i] = mmfusion::load_bf16(s + 16 * i);
+  }
+  for (int64_t h = 0; h < heads + kvh; ++h) {
+    c10::BFloat16* y = row + h * D;
+    __m512 x[V];
+    for (int i = 0; i < V; ++i) x[i] = mmfusion::load_bf16(y + 16 * i);
+    for (int i = 0; i < V; ++i) {
+      const __m512 a = bf16_to_f32(f32_to_bf16(_mm512_mul_ps(x[i], cv[i])));
+      const __m512 b = bf16_to_f32(f32_to_bf16(_mm512_mul_ps(x[(i + V / 2) % V], sv[i])));
+      mmfusion::store_bf16(y + 16 * i, _mm512_add_ps(a, b));
+    }
+  }
+  if (kd == nullptr) return;
+  for (int64_t h = 0; h < kvh; ++h) {
+    std::memcpy(kd + h * bs * D, row + (heads + h) * D, D * sizeof(c10::BFloat16));
+    std::memcpy(vd + h * bs * D, row + (heads + kvh + h) * D, D * sizeof(c10::BFloat16));
+  }
+}
+
+bool rope_rows_bf16(c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin, c10::BFloat16* kc,
+                    c10::BFloat16* vc, const int64_t* blocks, const int64_t* offsets, int64_t n, int64_t writes,
+                    int64_t heads, int64_t kvh, int64_t d, int64_t bs) {
+  auto run = [&](auto tag) {
+    constexpr int V = decltype(tag)::value;
+    const int64_t width = (heads + 2 * kvh) * d;
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t base = t < writes ? (blocks[t] * kvh * bs + offsets[t]) * d : 0;
+        rope_token_bf16<V>(qkv + t * width, cos + t * d, sin + t * d, t < writes ? kc + base : nullptr,
+                           t < writes ? vc + base : nullptr, heads, kvh, bs);
+      }
+    });
+    return true;
+  };
+  switch (d) {
+    case 64: return run(std::integral_constant<int, 4>{});
+    case 128: return run(std::integral_constant<int, 8>{});
+    case 256: return run(std::integral_constant<int, 16>{});
+    default: return false;
+  }
+}
+#endif
+
 template <typename T>
 void rope_rows(T* qkv, const T* cos, const T* sin, T* kc, T* vc, const int64_t* blocks, const int64_t* offsets,
                int64_t n, int64_t writes, int64_t heads, int64_t kvh, int64_t d, int64_t bs) {
@@ -69,6 +130,13 @@ void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kvh) * d && d % 2 == 0 && cos.size(1) == d, "rope_write: bad shapes");
   blocks = blocks.to(torch::kLong).contiguous();
   offsets = offsets.to(torch::kLong).contiguous();
+#ifdef MMFUSION_ROPE_BF16
+  if (qkv.scalar_type() == at::kBFloat16 &&
+      rope_rows_bf16(qkv.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(),
+                     key.data_ptr<c10::BFloat16>(), value.data_ptr<c10::BFloat16>(), blocks.data_ptr<int64_t>(),
+                     offsets.data_ptr<int64_t>(), qkv.size(0), blocks.size(0), heads, kvh, d, key.size(2)))
+    return;
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_write", [&] {
     rope_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
                         key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(), blocks.data_ptr<int64_t>(),
