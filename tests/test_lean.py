@@ -257,3 +257,24 @@ def test_bf16_prefill_kernel_is_as_close_to_float32_as_the_pytorch_path(smollm2_
     assert 0 < plain_err.max()
     assert kernel_err.mean() <= 1.2 * plain_err.mean() and kernel_err.max() <= 2 * plain_err.max() + 1e-3, \
         (float(kernel_err.mean()), float(plain_err.mean()), float(kernel_err.max()), float(plain_err.max()))
+
+
+@pytest.mark.slow
+def test_blocks_are_left_unzeroed_only_while_the_cpp_kernels_serve(embedded_models):
+    """bf16 SmolLM2 on the C++ kernels: new blocks are not zeroed (the kernels read only a row's
+    own positions). A PyTorch attention path would read whole blocks under a mask, so it is
+    refused with an error instead of reading stale memory."""
+    _prefill_kernel(64)
+    lm = load_model("smollm2-135m", dtype="bfloat16")
+    eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=64))
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    eng.runner.cache.keys.fill_(float("nan"))  # stale memory at its worst
+    eng.runner.cache.values.fill_(float("nan"))
+    out = eng.generate([list(range(100, 190))], greedy)[0]  # 90 tokens: two chunks, then decode
+    assert eng.runner.holder.unzeroed
+    fresh = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=64)).generate([list(range(100, 190))], greedy)
+    assert out.outputs[0].token_ids == fresh[0].outputs[0].token_ids  # the NaNs were never read
+    eng.runner.holder.prefill_kernel = lambda *args: False  # as if the kernel declined a layout
+    eng.add_request("x", list(range(300, 340)), greedy)
+    with pytest.raises(RuntimeError, match="not zeroed"):
+        eng.step()

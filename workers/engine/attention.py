@@ -283,10 +283,14 @@ def attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value:
     d = ctx.num_decode
     if d:
         kernel = DECODE_KERNELS.get(key_buf.device.type) or holder.decode_kernel or decode_attention
+        if holder.unzeroed and kernel is not holder.decode_kernel:
+            raise RuntimeError("decode attention would read blocks that were not zeroed")
         out[:d] = kernel(gs, query[:d], key_buf, value_buf, scaling, softcap)
     if (ctx.segments and softcap is None and holder.prefill_kernel is not None and gs.prefill_table is not None
             and holder.prefill_kernel(out, query, key_buf, value_buf, gs, window, scaling)):
         return out
+    if ctx.segments and holder.unzeroed:
+        raise RuntimeError("prefill attention would read blocks that were not zeroed")
     alone = range(len(ctx.segments))
     if softcap is None and len(ctx.segments) > 1:
         groups, alone = ctx.whole_prompt_groups(window, query.device)
@@ -368,7 +372,8 @@ class ContextHolder:
     """Mutable handle shared by the attention modules of one model (and by every engine on it):
     the runner that steps sets its cache and `current` for each forward."""
 
-    __slots__ = ("current", "groups", "position", "windows", "id", "decode_kernel", "prefill_kernel", "__weakref__")
+    __slots__ = ("current", "groups", "position", "windows", "id", "decode_kernel", "prefill_kernel", "unzeroed",
+                 "__weakref__")
 
     def __init__(self, groups: CacheGroups) -> None:
         self.current: StepContext | None = None
@@ -381,6 +386,9 @@ class ContextHolder:
         # and its prefill kernel: (out, query, key cache, value cache, GroupStep, window, scaling) ->
         # whether it wrote out's prefill rows (else the PyTorch path runs)
         self.prefill_kernel: Callable | None = None
+        # new blocks are not zeroed (the C++ kernels never read a position past a row's own): the
+        # PyTorch paths, which read whole blocks under a mask, must not run then
+        self.unzeroed = False
         _HOLDERS[self.id] = self
 
 

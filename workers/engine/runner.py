@@ -140,7 +140,13 @@ class PagedRunner(BaseRunner):
         self.compiled = CompiledLayers(self.model, buckets, self.lm.device)
 
     def new_blocks(self, blocks: list[int]) -> None:
-        self.cache.zero_blocks(blocks)
+        # the C++ kernels read only the positions a row holds; the PyTorch paths read whole blocks
+        # under a mask, and stale memory (NaN among it) would leak through: zero for them
+        h = self.holder
+        h.unzeroed = (self.lean is not None and self.compiled is None and h.prefill_kernel is not None
+                      and h.decode_kernel is not None and not attention.DECODE_KERNELS)
+        if not h.unzeroed:
+            self.cache.zero_blocks(blocks)
 
     def _group_steps(self, decode: list[Sequence], chunks: list[Chunk], pos: list[int]) -> list[attention.GroupStep]:
         bs, dev = self.block_size, self.lm.device
