@@ -278,3 +278,17 @@ def test_blocks_are_left_unzeroed_only_while_the_cpp_kernels_serve(embedded_mode
     eng.add_request("x", list(range(300, 340)), greedy)
     with pytest.raises(RuntimeError, match="not zeroed"):
         eng.step()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared(tmp_path):
+    """torch's extension builder waits forever on the lock of a build whose process was killed."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    assert cpu_kernels.clear_stale_lock(lock) is False  # none
+    lock.write_text("")
+    assert cpu_kernels.clear_stale_lock(lock) is False and lock.exists()  # a build may be running
+    old = time.time() - cpu_kernels.STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert cpu_kernels.clear_stale_lock(lock) is True and not lock.exists()

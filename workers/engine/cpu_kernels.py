@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,8 @@ PREFILL_LANES = 16  # query rows of one KV head in one pass of the prefill kerne
 PREFILL_HEAD_DIMS = (64, 128, 256)  # the head sizes it has a path for (bfloat16 only)
 # where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
 KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
+# a build takes a minute or two: a lock older than this was left by a process killed while building
+STALE_BUILD_LOCK_S = 900.0
 
 
 @functools.cache
@@ -67,12 +70,26 @@ def _build():
     tag = hashlib.sha1(src + torch.__version__.encode() + _cpu_tag().encode()).hexdigest()[:16]
     build = Path(os.environ.get(KERNEL_CACHE_ENV) or cache_root() / "kernels") / tag
     build.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build / "lock")
     return cpp_extension.load(name=f"mmfusion_paged_decode_{tag}", sources=[str(path) for path in SOURCES], build_directory=str(build),
                               # fast-math and OpenMP (at::parallel_for, omp simd): the dot products and exponentials vectorize
                               # (glibc's libmvec holds the vector exp)
                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
                                             "-fopenmp"],
                               extra_ldflags=["-lmvec", "-fopenmp"], verbose=False)
+
+
+def clear_stale_lock(lock: Path, max_age: float = STALE_BUILD_LOCK_S) -> bool:
+    """Remove a build lock older than any build takes: a process killed while it built left it,
+    and torch's extension builder would wait on it forever. True when one was removed."""
+    try:
+        if time.time() - lock.stat().st_mtime > max_age:
+            lock.unlink()
+            log.warning("removed a stale kernel build lock %s (a build was killed)", lock)
+            return True
+    except FileNotFoundError:
+        pass
+    return False
 
 
 def paged_decode_cpu(gs: attention.GroupStep, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
