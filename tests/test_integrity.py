@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -28,14 +27,13 @@ from support.cluster import (
     start_worker,
     wait_for,
     wait_loaded,
+    worker_threads,
 )
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
 from routing.entrypoints import WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
-from workers.output_thread import OutputThread
-from workers.worker import EngineThread
 
 GREEDY = dict(ignore_eos=True, temperature=0.0)
 
@@ -278,17 +276,7 @@ def test_requests_for_a_model_whose_worker_cannot_load_fail_after_restart_wait()
 
 
 def test_an_engine_failure_fails_only_the_requests_of_its_step():
-    ctx = zmq.Context()
-    pair = ctx.socket(zmq.PAIR)
-    pair.bind("inproc://engine-test")
-    output = OutputThread(ctx, "inproc://engine-test", queue.Queue())
-    th = EngineThread(output, 1)
-    output.start()
-    th.start()
-    try:
-        th.inbox.put(("assign", {"model_id": 0, "worker_id": 0,
-                                 "model": {**TINY, "engine": {"max_batch_size": 1, "max_batch_tokens": 64}}}))
-        assert msgpack.unpackb(pair.recv())["type"] == P.LOADED
+    with worker_threads({**TINY, "engine": {"max_batch_size": 1, "max_batch_tokens": 64}}) as (th, pair):
         real, calls = th.engine.runner.execute, []
 
         def failing_third_step(plan):
@@ -312,10 +300,3 @@ def test_an_engine_failure_fails_only_the_requests_of_its_step():
         assert answers["b"]["type"] == P.RESULT
         assert answers["b"]["response"]["choices"][0]["text"] == \
             th.engine.tokenizer.decode(engine_reference("llama", [9, 8, 7], max_tokens=6, **GREEDY), skip_special_tokens=True)
-    finally:
-        th.stop.set()
-        th.join(10)
-        output.stop.set()
-        output.join(10)
-        pair.close(0)
-        ctx.term()

@@ -3,21 +3,17 @@ thread, and no tokenizer call on the engine thread."""
 
 from __future__ import annotations
 
-import queue
 import threading
 
 import msgpack
 import pytest
-import zmq
-from support.cluster import TINY, wait_for
+from support.cluster import TINY, wait_for, worker_threads
 from support.models import tiny
 
 from routing import protocol as P
 from workers.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.engine.text_output import RequestText
-from workers.output_thread import OutputThread
-from workers.worker import EngineThread
 
 PROMPT = [10, 20, 30, 40, 50]
 
@@ -91,16 +87,7 @@ def _recv_until_result(pair, key: str) -> tuple[list[dict], dict]:
 
 
 def test_the_worker_makes_text_on_its_output_thread_and_stops_the_engine_there(lm):
-    ctx = zmq.Context()
-    pair = ctx.socket(zmq.PAIR)
-    pair.bind("inproc://text-test")
-    output = OutputThread(ctx, "inproc://text-test", queue.Queue())
-    th = EngineThread(output, 1)
-    output.start()
-    th.start()
-    try:
-        th.inbox.put(("assign", {"model_id": 0, "worker_id": 0, "model": TINY}))
-        assert msgpack.unpackb(pair.recv())["type"] == P.LOADED
+    with worker_threads(TINY, "inproc://text-test") as (th, pair):
         greedy = {"temperature": 0.0, "ignore_eos": True}
         full = _engine(lm).generate([PROMPT], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
         stop = full.outputs[0].text[8:11]
@@ -128,10 +115,3 @@ def test_the_worker_makes_text_on_its_output_thread_and_stops_the_engine_there(l
         assert th.engine.tokens_generated < 40
         assert decoders == {"output"}  # detokenization never ran on the engine thread
         del tok.decode
-    finally:
-        th.stop.set()
-        th.join(10)
-        output.stop.set()
-        output.join(10)
-        pair.close(0)
-        ctx.term()

@@ -24,6 +24,8 @@ from routing.router import ModelEntry, Router, RouterConfig
 from support.models import tiny
 from workers.completions import sampling_params
 from workers.engine import Engine, EngineConfig
+from workers.output_thread import OutputThread
+from workers.worker import EngineThread
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
@@ -140,3 +142,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def worker_threads(model: dict, addr: str = "inproc://engine-test"):
+    """A worker's engine and output threads without its router socket, `model` loaded: yields the
+    engine thread (put ("request", (key, msg))-style items in its inbox) and the PAIR socket its
+    messages arrive on."""
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    pair = ctx.socket(zmq.PAIR)
+    pair.bind(addr)
+    output = OutputThread(ctx, addr, queue.Queue())
+    th = EngineThread(output, 1)
+    output.start()
+    th.start()
+    try:
+        th.inbox.put(("assign", {"model_id": 0, "worker_id": 0, "model": model}))
+        assert msgpack.unpackb(pair.recv())["type"] == P.LOADED
+        yield th, pair
+    finally:
+        for t in (th, output):
+            t.stop.set()
+            t.join(10)
+        pair.close(0)
+        ctx.term()
