@@ -1,14 +1,16 @@
 """A worker process: registers with the router, loads the model it is assigned, serves its requests.
 
-Two threads, so that socket I/O never waits on a forward pass (and heartbeats go on while a
-model loads): the main thread owns the DEALER socket (register, heartbeat, reconnect with capped
-backoff, as in the ZeroMQ guide's Paranoid Pirate worker); the engine thread owns the Engine,
-takes requests from a queue and hands messages back through an inproc PAIR socket.
+Three threads, so that socket I/O never waits on a forward pass (and heartbeats go on while a
+model loads) and the host work of a step never delays the next: the main thread owns the DEALER
+socket (register, heartbeat, reconnect with capped backoff, as in the ZeroMQ guide's Paranoid
+Pirate worker); the engine thread owns the Engine and takes requests from a queue; the output
+thread (workers/output_thread.py) turns each step's tokens into text and messages and hands them
+to the main thread through an inproc PAIR socket.
 
 Every (re)assignment drops the work of the previous one: after a reconnect the router has resent
 it elsewhere. Writes never block: a router that is gone costs the messages meant for it, never a
-hang, and a worker whose parent died exits. On exit the engine thread is joined and the zmq
-context terminated.
+hang, and a worker whose parent died exits. On exit the engine and output threads are joined
+and the zmq context terminated.
 
     python -m workers.worker --backend tcp://127.0.0.1:5556 [--threads N] [--slot K] [--echo]
 """
