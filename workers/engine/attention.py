@@ -46,6 +46,15 @@ class Segment:
     start_pos: int
     blocks: list[list[int] | None] = field(default_factory=list)  # None: from position 0, this step's keys
     first_pos: list[int] = field(default_factory=list)
+    _tensors: dict = field(default_factory=dict)  # group -> blocks[g] as a tensor, made once a step
+
+    def block_tensor(self, g: int, device) -> torch.Tensor:
+        """blocks[g] as a tensor, made when a PyTorch path first needs it (the C++ kernels read
+        their own table) and kept for the step's other layers."""
+        t = self._tensors.get(g)
+        if t is None:
+            t = self._tensors[g] = torch.tensor(self.blocks[g], device=device)
+        return t
 
 
 @dataclass(slots=True)
@@ -228,7 +237,7 @@ def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: t
         k = key[seg.tok_start: seg.tok_start + seg.length].transpose(0, 1).unsqueeze(0)
         v = value[seg.tok_start: seg.tok_start + seg.length].transpose(0, 1).unsqueeze(0)
     else:
-        blocks = torch.tensor(seg.blocks[g], device=key_cache.device)
+        blocks = seg.block_tensor(g, key_cache.device)
         k = _gather(key_cache, blocks, end - seg.first_pos[g])
         v = _gather(value_cache, blocks, end - seg.first_pos[g])
     heads, kvh = q.shape[1], k.shape[1]

@@ -26,7 +26,7 @@ from workers.engine.params import SamplingParams
 from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, attention_span, kv_dims, num_layers
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
-from workers.engine.stops import finish_reason
+from workers.engine.stops import finish_reason, stop_token_ids
 from workers.engine.text_output import RequestText
 from workers.weights.loaded_model import LoadedModel
 
@@ -168,7 +168,8 @@ class Engine:
                              "sequence: shorten the prompt, lower max_tokens or raise kv_cache_memory")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         group = SequenceGroup(request_id, ids, params, seed, next(self._arrivals),
-                              prompt_text=prompt if isinstance(prompt, str) else None)
+                              prompt_text=prompt if isinstance(prompt, str) else None,
+                              stop_ids=stop_token_ids(params, self.lm.eos_token_ids))
         group.seqs = [Sequence(next(self._seq_ids), group, i, ids) for i in range(params.num_samples)]
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
@@ -231,7 +232,7 @@ class Engine:
             new_tokens.setdefault(seq.seq_id, []).append(tok)
             self.tokens_generated += 1
             touched[seq.group.request_id] = seq.group
-            reason = finish_reason(seq, tok, self.lm.eos_token_ids, self.lm.max_model_len)
+            reason = finish_reason(seq, tok, self.lm.max_model_len)
             if reason:
                 self._finish(seq, reason)
         return [self._output(g, new_tokens) for g in touched.values()]

@@ -69,6 +69,7 @@ class SequenceGroup:
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_text: str | None = None
+    stop_ids: frozenset[int] = frozenset()  # tokens that end a sample (stops.stop_token_ids)
 
     @property
     def finished(self) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from workers.engine.detok import IncrementalText
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.params import SamplingParams
+from workers.engine.stops import stop_token_ids
 
 
 @dataclass(slots=True)
@@ -40,7 +41,7 @@ class RequestText:
 
     def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: list[int], incremental: bool = False):
         self.tokenizer, self.params = tokenizer, params
-        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._stop_ids = stop_token_ids(params, eos_token_ids)
         self._incremental = incremental or bool(params.stop)
         self._longest = max((len(s) for s in params.stop), default=0)
         self.samples: dict[int, SampleText] = {}
