@@ -85,9 +85,10 @@ def test_no_replica_left_gives_worker_lost_at_once():
 
 def test_client_timeout_reaches_the_worker_and_frees_the_slot():
     with one_worker() as (router, _, c):
-        with Client(router.frontend_addr, timeout=0.3) as impatient:
+        # 8 samples of 480 tokens take about 0.3 s in-process on a fast CPU: a third of that times out
+        with Client(router.frontend_addr, timeout=0.1) as impatient:
             with pytest.raises(TimeoutError):
-                impatient.complete("llama", [1, 2, 3], max_tokens=480, ignore_eos=True)
+                impatient.complete("llama", [1, 2, 3], max_tokens=480, ignore_eos=True, n=8)
         # the cancel reached the engine while the request ran (it was aborted, not finished)
         wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)
         wait_for(lambda: c.status()["workers"][0]["engine"]["running"] == 0 and c.status()["pending"] == 0)
@@ -98,18 +99,19 @@ def test_async_client_timeout_reaches_the_worker_and_frees_the_slot():
     """AsyncClient's timeouts come from one sweep timer for all requests: a wait past it fails
     on time, only that request, and its cancel reaches the engine."""
     async def go(address):
-        async with AsyncClient(address, timeout=0.25) as ac:
+        # 7 samples of 480 tokens (one slot left for the quick request) take about 0.25 s on a fast CPU
+        async with AsyncClient(address, timeout=0.15) as ac:
             quick = asyncio.ensure_future(ac.complete("llama", [1, 2], max_tokens=2, ignore_eos=True))
             t = time.monotonic()
             with pytest.raises(TimeoutError):
-                await ac.complete("llama", [1, 2, 3], max_tokens=480, ignore_eos=True)
+                await ac.complete("llama", [1, 2, 3], max_tokens=480, ignore_eos=True, n=7)
             waited = time.monotonic() - t
             return waited, (await quick)["usage"]["completion_tokens"], ac._queues
 
     with one_worker() as (router, _, c):
         c.complete("llama", [1, 2], max_tokens=2)  # the first step's one-off set-up, outside the timeouts
         waited, quick_tokens, left = asyncio.run(go(router.frontend_addr))
-        assert 0.25 <= waited < 0.85 and quick_tokens == 2 and not left
+        assert 0.15 <= waited < 0.75 and quick_tokens == 2 and not left
         wait_for(lambda: c.status()["workers"][0]["engine"].get("aborted") == 1, timeout=10)
         wait_for(lambda: c.status()["workers"][0]["engine"]["running"] == 0 and c.status()["pending"] == 0)
 

@@ -59,11 +59,12 @@ def test_a_router_restart_never_hands_old_work_to_new_requests():
     try:
         with Client(front, timeout=60) as c:
             wait_loaded(c)
-        # three engine batches' worth (8 slots) of the first router's keys in flight on the worker
+        # 24 engine batches' worth (8 samples each fill its 8 slots) of the first router's keys in flight
+        # on the worker: seconds of work, however fast the CPU
         old = [Client(front, timeout=60) for _ in range(24)]
         for i, oc in enumerate(old):
             oc.sock.send(P.pack(oc._complete_msg(f"old-{i}", "llama", [7, 8, 9 + i], True,
-                                                 {"max_tokens": 480, **GREEDY})))
+                                                 {"max_tokens": 480, "n": 8, **GREEDY})))
         assert old[0].recv(time.monotonic() + 60)["type"] == P.CHUNK
         os.kill(worker.pid, signal.SIGSTOP)  # keep that work unfinished across the restart
         router.stop(release_workers=False)
