@@ -97,7 +97,8 @@ def _measure(source: str, dtype: str, device: str, max_model_len: int | None, en
     dev = torch.device(device)
     base = psutil.Process().memory_info().rss
     t = time.perf_counter()
-    lm = load_model(source, dtype=dtype, device=device, max_model_len=max_model_len, share_weights=share_weights)
+    lm = load_model(source, dtype=dtype, device=device, max_model_len=max_model_len, share_weights=share_weights,
+                    prepack=engine_kw["prepack_weights"])
     out = {"load_s": round(time.perf_counter() - t, 3), "dtype": str(lm.dtype).removeprefix("torch."),
            "batch_s": None, "tokens_generated": 0, "fits": False, "error": None,
            "weight_bytes": lm.weights.bytes, "shared_weights": lm.weights.shared, "compile": None}

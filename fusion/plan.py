@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusion.model_info import MultiModelFusion
-from workers.config_keys import KV_AUTO_SHARE, LEAN_ARCHITECTURES, model_value, parse_size
+from workers.config_keys import KV_AUTO_SHARE, model_value, parse_size
+from workers.precision import FP16, ONEDNN, Precision, precision
+from workers.weights.sources import lean_source, resolve_dtype
 
-BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "auto": 2}
 # parameters and KV bytes per token (at 2 bytes) of the embedded models, to plan without loading
 KNOWN = {"smollm2-135m": (134.5e6, 30 * 2 * 3 * 64 * 2), "gemma3-270m": (268e6, 18 * 2 * 1 * 256 * 2)}
-KNOWN_ARCHITECTURE = {"smollm2-135m": "LlamaForCausalLM", "gemma3-270m": "Gemma3ForCausalLM"}
 # the context assumed for the KV estimate of a model whose own is unknown before loading
 DEFAULT_CTX = 2048
 # a worker process before its model (interpreter, torch, transformers, zmq), as PSS when several
@@ -61,6 +61,7 @@ class WorkerPlan:
     # the cores its threads are bound to (a CPU worker, when the device's workers' threads fit its
     # cores without overlap), as vLLM binds its OpenMP threads: none of them migrates onto another's core
     cpus: list[int] | None = None
+    precision: Precision | None = None  # the dtypes its weights, math and KV cache use (workers.precision)
 
 
 @dataclass(slots=True)
@@ -142,9 +143,21 @@ def worker_overhead(device: str) -> int:
     return OVERHEAD_BYTES if device == "cpu" else CUDA_WORKER_OVERHEAD_BYTES
 
 
-def kv_bytes_per_token(source: str, dtype: str) -> int | None:
-    """K and V of one position over all layers, or None when unknown before loading."""
-    wbytes = BYTES.get(dtype, 2)
+def planned_precision(source: str, dtype: str, device: str, prepack: bool) -> Precision:
+    """How a worker will hold and compute this model (workers.precision), decided as its load
+    will decide it; a source whose family is unknown before loading counts as the lean forward's
+    (its packed linears are counted: the plan errs high)."""
+    weights = resolve_dtype(dtype, device, prepack, source)
+    lean = prepack and device == "cpu" and lean_source(source) is not False
+    return precision(weights, device, lean)
+
+
+def _bytes(dtype) -> int:
+    return dtype.itemsize
+
+
+def kv_bytes_per_token(source: str, wbytes: int) -> int | None:
+    """K and V of one position over all layers at `wbytes` an element, or None when unknown before loading."""
     if source in KNOWN:
         return int(KNOWN[source][1] * wbytes / 2)
     if source.startswith("tiny:"):
@@ -167,9 +180,8 @@ def _kv_per_token(cfg: dict, wbytes: int) -> int:
     return layers * 2 * kvh * (cfg.get("head_dim") or hidden // heads) * wbytes
 
 
-def weight_bytes(source: str, dtype: str) -> int:
-    """The weights' bytes in `dtype`, without loading the model (0 when unknown)."""
-    wbytes = BYTES.get(dtype, 2)
+def weight_bytes(source: str, wbytes: int) -> int:
+    """The weights' bytes at `wbytes` a parameter, without loading the model (0 when unknown)."""
     if source in KNOWN:
         return int(KNOWN[source][0] * wbytes)
     if source.startswith("tiny:"):
@@ -182,20 +194,14 @@ def weight_bytes(source: str, dtype: str) -> int:
     return 0
 
 
-def packs_weights(source: str, device: str, prepack: bool) -> bool:
-    """Whether a worker runs the lean forward on its own prepacked linears (CPU, Llama family).
-    A source whose architecture is unknown before loading counts as packing: the plan errs high."""
-    if not prepack or device != "cpu":
-        return False
-    if source in KNOWN_ARCHITECTURE:
-        return KNOWN_ARCHITECTURE[source] in LEAN_ARCHITECTURES
-    if source.startswith("tiny:"):
-        return f"{source.split(':')[1]}forcausallm" in {a.lower() for a in LEAN_ARCHITECTURES}
-    path = Path(source)
-    if path.is_dir() and (path / "config.json").exists():
-        archs = json.loads((path / "config.json").read_text()).get("architectures") or []
-        return any(a in LEAN_ARCHITECTURES for a in archs)
-    return True
+def packed_bytes(weights: int, prec: Precision) -> int:
+    """A lean worker's own packed linears (every linear, the LM head included: about all the
+    weights), from the weights' bytes: oneDNN's in the compute dtype, FBGEMM's in float16."""
+    if prec.linears == ONEDNN:
+        return weights * _bytes(prec.compute) // _bytes(prec.weights)
+    if prec.linears == FP16:
+        return weights * 2 // _bytes(prec.weights)
+    return 0
 
 
 def _kv_budgets(fusion: MultiModelFusion, workers: list[WorkerPlan], avail: int | None, fixed: int) -> None:
@@ -205,8 +211,7 @@ def _kv_budgets(fusion: MultiModelFusion, workers: list[WorkerPlan], avail: int 
     left = None if avail is None else int(avail * KV_AUTO_SHARE) - fixed - sum(w.kv_cache_bytes for w in workers)
     for w in workers:
         info = fusion.models[w.model_id]
-        dtype = model_value(info.params, "dtype")
-        per_token = kv_bytes_per_token(info.source, dtype)
+        per_token = kv_bytes_per_token(info.source, _bytes(w.precision.compute))
         ctx = model_value(info.params, "max_model_len") or DEFAULT_CTX
         if w in auto:
             useful = None if per_token is None else per_token * w.max_batch_size * ctx
@@ -248,12 +253,11 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         share = info.deltat_scaling_factor / mean_f
         batch = max(1, round(model_value(p, "max_batch_size") * share))
         tokens = max(batch, round(model_value(p, "max_batch_tokens") * share))
-        dtype = model_value(p, "dtype")
+        prec = planned_precision(info.source, model_value(p, "dtype"), dev, bool(model_value(p, "prepack_weights")))
         shares = bool(model_value(p, "share_weights"))  # CPU: one mapped file; CUDA: one owner process
-        w = WorkerPlan(k, mid, dev, threads, batch, tokens, 0, weight_bytes(info.source, dtype), shares,
-                       block_size=model_value(p, "kv_block_size"))
-        if packs_weights(info.source, dev, bool(model_value(p, "prepack_weights"))):
-            w.packed_bytes = w.weight_bytes  # every linear packed, the LM head included: about all the weights
+        w = WorkerPlan(k, mid, dev, threads, batch, tokens, 0, weight_bytes(info.source, _bytes(prec.weights)), shares,
+                       block_size=model_value(p, "kv_block_size"), precision=prec)
+        w.packed_bytes = packed_bytes(w.weight_bytes, prec)
         budget = model_value(p, "kv_cache_memory") or kv_cache_memory
         w.kv_cache_bytes = 0 if budget == "auto" else parse_size(budget)
         if w.kv_cache_bytes is None:
@@ -269,7 +273,7 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
             fixed += worker_overhead(d) + w.packed_bytes + (0 if w.shares_weights else w.weight_bytes)
             if w.shares_weights:
                 info = fusion.models[w.model_id]
-                key = (info.source, model_value(info.params, "dtype"))
+                key = (info.source, str(w.precision.weights).removeprefix("torch."))
                 g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0})
                 g["copies"] += 1
         # on CUDA the shared weights live in an owner process with a context of its own

@@ -163,7 +163,8 @@ def test_compile_only_compiles_reports_memory_and_predict_starts_from_it(tmp_pat
     (data / "r.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two two"}\n')
     params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data, batch_size=5,
                                                            max_tokens=7, compile_buckets=[8, 48],
-                                                           max_batch_size=5, max_batch_tokens=48)})
+                                                           max_batch_size=5, max_batch_tokens=48,
+                                                           prepack_weights=False)})
     env = {**os.environ, "MMFUSION_CACHE": str(tmp_path / "cache")}
     out = run_mm(params, "compile_only", ["llama,2"], tmp_path / "md", env=env)
     assert out.returncode == 0, out.stderr

@@ -68,7 +68,7 @@ def test_compiled_greedy_matches_transformers_in_mixed_batches(arch, cache_dir):
     whole workload builds no graph beyond the warm-up's one per bucket."""
     lm = tiny(arch, dtype="float32")
     prompts, max_tokens = _mixed(arch)
-    cfg = dict(max_batch_size=5, max_batch_tokens=48)
+    cfg = dict(max_batch_size=5, max_batch_tokens=48, prepack_weights=False)  # compile applies to transformers' modules
     before = graphs_compiled()
     eng = Engine(lm, EngineConfig(**cfg, compile="true", compile_buckets=BUCKETS))
     assert eng.compile_info.compiled and eng.compile_info.buckets == BUCKETS
@@ -92,7 +92,8 @@ def test_compiled_greedy_matches_transformers_in_mixed_batches(arch, cache_dir):
 
 def test_steps_past_the_largest_bucket_run_eagerly(cache_dir):
     lm = tiny("llama", dtype="float32")
-    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, compile="true", compile_buckets=(8,)))
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, compile="true", compile_buckets=(8,),
+                                  prepack_weights=False))
     after_warmup = graphs_compiled()
     prompt = list(range(5, 60))  # one 55-token prefill step: past the bucket of 8
     out = eng.generate([prompt], _greedy(6))[0]
@@ -103,13 +104,27 @@ def test_steps_past_the_largest_bucket_run_eagerly(cache_dir):
 def test_a_pool_of_another_size_reuses_the_graphs(cache_dir):
     """The number of KV blocks is dynamic in the graphs: workers with other budgets compile nothing new."""
     lm = tiny("llama", dtype="float32")
-    cfg = {"max_batch_size": 4, "max_batch_tokens": 48, "compile": "true", "compile_buckets": (8, 48)}
+    cfg = {"max_batch_size": 4, "max_batch_tokens": 48, "compile": "true", "compile_buckets": (8, 48),
+           "prepack_weights": False}
     engine_with_pool(lm, 40, 16, **cfg)
     built = graphs_compiled()
     second = engine_with_pool(lm, 60, 16, **cfg)
     out = second.generate([list(range(5, 30))], _greedy(6))[0]
     assert graphs_compiled() == built
     assert out.outputs[0].token_ids == hf_greedy(lm.model, list(range(5, 30)), 6)
+
+
+def test_the_lean_forward_is_preferred_to_a_compiled_one(cache_dir):
+    """Where the lean forward applies, neither auto nor true trades it for transformers' modules
+    compiled (eager lean runs about twice as fast): nothing is compiled and it answers as eager."""
+    lm = tiny("llama", dtype="float32")
+    before = graphs_compiled()
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=48, compile="true", compile_buckets=(8,)))
+    assert eng.runner.lean is not None and eng.runner.compiled is None
+    assert not eng.compile_info.compiled and "lean forward" in eng.compile_info.reason
+    prompt = list(range(5, 30))
+    assert eng.generate([prompt], _greedy(6))[0].outputs[0].token_ids == hf_greedy(lm.model, prompt, 6)
+    assert graphs_compiled() == before
 
 
 def test_bloom_has_no_packed_path_and_stays_eager(cache_dir):
@@ -123,7 +138,7 @@ logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message
 from workers.models import load_engine
 from workers.engine.params import SamplingParams
 eng = load_engine("tiny:llama", dtype="float32", max_batch_size=5, max_batch_tokens=48,
-                  compile=sys.argv[1], compile_buckets=(8, 48))
+                  compile=sys.argv[1], compile_buckets=(8, 48), prepack_weights=False)
 out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
 print("RESULT " + json.dumps({"info": eng.compile_info.as_dict(), "tokens": out[0].outputs[0].token_ids}))
 """
@@ -142,7 +157,8 @@ def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path,
     """compile: true saves the artifacts; a later process with auto starts from them; a corrupt
     or stale entry gets one log line, a compile from scratch and a rewritten entry, never a crash."""
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))  # nothing cached here: auto stays eager
-    cfg = {"dtype": "float32", "max_batch_size": 5, "max_batch_tokens": 48, "compile_buckets": (8, 48)}
+    cfg = {"dtype": "float32", "max_batch_size": 5, "max_batch_tokens": 48, "compile_buckets": (8, 48),
+           "prepack_weights": False}
     eng = load_engine("tiny:llama", **cfg, compile="auto")
     assert not eng.compile_info.compiled and "no compiled artifacts" in eng.compile_info.reason
     out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
@@ -213,7 +229,7 @@ def test_engines_sharing_weights_share_graphs_and_take_turns(cache_dir):
     """A second compiled engine on the same weights builds nothing new, and engines on one model
     can step in turns (each step brings its own cache to the shared attention holder)."""
     lm = tiny("llama", dtype="float32")
-    cfg = dict(max_batch_size=3, max_batch_tokens=48, compile_buckets=BUCKETS)
+    cfg = dict(max_batch_size=3, max_batch_tokens=48, compile_buckets=BUCKETS, prepack_weights=False)
     a = Engine(lm, EngineConfig(**cfg, compile="true"))
     built = graphs_compiled()
     b = Engine(lm, EngineConfig(**cfg, compile="true"))

@@ -4,33 +4,55 @@ they replace."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
 from support.models import hf_greedy, tiny
 
+from workers.capability import cpu_capability
 from workers.engine import Engine, EngineConfig, attention, cpu_kernels
 from workers.engine.linears import Linear, can_pack
 from workers.engine.params import SamplingParams
 from workers.models import load_model
 
+ONEDNN_BF16 = pytest.mark.skipif(not cpu_capability().onednn_bf16,
+                                 reason=f"oneDNN has no bf16 path at CPU level {cpu_capability().level}")
+FP16_GEMM = pytest.mark.skipif(not cpu_capability().fp16_gemm, reason="FBGEMM's fp16 linear is not available")
+AVX512_BF16 = pytest.mark.skipif(not cpu_capability().bf16_arith,
+                                 reason=f"the AVX512-BF16 kernels need that level; this run is at {cpu_capability().level}")
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_linear_matches_f_linear(dtype):
-    assert can_pack(dtype, "cpu")
+
+@pytest.mark.parametrize("dtype,kind", [(torch.float32, "onednn"), pytest.param(torch.bfloat16, "onednn", marks=ONEDNN_BF16),
+                                        pytest.param(torch.float16, "fp16", marks=FP16_GEMM),
+                                        pytest.param(torch.bfloat16, "fp16", marks=FP16_GEMM)])
+def test_packed_linear_matches_f_linear(dtype, kind):
+    """Each packing is within its arithmetic's rounding of the exact product: oneDNN in the weight's
+    dtype; FBGEMM's fp16 in float32 over the 16-bit weight (a bfloat16 weight converts exactly)."""
+    compute = torch.float32 if kind == "fp16" else dtype
+    assert can_pack(dtype, "cpu") or kind == "fp16"
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(96, 64, generator=g).to(dtype)
-    b = torch.randn(96, generator=g).to(dtype)
-    lin = Linear(w, b, pack=True)
-    assert lin.packed is not None and lin.weight is None and lin.own_bytes == w.numel() * w.element_size()
+    w = (0.1 * torch.randn(96, 64, generator=g)).to(dtype)
+    b = torch.randn(96, generator=g).to(compute)
+    lin = Linear(w, b, kind, compute=compute)
+    assert (lin.packed is not None or lin.fp16 is not None) and lin.weight is None
+    assert lin.own_bytes == w.numel() * (2 if kind == "fp16" else w.element_size())
     for rows in (1, 5, 64):
-        x = torch.randn(rows, 64, generator=g).to(dtype)
+        x = torch.randn(rows, 64, generator=g).to(compute)
         exact = x.double() @ w.double().T + b.double()
-        plain = torch.nn.functional.linear(x, w, b).double()
-        packed = lin(x).double()
+        plain = torch.nn.functional.linear(x, w.to(compute), b).double()
+        packed = lin(x)
+        assert packed.dtype == compute
         # each within its dtype's rounding of the exact product, and as close as the plain call
-        assert (packed - exact).abs().max() <= 2 * (plain - exact).abs().max() + 1e-5
+        assert (packed.double() - exact).abs().max() <= 2 * (plain - exact).abs().max() + 1e-5
+
+
+@FP16_GEMM
+def test_a_bfloat16_weight_float16_cannot_hold_is_multiplied_in_float32():
+    w = torch.tensor([[1e-30, 1.0], [3e38, 2.0]], dtype=torch.bfloat16)  # below and beyond float16's range
+    lin = Linear(w, None, "fp16", compute=torch.float32)
+    assert lin.fp16 is None and lin.packed is not None and lin.own_bytes == 4 * 4
+    x = torch.tensor([[1.0, 1.0]])
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w.float()))
 
 
 def _prompt_logprobs(lm, prompt, prepack: bool) -> torch.Tensor:
@@ -90,8 +112,7 @@ def _pairs(lengths: list[int], block: int, window: int | None, num_blocks: int, 
 @pytest.mark.parametrize("d", [32, 64, 256])  # 64, 256 in bfloat16: the AVX512-BF16 path where the CPU has it
 def test_cpu_decode_kernel_matches_the_pytorch_reference(dtype, tol, window, d):
     assert cpu_kernels.decode_kernel() is not None, cpu_kernels.build_error()
-    if "avx512_bf16" in Path("/proc/cpuinfo").read_text():
-        assert "bf16_avx512" in cpu_kernels.kernel_paths()
+    assert ("bf16_avx512" in cpu_kernels.kernel_paths()) == cpu_capability().bf16_arith
     rng = random.Random(0)
     block, kvh, heads = (8 if d == 32 else 32), 2, 6  # 32: a block of two 16-position chunks
     lengths = [1, 7, 8, 9, 40, 130] + [rng.randint(1, 200) for _ in range(10)]
@@ -123,10 +144,10 @@ def _reference_chunk(q, k, v, start, window, scaling):
 
 
 def _prefill_kernel(head_dim: int):
-    """The CPU prefill kernel for bfloat16 heads of this size, which this machine must have when its
-    CPU has AVX512-BF16."""
-    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("the prefill kernel is bfloat16 on AVX512-BF16 only; this CPU lacks it")
+    """The CPU prefill kernel for bfloat16 heads of this size, which this machine must have at the
+    avx512_bf16 level."""
+    if not cpu_capability().bf16_arith:
+        pytest.skip(f"the prefill kernel is bfloat16 on AVX512-BF16 only; this run is at {cpu_capability().level}")
     kernel = cpu_kernels.prefill_kernel(torch.bfloat16, head_dim)
     assert kernel is not None, cpu_kernels.build_error()
     return kernel

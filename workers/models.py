@@ -19,17 +19,19 @@ from workers.weights.sources import context_len, resolve_dtype
 
 def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
                max_model_len: int | None = None, use_cache: bool = True, share_weights: bool = False,
-               owner: str | None = None) -> LoadedModel:
+               owner: str | None = None, prepack: bool = True) -> LoadedModel:
     """Load `source` with its tokenizer; never touches the network.
 
     A GGUF source loads from its safetensors cache when one exists and `use_cache` is true. With
     `share_weights` on CPU, the weights are a read-only mapping that every copy of this (source,
     dtype) shares (workers.weights.shared); on CUDA they are the device's owner process's memory,
-    reached through CUDA IPC at `owner` (workers.weights.owner)."""
+    reached through CUDA IPC at `owner` (workers.weights.owner). `prepack`: the engine will run
+    the lean forward where it applies (prepack_weights), which decides `auto`'s dtype on a CPU
+    without bf16 arithmetic (workers.precision)."""
     dev = torch.device(device)
-    dt = resolve_dtype(dtype, dev)
     if not isinstance(source, str) or not source:
         raise ValueError(f"model source must be a non-empty string, got {source!r}")
+    dt = resolve_dtype(dtype, dev, prepack, source)
     if share_weights and owner:  # CUDA: attach to the weights the device's owner process holds
         model, tok, weights = attach_remote(owner, os.environ.get(KEY_ENV, "").encode())
     elif share_weights and dev.type == "cpu":
@@ -54,5 +56,6 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
 def load_engine(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
                 max_model_len: int | None = None, share_weights: bool = False, **config) -> Engine:
     """An engine on `source`: load_model's arguments, then EngineConfig's (max_batch_size, ...)."""
+    cfg = EngineConfig(**config)
     return Engine(load_model(source, dtype=dtype, device=device, max_model_len=max_model_len,
-                             share_weights=share_weights), EngineConfig(**config))
+                             share_weights=share_weights, prepack=cfg.prepack_weights), cfg)

@@ -134,7 +134,8 @@ class EngineThread(threading.Thread):
             if self.spec != spec:
                 lm = load_model(spec["source"], dtype=model_value(spec, "dtype"), device=spec.get("device", "cpu"),
                                 max_model_len=model_value(spec, "max_model_len"),
-                                share_weights=model_value(spec, "share_weights"), owner=spec.get("weights_owner"))
+                                share_weights=model_value(spec, "share_weights"), owner=spec.get("weights_owner"),
+                                prepack=model_value(spec, "prepack_weights"))
                 cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads,
                                    compile=model_value(spec, "compile"),
                                    long_prefill_tokens=model_value(spec, "long_prefill_tokens"),

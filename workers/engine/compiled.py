@@ -135,6 +135,14 @@ def prepare(runner, lm, mode: str, buckets: Buckets) -> CompileInfo:
     has this model's artifacts. Builds every bucket before returning and saves what it built."""
     if mode == "false":
         return CompileInfo(False, "compile is false")
+    if getattr(runner, "lean", None) is not None:
+        # the lean forward is one fused pass per layer on packed weights: eager, it runs about twice
+        # as fast as transformers' modules compiled, so neither auto nor true trades it for them
+        reason = ("the lean forward runs this model (prepack_weights), faster eager than its transformers "
+                  "modules compiled; set prepack_weights: false to compile those")
+        if mode == "true":
+            log.info("compile: true, but %s", reason)
+        return CompileInfo(False, reason)
     if not hasattr(runner, "enable_compile"):
         reason = f"{type(lm.model).__name__} does not take the packed slot path (its attention is its own)"
         if mode == "true":

@@ -5,7 +5,9 @@ dispatch, not their arithmetic, is most of a decode step's attention time. The C
 does one pass per (row, KV head) over only the positions the row sees, as vLLM's CPU paged
 attention does. It is compiled at first use with torch's extension builder into the cache
 (`$MMFUSION_KERNEL_CACHE`, default `$MMFUSION_CACHE/kernels`, under a hash of the source, torch
-and the CPU; tens of seconds, once), and an engine on CPU hands it to its model's attention
+and the CPU capability; tens of seconds, once), for the level workers.capability decides:
+`-march=native` at the CPU's own level, an ISA target such as x86-64-v3 (AVX2, FMA, F16C) under
+MMFUSION_CPU_ISA, and an engine on CPU hands it to its model's attention
 (ContextHolder.decode_kernel). Where it cannot be built (no compiler) or does not apply
 (float64, softcapped scores), attention.decode_attention serves.
 """
@@ -16,13 +18,13 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from workers.capability import cpu_capability
 from workers.engine import attention
 from workers.files import cache_root
 
@@ -51,31 +53,19 @@ def _built() -> tuple[object | None, str | None]:
         return None, error
 
 
-def _cpu_tag() -> str:
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}|{flags}"
-
-
 def _build():
     from torch.utils import cpp_extension
 
+    cap = cpu_capability()
     src = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
-    tag = hashlib.sha1(src + torch.__version__.encode() + _cpu_tag().encode()).hexdigest()[:16]
+    tag = hashlib.sha1(src + torch.__version__.encode() + cap.tag().encode()).hexdigest()[:16]
     build = Path(os.environ.get(KERNEL_CACHE_ENV) or cache_root() / "kernels") / tag
     build.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build / "lock")
     return cpp_extension.load(name=f"mmfusion_paged_decode_{tag}", sources=[str(path) for path in SOURCES], build_directory=str(build),
                               # fast-math and OpenMP (at::parallel_for, omp simd): the dot products and exponentials vectorize
                               # (glibc's libmvec holds the vector exp)
-                              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
-                                            "-fopenmp"],
+                              extra_cflags=["-O3", *cap.cflags, "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
                               extra_ldflags=["-lmvec", "-fopenmp"], verbose=False)
 
 
@@ -109,7 +99,8 @@ def build_error() -> str | None:
 
 
 def kernel_paths() -> list[str]:
-    """The paths the built kernel has ("generic", and "bf16_avx512" on CPUs with AVX512-BF16)."""
+    """The paths the built kernel has ("generic"; "avx2" where built for AVX2 or above; and
+    "bf16_avx512" at the avx512_bf16 level)."""
     module = _built()[0]
     return list(module.paths()) if module is not None else []
 

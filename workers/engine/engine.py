@@ -16,11 +16,11 @@ import torch
 
 from workers.config_keys import MODEL
 from workers.engine import attention, cpu_kernels
+from workers.engine import lean as lean_mod
 from workers.engine.block_manager import BlockManager, CacheGroups, peak_blocks
 from workers.engine.buckets import Buckets, compile_mode, default_buckets
 from workers.engine.compiled import prepare
 from workers.engine.kv_cache import bytes_per_block, default_budget
-from workers.engine.lean import lean_forward
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.params import SamplingParams
 from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, attention_span, kv_dims, num_layers
@@ -28,6 +28,7 @@ from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
 from workers.engine.stops import finish_reason, stop_token_ids
 from workers.engine.text_output import RequestText
+from workers.precision import precision
 from workers.weights.loaded_model import LoadedModel
 
 
@@ -99,7 +100,11 @@ class Engine:
         # every layer count its memory all the same
         groups = holder.groups if holder is not None else CacheGroups.from_windows([None] * num_layers(lm))
         bs = cfg.kv_block_size
-        per_block = bytes_per_block(groups, bs, *kv_dims(lm), lm.dtype)
+        # 16-bit weights may compute in float32 (the lean forward on a CPU without bf16 arithmetic)
+        self.precision = precision(lm.dtype, lm.device, holder is not None and lean_mod.applies(
+            lm.model, lm.device, cfg.prepack_weights))
+        compute = self.precision.compute
+        per_block = bytes_per_block(groups, bs, *kv_dims(lm), compute)
         useful = cfg.max_batch_size * peak_blocks(groups, bs, cfg.max_batch_tokens, lm.max_model_len)
         budget = cfg.kv_cache_memory or default_budget(useful * per_block, lm.device)
         num_blocks = min(useful, budget // per_block)
@@ -109,9 +114,9 @@ class Engine:
             return CompatRunner(lm), blocks
         if lm.device.type == "cpu":
             holder.decode_kernel = cpu_kernels.decode_kernel()
-            holder.prefill_kernel = cpu_kernels.prefill_kernel(lm.dtype, kv_dims(lm)[1])
-        lean = lean_forward(lm.model, holder, lm.device, lm.dtype, cfg.prepack_weights)
-        return PagedRunner(lm, holder, num_blocks, bs, lean), blocks
+            holder.prefill_kernel = cpu_kernels.prefill_kernel(compute, kv_dims(lm)[1])
+        lean = lean_mod.lean_forward(lm.model, holder, lm.device, self.precision, cfg.prepack_weights)
+        return PagedRunner(lm, holder, num_blocks, bs, lean, compute), blocks
 
     def _min_long_chunk(self, lm: LoadedModel) -> int:
         """The tokens whose query rows fill one pass of the CPU prefill kernel over the context (16

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from workers.config_keys import LEAN_ARCHITECTURES as LLAMA_FAMILY
 from workers.engine import attention, cpu_kernels
-from workers.engine.linears import Linear, can_pack, fused
+from workers.engine.linears import Linear, fused
+from workers.precision import Precision
 
 
 def unsupported(model) -> str | None:
@@ -41,13 +42,18 @@ def unsupported(model) -> str | None:
     return None
 
 
-def lean_forward(model, holder: attention.ContextHolder, device: torch.device, dtype: torch.dtype,
+def applies(model, device: torch.device, prepack: bool) -> bool:
+    """Whether the lean forward runs this model: `prepack_weights` asks for it, on CPU, Llama family."""
+    return prepack and device.type == "cpu" and unsupported(model) is None
+
+
+def lean_forward(model, holder: attention.ContextHolder, device: torch.device, precision: Precision,
                  prepack: bool) -> LeanLlama | None:
-    """The lean forward for this model when `prepack` asks for it and it applies (CPU, Llama
-    family), its linears packed where oneDNN takes the dtype; else None (transformers' modules)."""
-    if not prepack or device.type != "cpu" or unsupported(model) is not None:
+    """The lean forward for this model when it applies, its linears packed as `precision` says
+    and computing in its compute dtype; else None (transformers' modules)."""
+    if not applies(model, device, prepack):
         return None
-    return LeanLlama(model, holder, pack=can_pack(dtype, device), norms=cpu_kernels.norm_kernels())
+    return LeanLlama(model, holder, precision, norms=cpu_kernels.norm_kernels())
 
 
 @dataclass(slots=True)
@@ -64,8 +70,10 @@ class _Layer:
 class LeanLlama:
     """forward(ids, positions, keep, kv) -> logits of the kept rows, over the paged cache."""
 
-    def __init__(self, model, holder: attention.ContextHolder, pack: bool, norms=None):
+    def __init__(self, model, holder: attention.ContextHolder, precision: Precision, norms=None):
         cfg = model.config.get_text_config()
+        compute, kind = precision.compute, precision.linears
+        self.compute = compute
         self.norms = norms  # the C++ norms (cpu_kernels), or None for F.rms_norm
         inner = model.model
         self.holder = holder
@@ -76,18 +84,20 @@ class LeanLlama:
         self.scaling = first.scaling
         self.eps = cfg.rms_norm_eps
         self.hidden = cfg.hidden_size
+        # 16-bit weights under float32 math: the embedding stays 16-bit (a row is widened when
+        # looked up); the norms' small weights are widened once
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
-        self.final_norm = inner.norm.weight.detach()
-        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), pack)
+        self.final_norm = inner.norm.weight.detach().to(compute)
+        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), kind, compute=compute)
         windows = attention.layer_windows(model, [layer.self_attn for layer in inner.layers])
         self.layers = [
-            _Layer(layer.input_layernorm.weight.detach(),
-                   fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
-                   fused([layer.self_attn.o_proj], pack),
-                   layer.post_attention_layernorm.weight.detach(),
-                   fused([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
-                   fused([layer.mlp.down_proj], pack),
+            _Layer(layer.input_layernorm.weight.detach().to(compute),
+                   fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], kind, compute),
+                   fused([layer.self_attn.o_proj], kind, compute),
+                   layer.post_attention_layernorm.weight.detach().to(compute),
+                   fused([layer.mlp.gate_proj, layer.mlp.up_proj], kind, compute),
+                   fused([layer.mlp.down_proj], kind, compute),
                    windows[i])
             for i, layer in enumerate(inner.layers)]
 
@@ -114,7 +124,7 @@ class LeanLlama:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """ids, positions: [N]; keep: the rows whose logits are returned. Returns [len(keep), vocab]."""
-        h = F.embedding(ids, self.embed)
+        h = F.embedding(ids, self.embed).to(self.compute)
         cos, sin = self.rotary(h, positions[None])
         half = self.head_dim // 2
         cos = cos[0]

@@ -1,13 +1,19 @@
-"""Linear layers with their weights prepacked once for oneDNN, as vLLM's CPU backend does.
+"""Linear layers with their weights prepacked once, in the layout the machine's GEMM wants.
 
-A plain `F.linear` on CPU hands oneDNN a row-major weight on every call, and a decode step's
-matmuls (a few rows against every weight) then read the weights at about half the memory's
-speed. `torch.ops.mkldnn._reorder_linear_weight` lays a weight out once in oneDNN's blocked
-format and `_linear_pointwise` multiplies against it: the same products, read contiguously.
+Two packings, chosen per model at load (workers.precision):
+- "onednn": `torch.ops.mkldnn._reorder_linear_weight` lays a float32 or bfloat16 weight out once
+  in oneDNN's blocked format and `_linear_pointwise` multiplies against it, as vLLM's CPU backend
+  does. A plain `F.linear` hands oneDNN a row-major weight on every call, and a decode step's
+  matmuls (a few rows against every weight) then read the weights at about half the memory's speed.
+- "fp16": FBGEMM's fp16-weight linear (`quantized.linear_prepack_fp16` / `linear_dynamic_fp16`):
+  float16 weights, float32 activations and float32 math. On a CPU without bf16 arithmetic a decode
+  step is bound by the weight bytes it reads, and this reads half of float32's. A bfloat16 weight
+  goes in as float16 when every value converts exactly (7 mantissa bits fit in 10 over float16's
+  range); one that does not is multiplied in float32 through oneDNN instead.
 
-Packed weights are oneDNN tensors of this process (an opaque layout, not a plain buffer), so
-they cannot live in the shared-weights file: each process that packs holds its own copy, which
-the plan counts (`own_bytes`). Other devices and dtypes (CUDA, float64) keep `F.linear`.
+Packed weights are tensors of this process (an opaque layout, not a plain buffer), so they cannot
+live in the shared-weights file: each process that packs holds its own copy, which the plan counts
+(`own_bytes`). Other devices and dtypes (CUDA, float64) keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -15,35 +21,64 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
+from workers.precision import FP16, ONEDNN, PLAIN, onednn_packs
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether weights of this dtype on this device are prepacked (oneDNN on CPU, bf16 or fp32)."""
-    return (torch.device(device).type == "cpu" and dtype in PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether oneDNN prepacks weights of this dtype on this device (CPU: float32; bfloat16 where
+    oneDNN has a bf16 path on this CPU, as workers.capability decides)."""
+    return torch.device(device).type == "cpu" and onednn_packs(dtype)
+
+
+def fp16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of a 16-bit weight is a float16 value (a bfloat16 weight within
+    float16's range and precision), so that FBGEMM's float16 packing changes none."""
+    if weight.dtype == torch.float16:
+        return True
+    half = weight.to(torch.float16)
+    return bool(torch.isfinite(half).all() and torch.equal(half.to(weight.dtype), weight))
 
 
 class Linear:
-    """y = x @ weight.T + bias over rows x [M, in]; the weight prepacked when `pack` is true."""
+    """y = x @ weight.T + bias over rows x [M, in], in the way `kind` names ("onednn", "fp16",
+    "plain"); the result is in the compute dtype (float32 for "fp16")."""
 
-    __slots__ = ("weight", "bias", "packed", "own_bytes")
+    __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, own: bool = False):
-        """`own`: the weight is a tensor of this process already (not the model's parameter)."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | bool, own: bool = False,
+                 compute: torch.dtype | None = None):
+        """`own`: the weight is a tensor of this process already (not the model's parameter);
+        `compute`: the activations' dtype, when it is not the weight's (the "fp16" kind's float32).
+        A bool kind is oneDNN packing on (True) or off (False)."""
+        kind = {True: ONEDNN, False: PLAIN}.get(kind, kind) if isinstance(kind, bool) else kind
         weight = weight.detach()
-        self.bias = None if bias is None else bias.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight) if pack else None
-        self.weight = None if pack else weight  # packed: the plain copy is not needed again
-        self.own_bytes = weight.numel() * weight.element_size() if pack or own else 0
+        compute = compute or weight.dtype
+        self.bias = None if bias is None else bias.detach().to(compute)
+        self.packed = self.fp16 = None
+        self.weight = None
+        if kind == FP16 and fp16_exact(weight):
+            self.fp16 = torch.ops.quantized.linear_prepack_fp16(weight.float(), self.bias)
+            self.own_bytes = weight.numel() * 2
+        elif kind == FP16 or (kind == ONEDNN and weight.dtype != compute):
+            # a weight float16 cannot hold exactly: float32 math over it, through oneDNN
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute))
+            self.own_bytes = weight.numel() * torch.finfo(compute).bits // 8
+        elif kind == ONEDNN:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            self.own_bytes = weight.numel() * weight.element_size()
+        else:
+            self.weight = weight if weight.dtype == compute else weight.to(compute)
+            self.own_bytes = self.weight.numel() * self.weight.element_size() if own or weight.dtype != compute else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp16 is not None:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.fp16)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def fused(modules: list[torch.nn.Linear], pack: bool) -> Linear:
+def fused(modules: list[torch.nn.Linear], kind: str | bool, compute: torch.dtype | None = None) -> Linear:
     """One Linear computing the outputs of `modules` side by side (q, k, v; gate, up): one weight
     read and one call instead of several. Its weight is a new tensor of this process."""
     weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight
@@ -54,4 +89,4 @@ def fused(modules: list[torch.nn.Linear], pack: bool) -> Linear:
     else:
         bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
                           for m, b in zip(modules, biases)])
-    return Linear(weight, bias, pack, own)
+    return Linear(weight, bias, kind, own, compute)

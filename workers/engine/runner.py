@@ -126,14 +126,15 @@ class PagedRunner(BaseRunner):
     """Packed forward over the paged KV cache (models that use transformers' attention interface)."""
 
     def __init__(self, lm: LoadedModel, holder: attention.ContextHolder, num_blocks: int, block_size: int,
-                 lean: LeanLlama | None = None):
+                 lean: LeanLlama | None = None, kv_dtype: torch.dtype | None = None):
         super().__init__(lm)
         self.holder = holder
         self.lean = lean  # the lean forward on packed weights, where the model's family has one
         self.compiled: CompiledLayers | None = None
         self.trace: list | None = None  # set to [] to record each step's model call (bench replay)
         self.block_size = block_size
-        self.cache = PagedKVCache(holder.groups, num_blocks, block_size, *kv_dims(lm), lm.dtype, lm.device)
+        # the KV cache in the compute dtype (float32 where 16-bit weights compute in float32)
+        self.cache = PagedKVCache(holder.groups, num_blocks, block_size, *kv_dims(lm), kv_dtype or lm.dtype, lm.device)
 
     def enable_compile(self, buckets: Buckets) -> None:
         """Run the decoder layers compiled from now on: every step pads its tokens up to a bucket."""

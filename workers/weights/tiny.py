@@ -43,6 +43,9 @@ TINY_CONFIGS: dict[str, dict] = {
                                         "full_attention"],
     ),
 }
+# the transformers class each loads as (known before building it: the plan and the dtype need it)
+TINY_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                      "opt": "OPTForCausalLM", "bloom": "BloomForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 def byte_tokenizer(chat: bool = True) -> PreTrainedTokenizerFast:

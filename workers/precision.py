@@ -1,0 +1,89 @@
+"""How a model is held and computed on this machine: the dtype of its weights, the dtype it
+computes in (activations, KV cache, logits), and how its linears run. Decided from the requested
+dtype and the CPU's capability (workers.capability), once at load.
+
+On a CPU without bf16 arithmetic a decode step is bound by the bytes of weights it reads, so the
+lean forward keeps 16-bit weights (half the bytes of float32) and computes in float32 through
+FBGEMM's fp16-weight linear, as vLLM's CPU build runs bfloat16 weights with float32 math there.
+Models that run transformers' own modules (not of the Llama family, or `prepack_weights: false`)
+compute in their weights' dtype.
+
+    requested    CUDA       CPU with AVX512-BF16/AMX     CPU without (AVX2, AVX-512 without bf16)
+    auto         bfloat16   bfloat16, oneDNN packed      float16 weights, float32 math (lean forward);
+                                                         float32 for other models
+    bfloat16     bfloat16   bfloat16, oneDNN packed      bfloat16 weights, float32 math (lean forward;
+                                                         AVX-512: bfloat16 through oneDNN); bfloat16
+                                                         for other models
+    float16      float16    float16 weights, float32 math (lean forward); float16 for other models
+    float32      float32    float32, oneDNN packed (lean forward)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.capability import cpu_capability
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+HALF = (torch.bfloat16, torch.float16)
+ONEDNN, FP16, PLAIN = "onednn", "fp16", "plain"  # how the lean forward's linears run
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    weights: torch.dtype  # the parameters as loaded (shared between copies)
+    compute: torch.dtype  # activations, the KV cache and logits
+    # the lean forward's linears: "onednn" prepacked for oneDNN in the compute dtype; "fp16" FBGEMM's
+    # packed float16 weights with float32 math; "plain" F.linear on the weights
+    linears: str
+
+    @property
+    def mixed(self) -> bool:
+        return self.weights != self.compute
+
+    def describe(self) -> str:
+        name = str(self.weights).removeprefix("torch.")
+        if self.mixed:
+            return f"{name} weights, {str(self.compute).removeprefix('torch.')} math ({self.linears} linears)"
+        return f"{name} ({self.linears} linears)"
+
+
+def weights_dtype(dtype: str | torch.dtype, device: torch.device | str, lean: bool = False) -> torch.dtype:
+    """The dtype a model's weights are loaded in. `lean`: the model will run the lean forward
+    (a Llama-family model with prepack_weights on CPU), which is what lets `auto` keep float16
+    weights on a CPU without bf16 arithmetic."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    device = torch.device(device)
+    if dtype == "auto":
+        if device.type != "cpu":
+            return torch.bfloat16
+        cap = cpu_capability()
+        if cap.bf16_arith:
+            return torch.bfloat16
+        return torch.float16 if lean and cap.fp16_gemm else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks CPU linears of this dtype here: float32, and bfloat16 where oneDNN
+    has a bf16 path on this CPU (workers.capability)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_capability().onednn_bf16)
+
+
+def precision(weights: torch.dtype, device: torch.device | str, lean: bool) -> Precision:
+    """How a model loaded with `weights` computes; `lean`: it runs the lean forward."""
+    device = torch.device(device)
+    if device.type != "cpu" or not lean:
+        return Precision(weights, weights, PLAIN)
+    cap = cpu_capability()
+    if weights in HALF and cap.fp16_gemm and not (weights == torch.bfloat16 and cap.onednn_bf16):
+        return Precision(weights, torch.float32, FP16)
+    return Precision(weights, weights, ONEDNN if onednn_packs(weights) else PLAIN)
