@@ -17,7 +17,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / f"test-{version('torch')}-{version('transformers')}"
 os.environ["MMFUSION_CACHE"] = str(CACHE)
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE / "inductor")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE / f"inductor-{os.environ.get('MMFUSION_CPU_ISA', 'native')}")
 # the C++ decode kernel is built once for the session, also for tests that start from an empty cache
 os.environ["MMFUSION_KERNEL_CACHE"] = str(CACHE / "kernels")
 

@@ -233,7 +233,7 @@ def test_engines_sharing_weights_share_graphs_and_take_turns(cache_dir):
     a = Engine(lm, EngineConfig(**cfg, compile="true"))
     built = graphs_compiled()
     b = Engine(lm, EngineConfig(**cfg, compile="true"))
-    c = Engine(lm, EngineConfig(**cfg, compile="false"))
+    c = Engine(lm, EngineConfig(**{**cfg, "prepack_weights": True}, compile="false"))  # the lean forward
     assert graphs_compiled() == built
     prompts = {e: [[3 + i, 9, 27 + i, 81] for i in range(2)] for e in (a, b, c)}
     for e in (a, b, c):

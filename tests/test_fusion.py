@@ -121,7 +121,10 @@ def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
     # the two copies share their weights, and each holds its own prepacked linears (about as many bytes)
     assert w.packed_bytes == w.weight_bytes > 0
     fixed = w.weight_bytes + 2 * (OVERHEAD_BYTES + w.packed_bytes)
-    assert w.kv_cache_bytes == (4 * 2**30 - fixed) // 2 and w.kv_tokens == w.kv_cache_bytes // (30 * 2 * 3 * 64 * 2)
+    # the KV cache in the compute dtype: bfloat16, or float32 where bfloat16 weights compute in float32
+    kv_element = w.precision.compute.itemsize
+    assert w.kv_cache_bytes == (4 * 2**30 - fixed) // 2
+    assert w.kv_tokens == w.kv_cache_bytes // (30 * 2 * 3 * 64 * kv_element)
     assert plan.devices["cpu"]["estimated_bytes"] == fixed + 2 * w.kv_cache_bytes
     assert "KV cache" in plan.describe() and f"~{w.kv_tokens} tokens" in plan.describe()
     assert "MiB of prepacked linears of its own" in plan.describe()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from support.models import ARCHS, hf_greedy
 
+from workers.capability import cpu_capability
 from workers.engine import Engine
 from workers.engine.params import SamplingParams
 from workers.models import load_model
@@ -54,9 +55,14 @@ def test_file_that_is_not_gguf(tmp_path):
 def test_dtypes():
     cpu = torch.device("cpu")
     assert resolve_dtype("float64", cpu) == torch.float64
-    flags = open("/proc/cpuinfo").read().split()
-    fast_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
-    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if fast_bf16 else torch.float32)
+    cap = cpu_capability()
+    # auto: bfloat16 with bf16 arithmetic; else float16 weights for a lean-forward model (float32
+    # math), float32 for others
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cap.bf16_arith else torch.float32)
+    lean_auto = torch.bfloat16 if cap.bf16_arith else torch.float16 if cap.fp16_gemm else torch.float32
+    assert resolve_dtype("auto", cpu, True, "tiny:llama") == lean_auto
+    assert resolve_dtype("auto", cpu, False, "tiny:llama") == resolve_dtype("auto", cpu, True, "tiny:gpt2") == (
+        torch.bfloat16 if cap.bf16_arith else torch.float32)
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int3", cpu)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from workers.capability import cpu_capability
 from workers.files import atomic_replace, cache_root
 from workers.weights.sources import source_key
 
@@ -39,18 +40,20 @@ class CompileKey:
     device: str  # device type: graphs are built for a kind of device, not an index
     buckets: str
     torch_version: str
+    cpu_isa: str = ""  # workers.capability's level: graphs built for one ISA are not another's
     format: int = FORMAT
 
     @classmethod
     def for_model(cls, source: str, dtype: torch.dtype, device: torch.device, buckets: str) -> CompileKey:
+        isa = cpu_capability().level if torch.device(device).type == "cpu" else ""
         return cls(source, source_key(source), str(dtype).removeprefix("torch."), torch.device(device).type, buckets,
-                   torch.__version__)
+                   torch.__version__, isa)
 
     def directory(self) -> Path:
         # Named by what the graphs are for, not by versions: a model file or torch that changed
         # finds the old entry, reports it stale, and compiles over it.
         name = self.model.rsplit("-", 1)[0]
-        digest = hashlib.sha256(f"{self.source}|{self.buckets}".encode()).hexdigest()[:12]
+        digest = hashlib.sha256(f"{self.source}|{self.buckets}|{self.cpu_isa}".encode()).hexdigest()[:12]
         return cache_root() / "compiled" / f"{name}-{self.dtype}-{self.device}-{digest}"
 
 
@@ -62,7 +65,13 @@ def use_cache_dir() -> None:
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir(cache_root()))
+
+
+def inductor_dir(root: Path) -> Path:
+    """Inductor's cache under `root`, one per CPU level: its entries do not record the ISA that
+    torch ran at (ATEN_CPU_CAPABILITY), and graphs from one level gave wrong tokens at another."""
+    return root / f"inductor-{cpu_capability().level}"
 
 
 def has_artifacts(key: CompileKey) -> bool:
