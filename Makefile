@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run serve test lint bench bench-peers lock clean
+.PHONY: install run serve test test-avx2 lint bench bench-peers lock clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,19 @@ run: install
 serve: install
 	$(PY) run_mm.py --mode serve --params configs/demo.yaml --variants smollm2,2 gemma3,1 --http 127.0.0.1:8000
 
+# The suite, then on a CPU above AVX2 the kernel and dtype tests again in a process of their own as
+# an AVX2-only CPU runs them (workers.capability: torch and its libraries read their switches at start)
+AVX2_ENV := MMFUSION_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
+ISA_TESTS := tests/test_lean.py tests/test_precision.py tests/test_models.py
+
 test: install
 	$(PY) -m pytest -q
+	if $(PY) -c "from workers.capability import cpu_capability as c; raise SystemExit(not c().at_least('avx512'))"; \
+	then env $(AVX2_ENV) $(PY) -m pytest -q $(ISA_TESTS); fi
+
+# the whole suite as an AVX2-only CPU runs it
+test-avx2: install
+	env $(AVX2_ENV) $(PY) -m pytest -q
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -47,8 +47,8 @@ def test_packed_linear_matches_f_linear(dtype, kind):
 
 
 @FP16_GEMM
-def test_a_bfloat16_weight_float16_cannot_hold_is_multiplied_in_float32():
-    w = torch.tensor([[1e-30, 1.0], [3e38, 2.0]], dtype=torch.bfloat16)  # below and beyond float16's range
+def test_a_bfloat16_weight_beyond_float16s_range_is_multiplied_in_float32():
+    w = torch.tensor([[1e-30, 1.0], [3e38, 2.0]], dtype=torch.bfloat16)  # beyond float16's range
     lin = Linear(w, None, "fp16", compute=torch.float32)
     assert lin.fp16 is None and lin.packed is not None and lin.own_bytes == 4 * 4
     x = torch.tensor([[1.0, 1.0]])

@@ -1,0 +1,118 @@
+"""What the engine decides from the CPU's capability (workers.capability, workers.precision), and
+the 16-bit-weights, float32-math path it picks where the CPU has no bf16 arithmetic: exact
+against transformers' float32 forward on the same rounded weights."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from support.models import hf_greedy, tiny
+
+from workers.capability import AVX2_ENV, ISA_ENV, cpu_capability, decide
+from workers.engine import Engine, EngineConfig, cpu_kernels
+from workers.engine.params import SamplingParams
+from workers.precision import FP16, ONEDNN, PLAIN, Precision, precision, weights_dtype
+
+ROOT = Path(__file__).resolve().parents[1]
+ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
+ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+SKYLAKE = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+FP16_GEMM = pytest.mark.skipif(not cpu_capability().fp16_gemm, reason="FBGEMM's fp16 linear is not available")
+
+
+def test_levels_follow_the_flags_and_the_switch_caps_them():
+    assert decide(ZEN3, None, "x86_64").level == "avx2"
+    zen3 = decide(ZEN3, None, "x86_64")
+    assert not zen3.bf16_arith and not zen3.onednn_bf16 and zen3.cflags == ("-march=native",)
+    assert decide(SKYLAKE, None, "x86_64").level == "avx512"
+    zen4 = decide(ZEN4, None, "x86_64")
+    assert zen4.level == "avx512_bf16" and zen4.bf16_arith and not zen4.capped
+    capped = decide(ZEN4, "avx2", "x86_64")
+    assert (capped.level, capped.native, capped.capped) == ("avx2", "avx512_bf16", True)
+    assert not capped.bf16_arith and not capped.onednn_bf16
+    assert capped.cflags[0] == "-march=x86-64-v3" and capped.tag() != zen4.tag()
+    assert decide(ZEN3, "avx512_bf16", "x86_64").level == "avx2"  # a cap never raises the level
+    assert decide(ZEN4, "native", "x86_64").level == "avx512_bf16"
+    assert decide(frozenset({"sse2"}), None, "x86_64").level == "baseline"
+    with pytest.raises(ValueError, match=ISA_ENV):
+        decide(ZEN4, "avx3", "x86_64")
+
+
+def test_the_dtypes_each_cpu_kind_serves():
+    cap = cpu_capability()
+    assert weights_dtype("auto", "cuda") == torch.bfloat16
+    assert weights_dtype("float32", "cpu", lean=True) == torch.float32
+    auto_lean = weights_dtype("auto", "cpu", lean=True)
+    if cap.bf16_arith:
+        assert auto_lean == torch.bfloat16 and precision(auto_lean, "cpu", True) == Precision(
+            torch.bfloat16, torch.bfloat16, ONEDNN)
+    else:
+        # no bf16 arithmetic: 16-bit weights (half the bytes a decode step reads), float32 math
+        assert auto_lean == (torch.float16 if cap.fp16_gemm else torch.float32)
+        assert weights_dtype("auto", "cpu", lean=False) == torch.float32
+        if not cap.onednn_bf16 and cap.fp16_gemm:
+            assert precision(torch.bfloat16, "cpu", True) == Precision(torch.bfloat16, torch.float32, FP16)
+    # transformers' own modules compute in their weights' dtype, wherever they run
+    assert precision(torch.bfloat16, "cpu", False) == Precision(torch.bfloat16, torch.bfloat16, PLAIN)
+    assert precision(torch.float16, "cuda", True) == Precision(torch.float16, torch.float16, PLAIN)
+    assert precision(torch.float32, "cpu", True).linears == ONEDNN
+
+
+@FP16_GEMM
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_weights_with_float32_math_equal_transformers_float32_on_the_same_weights(dtype):
+    """The lean forward over 16-bit weights computing in float32 (auto on a CPU without bf16
+    arithmetic; bfloat16 where oneDNN has no bf16 path; float16 anywhere): greedy tokens equal
+    transformers' float32 forward on the same rounded weights, token for token."""
+    lm = tiny("llama", dtype=dtype)
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=32))
+    mixed = eng.precision.mixed
+    if dtype == "bfloat16" and cpu_capability().onednn_bf16:
+        assert not mixed and eng.precision.compute == torch.bfloat16  # oneDNN's bf16: the test's point is elsewhere
+        return
+    assert mixed and eng.precision == Precision(lm.dtype, torch.float32, FP16)
+    assert eng.runner.cache.keys.dtype == torch.float32
+    linears = sum(m.weight.numel() for m in lm.model.modules() if isinstance(m, torch.nn.Linear))
+    assert eng.runner.lean.own_bytes == 2 * linears  # FBGEMM's float16 copies
+    reference = copy.deepcopy(lm.model).float()
+    for m in reference.modules():  # the weights as FBGEMM holds them: float16 values
+        if isinstance(m, torch.nn.Linear):
+            m.weight.data = m.weight.data.half().float()
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(n)] for i, n in enumerate((1, 9, 50, 70))]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(reference, p, 12)
+
+
+def test_the_switch_builds_and_decides_as_an_avx2_cpu():
+    """MMFUSION_CPU_ISA=avx2 (with torch's and its libraries' switches) in a process of its own: the
+    kernels build for x86-64-v3 without the AVX512-BF16 paths, bfloat16 is not prepacked for
+    oneDNN, and auto keeps float16 weights for the lean forward."""
+    if not cpu_capability().at_least("avx2"):
+        pytest.skip(f"this CPU is below AVX2 ({cpu_capability().native})")
+    code = ("import json, torch\n"
+            "from workers.capability import cpu_capability\n"
+            "from workers.engine import cpu_kernels\n"
+            "from workers.engine.linears import can_pack\n"
+            "from workers.weights.sources import resolve_dtype\n"
+            "c = cpu_capability()\n"
+            "print(json.dumps({'level': c.level, 'paths': cpu_kernels.kernel_paths(), 'error': cpu_kernels.build_error(),"
+            " 'pack_bf16': can_pack(torch.bfloat16, 'cpu'), 'cflags': list(c.cflags),"
+            " 'auto': str(resolve_dtype('auto', 'cpu', True, 'tiny:llama'))}))\n")
+    env = {**os.environ, **AVX2_ENV, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["level"] == "avx2" and got["error"] is None and got["paths"] == ["generic"]
+    assert got["cflags"][0] == "-march=x86-64-v3" and not got["pack_bf16"]
+    assert got["auto"] == ("torch.float16" if cpu_capability().fp16_gemm else "torch.float32")
+    # this process's own build is for its own level, in another cache entry
+    assert ("bf16_avx512" in cpu_kernels.kernel_paths()) == cpu_capability().bf16_arith
