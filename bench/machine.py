@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 # the CPU features that decide how fast these workloads can run
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
 
 
 def cpu() -> dict:
@@ -23,7 +23,13 @@ def cpu() -> dict:
                 flags = set(value.split())
     except OSError:
         pass
-    return {"cpu_model": model, "cpu_flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count()}
+    from workers.capability import cpu_capability
+
+    # the level the engine decided at (MMFUSION_CPU_ISA may cap it below the CPU's own)
+    return {"cpu_model": model, "cpu_flags": [f for f in FLAGS if f in flags], "cores": os.cpu_count(),
+            **cpu_capability().describe(),
+            **{k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+               if k in os.environ}}
 
 
 def commit() -> str:

@@ -1,6 +1,6 @@
 """Memory of copies of one model, shared weights against full copies, printing JSON lines.
 
-For 1, 2 and 4 copies of SmolLM2-135M in bfloat16 (`run_mm.py --mode serve`, one process per
+For 1, 2 and 4 copies of SmolLM2-135M at dtype auto (`run_mm.py --mode serve`, one process per
 copy), with `share_weights` on (the default) and off: the deployment's summed PSS (the serving
 process and every worker, after each copy has answered a greedy request), the cost of each extra
 copy, the weight bytes, and the plan's estimate beside the measurement. The greedy answers of
@@ -10,7 +10,7 @@ Each line also gives an extra shared copy's cost over an allowance of its KV cac
 overhead and 15% of the weight bytes (`extra_copy_vs_allowance`). The process overhead is measured in the same run, as the cost of an extra copy of a model with
 next to no weights (tiny:llama); the KV cache is the copy's full budget as the plan counts it.
 
-    python bench/memory.py [--copies 1 2 4] [--model smollm2-135m] [--dtype bfloat16]
+    python bench/memory.py [--copies 1 2 4] [--model smollm2-135m] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--copies", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=512)
     args = ap.parse_args()

