@@ -83,7 +83,10 @@ class Engine:
         self.lm = lm
         self.tokenizer = lm.tokenizer
         self.runner, blocks = self._paged_cache(lm)
-        self.scheduler = Scheduler(self.config.scheduler_config(attention_span(lm), self._min_long_chunk(lm)), blocks)
+        # what a position of a long prompt's attention costs, measured here on the path that serves
+        measure = getattr(self.runner, "measured_attention_span", None)
+        self.attention_span = (measure() if measure is not None else None) or attention_span(lm)
+        self.scheduler = Scheduler(self.config.scheduler_config(self.attention_span, self._min_long_chunk(lm)), blocks)
         self.compile_info = prepare(self.runner, lm, self.config.compile, self.config.buckets())
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

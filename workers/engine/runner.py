@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.engine import attention
+from workers.engine import attention, calibrate
 from workers.engine.block_manager import first_block
 from workers.engine.buckets import Buckets
 from workers.engine.compiled import CompiledLayers
@@ -135,6 +135,26 @@ class PagedRunner(BaseRunner):
         self.block_size = block_size
         # the KV cache in the compute dtype (float32 where 16-bit weights compute in float32)
         self.cache = PagedKVCache(holder.groups, num_blocks, block_size, *kv_dims(lm), kv_dtype or lm.dtype, lm.device)
+
+    def measured_attention_span(self) -> int | None:
+        """attention_span measured on this machine on the attention path and linears that serve
+        (workers.engine.calibrate); None where it cannot be measured."""
+        cfg = self.model.config.get_text_config()
+        kvh, dk, _ = kv_dims(self.lm)
+        layer = next((i for i, (g, p) in sorted(self.holder.position.items())
+                      if p == 0 and self.holder.windows[g] is None), None)
+        if layer is None:
+            return None
+        if self.lean is not None:
+            lay = self.lean.layers[layer]
+            inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+            linears = [(lay.qkv, cfg.hidden_size), (lay.o, cfg.num_attention_heads * dk), (lay.gate_up, cfg.hidden_size),
+                       (lay.down, inter)]
+        else:
+            linears = [(m, m.in_features) for name, m in self.model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and f".{layer}." in f".{name}."]
+        return calibrate.attention_span(self.holder, linears, cfg.hidden_size, cfg.num_attention_heads, kvh, dk,
+                                        self.block_size, self.cache.keys.dtype, self.lm.device)
 
     def enable_compile(self, buckets: Buckets) -> None:
         """Run the decoder layers compiled from now on: every step pads its tokens up to a bucket."""
@@ -327,14 +347,15 @@ def num_layers(lm: LoadedModel) -> int:
     return lm.model.config.get_text_config().num_hidden_layers
 
 
-# Prefill attention runs at about 40% of the linears' FLOP rate (the C++ kernel's 75-90 GFLOP/s a
-# thread against oneDNN's ~190 in bfloat16): a position of context costs more than its FLOPs say.
+# Where attention_span cannot be measured (workers.engine.calibrate), prefill attention is assumed
+# to run at about 40% of the linears' FLOP rate (the C++ kernel's 75-90 GFLOP/s a thread against
+# oneDNN's ~190 in bfloat16 on an AVX512-BF16 CPU).
 ATTENTION_RATE = 0.4
 
 
 def attention_span(lm: LoadedModel) -> int:
-    """Positions of context whose attention costs about what one token's linears do: a token's
-    linear FLOPs over its attention FLOPs per position it sees, from the model's shapes."""
+    """Positions of context whose attention costs about what one token's linears do, estimated
+    from the model's shapes: a token's linear FLOPs over its attention FLOPs per position it sees."""
     model = lm.model
     cfg = model.config.get_text_config()
     _, dk, dv = kv_dims(lm)

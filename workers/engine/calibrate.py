@@ -1,0 +1,91 @@
+"""What a position of attention costs on this machine, measured at load on the path that serves.
+
+The scheduler prices a long prompt's chunk beside decoding sequences in tokens, where a token at
+position p counts 1 + p / attention_span: its attention over the p positions before it grows
+with p, while its linears do not. attention_span is the number of positions whose attention
+costs what one token's linears do. It depends on the machine as much as on the model: the C++
+prefill kernel (bfloat16 on AVX512-BF16) attends several times faster than PyTorch's SDPA in
+float32 on an AVX2 CPU, against linears whose speed differs less. A constant from one CPU starved
+the streams on another, so the engine measures it once at load, in milliseconds: one layer's
+attention over a chunk of CHUNK tokens at two depths of a scratch cache, against that layer's
+linears over the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from workers.engine import attention
+
+CHUNK = 16  # query tokens of the measured chunk
+NEAR, FAR = 128, 2048  # the chunk's first positions in the two measurements
+REPEATS = 5  # best of: the timings of a loaded machine are noisy
+SPAN_LIMITS = (16, 1 << 20)
+
+
+def _best(fn, repeats: int = REPEATS) -> float:
+    fn()  # warm-up: first-touch of the scratch memory, one-off set-up in the kernels
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _attention_seconds(holder: attention.ContextHolder, layer: int, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, block_size: int,
+                       scaling: float) -> float:
+    """One layer's attention for a chunk of len(q) tokens at positions start.. over a scratch cache
+    whose blocks hold positions in order (block b: positions b * block_size..)."""
+    g = holder.position[layer][0]
+    n = q.shape[0]
+    blocks = list(range(-(-(start + n) // block_size)))
+    positions = torch.arange(start, start + n)
+    gs = attention.GroupStep(positions // block_size, positions % block_size)
+    gs.prefill_blocks = torch.tensor(blocks, dtype=torch.long)
+    gs.prefill_table = torch.tensor([(0, n, start, 0, 0)], dtype=torch.long)
+    seg = attention.Segment(0, n, start, [blocks] * len(holder.windows), [0] * len(holder.windows))
+    groups = [gs if i == g else attention.GroupStep(gs.write_blocks, gs.write_offsets)
+              for i in range(len(holder.windows))]
+
+    def run() -> None:
+        holder.current = attention.StepContext(num_decode=0, num_tokens=n, groups=groups, segments=[seg])
+        attention.attend(holder, q, k, v, keys, values, layer, scaling, None, None)
+
+    try:
+        return _best(run)
+    finally:
+        holder.current = None
+
+
+def attention_span(holder: attention.ContextHolder, linears: list, hidden: int, heads: int, kv_heads: int,
+                   head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int | None:
+    """Positions whose attention costs what a token's linears do, measured here; None where no
+    layer attends over its whole context (sliding windows bound every chunk's attention) or the
+    layer's linears are not at hand. `linears`: callables of one layer taking [tokens, in] rows,
+    with their input widths."""
+    layer = next((i for i, (g, p) in sorted(holder.position.items()) if p == 0 and holder.windows[g] is None), None)
+    if layer is None or not linears:
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    nb = -(-(FAR + CHUNK) // block_size)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.5).to(dtype=dtype, device=device)
+
+    keys, values = rand(1, nb, kv_heads, block_size, head_dim), rand(1, nb, kv_heads, block_size, head_dim)
+    q, k, v = rand(CHUNK, heads, head_dim), rand(CHUNK, kv_heads, head_dim), rand(CHUNK, kv_heads, head_dim)
+    scaling = head_dim ** -0.5
+    with torch.inference_mode():
+        near = _attention_seconds(holder, layer, q, k, v, keys, values, NEAR, block_size, scaling)
+        far = _attention_seconds(holder, layer, q, k, v, keys, values, FAR, block_size, scaling)
+        inputs = [(fn, rand(CHUNK, width)) for fn, width in linears]
+        lin = _best(lambda: [fn(x) for fn, x in inputs])
+    per_position = (far - near) / (CHUNK * (FAR - NEAR))
+    if per_position <= 0:  # noise larger than the difference: attention is cheap here
+        return SPAN_LIMITS[1]
+    span = lin / CHUNK / per_position
+    return int(min(max(span, SPAN_LIMITS[0]), SPAN_LIMITS[1]))
