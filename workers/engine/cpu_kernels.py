@@ -32,7 +32,7 @@ log = logging.getLogger("mmfusion.kernels")
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "silu_mul.cpp",
                                        "bindings.cpp")]
-HEADERS = [KERNELS / "avx512_math.h"]  # part of the build's hash: a change rebuilds
+HEADERS = [KERNELS / "avx512_math.h", KERNELS / "avx2_math.h"]  # part of the build's hash: a change rebuilds
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREFILL_LANES = 16  # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp)
 PREFILL_HEAD_DIMS = (64, 128, 256)  # the head sizes it has a path for (bfloat16 only)
@@ -99,8 +99,8 @@ def build_error() -> str | None:
 
 
 def kernel_paths() -> list[str]:
-    """The paths the built kernel has ("generic"; "avx2" where built for AVX2 or above; and
-    "bf16_avx512" at the avx512_bf16 level)."""
+    """The paths the built kernel has ("generic"; "f32_avx2", float32 decode attention, where built
+    for AVX2 or above; and "bf16_avx512" at the avx512_bf16 level)."""
     module = _built()[0]
     return list(module.paths()) if module is not None else []
 

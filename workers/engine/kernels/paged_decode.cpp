@@ -15,6 +15,10 @@
 #include "avx512_math.h"
 #define MMFUSION_BF16_DOT 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include "avx2_math.h"
+#define MMFUSION_F32_AVX2 1
+#endif
 
 namespace {
 
@@ -221,6 +225,113 @@ bool decode_bf16_dispatch(const torch::Tensor& q, const torch::Tensor& key, cons
 }
 #endif
 
+#ifdef MMFUSION_F32_AVX2
+// float32 with AVX2 and FMA (the KV cache of 16-bit weights computing in float32, and of float32
+// models), head size D (a multiple of 8): the keys and values are read from the cache in place
+// (no copy into a float buffer), eight positions a tile; each head's eight dot products are eight
+// vector accumulators summed across in one transposing reduction, and the softmax over the tile is
+// vector work. The next block's keys and values are prefetched, as the bf16 path does.
+template <int D>
+void decode_f32_avx2(const float* q, const float* kc, const float* vc, const int64_t* blocks, const int64_t* spans,
+                     float* out, int64_t rows, int64_t heads, int64_t kvh, int64_t bs, float scale) {
+  constexpr int V = D / 8;
+  constexpr int64_t TILE = 8;
+  const int64_t g = heads / kvh;
+  at::parallel_for(0, rows * kvh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(g * D), acc(g * D), m(g), l(g);
+    alignas(32) float pj[TILE];
+    const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kvh, kh = item % kvh;
+      const int64_t first = spans[r * 4], lo = spans[r * 4 + 2], hi = spans[r * 4 + 3];
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qh = q + (r * heads + kh * g + j) * D;
+        for (int i = 0; i < D; ++i) qs[j * D + i] = qh[i] * scale;
+        m[j] = -std::numeric_limits<float>::infinity();
+        l[j] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = lo / bs; b * bs < hi; ++b) {
+        const int64_t blk = blocks[first + b];
+        const int64_t b0 = std::max(lo - b * bs, int64_t(0)), b1 = std::min(hi - b * bs, bs);
+        const float* kb = kc + (blk * kvh + kh) * bs * D;
+        const float* vb = vc + (blk * kvh + kh) * bs * D;
+        int64_t ahead = -1;  // the next block of this row, or the next item's first
+        if ((b + 1) * bs < hi) {
+          ahead = (blocks[first + b + 1] * kvh + kh) * bs * D;
+        } else if (item + 1 < end) {
+          const int64_t r2 = (item + 1) / kvh, kh2 = (item + 1) % kvh;
+          ahead = (blocks[spans[r2 * 4] + spans[r2 * 4 + 2] / bs] * kvh + kh2) * bs * D;
+        }
+        if (ahead >= 0) {
+          for (int64_t x = 0; x < bs * D; x += 16) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + ahead + x), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + ahead + x), _MM_HINT_T0);
+          }
+        }
+        for (int64_t t0 = b0; t0 < b1; t0 += TILE) {
+          const int n = static_cast<int>(std::min(TILE, b1 - t0));
+          const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+          for (int64_t j = 0; j < g; ++j) {
+            const float* qj = qs.data() + j * D;
+            __m256 a[TILE];
+            for (int t = 0; t < TILE; ++t) a[t] = _mm256_setzero_ps();
+            for (int t = 0; t < n; ++t) {
+              const float* kt = kb + (t0 + t) * D;
+              __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(kt));
+              for (int c = 1; c < V; ++c) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * c), _mm256_loadu_ps(kt + 8 * c), s0);
+              a[t] = s0;
+            }
+            const __m256 sc = _mm256_blendv_ps(ninf, mmfusion::hsum8x8(a), live);
+            const float mb = std::max(m[j], mmfusion::hmax8(sc));
+            const float corr = std::exp(m[j] - mb);  // 0 on the first tile (m = -inf)
+            const __m256 e = _mm256_and_ps(mmfusion::exp_neg8(_mm256_sub_ps(sc, _mm256_set1_ps(mb))), live);
+            l[j] = l[j] * corr + mmfusion::hadd8(e);
+            m[j] = mb;
+            _mm256_store_ps(pj, e);
+            float* aj = acc.data() + j * D;
+            __m256 o[V];
+            const __m256 cv = _mm256_set1_ps(corr);
+            for (int c = 0; c < V; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * c), cv);
+            for (int t = 0; t < n; ++t) {
+              const __m256 pt = _mm256_set1_ps(pj[t]);
+              const float* vt = vb + (t0 + t) * D;
+              for (int c = 0; c < V; ++c) o[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * c), o[c]);
+            }
+            for (int c = 0; c < V; ++c) _mm256_storeu_ps(aj + 8 * c, o[c]);
+          }
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        float* o = out + (r * heads + kh * g + j) * D;
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        for (int i = 0; i < D; ++i) o[i] = acc[j * D + i] * inv;
+      }
+    }
+  });
+}
+
+bool decode_f32_dispatch(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
+                         const torch::Tensor& blocks, const torch::Tensor& spans, torch::Tensor& out, float scale) {
+  const int64_t d = q.size(2);
+  if (key.scalar_type() != at::kFloat || value.size(3) != d) return false;
+  auto run = [&](auto tag) {
+    constexpr int D = decltype(tag)::value;
+    decode_f32_avx2<D>(q.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), blocks.data_ptr<int64_t>(),
+                       spans.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1), key.size(1),
+                       key.size(2), scale);
+    return true;
+  };
+  switch (d) {
+    case 64: return run(std::integral_constant<int, 64>{});
+    case 128: return run(std::integral_constant<int, 128>{});
+    case 256: return run(std::integral_constant<int, 256>{});
+    default: return false;
+  }
+}
+#endif
+
 }  // namespace
 
 // q [D, H, d]; key/value caches of one layer [num_blocks, kvh, block, d|dv] (contiguous);
@@ -240,6 +351,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key, torch::Tensor val
 #ifdef MMFUSION_BF16_DOT
   if (decode_bf16_dispatch(q, key, value, blocks, spans, out, static_cast<float>(scale))) return out;
 #endif
+#ifdef MMFUSION_F32_AVX2
+  if (decode_f32_dispatch(q, key, value, blocks, spans, out, static_cast<float>(scale))) return out;
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
                      blocks.data_ptr<int64_t>(), spans.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), rows, heads,
@@ -251,6 +365,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key, torch::Tensor val
 // which paths this build has, for tests and logs
 std::vector<std::string> paths() {
   std::vector<std::string> p{"generic"};
+#ifdef MMFUSION_F32_AVX2
+  p.push_back("f32_avx2");
+#endif
 #ifdef MMFUSION_BF16_DOT
   p.push_back("bf16_avx512");
 #endif
