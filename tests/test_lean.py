@@ -145,36 +145,39 @@ def _reference_chunk(q, k, v, start, window, scaling):
     return out
 
 
-def _prefill_kernel(head_dim: int):
-    """The CPU prefill kernel for bfloat16 heads of this size, which this machine must have at the
-    avx512_bf16 level."""
-    if not cpu_capability().bf16_arith:
-        pytest.skip(f"the prefill kernel is bfloat16 on AVX512-BF16 only; this run is at {cpu_capability().level}")
-    kernel = cpu_kernels.prefill_kernel(torch.bfloat16, head_dim)
+def _prefill_kernel(head_dim: int, dtype: torch.dtype = torch.bfloat16):
+    """The CPU prefill kernel for heads of this size, which this run must have at its level:
+    bfloat16 at avx512_bf16, float32 at avx2 and above."""
+    need = "avx512_bf16" if dtype == torch.bfloat16 else "avx2"
+    if not cpu_capability().at_least(need):
+        pytest.skip(f"the {dtype} prefill kernel needs the {need} level; this run is at {cpu_capability().level}")
+    kernel = cpu_kernels.prefill_kernel(dtype, head_dim)
     assert kernel is not None, cpu_kernels.build_error()
     return kernel
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("block,heads,kvh,d", [(16, 6, 2, 64), (8, 4, 1, 128), (32, 9, 3, 64)])
-def test_cpu_prefill_kernel_matches_a_float64_reference(window, block, heads, kvh, d):
+def test_cpu_prefill_kernel_matches_a_float64_reference(dtype, tol, window, block, heads, kvh, d):
     """Whole prompts and later chunks of one step, their blocks scattered over the pool, read in
-    place by the kernel: as exact as bfloat16 inputs allow."""
+    place by the kernel: as exact as the dtype's inputs allow."""
+    kernel = _prefill_kernel(d, dtype)
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(2)
     chunks = [(0, 1), (0, 17), (33, 16), (0, 70), (100, 5), (250, 40)]  # (first position, tokens)
     num_blocks = sum(-(-(s + c) // block) for s, c in chunks) + 3
     free = list(range(num_blocks))
     rng.shuffle(free)
-    key = torch.zeros(num_blocks, kvh, block, d, dtype=torch.bfloat16)
+    key = torch.zeros(num_blocks, kvh, block, d, dtype=dtype)
     value = torch.zeros_like(key)
     n = 3 + sum(c for _, c in chunks)  # three decode rows first, which the kernel leaves alone
-    q = torch.randn(n, heads + kvh, d, generator=gen).to(torch.bfloat16)[:, :heads]  # strided, as lean's
-    out = torch.full((n, heads, d), 7.0, dtype=torch.bfloat16)
+    q = torch.randn(n, heads + kvh, d, generator=gen).to(dtype)[:, :heads]  # strided, as lean's
+    out = torch.full((n, heads, d), 7.0, dtype=dtype)
     blocks, table, refs, t0 = [], [], [], 3
     for start, c in chunks:
-        k = torch.randn(start + c, kvh, d, generator=gen).to(torch.bfloat16)
-        v = torch.randn(start + c, kvh, d, generator=gen).to(torch.bfloat16)
+        k = torch.randn(start + c, kvh, d, generator=gen).to(dtype)
+        v = torch.randn(start + c, kvh, d, generator=gen).to(dtype)
         own = [free.pop() for _ in range(-(-(start + c) // block))]
         for pos in range(start + c):
             key[own[pos // block], :, pos % block] = k[pos]
@@ -186,11 +189,11 @@ def test_cpu_prefill_kernel_matches_a_float64_reference(window, block, heads, kv
         t0 += c
     gs = attention.GroupStep(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
     gs.prefill_blocks, gs.prefill_table = torch.tensor(blocks), torch.tensor(table)
-    assert _prefill_kernel(d)(out, q, key, value, gs, window, 0.125)
+    assert kernel(out, q, key, value, gs, window, 0.125)
     assert (out[:3].float() == 7.0).all()
     got = out[3:].double()
     want = torch.cat(refs)
-    assert (got - want).abs().max() < 2e-2
+    assert (got - want).abs().max() < tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

@@ -92,7 +92,7 @@ def test_16_bit_weights_with_float32_math_equal_transformers_float32_on_the_same
 
 def test_the_switch_builds_and_decides_as_an_avx2_cpu():
     """MMFUSION_CPU_ISA=avx2 (with torch's and its libraries' switches) in a process of its own: the
-    kernels build for x86-64-v3 without the AVX512-BF16 paths, bfloat16 is not prepacked for
+    kernels build for x86-64-v3 with the AVX2 paths and without the AVX512-BF16 ones, bfloat16 is not prepacked for
     oneDNN, and auto keeps float16 weights for the lean forward."""
     if not cpu_capability().at_least("avx2"):
         pytest.skip(f"this CPU is below AVX2 ({cpu_capability().native})")
@@ -111,8 +111,33 @@ def test_the_switch_builds_and_decides_as_an_avx2_cpu():
     import json
 
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["level"] == "avx2" and got["error"] is None and got["paths"] == ["generic"]
+    assert got["level"] == "avx2" and got["error"] is None and got["paths"] == ["generic", "f32_avx2"]
     assert got["cflags"][0] == "-march=x86-64-v3" and not got["pack_bf16"]
     assert got["auto"] == ("torch.float16" if cpu_capability().fp16_gemm else "torch.float32")
     # this process's own build is for its own level, in another cache entry
     assert ("bf16_avx512" in cpu_kernels.kernel_paths()) == cpu_capability().bf16_arith
+
+
+@pytest.mark.slow
+@FP16_GEMM
+def test_smollm2_in_bfloat16_without_bf16_arithmetic_equals_transformers_on_its_weights(smollm2_fp32):
+    """`dtype: bfloat16` on a CPU whose oneDNN has no bf16 path (AVX2): SmolLM2 loads, keeps its
+    bfloat16 weights and computes in float32; its greedy tokens equal transformers' float32
+    forward on the same weights, token for token."""
+    from support.models import real_batch_prompts
+
+    from workers.models import load_model
+
+    if cpu_capability().onednn_bf16:
+        pytest.skip("oneDNN has a bf16 path here: bfloat16 computes in bfloat16 (tests/test_lean.py's bf16 tests)")
+    lm = load_model("smollm2-135m", dtype="bfloat16")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96))
+    assert eng.precision == Precision(torch.bfloat16, torch.float32, FP16)
+    reference = copy.deepcopy(lm.model).float()
+    for m in reference.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.weight.data = m.weight.data.half().float()
+    prompts = real_batch_prompts(lm)[:4]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(reference, p, 12)

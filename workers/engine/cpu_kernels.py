@@ -34,8 +34,10 @@ SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", 
                                        "bindings.cpp")]
 HEADERS = [KERNELS / "avx512_math.h", KERNELS / "avx2_math.h"]  # part of the build's hash: a change rebuilds
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-PREFILL_LANES = 16  # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp)
-PREFILL_HEAD_DIMS = (64, 128, 256)  # the head sizes it has a path for (bfloat16 only)
+# query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp), per dtype
+PREFILL_LANES = {torch.bfloat16: 16, torch.float32: 8}
+PREFILL_HEAD_DIMS = (64, 128, 256)  # the head sizes it has a path for
+PREFILL_PATHS = {torch.bfloat16: "bf16_avx512", torch.float32: "f32_avx2"}  # the build's path for each dtype
 # where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
 KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
 # a build takes a minute or two: a lock older than this was left by a process killed while building
@@ -122,11 +124,12 @@ def paged_prefill_cpu(out: torch.Tensor, q: torch.Tensor, key: torch.Tensor, val
 
 def prefill_kernel(dtype: torch.dtype, head_dim: int) -> Callable | None:
     """The CPU prefill kernel (built once) for a model of this dtype and head size, or None where
-    it has no path: not bfloat16, another head size, no compiler or no AVX512-BF16. Decided once
-    per model, so a model it does not serve builds no tables and makes no calls each step."""
-    if dtype != torch.bfloat16 or head_dim not in PREFILL_HEAD_DIMS:
+    it has no path: bfloat16 needs the AVX512-BF16 build, float32 the AVX2 one, heads of 64, 128 or
+    256, and a compiler. Decided once per model, so a model it does not serve builds no tables and
+    makes no calls each step."""
+    if dtype not in PREFILL_PATHS or head_dim not in PREFILL_HEAD_DIMS:
         return None
-    return paged_prefill_cpu if "bf16_avx512" in kernel_paths() else None
+    return paged_prefill_cpu if PREFILL_PATHS[dtype] in kernel_paths() else None
 
 
 def decode_kernel() -> Callable | None:

@@ -123,12 +123,12 @@ class Engine:
 
     def _min_long_chunk(self, lm: LoadedModel) -> int:
         """The tokens whose query rows fill one pass of the CPU prefill kernel over the context (16
-        rows of one KV head): a chunk of fewer costs as much."""
+        rows of one KV head in bfloat16, 8 in float32): a chunk of fewer costs as much."""
         holder = getattr(self.runner, "holder", None)
         if holder is None or holder.prefill_kernel is None:
             return 1
         heads, kv_heads = lm.model.config.get_text_config().num_attention_heads, kv_dims(lm)[0]
-        return max(1, cpu_kernels.PREFILL_LANES // max(1, heads // kv_heads))
+        return max(1, cpu_kernels.PREFILL_LANES[self.precision.compute] // max(1, heads // kv_heads))
 
     def stats(self) -> dict:
         """The KV cache as status and /metrics show it."""

@@ -6,8 +6,9 @@
 // a vector, so the scores of one key position are one vdpbf16ps per 32 elements of the head with
 // the key broadcast from the cache, and the softmax over a tile of 16 positions needs no
 // horizontal reductions. Values are widened to float32 once per tile and the probabilities stay
-// float32 (the decode kernel's precision). bfloat16 with AVX512-BF16 only, heads of 64, 128 or
-// 256; attention.py's PyTorch path serves everything else and is this kernel's reference.
+// float32 (the decode kernel's precision). bfloat16 with AVX512-BF16, and float32 with AVX2 and FMA
+// (8 query rows a vector), heads of 64, 128 or 256; attention.py's PyTorch path serves everything
+// else and is this kernel's reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,6 +20,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "avx512_math.h"
 #define MMFUSION_PREFILL_BF16 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include "avx2_math.h"
+#define MMFUSION_PREFILL_F32 1
 #endif
 
 namespace {
@@ -145,6 +150,126 @@ void prefill_all(const Layout& L, int64_t num_segs) {
 }
 #endif
 
+#ifdef MMFUSION_PREFILL_F32
+constexpr int LANES8 = 8;  // float32: query rows per work item, and key positions per tile
+
+struct LayoutF32 {
+  const float *q, *kc, *vc;
+  float* out;
+  const int64_t *blocks, *segs;
+  int64_t q_tok, q_head, o_tok, o_head;
+  int64_t heads, kvh, bs, window;
+  float scale;
+};
+
+// the float32 twin of prefill_item: 8 query rows in the lanes of an AVX2 vector; each key
+// position's scores are D fused multiply-adds with the key's elements broadcast from the cache
+template <int D>
+void prefill_item_f32(const LayoutF32& L, int64_t s, int64_t kh, int64_t row0) {
+  const int64_t* seg = L.segs + s * 5;
+  const int64_t tok0 = seg[0], length = seg[1], start = seg[2], boff = seg[3], first_pos = seg[4];
+  const int64_t g = L.heads / L.kvh;
+  const int64_t rows = std::min<int64_t>(LANES8, length * g - row0);
+
+  alignas(32) float qt[D * LANES8];  // qt[dim][lane]
+  alignas(32) int32_t pos[LANES8], lo[LANES8];
+  std::fill(qt, qt + D * LANES8, 0.f);
+  int64_t klo = std::numeric_limits<int64_t>::max(), khi = 0;
+  for (int64_t k = 0; k < LANES8; ++k) {
+    if (k >= rows) {
+      pos[k] = -1;
+      lo[k] = std::numeric_limits<int32_t>::max();
+      continue;
+    }
+    const int64_t r = row0 + k, i = r / g, j = r % g;
+    const float* qr = L.q + (tok0 + i) * L.q_tok + (kh * g + j) * L.q_head;
+    for (int d = 0; d < D; ++d) qt[d * LANES8 + k] = qr[d];
+    pos[k] = static_cast<int32_t>(start + i);
+    lo[k] = static_cast<int32_t>(L.window > 0 ? std::max<int64_t>(0, start + i - L.window + 1) : 0);
+    klo = std::min<int64_t>(klo, lo[k]);
+    khi = std::max<int64_t>(khi, start + i + 1);
+  }
+  const __m256i vpos = _mm256_load_si256(reinterpret_cast<const __m256i*>(pos));
+  const __m256i vlo = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
+  const __m256 vscale = _mm256_set1_ps(L.scale), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+
+  alignas(32) float acc[D * LANES8];  // acc[dim][lane]
+  alignas(32) float pr[LANES8 * LANES8];  // this tile's probabilities, [position][lane]
+  std::fill(acc, acc + D * LANES8, 0.f);
+  __m256 m = ninf, l = _mm256_setzero_ps();
+  const int64_t kv_stride = L.bs * D;
+
+  for (int64_t t0 = klo; t0 < khi; t0 += LANES8) {
+    const int n = static_cast<int>(std::min<int64_t>(LANES8, khi - t0));
+    const float *kp[LANES8], *vp[LANES8];
+    for (int t = 0; t < n; ++t) {
+      const int64_t rel = t0 + t - first_pos, blk = L.blocks[boff + rel / L.bs];
+      const int64_t off = (blk * L.kvh + kh) * kv_stride + (rel % L.bs) * D;
+      kp[t] = L.kc + off;
+      vp[t] = L.vc + off;
+    }
+    __m256 sc[LANES8];
+    for (int t = 0; t < n; ++t) sc[t] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      const __m256 qd = _mm256_load_ps(qt + d * LANES8);
+      for (int t = 0; t < n; ++t) sc[t] = _mm256_fmadd_ps(qd, _mm256_broadcast_ss(kp[t] + d), sc[t]);
+    }
+    __m256 seen[LANES8];
+    __m256 mx = ninf;
+    for (int t = 0; t < n; ++t) {
+      const __m256i kpos = _mm256_set1_epi32(static_cast<int32_t>(t0 + t));
+      // kpos <= pos and kpos >= lo
+      const __m256i out_of = _mm256_or_si256(_mm256_cmpgt_epi32(kpos, vpos), _mm256_cmpgt_epi32(vlo, kpos));
+      seen[t] = _mm256_castsi256_ps(_mm256_xor_si256(out_of, _mm256_set1_epi32(-1)));
+      sc[t] = _mm256_blendv_ps(ninf, _mm256_mul_ps(sc[t], vscale), seen[t]);
+      mx = _mm256_max_ps(mx, sc[t]);
+    }
+    const __m256 mnew = _mm256_max_ps(m, mx);
+    const __m256 corr = mmfusion::exp_neg8(_mm256_sub_ps(m, mnew));
+    __m256 sum = _mm256_setzero_ps();
+    for (int t = 0; t < n; ++t) {
+      const __m256 e = _mm256_and_ps(mmfusion::exp_neg8(_mm256_sub_ps(sc[t], mnew)), seen[t]);
+      _mm256_store_ps(pr + t * LANES8, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    l = _mm256_fmadd_ps(l, corr, sum);
+    m = mnew;
+    for (int c = 0; c < D / 8; ++c) {
+      __m256 a[8];
+      for (int k = 0; k < 8; ++k) a[k] = _mm256_mul_ps(_mm256_load_ps(acc + (8 * c + k) * LANES8), corr);
+      for (int t = 0; t < n; ++t) {
+        const __m256 pt = _mm256_load_ps(pr + t * LANES8);
+        const float* vt = vp[t] + 8 * c;
+        for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(pt, _mm256_broadcast_ss(vt + k), a[k]);
+      }
+      for (int k = 0; k < 8; ++k) _mm256_store_ps(acc + (8 * c + k) * LANES8, a[k]);
+    }
+  }
+  alignas(32) float inv[LANES8];
+  _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_max_ps(l, _mm256_set1_ps(1e-30f))));
+  for (int64_t k = 0; k < rows; ++k) {
+    const int64_t r = row0 + k, i = r / g, j = r % g;
+    float* o = L.out + (tok0 + i) * L.o_tok + (kh * g + j) * L.o_head;
+    for (int dd = 0; dd < D; ++dd) o[dd] = acc[dd * LANES8 + k] * inv[k];
+  }
+}
+
+template <int D>
+void prefill_all_f32(const LayoutF32& L, int64_t num_segs) {
+  const int64_t g = L.heads / L.kvh;
+  std::vector<int64_t> items;
+  for (int64_t s = 0; s < num_segs; ++s) {
+    const int64_t rows = L.segs[s * 5 + 1] * g;
+    for (int64_t kh = 0; kh < L.kvh; ++kh)
+      for (int64_t r = 0; r < rows; r += LANES8) items.insert(items.end(), {s, kh, r});
+  }
+  const int64_t n = static_cast<int64_t>(items.size()) / 3;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) prefill_item_f32<D>(L, items[it * 3], items[it * 3 + 1], items[it * 3 + 2]);
+  });
+}
+#endif
+
 }  // namespace
 
 // out [N, H, d] (written at the segments' rows only) and q [N, H, d], any strides but a contiguous
@@ -155,26 +280,40 @@ void prefill_all(const Layout& L, int64_t num_segs) {
 // these shapes have no kernel (the caller's PyTorch path serves).
 bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor blocks,
                    torch::Tensor segs, int64_t window, double scale) {
-#ifdef MMFUSION_PREFILL_BF16
   const int64_t d = q.size(2);
-  if (q.scalar_type() != at::kBFloat16 || key.scalar_type() != at::kBFloat16 || value.scalar_type() != at::kBFloat16 ||
-      out.scalar_type() != at::kBFloat16 || value.size(3) != d || key.size(3) != d || q.stride(2) != 1 ||
-      out.stride(2) != 1 || !key.is_contiguous() || !value.is_contiguous())
+  const auto dt = q.scalar_type();
+  if (key.scalar_type() != dt || value.scalar_type() != dt || out.scalar_type() != dt || value.size(3) != d ||
+      key.size(3) != d || q.stride(2) != 1 || out.stride(2) != 1 || !key.is_contiguous() || !value.is_contiguous())
     return false;
   TORCH_CHECK(blocks.scalar_type() == torch::kLong && segs.scalar_type() == torch::kLong && blocks.is_contiguous() &&
               segs.is_contiguous(), "paged_prefill: blocks and segs must be contiguous int64");
   TORCH_CHECK(q.size(1) % key.size(1) == 0, "paged_prefill: heads must be a multiple of KV heads");
-  Layout L{q.data_ptr<c10::BFloat16>(), key.data_ptr<c10::BFloat16>(), value.data_ptr<c10::BFloat16>(),
-           out.data_ptr<c10::BFloat16>(), blocks.data_ptr<int64_t>(), segs.data_ptr<int64_t>(),
-           q.stride(0), q.stride(1), out.stride(0), out.stride(1), q.size(1), key.size(1), key.size(2), window,
-           static_cast<float>(scale)};
-  switch (d) {
-    case 64: prefill_all<64>(L, segs.size(0)); return true;
-    case 128: prefill_all<128>(L, segs.size(0)); return true;
-    case 256: prefill_all<256>(L, segs.size(0)); return true;
-    default: return false;
+#ifdef MMFUSION_PREFILL_BF16
+  if (dt == at::kBFloat16) {
+    Layout L{q.data_ptr<c10::BFloat16>(), key.data_ptr<c10::BFloat16>(), value.data_ptr<c10::BFloat16>(),
+             out.data_ptr<c10::BFloat16>(), blocks.data_ptr<int64_t>(), segs.data_ptr<int64_t>(),
+             q.stride(0), q.stride(1), out.stride(0), out.stride(1), q.size(1), key.size(1), key.size(2), window,
+             static_cast<float>(scale)};
+    switch (d) {
+      case 64: prefill_all<64>(L, segs.size(0)); return true;
+      case 128: prefill_all<128>(L, segs.size(0)); return true;
+      case 256: prefill_all<256>(L, segs.size(0)); return true;
+      default: return false;
+    }
   }
-#else
-  return false;
 #endif
+#ifdef MMFUSION_PREFILL_F32
+  if (dt == at::kFloat) {
+    LayoutF32 L{q.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), out.data_ptr<float>(),
+                blocks.data_ptr<int64_t>(), segs.data_ptr<int64_t>(), q.stride(0), q.stride(1), out.stride(0),
+                out.stride(1), q.size(1), key.size(1), key.size(2), window, static_cast<float>(scale)};
+    switch (d) {
+      case 64: prefill_all_f32<64>(L, segs.size(0)); return true;
+      case 128: prefill_all_f32<128>(L, segs.size(0)); return true;
+      case 256: prefill_all_f32<256>(L, segs.size(0)); return true;
+      default: return false;
+    }
+  }
+#endif
+  return false;
 }
