@@ -141,3 +141,21 @@ def test_smollm2_in_bfloat16_without_bf16_arithmetic_equals_transformers_on_its_
     outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(reference, p, 12)
+
+
+def test_the_long_prompt_price_is_measured_on_this_machine():
+    """attention_span (what a position of a long prompt's attention costs, in tokens' linears) is
+    measured at load on the attention path that serves; where every layer is windowed there is
+    nothing to measure and the model's shapes give it."""
+    from workers.engine import calibrate
+    from workers.engine.runner import attention_span
+
+    lm = tiny("llama", dtype="float32")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=32))
+    measured = eng.runner.measured_attention_span()
+    assert measured is not None and calibrate.SPAN_LIMITS[0] <= measured <= calibrate.SPAN_LIMITS[1]
+    assert eng.attention_span == min(measured, attention_span(lm)) and eng.runner.holder.current is None
+    assert eng.scheduler.config.attention_span == eng.attention_span
+    windowed = tiny("mistral", dtype="float32")  # a sliding window on every layer
+    eng = Engine(windowed, EngineConfig(max_batch_size=4, max_batch_tokens=32))
+    assert eng.runner.measured_attention_span() is None and eng.attention_span == attention_span(windowed)

@@ -6,9 +6,11 @@ with p, while its linears do not. attention_span is the number of positions whos
 costs what one token's linears do. It depends on the machine as much as on the model: the C++
 prefill kernel (bfloat16 on AVX512-BF16) attends several times faster than PyTorch's SDPA in
 float32 on an AVX2 CPU, against linears whose speed differs less. A constant from one CPU starved
-the streams on another, so the engine measures it once at load, in milliseconds: one layer's
-attention over a chunk of CHUNK tokens at two depths of a scratch cache, against that layer's
-linears over the same tokens.
+the streams on another, so the engine measures it once at load: the attention of a chunk of
+CHUNK tokens at two depths of a scratch cache, against the model's linears over the same tokens.
+Both are measured as serving meets them, out of the CPU's caches: between two visits of one
+layer's keys a step reads every other layer's keys and every weight. So the attention runs over
+scratch layers that together exceed COLD_BYTES, and the linears over every layer.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from workers.engine import attention
 
 CHUNK = 16  # query tokens of the measured chunk
 NEAR, FAR = 128, 2048  # the chunk's first positions in the two measurements
-REPEATS = 5  # best of: the timings of a loaded machine are noisy
+REPEATS = 3  # best of: the timings of a loaded machine are noisy
+COLD_BYTES = 96 << 20  # more than a CPU's last-level cache: the scratch layers' keys and values
 SPAN_LIMITS = (16, 1 << 20)
 
 
@@ -36,10 +39,10 @@ def _best(fn, repeats: int = REPEATS) -> float:
 
 
 def _attention_seconds(holder: attention.ContextHolder, layer: int, q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, block_size: int,
+                       v: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]], start: int, block_size: int,
                        scaling: float) -> float:
-    """One layer's attention for a chunk of len(q) tokens at positions start.. over a scratch cache
-    whose blocks hold positions in order (block b: positions b * block_size..)."""
+    """Attention for a chunk of len(q) tokens at positions start.. over each scratch cache in turn
+    (blocks in order: block b holds positions b * block_size..), per cache."""
     g = holder.position[layer][0]
     n = q.shape[0]
     blocks = list(range(-(-(start + n) // block_size)))
@@ -52,21 +55,22 @@ def _attention_seconds(holder: attention.ContextHolder, layer: int, q: torch.Ten
               for i in range(len(holder.windows))]
 
     def run() -> None:
-        holder.current = attention.StepContext(num_decode=0, num_tokens=n, groups=groups, segments=[seg])
-        attention.attend(holder, q, k, v, keys, values, layer, scaling, None, None)
+        for keys, values in caches:
+            holder.current = attention.StepContext(num_decode=0, num_tokens=n, groups=groups, segments=[seg])
+            attention.attend(holder, q, k, v, keys, values, layer, scaling, None, None)
 
     try:
-        return _best(run)
+        return _best(run) / len(caches)
     finally:
         holder.current = None
 
 
-def attention_span(holder: attention.ContextHolder, linears: list, hidden: int, heads: int, kv_heads: int,
+def attention_span(holder: attention.ContextHolder, linears: list, layers: int, heads: int, kv_heads: int,
                    head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int | None:
     """Positions whose attention costs what a token's linears do, measured here; None where no
     layer attends over its whole context (sliding windows bound every chunk's attention) or the
-    layer's linears are not at hand. `linears`: callables of one layer taking [tokens, in] rows,
-    with their input widths."""
+    linears are not at hand. `linears`: (callable on [tokens, in] rows, in) of every layer, whose
+    count is `layers`."""
     layer = next((i for i, (g, p) in sorted(holder.position.items()) if p == 0 and holder.windows[g] is None), None)
     if layer is None or not linears:
         return None
@@ -76,14 +80,18 @@ def attention_span(holder: attention.ContextHolder, linears: list, hidden: int, 
     def rand(*shape):
         return (torch.randn(*shape, generator=gen) * 0.5).to(dtype=dtype, device=device)
 
-    keys, values = rand(1, nb, kv_heads, block_size, head_dim), rand(1, nb, kv_heads, block_size, head_dim)
+    per_layer = 2 * nb * kv_heads * block_size * head_dim * torch.finfo(dtype).bits // 8
+    copies = max(1, min(layers, -(-COLD_BYTES // per_layer)))
+    caches = [(rand(1, nb, kv_heads, block_size, head_dim), rand(1, nb, kv_heads, block_size, head_dim))
+              for _ in range(copies)]
     q, k, v = rand(CHUNK, heads, head_dim), rand(CHUNK, kv_heads, head_dim), rand(CHUNK, kv_heads, head_dim)
     scaling = head_dim ** -0.5
     with torch.inference_mode():
-        near = _attention_seconds(holder, layer, q, k, v, keys, values, NEAR, block_size, scaling)
-        far = _attention_seconds(holder, layer, q, k, v, keys, values, FAR, block_size, scaling)
+        near = _attention_seconds(holder, layer, q, k, v, caches, NEAR, block_size, scaling)
+        far = _attention_seconds(holder, layer, q, k, v, caches, FAR, block_size, scaling)
         inputs = [(fn, rand(CHUNK, width)) for fn, width in linears]
-        lin = _best(lambda: [fn(x) for fn, x in inputs])
+        lin = _best(lambda: [fn(x) for fn, x in inputs]) / layers
+    del caches
     per_position = (far - near) / (CHUNK * (FAR - NEAR))
     if per_position <= 0:  # noise larger than the difference: attention is cheap here
         return SPAN_LIMITS[1]

@@ -83,9 +83,12 @@ class Engine:
         self.lm = lm
         self.tokenizer = lm.tokenizer
         self.runner, blocks = self._paged_cache(lm)
-        # what a position of a long prompt's attention costs, measured here on the path that serves
+        # what a position of a long prompt's attention costs, measured here on the path that serves;
+        # never priced cheaper than the model's shapes say (the measurement is a 16-token chunk on
+        # scratch keys, and with the shapes' estimate the AVX512-BF16 streams held half their speed)
         measure = getattr(self.runner, "measured_attention_span", None)
-        self.attention_span = (measure() if measure is not None else None) or attention_span(lm)
+        measured = measure() if measure is not None else None
+        self.attention_span = min(measured, attention_span(lm)) if measured else attention_span(lm)
         self.scheduler = Scheduler(self.config.scheduler_config(self.attention_span, self._min_long_chunk(lm)), blocks)
         self.compile_info = prepare(self.runner, lm, self.config.compile, self.config.buckets())
         self._seq_ids = itertools.count()

@@ -145,15 +145,16 @@ class PagedRunner(BaseRunner):
                       if p == 0 and self.holder.windows[g] is None), None)
         if layer is None:
             return None
+        layers = num_layers(self.lm)
         if self.lean is not None:
-            lay = self.lean.layers[layer]
             inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
-            linears = [(lay.qkv, cfg.hidden_size), (lay.o, cfg.num_attention_heads * dk), (lay.gate_up, cfg.hidden_size),
-                       (lay.down, inter)]
-        else:
+            linears = [(x, width) for lay in self.lean.layers
+                       for x, width in ((lay.qkv, cfg.hidden_size), (lay.o, cfg.num_attention_heads * dk),
+                                        (lay.gate_up, cfg.hidden_size), (lay.down, inter))]
+        else:  # the decoder layers' linears (the LM head's name holds no layer index)
             linears = [(m, m.in_features) for name, m in self.model.named_modules()
-                       if isinstance(m, torch.nn.Linear) and f".{layer}." in f".{name}."]
-        return calibrate.attention_span(self.holder, linears, cfg.hidden_size, cfg.num_attention_heads, kvh, dk,
+                       if isinstance(m, torch.nn.Linear) and any(f".{i}." in f".{name}." for i in range(layers))]
+        return calibrate.attention_span(self.holder, linears, layers, cfg.num_attention_heads, kvh, dk,
                                         self.block_size, self.cache.keys.dtype, self.lm.device)
 
     def enable_compile(self, buckets: Buckets) -> None:
