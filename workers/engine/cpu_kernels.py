@@ -32,7 +32,7 @@ log = logging.getLogger("mmfusion.kernels")
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "silu_mul.cpp",
                                        "bindings.cpp")]
-HEADERS = [KERNELS / "avx512_math.h", KERNELS / "avx2_math.h"]  # part of the build's hash: a change rebuilds
+HEADERS = [KERNELS / "avx512_math.h", KERNELS / "avx2_math.h", KERNELS / "head_dims.h"]  # part of the build's hash: a change rebuilds
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp), per dtype
 PREFILL_LANES = {torch.bfloat16: 16, torch.float32: 8}

@@ -5,6 +5,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "head_dims.h"
+
 #include <algorithm>
 #include <cmath>
 #include <math.h>
@@ -97,6 +99,31 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* blocks, const i
   });
 }
 
+#if defined(MMFUSION_BF16_DOT) || defined(MMFUSION_F32_AVX2)
+// The blocks are anywhere in the pool, so the hardware prefetcher cannot follow them: the vector
+// paths ask for the keys and values `ahead` blocks past block b of work item `item` while they
+// compute it. That is the row's own block, or past its last one the next item's first ones.
+// Returns its element offset in the caches, or -1 when there is none.
+inline int64_t prefetch_offset(const int64_t* blocks, const int64_t* spans, int64_t item, int64_t end, int64_t b,
+                               int64_t ahead, int64_t kvh, int64_t bs, int64_t d) {
+  const int64_t r = item / kvh, kh = item % kvh;
+  const int64_t first = spans[r * 4], hi = spans[r * 4 + 3];
+  if ((b + ahead) * bs < hi) return (blocks[first + b + ahead] * kvh + kh) * bs * d;
+  if (item + 1 >= end) return -1;
+  const int64_t r2 = (item + 1) / kvh, kh2 = (item + 1) % kvh;
+  const int64_t b2 = spans[r2 * 4 + 2] / bs + (b + ahead) - (hi - 1) / bs - 1;
+  return b2 * bs < spans[r2 * 4 + 3] ? (blocks[spans[r2 * 4] + b2] * kvh + kh2) * bs * d : -1;
+}
+
+// one block's keys and values (`bytes` each) into the cache, a line at a time
+inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
+  for (int64_t x = 0; x < bytes; x += 64) {
+    _mm_prefetch(static_cast<const char*>(k) + x, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(v) + x, _MM_HINT_T0);
+  }
+}
+#endif
+
 #ifdef MMFUSION_BF16_DOT
 // bfloat16 with AVX512-BF16, head size D (a multiple of 32), positions in the lanes: a tile of 16
 // keys is transposed in registers (pair p of every position in one vector), so each head's 16
@@ -135,23 +162,8 @@ void decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFl
         const int64_t b0 = std::max(lo - b * bs, int64_t(0)), b1 = std::min(hi - b * bs, bs);
         const c10::BFloat16* kb = kc + (blk * kvh + kh) * bs * D;
         const c10::BFloat16* vb = vc + (blk * kvh + kh) * bs * D;
-        // the blocks are anywhere in the pool: ask for the keys and values PREFETCH blocks ahead,
-        // so that they arrive while this one is computed (the hardware prefetcher cannot guess
-        // the jumps); past the row's last block, the next item's first ones
-        int64_t ahead = -1;
-        if ((b + PREFETCH) * bs < hi) {
-          ahead = (blocks[first + b + PREFETCH] * kvh + kh) * bs * D;
-        } else if (item + 1 < end) {
-          const int64_t r2 = (item + 1) / kvh, kh2 = (item + 1) % kvh;
-          const int64_t b2 = spans[r2 * 4 + 2] / bs + (b + PREFETCH) - (hi - 1) / bs - 1;
-          if (b2 * bs < spans[r2 * 4 + 3]) ahead = (blocks[spans[r2 * 4] + b2] * kvh + kh2) * bs * D;
-        }
-        if (ahead >= 0) {
-          for (int64_t x = 0; x < bs * D; x += 32) {
-            _mm_prefetch(reinterpret_cast<const char*>(kc + ahead + x), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vc + ahead + x), _MM_HINT_T0);
-          }
-        }
+        const int64_t ahead = prefetch_offset(blocks, spans, item, end, b, PREFETCH, kvh, bs, D);
+        if (ahead >= 0) prefetch_block(kc + ahead, vc + ahead, bs * D * sizeof(c10::BFloat16));
         for (int64_t t0 = b0; t0 < b1; t0 += CHUNK) {
           const int n = static_cast<int>(std::min(CHUNK, b1 - t0));
           const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
@@ -209,19 +221,12 @@ bool decode_bf16_dispatch(const torch::Tensor& q, const torch::Tensor& key, cons
                           const torch::Tensor& blocks, const torch::Tensor& spans, torch::Tensor& out, float scale) {
   const int64_t d = q.size(2);
   if (key.scalar_type() != at::kBFloat16 || value.size(3) != d) return false;
-  auto run = [&](auto tag) {
+  return mmfusion::with_head_dim(d, [&](auto tag) {
     constexpr int D = decltype(tag)::value;
     decode_bf16<D>(q.data_ptr<c10::BFloat16>(), key.data_ptr<c10::BFloat16>(), value.data_ptr<c10::BFloat16>(),
                    blocks.data_ptr<int64_t>(), spans.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), q.size(0),
                    q.size(1), key.size(1), key.size(2), scale);
-    return true;
-  };
-  switch (d) {
-    case 64: return run(std::integral_constant<int, 64>{});
-    case 128: return run(std::integral_constant<int, 128>{});
-    case 256: return run(std::integral_constant<int, 256>{});
-    default: return false;
-  }
+  });
 }
 #endif
 
@@ -257,19 +262,8 @@ void decode_f32_avx2(const float* q, const float* kc, const float* vc, const int
         const int64_t b0 = std::max(lo - b * bs, int64_t(0)), b1 = std::min(hi - b * bs, bs);
         const float* kb = kc + (blk * kvh + kh) * bs * D;
         const float* vb = vc + (blk * kvh + kh) * bs * D;
-        int64_t ahead = -1;  // the next block of this row, or the next item's first
-        if ((b + 1) * bs < hi) {
-          ahead = (blocks[first + b + 1] * kvh + kh) * bs * D;
-        } else if (item + 1 < end) {
-          const int64_t r2 = (item + 1) / kvh, kh2 = (item + 1) % kvh;
-          ahead = (blocks[spans[r2 * 4] + spans[r2 * 4 + 2] / bs] * kvh + kh2) * bs * D;
-        }
-        if (ahead >= 0) {
-          for (int64_t x = 0; x < bs * D; x += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(kc + ahead + x), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vc + ahead + x), _MM_HINT_T0);
-          }
-        }
+        const int64_t ahead = prefetch_offset(blocks, spans, item, end, b, 1, kvh, bs, D);
+        if (ahead >= 0) prefetch_block(kc + ahead, vc + ahead, bs * D * sizeof(float));
         for (int64_t t0 = b0; t0 < b1; t0 += TILE) {
           const int n = static_cast<int>(std::min(TILE, b1 - t0));
           const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
@@ -316,19 +310,12 @@ bool decode_f32_dispatch(const torch::Tensor& q, const torch::Tensor& key, const
                          const torch::Tensor& blocks, const torch::Tensor& spans, torch::Tensor& out, float scale) {
   const int64_t d = q.size(2);
   if (key.scalar_type() != at::kFloat || value.size(3) != d) return false;
-  auto run = [&](auto tag) {
+  return mmfusion::with_head_dim(d, [&](auto tag) {
     constexpr int D = decltype(tag)::value;
     decode_f32_avx2<D>(q.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), blocks.data_ptr<int64_t>(),
                        spans.data_ptr<int64_t>(), out.data_ptr<float>(), q.size(0), q.size(1), key.size(1),
                        key.size(2), scale);
-    return true;
-  };
-  switch (d) {
-    case 64: return run(std::integral_constant<int, 64>{});
-    case 128: return run(std::integral_constant<int, 128>{});
-    case 256: return run(std::integral_constant<int, 256>{});
-    default: return false;
-  }
+  });
 }
 #endif
 

@@ -12,6 +12,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "head_dims.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -294,12 +296,7 @@ bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor key, torch:
              out.data_ptr<c10::BFloat16>(), blocks.data_ptr<int64_t>(), segs.data_ptr<int64_t>(),
              q.stride(0), q.stride(1), out.stride(0), out.stride(1), q.size(1), key.size(1), key.size(2), window,
              static_cast<float>(scale)};
-    switch (d) {
-      case 64: prefill_all<64>(L, segs.size(0)); return true;
-      case 128: prefill_all<128>(L, segs.size(0)); return true;
-      case 256: prefill_all<256>(L, segs.size(0)); return true;
-      default: return false;
-    }
+    return mmfusion::with_head_dim(d, [&](auto tag) { prefill_all<decltype(tag)::value>(L, segs.size(0)); });
   }
 #endif
 #ifdef MMFUSION_PREFILL_F32
@@ -307,12 +304,7 @@ bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor key, torch:
     LayoutF32 L{q.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), out.data_ptr<float>(),
                 blocks.data_ptr<int64_t>(), segs.data_ptr<int64_t>(), q.stride(0), q.stride(1), out.stride(0),
                 out.stride(1), q.size(1), key.size(1), key.size(2), window, static_cast<float>(scale)};
-    switch (d) {
-      case 64: prefill_all_f32<64>(L, segs.size(0)); return true;
-      case 128: prefill_all_f32<128>(L, segs.size(0)); return true;
-      case 256: prefill_all_f32<256>(L, segs.size(0)); return true;
-      default: return false;
-    }
+    return mmfusion::with_head_dim(d, [&](auto tag) { prefill_all_f32<decltype(tag)::value>(L, segs.size(0)); });
   }
 #endif
   return false;

@@ -3,6 +3,8 @@
 // writes per layer, most of a decode step's non-matmul operations. It rounds where the PyTorch
 // version does (each product, then their sum, to the tensor's dtype), so results are bit-equal.
 #include <torch/extension.h>
+
+#include "head_dims.h"
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -79,8 +81,8 @@ void rope_token_bf16(c10::BFloat16* row, const c10::BFloat16* c, const c10::BFlo
 bool rope_rows_bf16(c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFloat16* sin, c10::BFloat16* kc,
                     c10::BFloat16* vc, const int64_t* blocks, const int64_t* offsets, int64_t n, int64_t writes,
                     int64_t heads, int64_t kvh, int64_t d, int64_t bs) {
-  auto run = [&](auto tag) {
-    constexpr int V = decltype(tag)::value;
+  return mmfusion::with_head_dim(d, [&](auto tag) {
+    constexpr int V = decltype(tag)::value / 16;
     const int64_t width = (heads + 2 * kvh) * d;
     at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -89,14 +91,7 @@ bool rope_rows_bf16(c10::BFloat16* qkv, const c10::BFloat16* cos, const c10::BFl
                            t < writes ? vc + base : nullptr, heads, kvh, bs);
       }
     });
-    return true;
-  };
-  switch (d) {
-    case 64: return run(std::integral_constant<int, 4>{});
-    case 128: return run(std::integral_constant<int, 8>{});
-    case 256: return run(std::integral_constant<int, 16>{});
-    default: return false;
-  }
+  });
 }
 #endif
 
