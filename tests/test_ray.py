@@ -231,13 +231,20 @@ def test_losing_a_node_moves_its_requests_and_workers_to_the_survivor(cluster, t
                 except Exception as exc:  # noqa: BLE001 - reported below
                     errors.append(exc)
 
-            # keep node_a's copy busy, so that the least-loaded choice for the stream is node_b's
+            # keep node_a's copy busy, so that the least-loaded choice for the stream is node_b's: one
+            # request after another until the stream is placed (a single 400-token request finished
+            # before the stream's third token on a fast CPU)
+            placed = threading.Event()
+
             def occupy():  # a client per thread: a Client is not shared between threads
                 with Client(dep.frontend, timeout=120, **dep.client_kw()) as c3:
-                    c3.complete(model=on_a, prompt=prompt, max_tokens=400, temperature=0, ignore_eos=True)
+                    while not placed.is_set():
+                        c3.complete(model=on_a, prompt=prompt, max_tokens=400, n=4, temperature=0, ignore_eos=True)
 
-            busy = threading.Thread(target=occupy)
-            busy.start()
+            # two of them, so that one is in flight while the other sends its next request
+            busy = [threading.Thread(target=occupy, daemon=True) for _ in range(2)]
+            for b in busy:
+                b.start()
             while not [w for w in cl.status()["workers"] if w["slot"] == on_a and w["inflight"]]:
                 time.sleep(0.01)
             t = threading.Thread(target=consume)
@@ -245,10 +252,14 @@ def test_losing_a_node_moves_its_requests_and_workers_to_the_survivor(cluster, t
             deadline = time.monotonic() + 60
             while len(got) < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert [w["slot"] for w in cl.status()["workers"] if w["inflight"]] == sorted([on_a, on_b])
+            try:
+                assert [w["slot"] for w in cl.status()["workers"] if w["inflight"]] == sorted([on_a, on_b])
+            finally:
+                placed.set()
             c.remove_node(next(iter(c.worker_nodes)))  # node_b, its raylet and every worker on it
             t.join(180)
-            busy.join(180)
+            for b in busy:
+                b.join(180)
             assert not errors and got == want  # resent to the copy on node_a
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
