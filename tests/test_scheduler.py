@@ -196,6 +196,95 @@ def test_a_long_prompt_chunk_shrinks_as_its_attention_grows(floor):
     assert all(n == max(floor, int(16 / (1 + p / 100))) for p, n in sizes.items())
 
 
+def _long_beside_short(sched: Scheduler, observe) -> dict[int, int]:
+    """Chunk sizes of a 1,000-token prompt beside one decoding stream; `observe(plan)` returns the
+    seconds the engine would report for each step (None: nothing reported)."""
+    sched.add(_group("short", [1, 2, 3], max_tokens=900))
+    (chunk,) = sched.schedule().prefill
+    chunk.seq.num_computed = len(chunk.seq.prompt)
+    sched.computed(chunk.seq)
+    chunk.seq.output.append(0)
+    for _ in range(5):  # the stream alone: its own pace
+        plan = sched.schedule()
+        (s,) = plan.decode
+        s.num_computed += 1
+        s.output.append(0)
+        sched.computed(s)
+        sched.observe(plan, observe(plan))
+    sched.add(_group("long", list(range(1000)), max_tokens=1))
+    long_seq = sched.groups["long"].seqs[0]
+    sizes = {}
+    while long_seq.num_computed < 600:
+        plan = sched.schedule()
+        for s in plan.decode:
+            s.num_computed += 1
+            s.output.append(0)
+            sched.computed(s)
+        (chunk,) = plan.prefill
+        assert plan.long_chunk
+        sizes[chunk.start] = chunk.length
+        long_seq.num_computed += chunk.length
+        sched.computed(long_seq)
+        sched.observe(plan, observe(plan))
+    return sizes
+
+
+def test_a_long_chunk_shrinks_when_steps_show_it_slows_the_streams_more_than_priced():
+    """The price of a long chunk is corrected by the clock: where each of its tokens costs four
+    decode rows (memory-bound attention, a shared bus), the chunk shrinks until the streams' step
+    grows by about SLOWDOWN; where chunks are cheap, it stays at its price; never below the floor."""
+    from workers.engine.pace import SLOWDOWN
+
+    def fresh():
+        return Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=64, long_prefill_tokens=16,
+                                         attention_span=None, min_long_chunk=2),
+                         BlockManager(200, 16, CacheGroups.from_windows([None]), 64))
+
+    row = 0.01
+
+    def costly(plan):  # a chunk token costs 4 rows
+        return row * len(plan.decode) + 4 * row * sum(c.length for c in plan.prefill)
+
+    def cheap(plan):
+        return row * len(plan.decode) + 0.01 * row * sum(c.length for c in plan.prefill)
+
+    slow = fresh()
+    sizes = _long_beside_short(slow, costly)
+    assert sizes[0] == 16 and 2 <= min(sizes.values())
+    late = [n for p, n in sizes.items() if p >= 300]
+    # in the steady state the chunk adds about SLOWDOWN of the stream's step (0.6 rows: under 1 token)
+    assert late and max(late) == 2 and slow.pace.scale < 1 / 4
+    fast = fresh()
+    assert set(_long_beside_short(fast, cheap).values()) == {16} and fast.pace.scale == 1.0
+    # without observations (the engine reports none) the chunk is its price
+    assert set(_long_beside_short(fresh(), lambda plan: 0.0).values()) == {16}
+    assert SLOWDOWN > 0
+
+
+def test_a_cpu_pool_reuses_touched_blocks_before_never_used_ones():
+    """With cache_reserve, freed blocks (cached or not) are taken before never-used blocks once the
+    cache holds more than the reserve: the resident pool stays near what is in use. Without it,
+    cached blocks stay until no never-used block is left."""
+    groups = CacheGroups.from_windows([None])
+
+    def cycle(reserve):
+        bm = BlockManager(100, 4, groups, 16, cache_reserve=reserve)
+        touched = set()
+        for r in range(6):
+            sb = bm.new_seq()
+            assert bm.allocate(sb, 0, 16)  # 4 blocks
+            touched.update(sb.tables[0])
+            bm.commit(sb, list(range(r * 100, r * 100 + 16)), 16)  # distinct prompts: all cached
+            bm.free(sb)
+        return bm, touched
+
+    bm, touched = cycle(reserve=5)
+    assert len(touched) <= 4 + 5 + 4 and len(bm.evictable) >= 5  # touched: one sequence, the reserve, one more
+    assert bm.num_free == 100 and bm.untouched == 100 - len(touched)
+    bm, touched = cycle(reserve=None)
+    assert len(touched) == 24 and len(bm.evictable) == 24
+
+
 def test_prefix_blocks_are_reused_without_copy_then_evicted_lru():
     lm = tiny("mistral", dtype="float32")
     rng = random.Random(9)

@@ -91,7 +91,8 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("long_prefill_tokens", 16, "a positive integer",
         "while sequences decode, a prompt longer than `max_batch_tokens` computes a chunk costing about this many "
         "tokens a step, or half as many as sequences decode (a token deep in the prompt counts more: its attention "
-        "grows with its position): a long prompt does not stall the streams beside it",
+        "grows with its position), and fewer when the steps' measured times show it slowing the streams by more "
+        "than 60%: a long prompt does not stall the streams beside it",
         lambda x: _int(x, 1)),
     Key("kv_cache_memory", None, "a size (`2GiB`, `512MiB`, a number of bytes), `auto`, or null",
         "the KV cache pool of each worker of this model, allocated once at load; null: the runconfig's "

@@ -11,6 +11,12 @@ Prefix caching: a block whose positions are all computed is keyed by a digest of
 position 0 to its end. A new sequence takes the longest run of cached blocks of its prefix, with
 no copy (reference counts). Blocks that no sequence holds stay cached until the pool needs room,
 then go least recently freed first.
+
+A CPU pool is allocated without being touched, so its memory becomes resident as blocks are first
+used. With `cache_reserve` set, a block is taken from memory already touched first: a free
+uncached block, else the least recently freed cached one once more than `cache_reserve` blocks
+are cached; a never-used block only after that. The resident pool then stays near what is in use
+plus the reserve, instead of growing to the whole budget as freed prefixes pile up.
 """
 
 from __future__ import annotations
@@ -101,7 +107,9 @@ class SeqBlocks:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, groups: CacheGroups, max_chunk: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, cache_reserve: int | None = None):
+        """`cache_reserve`: cached free blocks kept before a never-used block is touched (see the
+        module); None keeps every cached block until no never-used block is left."""
         if num_blocks < len(groups.windows):
             raise ValueError(f"the KV cache holds {num_blocks} blocks, fewer than its {len(groups.windows)} cache "
                              "groups need to hold one token: raise kv_cache_memory")
@@ -109,7 +117,10 @@ class BlockManager:
         self.max_chunk = max_chunk
         self.enable_prefix_caching = enable_prefix_caching
         self.ref = [0] * num_blocks
-        self.plain: list[int] = list(range(num_blocks - 1, -1, -1))  # free and uncached (pop from the end)
+        # free and uncached, popped from the end: the never-used blocks lie below the freed ones
+        self.plain: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.untouched = num_blocks  # the never-used blocks: plain[:untouched]
+        self.cache_reserve = cache_reserve
         self.evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recently freed first
         self.key_of: list[tuple[int, bytes] | None] = [None] * num_blocks
         self.cached: list[dict[bytes, int]] = [{} for _ in groups.windows]
@@ -162,8 +173,10 @@ class BlockManager:
         return SeqBlocks([[] for _ in self.groups.windows], trimmed=[0] * len(self.groups.windows))
 
     def _pop(self) -> int:
-        if self.plain:
+        reuse = self.cache_reserve is not None and len(self.evictable) > self.cache_reserve
+        if len(self.plain) > self.untouched or (self.plain and not reuse):
             b = self.plain.pop()
+            self.untouched = min(self.untouched, len(self.plain))
         else:
             b, _ = self.evictable.popitem(last=False)
             g, digest = self.key_of[b]

@@ -32,7 +32,8 @@ log = logging.getLogger("mmfusion.kernels")
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "silu_mul.cpp",
                                        "bindings.cpp")]
-HEADERS = [KERNELS / "avx512_math.h", KERNELS / "avx2_math.h", KERNELS / "head_dims.h"]  # part of the build's hash: a change rebuilds
+# part of the build's hash: a change rebuilds
+HEADERS = [KERNELS / name for name in ("avx512_math.h", "avx2_math.h", "head_dims.h", "torch_lite.h")]
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp), per dtype
 PREFILL_LANES = {torch.bfloat16: 16, torch.float32: 8}
@@ -40,7 +41,7 @@ PREFILL_HEAD_DIMS = (64, 128, 256)  # the head sizes it has a path for
 PREFILL_PATHS = {torch.bfloat16: "bf16_avx512", torch.float32: "f32_avx2"}  # the build's path for each dtype
 # where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
 KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
-# a build takes a minute or two: a lock older than this was left by a process killed while building
+# a build takes under a minute: a lock older than this was left by a process killed while building
 STALE_BUILD_LOCK_S = 900.0
 
 

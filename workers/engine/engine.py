@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -37,6 +38,11 @@ def _same(x):
 
 
 _SCHEDULING = SchedulerConfig()  # the scheduling limits' defaults are the scheduler's own
+
+
+# on CPU, the prefix cache keeps this share of the pool's blocks (at least one step's) before a
+# never-used block is touched (workers.engine.block_manager)
+CACHE_RESERVE_SHARE = 64
 
 
 @dataclass(slots=True)
@@ -114,7 +120,11 @@ class Engine:
         useful = cfg.max_batch_size * peak_blocks(groups, bs, cfg.max_batch_tokens, lm.max_model_len)
         budget = cfg.kv_cache_memory or default_budget(useful * per_block, lm.device)
         num_blocks = min(useful, budget // per_block)
-        blocks = BlockManager(num_blocks, bs, groups, cfg.max_batch_tokens, enable_prefix_caching=holder is not None)
+        # a CPU pool becomes resident as its blocks are first used: reuse touched blocks first
+        reserve = (max(num_blocks // CACHE_RESERVE_SHARE, peak_blocks(groups, bs, cfg.max_batch_tokens, cfg.max_batch_tokens))
+                   if lm.device.type == "cpu" else None)
+        blocks = BlockManager(num_blocks, bs, groups, cfg.max_batch_tokens, enable_prefix_caching=holder is not None,
+                              cache_reserve=reserve)
         self.kv_bytes = num_blocks * per_block
         if holder is None:
             return CompatRunner(lm), blocks
@@ -206,7 +216,9 @@ class Engine:
         self.last_plan = plan  # kept for inspection (tests, metrics) and to fail only this step's requests
         if plan.empty:
             return []
+        t = time.perf_counter()
         result = self.runner.execute(plan)
+        self.scheduler.observe(plan, time.perf_counter() - t)
         return self._postprocess(plan, result)
 
     def _postprocess(self, plan: SchedulerOutput, result) -> list[RequestOutput]:

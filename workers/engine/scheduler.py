@@ -8,7 +8,8 @@ Each step, oldest first:
    beside decoding sequences, a long prompt's chunk costs about `long_prefill_tokens` tokens, or
    half the decode batch if that is more, where a token at position p counts 1 + p/attention_span
    (its attention over its context grows with p): a near-context prompt slows the streams by a
-   bounded factor at every position instead of stalling them;
+   bounded factor at every position instead of stalling them. The steps' measured times correct
+   that price on the machine that serves (workers.engine.pace);
 3. preempted sequences, then waiting requests, first come first served, start while sequences
    (max_batch_size), the step's tokens (max_batch_tokens) and the blocks of their whole prompt
    allow. A prompt starts from the longest prefix of cached blocks.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 from workers.config_keys import MODEL
 from workers.engine.block_manager import BlockManager
+from workers.engine.pace import LongChunkPace
 from workers.engine.sequence import Sequence, SequenceGroup, Status
 
 
@@ -73,6 +75,7 @@ class SchedulerOutput:
     admitted: list[SequenceGroup] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # freed this step, queued to be recomputed
     new_blocks: list[int] = field(default_factory=list)  # handed out this step: the runner zeroes them
+    long_chunk: bool = False  # a long prompt's chunk beside decoding sequences, priced (see the module)
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +102,7 @@ class Scheduler:
         self.num_seqs = 0  # admitted and unfinished, including samples waiting for their prompt
         # a few blocks kept free at admission, so that a start does not preempt at the next step
         self.watermark = max(1, blocks.num_blocks // 100)
+        self.pace = LongChunkPace()
 
     # --- queue management -----------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -139,6 +143,10 @@ class Scheduler:
         if seq in self.resume:
             self.resume.remove(seq)
         self.blocks.free(seq.blocks)
+
+    def observe(self, out: SchedulerOutput, seconds: float) -> None:
+        """The model call of the step `out` planned took `seconds`: it corrects a long chunk's price."""
+        self.pace.observe(len(out.decode), out.num_tokens - len(out.decode), out.long_chunk, seconds)
 
     def computed(self, seq: Sequence) -> None:
         """After a step: offer the sequence's completed blocks to the prefix cache, and drop the
@@ -192,9 +200,10 @@ class Scheduler:
         start = seq.num_computed
         if out.decode and seq.length > self.config.max_batch_tokens:
             share = max(self.config.long_prefill_tokens, len(out.decode) // 2)
-            if self.config.attention_span:
-                share = max(min(share, self.config.min_long_chunk), int(share / (1 + start / self.config.attention_span)))
+            price = 1 + start / self.config.attention_span if self.config.attention_span else 1
+            share = max(min(share, self.config.min_long_chunk), int(share * self.pace.scale / price), 1)
             budget = min(budget, share)
+            out.long_chunk = True
         length = min(seq.num_uncomputed, budget)
         while length > 0 and not self.blocks.allocate(seq.blocks, start, start + length):
             bs = self.blocks.block_size

@@ -1,5 +1,7 @@
 // The module workers/engine/cpu_kernels.py builds from the kernels beside this file.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "torch_lite.h"
 
 #include <string>
 #include <vector>

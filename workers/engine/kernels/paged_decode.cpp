@@ -2,7 +2,7 @@
 // that share a KV head read each key and value once, with an online softmax in float32 (as
 // flash-decoding does), over only the positions the row sees. Built at first use by
 // workers/engine/cpu_kernels.py; the PyTorch version in attention.py is its reference.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include "head_dims.h"

@@ -9,7 +9,7 @@
 // float32 (the decode kernel's precision). bfloat16 with AVX512-BF16, and float32 with AVX2 and FMA
 // (8 query rows a vector), heads of 64, 128 or 256; attention.py's PyTorch path serves everything
 // else and is this kernel's reference.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include "head_dims.h"

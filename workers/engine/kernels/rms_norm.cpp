@@ -2,7 +2,7 @@
 // fused_add_rms_norm): one pass over each row instead of the five operations aten's CPU rms_norm
 // runs. It rounds where torch does: the residual sum to the tensor's dtype, then the weighted
 // row once, so bfloat16 results equal F.rms_norm's.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>

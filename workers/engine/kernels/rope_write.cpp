@@ -2,7 +2,7 @@
 // token for the lean forward: in PyTorch these were five operations on q and k and two indexed
 // writes per layer, most of a decode step's non-matmul operations. It rounds where the PyTorch
 // version does (each product, then their sum, to the tensor's dtype), so results are bit-equal.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include "head_dims.h"
 #include <ATen/OpMathType.h>

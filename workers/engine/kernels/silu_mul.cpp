@@ -2,7 +2,7 @@
 // reads each row once and writes half of it, instead of aten's silu, its result, and a mul. It
 // rounds where torch does: silu's result to the dtype, then the product, so bfloat16 results
 // equal F.silu(g) * u up to the last bit of the exponential (tested).
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
