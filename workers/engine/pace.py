@@ -6,19 +6,22 @@ positions may be bound by memory rather than arithmetic, two copies may share th
 and a chunk of two tokens reads the whole context as a chunk of sixteen does. So the price is
 checked against the clock. The engine reports each step's seconds; a decode-only step gives the
 streams' own pace per decoding row, and a step that carried a long chunk gives what the chunk
-added. When that exceeds SLOWDOWN of the streams' step, the chunk shrinks (scale < 1); when it
-stays below, the chunk grows back, never above the configured price (scale <= 1). The streams
-then keep about 1 / (1 + SLOWDOWN) of their pace on any machine, while the long prompt goes on
-at least min_long_chunk tokens a step.
+added. The pace then sets the chunk's tokens a step so that, on average, a step grows by
+SLOWDOWN of the streams' own step, never above the configured price (scale <= 1).
+
+Below the fewest tokens a chunk can usefully have (a pass of the prefill kernel), the chunk runs
+on some steps only: each step earns `want` tokens of credit, and a chunk of the floor's size runs
+when the credit covers it. The streams then keep about 1 / (1 + SLOWDOWN) of their pace on any
+machine, and the long prompt still goes on at a bounded rate (SCALE_LIMITS).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SLOWDOWN = 0.6  # the extra time a long chunk may add to the streams' step, as a fraction of it
+SLOWDOWN = 0.6  # the extra time a long chunk may add to the streams' step on average, as a fraction of it
 ALPHA = 0.2  # weight of the newest decode-only step in the streams' pace
-SCALE_LIMITS = (1 / 64, 1.0)
+SCALE_LIMITS = (1 / 256, 1.0)
 STEP_LIMITS = (0.5, 1.25)  # the most one step may shrink or grow the scale: timings are noisy
 
 
@@ -28,20 +31,41 @@ class LongChunkPace:
 
     scale: float = 1.0
     per_row: float | None = None  # seconds per decoding row of a decode-only step (moving average)
+    credit: float = 0.0  # tokens earned towards the next chunk while chunks run on some steps only
 
-    def observe(self, decode_rows: int, prefill_tokens: int, long_chunk: bool, seconds: float) -> None:
+    def tokens(self, share: float, floor: int) -> int:
+        """The long chunk's tokens this step for a priced share (`share` tokens at scale 1), at
+        least `floor` when it runs; 0: it waits for more credit this step."""
+        want = share * self.scale
+        if want >= floor or self.scale >= SCALE_LIMITS[1]:
+            # at its price the chunk never goes below the floor: fewer tokens would cost as much
+            self.credit = 0.0
+            return max(floor, int(want))
+        self.credit += want
+        if self.credit < floor:
+            return 0
+        self.credit -= floor
+        return floor
+
+    def observe(self, decode_rows: int, prefill_tokens: int, long_tokens: int, long_want: float,
+                seconds: float) -> None:
         """A step's model call took `seconds` for `decode_rows` decoding sequences and
-        `prefill_tokens` prompt tokens, a long prompt's chunk among them when `long_chunk`."""
+        `prefill_tokens` prompt tokens, of which `long_tokens` were a long prompt's chunk that the
+        pace granted `long_want` tokens a step on average."""
         if decode_rows <= 0 or seconds <= 0:
             return
         if prefill_tokens == 0:
             row = seconds / decode_rows
             self.per_row = row if self.per_row is None else (1 - ALPHA) * self.per_row + ALPHA * row
             return
-        if not long_chunk or self.per_row is None:
+        if long_tokens <= 0 or long_want <= 0 or self.per_row is None:
             return  # a short prompt's prefill, or no pace to compare with yet
         streams = self.per_row * decode_rows
         extra = seconds - streams
-        factor = STEP_LIMITS[1] if extra <= 0 else SLOWDOWN * streams / extra
+        if extra <= 0:
+            factor = STEP_LIMITS[1]
+        else:
+            # this chunk's cost, spread over the steps that earned it, against the allowance
+            factor = SLOWDOWN * streams / (extra * long_want / long_tokens)
         factor = min(max(factor, STEP_LIMITS[0]), STEP_LIMITS[1])
         self.scale = min(max(self.scale * factor, SCALE_LIMITS[0]), SCALE_LIMITS[1])

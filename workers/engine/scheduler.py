@@ -75,7 +75,10 @@ class SchedulerOutput:
     admitted: list[SequenceGroup] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # freed this step, queued to be recomputed
     new_blocks: list[int] = field(default_factory=list)  # handed out this step: the runner zeroes them
-    long_chunk: bool = False  # a long prompt's chunk beside decoding sequences, priced (see the module)
+    # a long prompt's chunk beside decoding sequences (see the module): its tokens, and the tokens a
+    # step the pace granted it (a fraction where chunks run on some steps only)
+    long_tokens: int = 0
+    long_want: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -146,7 +149,7 @@ class Scheduler:
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
         """The model call of the step `out` planned took `seconds`: it corrects a long chunk's price."""
-        self.pace.observe(len(out.decode), out.num_tokens - len(out.decode), out.long_chunk, seconds)
+        self.pace.observe(len(out.decode), out.num_tokens - len(out.decode), out.long_tokens, out.long_want, seconds)
 
     def computed(self, seq: Sequence) -> None:
         """After a step: offer the sequence's completed blocks to the prefix cache, and drop the
@@ -201,15 +204,20 @@ class Scheduler:
         if out.decode and seq.length > self.config.max_batch_tokens:
             share = max(self.config.long_prefill_tokens, len(out.decode) // 2)
             price = 1 + start / self.config.attention_span if self.config.attention_span else 1
-            share = max(min(share, self.config.min_long_chunk), int(share * self.pace.scale / price), 1)
-            budget = min(budget, share)
-            out.long_chunk = True
+            floor = max(1, min(share, self.config.min_long_chunk))
+            tokens = self.pace.tokens(share / price, floor)
+            if tokens == 0:
+                return 0  # this step's share goes to the credit of a later chunk
+            budget = min(budget, tokens)
+            out.long_want = share * self.pace.scale / price
         length = min(seq.num_uncomputed, budget)
         while length > 0 and not self.blocks.allocate(seq.blocks, start, start + length):
             bs = self.blocks.block_size
             length = (start + length - 1) // bs * bs - start  # back to the previous block boundary
         if length <= 0:
             return 0
+        if out.long_want:
+            out.long_tokens = length
         done = start + length == seq.length
         scoring = seq.group.params.prompt_logprobs is not None and not seq.output and seq.sample_index == 0
         out.prefill.append(Chunk(seq, start, length, need_logits=done, all_logits=scoring))
