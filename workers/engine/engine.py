@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -216,9 +215,9 @@ class Engine:
         self.last_plan = plan  # kept for inspection (tests, metrics) and to fail only this step's requests
         if plan.empty:
             return []
-        t = time.perf_counter()
+        forward = self.runner.forward_seconds
         result = self.runner.execute(plan)
-        self.scheduler.observe(plan, time.perf_counter() - t)
+        self.scheduler.observe(plan, self.runner.forward_seconds - forward)  # what the step's model call took
         return self._postprocess(plan, result)
 
     def _postprocess(self, plan: SchedulerOutput, result) -> list[RequestOutput]:
