@@ -15,6 +15,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Two pytest-xdist processes (and the workers their tests start) share the machine's cores: an
+# OpenMP thread that waits for work sleeps instead of spinning on a core another process needs
+# (on 2 cores, spinning made the in-process engine tests take ~1.6x as long). libgomp reads this
+# when torch loads it, so it is set before anything imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / f"test-{version('torch')}-{version('transformers')}"
 os.environ["MMFUSION_CACHE"] = str(CACHE)
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE / f"inductor-{os.environ.get('MMFUSION_CPU_ISA', 'native')}")
@@ -58,10 +63,13 @@ def embedded_models(smollm2_fp32, gemma3_fp32) -> None:
     """For tests whose subprocesses load the embedded models: converted in the test cache first."""
 
 
-# The modules that take longest, first: pytest-xdist hands whole modules (--dist loadscope) to its
-# workers in collection order, so the long ones start at once and the short ones fill in after.
-LONGEST_FIRST = ["test_compiled.py", "test_parity.py", "test_batch_modes.py", "test_http.py", "test_batch_integrity.py",
-                 "test_ray.py", "test_integrity.py", "test_faults.py", "test_predict.py", "test_weight_owner.py"]
+# The modules that take longest, first (cold, on 2 cores): pytest-xdist hands whole modules
+# (--dist loadscope, in collection order: --no-loadscope-reorder) to its workers, so the long ones
+# start at once and the short ones fill in after.
+LONGEST_FIRST = ["test_batch_modes.py", "test_batch_integrity.py", "test_ray.py", "test_crash_recovery.py",
+                 "test_parity.py", "test_compiled.py", "test_weight_owner.py", "test_predict.py", "test_lean.py",
+                 "test_integrity.py", "test_http.py", "test_precision.py", "test_fuzz.py", "test_http_lm_eval.py",
+                 "test_serve.py", "test_models.py", "test_security.py", "test_fusion.py", "test_hdf5.py", "test_faults.py"]
 
 
 def pytest_collection_modifyitems(items) -> None:

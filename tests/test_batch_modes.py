@@ -11,11 +11,10 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from support.batch import START, run_mm, tiny_variant, write_params
+from support.batch import START, run_mm, same_choices, tiny_variant, write_params
 from support.cluster import ROOT
 from support.models import plain_logits, tiny
 
-from fusion.launcher import forked_workers
 from routing.entrypoints import CLI, command
 from workers.completions import completion_response, sampling_params
 from workers.engine import Engine, EngineConfig
@@ -41,23 +40,6 @@ def check_completion_object(res: dict, with_logprobs: list[bool]) -> None:
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     rt = res["request_time"]
     assert rt["batch_time"] >= 0 and isinstance(rt["batch_size"], int) and rt["batch_size"] >= 1
-
-
-def same_choices(got: list[dict], want: list[dict]) -> None:
-    for g, w in zip(got, want, strict=True):
-        assert (g["text"], g["index"], g["finish_reason"]) == (w["text"], w["index"], w["finish_reason"])
-        if w["logprobs"] is None:
-            assert g["logprobs"] is None
-            continue
-        gl, wl = g["logprobs"], w["logprobs"]
-        assert gl["tokens"] == wl["tokens"] and gl["text_offset"] == wl["text_offset"]
-        assert [x is None for x in gl["token_logprobs"]] == [x is None for x in wl["token_logprobs"]]
-        assert np.allclose([x for x in gl["token_logprobs"] if x is not None],
-                           [x for x in wl["token_logprobs"] if x is not None], atol=1e-4)
-        for gt, wt in zip(gl["top_logprobs"], wl["top_logprobs"], strict=True):
-            assert (gt is None) == (wt is None)
-            if wt is not None:
-                assert gt.keys() == wt.keys() and np.allclose([gt[k] for k in wt], list(wt.values()), atol=1e-4)
 
 
 REQUESTS = [
@@ -233,126 +215,6 @@ def test_compile_only_caches_gguf_as_safetensors(tmp_path, monkeypatch, smollm2_
     assert [o.outputs[0].token_ids for o in Engine(cached).generate(prompts, sp)] == \
         [o.outputs[0].token_ids for o in Engine(smollm2_fp32).generate(prompts, sp)]
     assert cached.tokenizer(prompts[0]).input_ids == smollm2_fp32.tokenizer(prompts[0]).input_ids
-
-
-def _kill_setup(tmp_path: Path) -> Path:
-    hdir, jdir = tmp_path / "h5", tmp_path / "jsonl"
-    hdir.mkdir()
-    jdir.mkdir()
-    rng = np.random.default_rng(0)
-    # enough work that a kill after CRASH_AFTER lands mid-run, and no more
-    arr = np.full((2 * CRASH_BATCHES, 16), START, dtype=np.int32)
-    for i in range(2 * CRASH_BATCHES):
-        n = int(rng.integers(2, 8))
-        arr[i, :n] = rng.integers(1, 256, n)
-    with h5py.File(hdir / "p.h5", "w") as f:
-        f["data"] = arr
-    with open(jdir / "q.jsonl", "w") as f:
-        for i in range(CRASH_LINES):
-            f.write(json.dumps({"prompt": f"request number {i}", "max_tokens": 8, "logprobs": 1}) + "\n")
-    return write_params(tmp_path, {
-        "llama": tiny_variant("llama", "GptHDF5MapDataProcessor", hdir, batch_size=2, start_token=START,
-                              max_tokens=8),
-        "gpt2": tiny_variant("gpt2", "JsonlCompletions", jdir, batch_size=4)})
-
-
-def _strip_volatile(line: str) -> dict:
-    rec = json.loads(line)
-    for k in ("id", "created", "request_time"):
-        rec["result"].pop(k)
-    return rec
-
-
-@pytest.fixture(scope="module")
-def crash_case(tmp_path_factory):
-    """Inputs for the crash tests and the outputs of an undisturbed run over them."""
-    root = tmp_path_factory.mktemp("crash")
-    params = _kill_setup(root)
-    clean = run_mm(params, "predict", CRASH_VARIANTS, root / "clean")
-    assert clean.returncode == 0, clean.stderr
-    return params, root / "clean" / "predictions"
-
-
-CRASH_VARIANTS = ["llama,1", "gpt2,1"]
-CRASH_BATCHES, CRASH_LINES = 20, 200  # HDF5 batches of 2 rows, JSONL lines
-CRASH_AFTER = (5, 20)  # the batches and lines written before the tests kill something
-
-
-def _wait_mid_run(proc, pred: Path) -> None:
-    import time
-
-    partial = pred / "output_q.jsonl.partial"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        npz = list((pred / "llama").glob("predictions_*.npz")) if (pred / "llama").exists() else []
-        if len(npz) >= CRASH_AFTER[0] and partial.exists() and partial.read_text().count("\n") >= CRASH_AFTER[1]:
-            return
-        time.sleep(0.01)
-
-
-def _same_outputs(pred: Path, clean: Path) -> None:
-    for x in range(1, CRASH_BATCHES + 1):
-        with np.load(pred / "llama" / f"predictions_{x}.npz") as a, \
-                np.load(clean / "llama" / f"predictions_{x}.npz") as b:
-            assert int(a["global_step"]) == x and a["predictions"].tolist() == b["predictions"].tolist()
-    got = (pred / "output_q.jsonl").read_text().splitlines()
-    want = (clean / "output_q.jsonl").read_text().splitlines()
-    assert len(got) == CRASH_LINES
-    for g, w in zip(got, want):
-        g, w = _strip_volatile(g), _strip_volatile(w)
-        # same tokens and text; logprobs equal up to float rounding (batches were packed differently)
-        same_choices(g["result"].pop("choices"), w["result"].pop("choices"))
-        assert g == w
-
-
-def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case):
-    import os
-    import signal
-
-    params, clean = crash_case
-    md = tmp_path / "killed"
-    pred = md / "predictions"
-    proc = run_mm(params, "predict", CRASH_VARIANTS, md, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_mid_run(proc, pred)
-    import psutil
-
-    from fusion.launcher import forked_workers
-
-    left = [*forked_workers(proc.pid), *psutil.Process(proc.pid).children()]  # the workers and the fork server
-    assert len(left) >= 3
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    # the kill landed mid-run: some outputs exist, not all, and no final file is half-written
-    done = sorted((pred / "llama").glob("predictions_*.npz"))
-    assert CRASH_AFTER[0] <= len(done) < CRASH_BATCHES and not (pred / "output_q.jsonl").exists()
-    for f in done:
-        with np.load(f) as z:
-            assert z["predictions"].shape == (2, 16)
-    # orphaned workers notice their starter is gone and exit, and the fork server after them
-    gone, alive = psutil.wait_procs(left, timeout=30)
-    assert not alive, [p.cmdline()[:3] for p in alive]
-    rerun = run_mm(params, "predict", CRASH_VARIANTS, md)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "already written" in rerun.stdout
-    _same_outputs(pred, clean)
-
-
-def test_predict_finishes_correctly_when_a_worker_crashes(tmp_path, crash_case):
-
-    params, clean = crash_case
-    md = tmp_path / "crashed"
-    pred = md / "predictions"
-    proc = run_mm(params, "predict", CRASH_VARIANTS, md, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                  text=True)
-    _wait_mid_run(proc, pred)
-    workers = forked_workers(proc.pid)
-    assert len(workers) == 2 and proc.poll() is None
-    for w in workers:  # both: neither model has a replica, so their requests fail and predict resends them
-        w.kill()
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    assert err.count("killed by SIGKILL") == 2 and err.count("started again") == 2
-    _same_outputs(pred, clean)
 
 
 def test_a_model_that_cannot_load_is_an_error_not_a_hang(tmp_path):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -132,46 +130,26 @@ def test_bloom_has_no_packed_path_and_stays_eager(cache_dir):
     assert not eng.compile_info.compiled and "packed" in eng.compile_info.reason
 
 
-_CHILD = """
-import json, logging, sys
-logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
-from workers.models import load_engine
-from workers.engine.params import SamplingParams
-eng = load_engine("tiny:llama", dtype="float32", max_batch_size=5, max_batch_tokens=48,
-                  compile=sys.argv[1], compile_buckets=(8, 48), prepack_weights=False)
-out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-print("RESULT " + json.dumps({"info": eng.compile_info.as_dict(), "tokens": out[0].outputs[0].token_ids}))
-"""
-
-
-def _child(mode: str, cache: Path) -> tuple[dict, str]:
-    # inductor's own cache is the session's (its kernels are built once); the artifacts are this test's
-    env = {**os.environ, "MMFUSION_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", _CHILD, mode], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[7:]), r.stderr
-
-
 def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path, cache_dir, monkeypatch, caplog):
-    """compile: true saves the artifacts; a later process with auto starts from them; a corrupt
-    or stale entry gets one log line, a compile from scratch and a rewritten entry, never a crash."""
+    """compile: true saves the artifacts; a later engine with auto starts from them; a corrupt or
+    stale entry gets one log line, a compile from scratch and a rewritten entry, never a crash. (A
+    fresh process starting from them: test_batch_modes' compile_only, whose predict workers do.)"""
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))  # nothing cached here: auto stays eager
     cfg = {"dtype": "float32", "max_batch_size": 5, "max_batch_tokens": 48, "compile_buckets": (8, 48),
            "prepack_weights": False}
+    prompt, sp = [[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     eng = load_engine("tiny:llama", **cfg, compile="auto")
     assert not eng.compile_info.compiled and "no compiled artifacts" in eng.compile_info.reason
-    out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    cold = {"tokens": out[0].outputs[0].token_ids}
-    made, _ = _child("true", tmp_path)
-    assert made["info"]["compiled"] and not made["info"]["warm"]
-    entry = Path(made["info"]["cache"])
+    cold = eng.generate(prompt, sp)[0].outputs[0].token_ids
+    made = load_engine("tiny:llama", **cfg, compile="true")
+    assert made.compile_info.compiled and not made.compile_info.warm
+    entry = Path(made.compile_info.as_dict()["cache"])
     assert (entry / compile_cache.ARTIFACTS).stat().st_size > 0
-    assert made["tokens"] == cold["tokens"]
+    assert made.generate(prompt, sp)[0].outputs[0].token_ids == cold
 
-    warm, _ = _child("auto", tmp_path)  # a fresh process: nothing of the compile in its memory
-    assert warm["info"]["compiled"] and warm["info"]["warm"], warm["info"]
-    assert warm["tokens"] == cold["tokens"]
+    warm = load_engine("tiny:llama", **cfg, compile="auto")
+    assert warm.compile_info.compiled and warm.compile_info.warm, warm.compile_info
+    assert warm.generate(prompt, sp)[0].outputs[0].token_ids == cold
 
     # a bad entry is refused before torch reads it, so this process may check the rest itself
     def bad_entry_compiles_again(what: str) -> None:
@@ -179,8 +157,7 @@ def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path,
         eng = load_engine("tiny:llama", **cfg, compile="auto")
         assert eng.compile_info.compiled and not eng.compile_info.warm
         assert [r for r in caplog.records if "unusable" in r.getMessage() and what in r.getMessage()], caplog.text
-        out = eng.generate([[5, 6, 7, 8, 9, 10, 11]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-        assert out[0].outputs[0].token_ids == cold["tokens"]
+        assert eng.generate(prompt, sp)[0].outputs[0].token_ids == cold
 
     caplog.set_level("WARNING", logger="mmfusion.compile")
     (entry / compile_cache.ARTIFACTS).write_bytes(b"not an artifact")

@@ -71,3 +71,20 @@ def hdf5_predict(tmp_path):
                            "--variants", "llama,2", "--model_dir", str(tmp_path / "md"), "--devices", "cpu",
                            "--frontend", ANY_PORT, "--backend", ANY_PORT],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def same_choices(got: list[dict], want: list[dict]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert (g["text"], g["index"], g["finish_reason"]) == (w["text"], w["index"], w["finish_reason"])
+        if w["logprobs"] is None:
+            assert g["logprobs"] is None
+            continue
+        gl, wl = g["logprobs"], w["logprobs"]
+        assert gl["tokens"] == wl["tokens"] and gl["text_offset"] == wl["text_offset"]
+        assert [x is None for x in gl["token_logprobs"]] == [x is None for x in wl["token_logprobs"]]
+        assert np.allclose([x for x in gl["token_logprobs"] if x is not None],
+                           [x for x in wl["token_logprobs"] if x is not None], atol=1e-4)
+        for gt, wt in zip(gl["top_logprobs"], wl["top_logprobs"], strict=True):
+            assert (gt is None) == (wt is None)
+            if wt is not None:
+                assert gt.keys() == wt.keys() and np.allclose([gt[k] for k in wt], list(wt.values()), atol=1e-4)
