@@ -16,7 +16,7 @@ import multiprocessing
 import resource
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import psutil
 import torch
@@ -27,8 +27,8 @@ from fusion.jobs import variant_groups
 from fusion.model_info import MultiModelFusion
 from fusion.params import input_value
 from fusion.plan import DeploymentPlan, available_bytes
-from workers.config_keys import model_value
-from workers.engine.buckets import compile_mode
+from workers.buckets import compile_mode
+from workers.spec import WorkerSpec
 from workers.weights.sources import gguf_cache_dir, source_gguf
 
 TEST_BATCH_MAX_TOKENS = 16  # new tokens per prompt of the test batch when the variant sets no max_tokens
@@ -87,23 +87,23 @@ def _convert(source: str, dtype: str, device: str) -> float:
     return took
 
 
-def _measure(source: str, dtype: str, device: str, max_model_len: int | None, engine_kw: dict, prompts: list,
-             max_tokens: int, share_weights: bool = False) -> dict:
-    """Load as a worker would and run one batch; the memory it took and the times."""
+def _measure(spec: WorkerSpec, prompts: list, max_tokens: int) -> dict:
+    """Load as the worker of `spec` would and run one batch; the memory it took and the times."""
     from workers.engine import Engine, EngineConfig
     from workers.engine.params import SamplingParams
     from workers.models import load_model
 
-    dev = torch.device(device)
+    dev = torch.device(spec.device)
     base = psutil.Process().memory_info().rss
     t = time.perf_counter()
-    lm = load_model(source, dtype=dtype, device=device, max_model_len=max_model_len, share_weights=share_weights,
-                    prepack=engine_kw["prepack_weights"])
+    m = spec.model
+    lm = load_model(m.source, dtype=m.dtype, device=spec.device, max_model_len=m.max_model_len,
+                    share_weights=m.share_weights, prepack=m.prepack_weights)
     out = {"load_s": round(time.perf_counter() - t, 3), "dtype": str(lm.dtype).removeprefix("torch."),
            "batch_s": None, "tokens_generated": 0, "fits": False, "error": None,
            "weight_bytes": lm.weights.bytes, "shared_weights": lm.weights.shared, "compile": None}
     try:
-        engine = Engine(lm, EngineConfig(**engine_kw))
+        engine = Engine(lm, EngineConfig.from_spec(spec))
         out["compile"] = engine.compile_info.as_dict()
         t = time.perf_counter()
         outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -123,25 +123,19 @@ def _measure(source: str, dtype: str, device: str, max_model_len: int | None, en
 def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -> CompileReport:
     mids = variant_groups(fusion)[name]
     info = fusion.models[mids[0]]
-    p = info.params
     w = next(w for w in plan.workers if w.model_id == mids[0])
-    bs = input_value(p.get("inference_input"), "batch_size")
-    max_tokens = model_value(p, "max_tokens") or TEST_BATCH_MAX_TOKENS
+    model = info.spec
+    bs = input_value(info.inference_input, "batch_size")
+    max_tokens = model.max_tokens or TEST_BATCH_MAX_TOKENS
     prompts = first_batch(fusion, name, bs)
-    dtype = model_value(p, "dtype")
     gguf = source_gguf(info.source)
     before = None
     if gguf is not None and gguf_cache_dir(gguf) is None:
-        before = round(_in_fresh_process(_convert, info.source, dtype, w.device), 3)
-    engine_kw = {"max_batch_size": w.max_batch_size, "max_batch_tokens": w.max_batch_tokens, "num_threads": w.threads,
-                 "kv_cache_memory": w.kv_cache_bytes, "kv_block_size": w.block_size,
-                 "long_prefill_tokens": model_value(p, "long_prefill_tokens"),
-                 "prepack_weights": bool(model_value(p, "prepack_weights")),
-                 # compile_only is where the artifacts are made: `auto` compiles here
-                 "compile": "false" if compile_mode(model_value(p, "compile")) == "false" else "true",
-                 "compile_buckets": model_value(p, "compile_buckets")}
-    m = _in_fresh_process(_measure, info.source, dtype, w.device, model_value(p, "max_model_len"), engine_kw, prompts,
-                          max_tokens, w.shares_weights)
+        before = round(_in_fresh_process(_convert, info.source, model.dtype, w.device), 3)
+    # compile_only is where the artifacts are made: `auto` compiles here
+    compiled = "false" if compile_mode(model.compile) == "false" else "true"
+    spec = w.spec.placed(model=replace(model, compile=compiled))
+    m = _in_fresh_process(_measure, spec, prompts, max_tokens)
     cache = gguf_cache_dir(gguf) if gguf is not None else None
     return CompileReport(name, info.source, w.device, m["dtype"], m["load_s"], before,
                          str(cache) if cache else None, len(prompts), max_tokens, m["batch_s"], m["tokens_generated"],

@@ -99,7 +99,7 @@ def build_eval_jobs(fusion: MultiModelFusion, model_dir: str | Path, inference_s
     jobs = []
     for name, mids in variant_groups(fusion).items():
         info = fusion.models[mids[0]]
-        bs = input_value(info.params.get("inference_input"), "batch_size")
+        bs = input_value(info.inference_input, "batch_size")
         jobs.append(EvalJob(name, info.source, variant_samples(fusion, name, inference_steps),
                             Path(model_dir) / "eval" / f"{name}.json", max(1, int(bs)) * len(mids), retry_delays))
     return jobs

@@ -8,19 +8,19 @@ from pathlib import Path
 from fusion.data.files import DataError
 from fusion.data.hdf5 import GptHDF5MapDataProcessor
 from fusion.data.jsonl import JsonlFile, find_files, parse_file
-from fusion.jobs import HDF5, JSONL, processor_name, variant_groups, variant_params
+from fusion.jobs import HDF5, JSONL, processor_name, variant_groups, variant_info
 from fusion.model_info import MultiModelFusion
 from fusion.params import input_value
-from workers.config_keys import model_value
 
 
 def hdf5_processor(fusion: MultiModelFusion, name: str, inference_steps: int | None) -> GptHDF5MapDataProcessor:
-    p = variant_params(fusion, name)
-    inp = p.get("inference_input") or {}
-    if "start_token" not in p:
+    info = variant_info(fusion, name)
+    inp, spec = info.inference_input, info.spec
+    if spec.start_token is None:
         raise DataError(f"variant {name!r}: model.start_token is required for {HDF5}")
+    start = list(spec.start_token) if isinstance(spec.start_token, tuple) else spec.start_token
     return GptHDF5MapDataProcessor(input_value(inp, "data_dir") or "", input_value(inp, "batch_size"),
-                                   p["start_token"], model_value(p, "loop_dim"), inference_steps)
+                                   start, spec.loop_dim, inference_steps)
 
 
 def jsonl_files(fusion: MultiModelFusion) -> list[JsonlFile]:
@@ -38,7 +38,7 @@ def jsonl_files(fusion: MultiModelFusion) -> list[JsonlFile]:
     for name in groups:
         if processor_name(fusion, name) != JSONL:
             continue
-        data_dir = input_value(variant_params(fusion, name).get("inference_input"), "data_dir") or ""
+        data_dir = input_value(variant_info(fusion, name).inference_input, "data_dir") or ""
         for path in find_files(data_dir):
             key = path.resolve()
             if key in files:
@@ -64,7 +64,7 @@ def variant_samples(fusion: MultiModelFusion, name: str, inference_steps: int | 
         proc = hdf5_processor(fusion, name, inference_steps)
         return [Sample(f"{proc.path.name} row {i}", p) for b in proc.batches()
                 for i, p in zip(b.sample_indices, b.prompts) if p is not None]
-    data_dir = (variant_params(fusion, name).get("inference_input") or {}).get("data_dir", "")
+    data_dir = variant_info(fusion, name).inference_input.get("data_dir", "")
     out = []
     for path in find_files(data_dir):
         for ln in parse_file(path, name, {name}, {}, routed=False).lines:

@@ -15,7 +15,7 @@ from collections import Counter
 from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt, wait_chain, wait_fixed
 
 from fusion.data.files import DataError
-from fusion.model_info import MultiModelFusion
+from fusion.model_info import ModelInfo, MultiModelFusion
 from fusion.progress import Progress
 from routing import protocol as P
 from routing.client import AsyncClient, RouterError
@@ -64,13 +64,13 @@ def variant_groups(fusion: MultiModelFusion) -> dict[str, list[int]]:
     return groups
 
 
-def variant_params(fusion: MultiModelFusion, name: str) -> dict:
-    """The variant's model section (plus its inference_input)."""
-    return fusion.models[variant_groups(fusion)[name][0]].params
+def variant_info(fusion: MultiModelFusion, name: str) -> ModelInfo:
+    """The variant's model settings and input section."""
+    return fusion.models[variant_groups(fusion)[name][0]]
 
 
 def processor_name(fusion: MultiModelFusion, name: str) -> str:
-    proc = (variant_params(fusion, name).get("inference_input") or {}).get("data_processor")
+    proc = variant_info(fusion, name).inference_input.get("data_processor")
     if proc not in PROCESSORS:
         raise DataError(f"variant {name!r}: inference_input.data_processor must be one of {', '.join(PROCESSORS)}, "
                         f"got {proc!r}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from fusion.deploy import model_entries, worker_overrides
+from fusion.deploy import model_entries
 from fusion.launcher import WorkerProcess, start_worker
 from fusion.model_info import MultiModelFusion
 from fusion.owners import WeightOwners
@@ -56,7 +56,7 @@ class LocalDeployment:
 
     def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, frontend: str, backend: str,
                  supervisor: SupervisorConfig | None = None, log=None, curve_keys: str | None = None,
-                 insecure: bool = False, restart_wait: float = 30.0):
+                 insecure: bool = False, restart_wait: float = P.RESTART_WAIT):
         self.fusion, self.plan = fusion, plan
         self.config = RouterConfig(frontend=frontend, backend=backend, curve_keys=curve_keys, insecure=insecure,
                                    restart_wait=restart_wait)
@@ -73,23 +73,22 @@ class LocalDeployment:
 
     def __enter__(self) -> LocalDeployment:
         self.owners.start()
-        overrides = worker_overrides(self.plan)
-        for k, address in self.owners.overrides().items():
-            overrides[k]["weights_owner"] = address
-        self._start_router(overrides)
+        owners = self.owners.addresses()
+        self._start_router([w.spec.placed(weights_owner=owners[k]) if k in owners else w.spec
+                            for k, w in enumerate(self.plan.workers)])
         self.procs = [self._spawn(i) for i in range(len(self.plan.workers))]
         self.restarts = [0] * len(self.procs)
         self._watcher = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         self._watcher.start()
         return self
 
-    def _start_router(self, overrides: list[dict]) -> None:
+    def _start_router(self, specs: list) -> None:
         """The router, in a thread of this process; raises what stopped it from starting."""
         box: queue.Queue = queue.Queue()
 
         def serve():
             try:
-                r = Router(model_entries(self.fusion), self.config, worker_overrides=overrides, log=self.log)
+                r = Router(model_entries(self.fusion), self.config, worker_specs=specs, log=self.log)
             except Exception as exc:  # e.g. the address is taken: report it to the caller
                 box.put(exc)
                 return

@@ -2,34 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from workers.spec import ModelSpec
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, frozen=True)
 class ModelInfo:
-    """One model of a fused deployment.
+    """One model of a fused deployment: its variant's model settings and input section.
 
     deltat_scaling_factor: the model's relative share of batch capacity when workers share a
     device. A model with factor 2 gets twice the `max_batch_size` and `max_batch_tokens` of a
     model with factor 1 on the same device (see fusion.plan).
     """
 
-    name: str
-    source: str
-    params: dict = field(default_factory=dict)  # the variant's `model` section (+ inference_input)
-    input_fn: Callable[[dict], Iterator[dict]] | None = None
-    deltat_scaling_factor: float = 1.0
+    spec: ModelSpec
+    inference_input: dict = field(default_factory=dict)  # the variant's `inference_input` section
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError("ModelInfo.name must be a non-empty string")
-        if not isinstance(self.source, str) or not self.source:
-            raise ValueError(f"ModelInfo {self.name!r}: source must be a non-empty string")
-        if isinstance(self.deltat_scaling_factor, bool) or not isinstance(self.deltat_scaling_factor, (int, float)) \
-                or self.deltat_scaling_factor <= 0:
-            raise ValueError(f"ModelInfo {self.name!r}: deltat_scaling_factor must be a positive number, "
-                             f"got {self.deltat_scaling_factor!r}")
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def source(self) -> str:
+        return self.spec.source
+
+    @property
+    def deltat_scaling_factor(self) -> float:
+        return float(self.spec.deltat_scaling_factor)
 
 
 class MultiModelFusion:
@@ -39,29 +39,3 @@ class MultiModelFusion:
         if not models:
             raise ValueError("MultiModelFusion needs at least one ModelInfo")
         self.models = list(models)
-
-    @property
-    def params(self) -> dict:
-        return {str(i): m.params for i, m in enumerate(self.models)}
-
-    @property
-    def stack_params(self) -> dict:
-        return {"num_models": len(self.models),
-                "models": [{"model_id": i, "name": m.name, "source": m.source,
-                            "deltat_scaling_factor": m.deltat_scaling_factor} for i, m in enumerate(self.models)]}
-
-    def model_ids(self, name: str) -> list[int]:
-        return [i for i, m in enumerate(self.models) if m.name == name]
-
-    def input_fn(self, params: dict | None = None) -> Iterator[tuple[int, dict]]:
-        """Yield (model ID, request) from every model's input_fn, interleaved round-robin."""
-        iters = [(i, iter(m.input_fn(params or m.params))) for i, m in enumerate(self.models) if m.input_fn]
-        while iters:
-            alive = []
-            for i, it in iters:
-                try:
-                    yield i, next(it)
-                    alive.append((i, it))
-                except StopIteration:
-                    pass
-            iters = alive

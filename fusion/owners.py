@@ -17,7 +17,6 @@ from pathlib import Path
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
 from routing import entrypoints
-from workers.config_keys import model_value
 from workers.weights.owner_ipc import KEY_ENV, remove_ipc_files
 
 
@@ -26,8 +25,8 @@ def owner_groups(fusion: MultiModelFusion, plan: DeploymentPlan) -> dict[tuple, 
     groups: dict[tuple, list[int]] = {}
     for w in plan.workers:
         if w.shares_weights and w.device != "cpu":
-            info = fusion.models[w.model_id]
-            groups.setdefault((w.device, info.source, model_value(info.params, "dtype")), []).append(w.worker_id)
+            model = w.spec.model
+            groups.setdefault((w.device, model.source, model.dtype), []).append(w.worker_id)
     return groups
 
 
@@ -51,7 +50,7 @@ class WeightOwners:
         """What every worker process (and owner) needs: the deployment's owner key."""
         return {KEY_ENV: self.key} if self.groups else {}
 
-    def overrides(self) -> dict[int, str]:
+    def addresses(self) -> dict[int, str]:
         """Worker ID -> its owner's address."""
         return {k: self.address[g] for g, ks in self.groups.items() for k in ks}
 

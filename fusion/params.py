@@ -9,7 +9,9 @@ from pathlib import Path
 import yaml
 
 from routing.dispatch import RouterConfig
-from workers.config_keys import MODEL, Key, parse_size
+from workers.config_keys import Key, parse_size
+from workers.spec import ModelSpec
+from workers.validate import is_number
 
 MAX_RETRIES = 10
 
@@ -70,7 +72,6 @@ INPUT_KEYS: tuple[Key, ...] = (
         "compile_only: the size of its test batch"),
 )
 RUNCONFIG_DEFAULTS = {k.name: k.default for k in RUNCONFIG_KEYS}
-MODEL_KEYS = set(MODEL)
 INPUT = {k.name: k for k in INPUT_KEYS}
 
 
@@ -82,20 +83,6 @@ def input_value(inference_input: dict | None, name: str):
 
 class ParamsError(ValueError):
     pass
-
-
-def _check_compile(model: dict, where: str) -> None:
-    from workers.engine.buckets import Buckets, compile_mode
-
-    key = "compile"
-    try:
-        if key in model:
-            compile_mode(model[key])
-        key = "compile_buckets"
-        if model.get(key) is not None:
-            Buckets(tuple(model[key]) if isinstance(model[key], list) else model[key])
-    except ValueError as exc:
-        raise ParamsError(f"{where}.model.{key}: {exc}") from None
 
 
 def load_params(path: str | Path) -> dict:
@@ -116,22 +103,10 @@ def load_params(path: str | Path) -> dict:
         if not isinstance(v, dict) or not isinstance(v.get("model"), dict):
             raise ParamsError(f"{where}.model must be a mapping")
         model = v["model"]
-        if not isinstance(model.get("source"), str):
-            raise ParamsError(f"{where}.model.source must name a model source (e.g. smollm2-135m)")
-        unknown = sorted(set(model) - MODEL_KEYS)
-        if unknown:
-            raise ParamsError(f"{where}.model.{unknown[0]}: unknown key; known keys: {sorted(MODEL_KEYS)}")
-        _check_compile(model, where)
-        for name, value in model.items():
-            check = MODEL[name].check
-            if check is not None and not check(value):
-                raise ParamsError(f"{where}.model.{name} must be {MODEL[name].valid}, got {value!r}")
-        res = model.get("resources")
-        if res is not None and not (isinstance(res, dict) and all(
-                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                for k, v in res.items())):
-            raise ParamsError(f"{where}.model.resources must map custom Ray resource names to positive amounts, "
-                              f"got {res!r}")
+        try:  # the one check of a model's settings: the spec's
+            ModelSpec.from_params(name, model)
+        except ValueError as exc:
+            raise ParamsError(f"{where}.{exc}") from None
     run = copy.deepcopy(RUNCONFIG_DEFAULTS)
     given = data.get("runconfig") or {}
     if not isinstance(given, dict):
@@ -147,7 +122,7 @@ def load_params(path: str | Path) -> dict:
         raise ParamsError(f"{path}: runconfig.placement must be spread or pack, got {run['placement']!r}")
     delays = run["retry_delays"]
     if not (isinstance(delays, list) and len(delays) <= MAX_RETRIES and all(
-            isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 3600 for d in delays)):
+            is_number(d) and 0 <= d <= 3600 for d in delays)):
         raise ParamsError(f"{path}: runconfig.retry_delays must be a list of at most {MAX_RETRIES} waits in seconds "
                           f"(each 0-3600), e.g. [0.5, 2, 8]; [] turns resending off; got {delays!r}")
     run["retry_delays"] = tuple(float(d) for d in delays)

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusion.model_info import MultiModelFusion
-from workers.config_keys import KV_AUTO_SHARE, model_value, parse_size
+from workers.config_keys import KV_AUTO_SHARE, parse_size
 from workers.precision import FP16, ONEDNN, Precision, precision
+from workers.spec import ModelSpec, WorkerSpec
 from workers.weights.sources import lean_source, resolve_dtype
 
 # parameters and KV bytes per token (at 2 bytes) of the embedded models, to plan without loading
@@ -45,23 +46,57 @@ MIN_KV_BYTES = 16 * 2**20
 
 @dataclass(slots=True)
 class WorkerPlan:
+    """One planned worker: what it runs and where (`spec`, sent to it at ASSIGN), and what it holds."""
+
     worker_id: int
-    model_id: int
-    device: str
-    threads: int | None
-    max_batch_size: int
-    max_batch_tokens: int
-    est_bytes: int  # this worker alone: weights + its packed linears + KV cache + overhead
+    spec: WorkerSpec
     weight_bytes: int = 0
     shares_weights: bool = False  # its weights are one mapping with the other copies on its device
     packed_bytes: int = 0  # its own prepacked copy of the linear weights (prepack_weights, CPU)
-    kv_cache_bytes: int = 0  # the budget of its KV block pool
-    kv_tokens: int | None = None  # the tokens that budget holds (None: the model's shape is known at load)
-    block_size: int = 16
-    # the cores its threads are bound to (a CPU worker, when the device's workers' threads fit its
-    # cores without overlap), as vLLM binds its OpenMP threads: none of them migrates onto another's core
-    cpus: list[int] | None = None
+    kv_tokens: int | None = None  # the tokens its KV budget holds (None: the model's shape is known at load)
     precision: Precision | None = None  # the dtypes its weights, math and KV cache use (workers.precision)
+
+    @property
+    def model_id(self) -> int:
+        return self.spec.model_id
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    @property
+    def threads(self) -> int | None:
+        return self.spec.threads
+
+    @property
+    def cpus(self) -> list[int] | None:
+        return None if self.spec.cpus is None else list(self.spec.cpus)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.spec.batch_size
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.spec.batch_tokens
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.spec.kv_cache_bytes or 0
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.model.kv_block_size
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Its process and packed linears, and its weights unless they are shared (counted per group)."""
+        return worker_overhead(self.device) + self.packed_bytes + (0 if self.shares_weights else self.weight_bytes)
+
+    @property
+    def est_bytes(self) -> int:
+        """This worker alone: weights + its packed linears + KV cache + overhead."""
+        return self.weight_bytes + self.packed_bytes + self.kv_cache_bytes + worker_overhead(self.device)
 
 
 @dataclass(slots=True)
@@ -204,24 +239,89 @@ def packed_bytes(weights: int, prec: Precision) -> int:
     return 0
 
 
-def _kv_budgets(fusion: MultiModelFusion, workers: list[WorkerPlan], avail: int | None, fixed: int) -> None:
-    """Give each `auto` worker of one device its share of the memory left for KV caches, never more
-    than its limits can use; then the tokens each budget holds."""
-    auto = [w for w in workers if w.kv_cache_bytes == 0]
-    left = None if avail is None else int(avail * KV_AUTO_SHARE) - fixed - sum(w.kv_cache_bytes for w in workers)
+def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
+    """(source, dtype) -> the weights its sharing copies on `device` hold once."""
+    groups: dict[tuple, dict] = {}
     for w in workers:
-        info = fusion.models[w.model_id]
-        per_token = kv_bytes_per_token(info.source, _bytes(w.precision.compute))
-        ctx = model_value(info.params, "max_model_len") or DEFAULT_CTX
-        if w in auto:
-            useful = None if per_token is None else per_token * w.max_batch_size * ctx
-            share = KV_UNKNOWN_DEVICE_BYTES if left is None else max(0, left // len(auto))
-            w.kv_cache_bytes = share if useful is None else min(share, useful)
-            if w.kv_cache_bytes < min(MIN_KV_BYTES, useful or MIN_KV_BYTES):
-                raise ValueError(f"device {w.device}: no memory left for worker {w.worker_id}'s KV cache after the "
-                                 "weights and process overheads planned there; use fewer workers or more devices, "
-                                 "or give kv_cache_memory")
-        w.kv_tokens = None if per_token is None else w.kv_cache_bytes // per_token
+        if w.device == device and w.shares_weights:
+            key = (w.spec.model.source, str(w.precision.weights).removeprefix("torch."))
+            g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0})
+            g["copies"] += 1
+    return groups
+
+
+def device_fixed_bytes(workers: list[WorkerPlan], device: str) -> int:
+    """The weights and process overheads of the workers planned on `device` (shared weights once;
+    on CUDA each group's owner process adds its context)."""
+    owner = 0 if device == "cpu" else CUDA_OWNER_OVERHEAD_BYTES
+    return (sum(w.fixed_bytes for w in workers if w.device == device)
+            + sum(g["bytes"] + owner for g in _shared_groups(workers, device).values()))
+
+
+def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads: int | None,
+           batch_share: float) -> WorkerPlan:
+    """A worker before its KV budget and cores: its batch limits, precision and weight bytes."""
+    batch = max(1, round(model.max_batch_size * batch_share))
+    tokens = max(batch, round(model.max_batch_tokens * batch_share))
+    prec = planned_precision(model.source, model.dtype, device, model.prepack_weights)
+    spec = WorkerSpec(model, model_id, device, threads, max_batch_size=batch, max_batch_tokens=tokens)
+    w = WorkerPlan(worker_id, spec, weight_bytes(model.source, _bytes(prec.weights)), model.share_weights,
+                   precision=prec)
+    w.packed_bytes = packed_bytes(w.weight_bytes, prec)
+    return w
+
+
+def _explicit_kv(model: ModelSpec, kv_cache_memory: str | int) -> int | None:
+    """The KV budget the model (else the runconfig) sets in bytes; None for `auto`."""
+    budget = model.kv_cache_memory or kv_cache_memory
+    if budget == "auto":
+        return None
+    size = parse_size(budget)
+    if size is None:
+        raise ValueError(f"variant {model.name!r}: kv_cache_memory {budget!r} is not a size (e.g. 2GiB, 512MiB) "
+                         "or auto")
+    return size
+
+
+def place_worker(existing: list[WorkerPlan], model: ModelSpec, model_id: int, device: str, *,
+                 threads: int | None = None, batch_share: float = 1.0, kv_cache_memory: str | int = "auto",
+                 kv_share: int | None = None, avail: int | None = None, bind: bool = True) -> WorkerPlan:
+    """Plan one more worker beside `existing`, which it leaves as they are: its batch limits (its
+    model's, times `batch_share`), precision, weights, KV budget and cores.
+
+    An `auto` KV budget is `kv_share` bytes where the caller shared the device out (make_plan),
+    else what the device has left after the existing workers; never more than max_batch_size
+    sequences of max_model_len tokens use. `bind`: give it the next free cores of the process, if
+    its threads fit there and every existing CPU worker is bound."""
+    w = _sized(len(existing), model, model_id, device, threads, batch_share)
+    per_token = kv_bytes_per_token(model.source, _bytes(w.precision.compute))
+    budget = _explicit_kv(model, kv_cache_memory)
+    if budget is None:
+        if kv_share is None:
+            peers = [*existing, w]
+            kv_share = KV_UNKNOWN_DEVICE_BYTES if avail is None else max(0, int(avail * KV_AUTO_SHARE) - (
+                device_fixed_bytes(peers, device) + sum(p.kv_cache_bytes for p in existing if p.device == device)))
+        useful = None if per_token is None else per_token * w.max_batch_size * (model.max_model_len or DEFAULT_CTX)
+        budget = kv_share if useful is None else min(kv_share, useful)
+        if budget < min(MIN_KV_BYTES, useful or MIN_KV_BYTES):
+            raise ValueError(f"device {device}: no memory left for worker {w.worker_id}'s KV cache after the "
+                             "weights and process overheads planned there; use fewer workers or more devices, "
+                             "or give kv_cache_memory")
+    w.kv_tokens = None if per_token is None else budget // per_token
+    w.spec = w.spec.placed(kv_cache_bytes=budget, cpus=_free_cores(existing, threads) if bind and device == "cpu"
+                           else None)
+    return w
+
+
+def _free_cores(existing: list[WorkerPlan], threads: int | None) -> tuple[int, ...] | None:
+    """The next `threads` cores of this process after those the existing CPU workers are bound to,
+    or None where they do not fit or an existing worker floats (it would share them)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cpu = [w for w in existing if w.device == "cpu"]
+    if not threads or any(w.cpus is None for w in cpu):
+        return None
+    at = sum(len(w.cpus) for w in cpu)
+    return tuple(cores[at: at + threads]) if at + threads <= len(cores) else None
 
 
 def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices="auto",
@@ -239,10 +339,9 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
     for k, _, d in assign:
         by_dev.setdefault(d, []).append(k)
     cores = os.cpu_count() or 1
-    workers = []
+    placing = []  # (model, model ID, device, threads, batch share) per worker
     for k, mid, dev in assign:
         info = fusion.models[mid]
-        p = info.params
         peers = by_dev[dev]
         if dev == "cpu":
             threads = threads_per_worker or max(1, cores // len(peers) + (1 if peers.index(k) < cores % len(peers)
@@ -250,59 +349,35 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         else:
             threads = threads_per_worker
         mean_f = sum(fusion.models[j % m].deltat_scaling_factor for j in peers) / len(peers)
-        share = info.deltat_scaling_factor / mean_f
-        batch = max(1, round(model_value(p, "max_batch_size") * share))
-        tokens = max(batch, round(model_value(p, "max_batch_tokens") * share))
-        prec = planned_precision(info.source, model_value(p, "dtype"), dev, bool(model_value(p, "prepack_weights")))
-        shares = bool(model_value(p, "share_weights"))  # CPU: one mapped file; CUDA: one owner process
-        w = WorkerPlan(k, mid, dev, threads, batch, tokens, 0, weight_bytes(info.source, _bytes(prec.weights)), shares,
-                       block_size=model_value(p, "kv_block_size"), precision=prec)
-        w.packed_bytes = packed_bytes(w.weight_bytes, prec)
-        budget = model_value(p, "kv_cache_memory") or kv_cache_memory
-        w.kv_cache_bytes = 0 if budget == "auto" else parse_size(budget)
-        if w.kv_cache_bytes is None:
-            raise ValueError(f"variant {info.name!r}: kv_cache_memory {budget!r} is not a size (e.g. 2GiB, 512MiB) "
-                             "or auto")
-        workers.append(w)
+        placing.append((info.spec, mid, dev, threads, info.deltat_scaling_factor / mean_f))
+    # every `auto` worker of a device gets an equal share of what its weights and overheads leave
+    avail = {d: available_bytes(d) for d in by_dev}
+    shares: dict[str, int] = {}
+    for d, ks in by_dev.items():
+        sized = [_sized(k, *placing[k]) for k in ks]
+        explicit = [_explicit_kv(placing[k][0], kv_cache_memory) for k in ks]
+        auto = sum(e is None for e in explicit)
+        if avail[d] is None:
+            shares[d] = KV_UNKNOWN_DEVICE_BYTES
+        elif auto:
+            left = int(avail[d] * KV_AUTO_SHARE) - device_fixed_bytes(sized, d) - sum(e or 0 for e in explicit)
+            shares[d] = max(0, left // auto)
+    cpu_threads = [p[3] for p in placing if p[2] == "cpu"]
+    bind = all(cpu_threads) and sum(cpu_threads) <= len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                                                         else [])
+    workers: list[WorkerPlan] = []
+    for model, mid, dev, threads, share in placing:
+        workers.append(place_worker(workers, model, mid, dev, threads=threads, batch_share=share,
+                                    kv_cache_memory=kv_cache_memory, kv_share=shares.get(dev), avail=avail[dev],
+                                    bind=bind))
     dev_info = {}
     for d, ks in by_dev.items():
-        groups: dict[tuple, dict] = {}  # (source, dtype) -> the weights its sharing copies hold once
-        fixed = 0  # weights and process overheads
-        for k in ks:
-            w = workers[k]
-            fixed += worker_overhead(d) + w.packed_bytes + (0 if w.shares_weights else w.weight_bytes)
-            if w.shares_weights:
-                info = fusion.models[w.model_id]
-                key = (info.source, str(w.precision.weights).removeprefix("torch."))
-                g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0})
-                g["copies"] += 1
-        # on CUDA the shared weights live in an owner process with a context of its own
-        owner = 0 if d == "cpu" else CUDA_OWNER_OVERHEAD_BYTES
-        fixed += sum(g["bytes"] + owner for g in groups.values())
-        avail = available_bytes(d)
-        _kv_budgets(fusion, [workers[k] for k in ks], avail, fixed)
-        for k in ks:
-            w = workers[k]
-            w.est_bytes = w.weight_bytes + w.packed_bytes + w.kv_cache_bytes + worker_overhead(d)
-        need = fixed + sum(workers[k].kv_cache_bytes for k in ks)
-        if avail is not None and need > avail:
+        need = device_fixed_bytes(workers, d) + sum(workers[k].kv_cache_bytes for k in ks)
+        if avail[d] is not None and need > avail[d]:
             raise ValueError(f"device {d}: the {len(ks)} workers planned there need ~{need / 2**30:.1f} GiB "
-                             f"(weights + KV cache + process overhead) but {avail / 2**30:.1f} GiB is available; "
+                             f"(weights + KV cache + process overhead) but {avail[d] / 2**30:.1f} GiB is available; "
                              "use fewer workers, a smaller kv_cache_memory, or more devices")
-        dev_info[d] = {"estimated_bytes": need, "available_bytes": avail,
-                       "shared_weights": [g for g in groups.values() if g["copies"] > 1]}
-    _bind_cores([w for w in workers if w.device == "cpu"])
+        dev_info[d] = {"estimated_bytes": need, "available_bytes": avail[d],
+                       "shared_weights": [g for g in _shared_groups(workers, d).values() if g["copies"] > 1]}
     models = [{"model_id": i, "name": mi.name, "source": mi.source} for i, mi in enumerate(fusion.models)]
     return DeploymentPlan(models, workers, dev_info)
-
-
-def _bind_cores(workers: list[WorkerPlan]) -> None:
-    """Give each CPU worker cores of its own, in order, when their threads fit this process's cores
-    without overlap; otherwise leave them unbound (the OS places their threads)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if not workers or any(not w.threads for w in workers) or sum(w.threads for w in workers) > len(cores):
-        return
-    at = 0
-    for w in workers:
-        w.cpus = cores[at: at + w.threads]
-        at += w.threads

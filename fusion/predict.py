@@ -30,7 +30,7 @@ from fusion.model_info import MultiModelFusion
 from fusion.params import RUNCONFIG_DEFAULTS, input_value
 from fusion.progress import Progress
 from routing.client import AsyncClient, RouterError
-from workers.config_keys import model_value
+from workers.spec import ModelSpec
 
 # --- HDF5 -------------------------------------------------------------------------------------------
 
@@ -40,7 +40,7 @@ class HDF5Job:
     name: str
     model_ids: list[int]
     processor: GptHDF5MapDataProcessor
-    params: dict  # the variant's model section
+    spec: ModelSpec  # the variant's model settings
     out_dir: Path
     retry_delays: tuple[float, ...] = ()
     failed: int = 0  # batches left incomplete: a rerun finishes them
@@ -53,14 +53,14 @@ class HDF5Job:
         return Counter({self.name: sum(p is not None for b in self.processor.batches() for p in b.prompts)})
 
     async def _row(self, client: AsyncClient, mid: int, prompt: list[int]) -> list[int]:
-        p = self.params
-        end_token = model_value(p, "end_token")
+        p = self.spec
+        end_token = list(p.end_token) if isinstance(p.end_token, tuple) else p.end_token
         end = [t for t in as_list(end_token, "end_token") if t >= 0] if end_token is not None else []
-        n = self.processor.max_new_tokens(prompt, model_value(p, "max_tokens"))
+        n = self.processor.max_new_tokens(prompt, p.max_tokens)
         if n <= 0:
             return []
         # HDF5 rows are greedy unless the variant sets a temperature; unset filters stay off
-        sampling = {k: model_value(p, k) for k in ("temperature", "top_p", "top_k")}
+        sampling = {k: getattr(p, k) for k in ("temperature", "top_p", "top_k")}
         sampling = {"temperature": 0.0, **{k: v for k, v in sampling.items() if v is not None}}
         r = await complete(client, mid, prompt, self.retry_delays, max_tokens=n, **sampling,
                            stop_token_ids=end, ignore_eos=True, return_token_ids=True)
@@ -215,9 +215,9 @@ def build_jobs(fusion: MultiModelFusion, model_dir: str | Path, inference_steps:
     for name, mids in groups.items():
         if processor_name(fusion, name) == HDF5:
             jobs.append(HDF5Job(name, mids, hdf5_processor(fusion, name, inference_steps),
-                                fusion.models[mids[0]].params, pred_dir / name, retry_delays))
+                                fusion.models[mids[0]].spec, pred_dir / name, retry_delays))
     for f in jsonl_files(fusion):
-        bs = input_value(fusion.models[groups[f.default_variant][0]].params.get("inference_input"), "batch_size")
+        bs = input_value(fusion.models[groups[f.default_variant][0]].inference_input, "batch_size")
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise DataError(f"variant {f.default_variant!r}: inference_input.batch_size must be a positive "
                             f"integer, got {bs!r}")

@@ -37,7 +37,6 @@ from pathlib import Path
 
 import zmq
 
-from fusion.deploy import worker_overrides
 from fusion.local import LocalDeployment, SupervisorConfig
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
@@ -76,7 +75,7 @@ def bundles(fusion: MultiModelFusion, plan: DeploymentPlan) -> list[dict[str, fl
             b = {"GPU": round(1.0 / per_device[w.device], 4), "CPU": 1.0}
         else:
             b = {"CPU": float(w.threads)}
-        extra = fusion.models[w.model_id].params.get("resources") or {}
+        extra = w.spec.model.resources or {}
         b.update({str(k): float(v) for k, v in extra.items()})
         out.append(b)
     return out
@@ -168,12 +167,10 @@ class RayDeployment(LocalDeployment):
         host = self.host or ray.util.get_node_ip_address()
         port = self.config.backend.rsplit(":", 1)[1]
         self.config.backend = f"tcp://{host}:{port}"
-        overrides = worker_overrides(self.plan)
-        for o in overrides:  # an actor sees only the GPUs Ray gave it: its share is device 0
-            if str(o.get("device", "")).startswith("cuda"):
-                o["device"] = "cuda:0"
-            o.pop("cpus", None)  # the cores of this machine: Ray places the actors and their CPUs
-        self._start_router(overrides)
+        # an actor sees only the GPUs Ray gave it (its share is device 0), and Ray places the actors
+        # and their CPUs (the plan's cores are this machine's)
+        self._start_router([w.spec.placed(device="cuda:0" if w.device.startswith("cuda") else w.device, cpus=None)
+                            for w in self.plan.workers])
         slots: dict[str, list[int]] = {}  # variant -> its workers (slots), in plan order
         for i, w in enumerate(self.plan.workers):
             slots.setdefault(self.fusion.models[w.model_id].name, []).append(i)

@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from routing import protocol as P
+from workers.spec import ModelSpec, WorkerSpec
 
 FRONT, BACK = "front", "back"
 
@@ -38,19 +39,19 @@ FRONT, BACK = "front", "back"
 class RouterConfig:
     frontend: str = P.DEFAULT_FRONTEND
     backend: str = P.DEFAULT_BACKEND
-    heartbeat_interval: float = 0.5
-    liveness: int = 6
+    heartbeat_interval: float = P.HEARTBEAT_INTERVAL
+    liveness: int = P.LIVENESS
     max_queue: int = 1024  # waiting requests per model (resent ones included) before `busy`
     max_inflight: int = 256  # requests one worker holds at once; the rest wait in the model's queue
     max_redispatch: int = 2  # resends of one request after losing its worker (a request that kills
     # every worker it reaches must not take down the whole deployment)
-    restart_wait: float = 30.0  # how long queued requests wait for a model without a live worker
+    restart_wait: float = P.RESTART_WAIT  # how long queued requests wait for a model without a live worker
     keep_dead: int = 64  # lost workers kept for `status`; older ones are pruned
     # messages queued for one peer before a write to it fails (and is handled, never dropped silently):
     # one client connection may carry hundreds of streams (the HTTP gateway), so its queue is deep
     client_queue: int = 100_000
     worker_queue: int = 10_000
-    hard_message_limit: int = 64 * 1024 * 1024  # the socket drops peers beyond this (ZMQ_MAXMSGSIZE)
+    hard_message_limit: int = P.SOCKET_MESSAGE_LIMIT  # the socket drops peers beyond this (ZMQ_MAXMSGSIZE)
     curve_keys: str | None = None  # CurveZMQ keys directory (routing.security): both sockets then need keys
     insecure: bool = False  # allow binding off loopback without CurveZMQ
 
@@ -68,7 +69,7 @@ class RouterConfig:
 class ModelEntry:
     model_id: int
     name: str
-    spec: dict  # sent to the worker in ASSIGN: source, dtype, engine config, defaults
+    spec: ModelSpec  # its settings; an unplanned worker of it gets them with no placement
     queue: deque = field(default_factory=deque)
     orphan_since: float | None = None  # when it lost its last live worker (None: it has one, or never had)
     abandoned: bool = False  # the supervisor gave up on its last worker: queued requests fail at once
@@ -118,7 +119,7 @@ class Send:
 
 class Dispatch:
     def __init__(self, models: list[ModelEntry], config: RouterConfig | None = None,
-                 worker_overrides: list[dict] | None = None, log=None):
+                 worker_specs: list[WorkerSpec] | None = None, log=None):
         if not models:
             raise ValueError("the router needs at least one model")
         self.config = config or RouterConfig()
@@ -126,8 +127,8 @@ class Dispatch:
         self.by_name: dict[str, list[int]] = {}
         for m in models:
             self.by_name.setdefault(m.name, []).append(m.model_id)
-        # the deployment plan's per-worker settings (model ID, device, threads, batch limits), by slot
-        self.worker_overrides = worker_overrides or []
+        # the deployment plan's workers (model, model ID, device, threads, batch limits), by slot
+        self.worker_specs = worker_specs or []
         self.log = log or (lambda line: None)
         self.epoch = uuid.uuid4().hex[:12]
         self.outbox: list[Send] = []
@@ -285,7 +286,7 @@ class Dispatch:
     # --- workers ---------------------------------------------------------------------------------
     def _assign_model(self, slot: int | None) -> int:
         if slot is not None:
-            planned = self.worker_overrides[slot].get("model_id")
+            planned = self.worker_specs[slot].model_id
             if planned in self.models:
                 return planned
         live = {mid: 0 for mid in self.models}
@@ -302,25 +303,22 @@ class Dispatch:
         if slot is not None and slot not in self._used_ids:
             wid = slot
         else:
-            wid = max(self._next_id, len(self.worker_overrides))
+            wid = max(self._next_id, len(self.worker_specs))
             while wid in self._used_ids:
                 wid += 1
             self._next_id = wid + 1
         self._used_ids.add(wid)
         return wid
 
-    def _spec_for(self, w: WorkerState) -> dict:
-        spec = dict(self.models[w.model_id].spec)
-        if self.worker_overrides:
-            if w.slot is not None:
-                o = self.worker_overrides[w.slot]
-            else:
-                o = self.worker_overrides[w.worker_id % len(self.worker_overrides)]
-            if o.get("model_id", w.model_id) != w.model_id:
-                # a worker that takes over a model ID out of turn: use that model's planned settings
-                o = next((x for x in self.worker_overrides if x.get("model_id") == w.model_id), {})
-            spec.update({k: v for k, v in o.items() if k != "model_id"})
-        return spec
+    def _spec_for(self, w: WorkerState) -> WorkerSpec:
+        """What the worker serves: its slot's planned spec; a worker without a slot gets a planned
+        spec of its model (unbound: those cores are the slot's), else the model's settings alone."""
+        if w.slot is not None:
+            return self.worker_specs[w.slot]
+        planned = [s for s in self.worker_specs if s.model_id == w.model_id]
+        if planned:
+            return planned[w.worker_id % len(planned)].placed(cpus=None)
+        return WorkerSpec(self.models[w.model_id].spec, w.model_id)
 
     def worker(self, ident: bytes, frame: bytes, now: float) -> None:
         try:
@@ -335,7 +333,7 @@ class Dispatch:
             caps = msg.get("capabilities") if isinstance(msg.get("capabilities"), dict) else {}
             slot = caps.get("slot")
             slot = slot if isinstance(slot, int) and not isinstance(slot, bool) else None
-            if slot is not None and not 0 <= slot < len(self.worker_overrides):
+            if slot is not None and not 0 <= slot < len(self.worker_specs):
                 slot = None  # not a slot of this deployment's plan
             w = WorkerState(ident, self._new_worker_id(slot), 0, caps, slot, last_seen=now)
             w.model_id = self._assign_model(slot)
@@ -344,7 +342,7 @@ class Dispatch:
             self.models[w.model_id].abandoned = False
             self.models[w.model_id].orphan_since = None
             self._to_worker(ident, P.pack({"type": P.ASSIGN, "worker_id": w.worker_id, "model_id": w.model_id,
-                                           "model": self._spec_for(w)}))
+                                           "model": self._spec_for(w).to_wire()}))
             return
         if w is None:
             return  # a worker we dropped: it registers again when our heartbeats stop reaching it
@@ -449,8 +447,8 @@ class Dispatch:
             return
         model_id = None
         slot = msg.get("slot")
-        if isinstance(slot, int) and 0 <= slot < len(self.worker_overrides):
-            model_id = self.worker_overrides[slot].get("model_id")
+        if isinstance(slot, int) and 0 <= slot < len(self.worker_specs):
+            model_id = self.worker_specs[slot].model_id
         for w in list(self.workers.values()):
             if w.capabilities.get("pid") == msg.get("pid") and w.capabilities.get("host") == msg.get("host"):
                 model_id = w.model_id
@@ -505,7 +503,7 @@ class Dispatch:
                          "slot": w.slot, "served": w.served, "tokens": w.tokens, "errors": w.errors,
                          "inflight": len(w.inflight), "pid": w.capabilities.get("pid"),
                          "host": w.capabilities.get("host"), "placement": w.capabilities.get("placement"),
-                         "device": self._spec_for(w).get("device") if w.alive else None,
+                         "device": self._spec_for(w).device if w.alive else None,
                          "load_error": w.load_error, "lost": w.lost, "engine": w.engine,
                          "weights": w.weights, "compile": w.compile} for w in ws],
             "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},

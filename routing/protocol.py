@@ -43,7 +43,18 @@ VERSION = 1
 # where a router listens when nothing else is said: clients connect to the frontend, workers to the backend
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
 DEFAULT_BACKEND = "tcp://127.0.0.1:5556"
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # frames above this are refused by the socket (ZMQ_MAXMSGSIZE)
+# frames above this are refused by `unpack` with TOO_LARGE, an answer the sender can act on; the
+# HTTP gateway refuses bodies above it too, before they reach a socket
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# the router's sockets drop a peer that sends a frame above this (ZMQ_MAXMSGSIZE): a hard stop far
+# above MAX_MESSAGE_BYTES, so that an oversized request is answered, not disconnected
+SOCKET_MESSAGE_LIMIT = 64 * 1024 * 1024
+# liveness, both ways: heartbeats every HEARTBEAT_INTERVAL seconds; a peer that misses LIVENESS of
+# them in a row is presumed dead (the ZeroMQ guide's Paranoid Pirate)
+HEARTBEAT_INTERVAL = 0.5
+LIVENESS = 6
+# how long a model's queued requests wait for a live worker (a restart, a reload) before no_worker
+RESTART_WAIT = 30.0
 MAX_PROMPT_ITEMS = 1 << 20
 MAX_SAMPLES = 1024  # per-sample entries in a chunk header
 

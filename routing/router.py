@@ -18,16 +18,17 @@ import zmq
 
 from routing.dispatch import BACK, Dispatch, ModelEntry, RouterConfig, Send
 from routing.security import check_bind, serve_curve
+from workers.spec import ModelSpec
 
 __all__ = ["ModelEntry", "Router", "RouterConfig"]
 
 
 class Router:
     def __init__(self, models: list[ModelEntry], config: RouterConfig | None = None,
-                 ctx: zmq.Context | None = None, worker_overrides: list[dict] | None = None, log=None):
+                 ctx: zmq.Context | None = None, worker_specs: list | None = None, log=None):
         self.config = config or RouterConfig()
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.dispatch = Dispatch(models, self.config, worker_overrides, self.log)
+        self.dispatch = Dispatch(models, self.config, worker_specs, self.log)
         for addr in (self.config.frontend, self.config.backend):
             check_bind(addr, self.config.curve_keys, self.config.insecure)
         # a context of our own, terminated on shutdown (CURVE also installs an authenticator on it)
@@ -183,7 +184,7 @@ class Router:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run a bare router: `python -m routing.router --models NAME [NAME ...]` (workers get {"source": NAME})."""
+    """Run a bare router: `python -m routing.router --models NAME [NAME ...]` (model ID i serves source NAME i)."""
     import argparse
     import signal
 
@@ -196,8 +197,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--curve-keys", help="CurveZMQ keys directory (python -m routing.security DIR)")
     ap.add_argument("--insecure", action="store_true", help="allow binding off loopback without CurveZMQ")
     args = ap.parse_args(argv)
-    router = Router([ModelEntry(i, name, {"name": name, "source": name, "dtype": args.dtype})
-                     for i, name in enumerate(args.models)],
+    try:
+        specs = [ModelSpec(name, name, dtype=args.dtype) for name in args.models]
+    except ValueError as exc:
+        ap.error(str(exc))
+    router = Router([ModelEntry(i, spec.name, spec) for i, spec in enumerate(specs)],
                     RouterConfig(frontend=args.frontend, backend=args.backend, curve_keys=args.curve_keys,
                                  insecure=args.insecure))
     signal.signal(signal.SIGTERM, lambda *_: router.stop())

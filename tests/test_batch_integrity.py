@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import threading
+from dataclasses import replace
 
 import h5py
 import numpy as np
@@ -52,7 +53,7 @@ def test_a_transient_jsonl_failure_neither_blocks_nor_loses_the_lines_after_it(t
     params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data),
                                      "gpt2": tiny_variant("gpt2", "JsonlCompletions", data)},
                           retry_delays=[0.2, 0.2])
-    gpt2 = {**TINY, "name": "gpt2", "source": "tiny:gpt2"}
+    gpt2 = replace(TINY, name="gpt2", source="tiny:gpt2")
     # gpt2 has no worker yet: its lines fail with no_worker after restart_wait, then after predict's retries
     router, thread = _router([ModelEntry(0, "llama", TINY), ModelEntry(1, "gpt2", gpt2)], restart_wait=0.3)
     workers = [start_worker(router.backend_addr)]

@@ -11,8 +11,8 @@ import pytest
 import torch
 from support.models import engine_with_pool, hf_greedy, tiny
 
+from workers.buckets import Buckets, compile_mode, default_buckets
 from workers.engine import Engine, EngineConfig, compile_cache
-from workers.engine.buckets import Buckets, compile_mode, default_buckets
 from workers.engine.compiled import graphs_compiled
 from workers.engine.params import SamplingParams
 from workers.models import load_engine

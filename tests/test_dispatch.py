@@ -7,14 +7,15 @@ import pytest
 
 from routing import protocol as P
 from routing.dispatch import BACK, FRONT, Dispatch, ModelEntry, RouterConfig
+from workers.spec import ModelSpec, WorkerSpec
 
-OVERRIDES = [{"model_id": 0, "device": "cuda:0"}, {"model_id": 1, "device": "cuda:1"},
-             {"model_id": 0, "device": "cuda:1"}]
+A, B = ModelSpec("a", "tiny:llama"), ModelSpec("b", "tiny:gpt2")
+PLANNED = [WorkerSpec(A, 0, "cuda:0"), WorkerSpec(B, 1, "cuda:1"), WorkerSpec(A, 0, "cuda:1")]
 
 
 def make(**cfg) -> Dispatch:
-    models = [ModelEntry(0, "a", {"source": "tiny:llama"}), ModelEntry(1, "b", {"source": "tiny:gpt2"})]
-    return Dispatch(models, RouterConfig(heartbeat_interval=0.5, liveness=4, **cfg), OVERRIDES)
+    models = [ModelEntry(0, "a", A), ModelEntry(1, "b", B)]
+    return Dispatch(models, RouterConfig(heartbeat_interval=0.5, liveness=4, **cfg), PLANNED)
 
 
 def ready(d: Dispatch, ident: bytes, now: float = 0.0, slot: int | None = None, loaded: bool = True) -> dict:
@@ -187,7 +188,7 @@ def test_a_planned_slot_gets_its_model_and_device_again_after_a_restart():
     assert (first["model_id"], first["model"]["device"], first["worker_id"]) == (0, "cuda:1", 2)
     d.control(P.pack({"type": P.WORKER_EXITED, "pid": hash(b"w2") % 1000, "host": "h", "slot": 2, "restart": True}),
               1.0)
-    again = ready(d, b"w2-again", slot=2)  # round-robin alone would have given it model 0 on OVERRIDES[0]
+    again = ready(d, b"w2-again", slot=2)  # round-robin alone would have given it model 0 on PLANNED[0]
     assert (again["model_id"], again["model"]["device"]) == (0, "cuda:1") and again["worker_id"] == 3
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from routing import protocol as P
 from routing.dispatch import Dispatch, ModelEntry, RouterConfig
+from workers.spec import ModelSpec, WorkerSpec
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
            | st.text(max_size=12) | st.binary(max_size=12))
@@ -61,9 +62,10 @@ def check(d: Dispatch) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(events, max_size=40))
 def test_any_sequence_of_messages_keeps_the_tables_consistent(seq):
-    d = Dispatch([ModelEntry(0, "m", {}), ModelEntry(1, "n", {}), ModelEntry(2, "m", {})],
+    specs = [ModelSpec("m", "tiny:llama"), ModelSpec("n", "tiny:gpt2"), ModelSpec("m", "tiny:llama")]
+    d = Dispatch([ModelEntry(i, s.name, s) for i, s in enumerate(specs)],
                  RouterConfig(max_queue=3, max_inflight=2, restart_wait=1.0),
-                 [{"model_id": 0}, {"model_id": 1}, {"model_id": 2}])
+                 [WorkerSpec(s, i) for i, s in enumerate(specs)])
     now, sent = 0.0, []
     for kind, a, b in seq:
         if kind == "client":

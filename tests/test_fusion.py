@@ -2,33 +2,72 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from fusion.deploy import build_fusion, worker_overrides
+from fusion.deploy import build_fusion
 from fusion.model_info import ModelInfo, MultiModelFusion
 from fusion.params import ParamsError, load_params, parse_variants
 from fusion.plan import OVERHEAD_BYTES, make_plan
 from routing.entrypoints import CLI, command
+from workers.spec import ModelSpec, WorkerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
-def test_fusion_ids_names_and_input_fn():
-    a = ModelInfo("a", "tiny:llama", input_fn=lambda p: iter([{"x": 1}, {"x": 2}]))
-    b = ModelInfo("b", "tiny:gpt2", input_fn=lambda p: iter([{"y": 1}]))
-    f = MultiModelFusion([a, b, ModelInfo("a", "tiny:llama")])
-    assert [m["model_id"] for m in f.stack_params["models"]] == [0, 1, 2]
-    assert f.model_ids("a") == [0, 2]
-    assert list(f.input_fn()) == [(0, {"x": 1}), (1, {"y": 1}), (0, {"x": 2})]
-    with pytest.raises(ValueError, match="deltat_scaling_factor"):
-        ModelInfo("c", "tiny:llama", deltat_scaling_factor=0)
+def info(name: str, source: str, **settings) -> ModelInfo:
+    return ModelInfo(ModelSpec(name, source, **settings))
+
+
+def test_fusion_models_and_their_specs():
+    f = MultiModelFusion([info("a", "tiny:llama"), info("b", "tiny:gpt2", deltat_scaling_factor=2)])
+    assert [(m.name, m.source, m.deltat_scaling_factor) for m in f.models] == [("a", "tiny:llama", 1.0),
+                                                                               ("b", "tiny:gpt2", 2.0)]
+    with pytest.raises(ValueError, match="deltat_scaling_factor must be a positive number"):
+        info("c", "tiny:llama", deltat_scaling_factor=0)
     with pytest.raises(ValueError, match="at least one"):
         MultiModelFusion([])
+
+
+def test_model_spec_takes_every_default_from_the_key_table_and_checks_once():
+    from dataclasses import fields
+
+    from workers.config_keys import MODEL, REQUIRED
+
+    spec = ModelSpec("m", "tiny:llama")
+    assert {f.name for f in fields(ModelSpec)} == {"name", *MODEL}
+    assert all(getattr(spec, k) == key.default for k, key in MODEL.items() if key.default is not REQUIRED)
+    built = ModelSpec.from_params("m", {"source": "tiny:llama", "compile_buckets": [1, 8], "end_token": [2, 3]})
+    assert built.compile_buckets == (1, 8) and built.end_token == (2, 3)
+    for bad, match in (({"source": "tiny:llama", "max_batch_size": True}, "model.max_batch_size must be"),
+                       ({"source": "tiny:llama", "colour": 1}, "model.colour: unknown key"),
+                       ({"dtype": "auto"}, "model.source is required"),
+                       ({"source": "tiny:llama", "compile": "sometimes"}, "model.compile"),
+                       ({"source": "tiny:llama", "compile_buckets": [8, 1]}, "model.compile_buckets")):
+        with pytest.raises(ValueError, match=match):
+            ModelSpec.from_params("m", bad)
+
+
+def test_worker_spec_crosses_the_wire_as_one_map_and_comes_back_the_same():
+    import msgpack
+
+    spec = WorkerSpec(ModelSpec("m", "tiny:llama", compile_buckets=(1, 8), temperature=0.5,
+                                resources={"accel": 1}), 2, "cpu", threads=2, cpus=(0, 1), max_batch_size=8,
+                      kv_cache_bytes=2**20, weights_owner="/x/0")
+    back = WorkerSpec.from_wire(msgpack.unpackb(msgpack.packb(spec.to_wire())))
+    assert back == spec and back.model.request_defaults() == {"temperature": 0.5}
+    assert (back.batch_size, back.batch_tokens, back.kv_bytes) == (8, 512, 2**20)
+    with pytest.raises(ValueError, match="unknown fields"):
+        WorkerSpec.from_wire({**spec.to_wire(), "colour": 1})
+    with pytest.raises(ValueError, match="model.dtype must be"):
+        WorkerSpec.from_wire({**spec.to_wire(), "model": {**spec.to_wire()["model"], "dtype": "int3"}})
+    with pytest.raises(ValueError, match="device must be"):
+        spec.placed(device="tpu")
 
 
 def test_variants_parsing():
@@ -88,9 +127,9 @@ def test_plan_round_robin_devices_and_threads():
     if len(cores) >= 2:  # the workers' threads fit the cores: each worker gets its own, in order
         assert [w.cpus for w in cpu_plan.workers] == [cores[:cpu_plan.workers[0].threads],
                                                       cores[cpu_plan.workers[0].threads:][:cpu_plan.workers[1].threads]]
-        assert worker_overrides(cpu_plan)[1]["cpus"] == cpu_plan.workers[1].cpus
+        assert list(cpu_plan.workers[1].spec.cpus) == cpu_plan.workers[1].cpus
     crowded = make_plan(fusion, 2, "cpu", threads_per_worker=len(cores))  # more threads than cores: unbound
-    assert all(w.cpus is None for w in crowded.workers) and "cpus" not in worker_overrides(crowded)[0]
+    assert all(w.cpus is None and w.spec.cpus is None for w in crowded.workers)
     with pytest.raises(ValueError, match="fewer than the number of models"):
         make_plan(fusion, 1, "cpu")
     with pytest.raises(ValueError, match="not 'cpu' or 'cuda:N'"):
@@ -99,23 +138,21 @@ def test_plan_round_robin_devices_and_threads():
 
 def test_deltat_scaling_factor_shares_batch_capacity():
     fusion = MultiModelFusion([
-        ModelInfo("big", "tiny:llama", params={"max_batch_size": 30, "max_batch_tokens": 300},
-                  deltat_scaling_factor=2.0),
-        ModelInfo("small", "tiny:llama", params={"max_batch_size": 30, "max_batch_tokens": 300},
-                  deltat_scaling_factor=1.0),
+        info("big", "tiny:llama", max_batch_size=30, max_batch_tokens=300, deltat_scaling_factor=2.0),
+        info("small", "tiny:llama", max_batch_size=30, max_batch_tokens=300, deltat_scaling_factor=1.0),
     ])
     plan = make_plan(fusion, 2, "cpu")
     big, small = plan.workers
     assert (big.max_batch_size, small.max_batch_size) == (40, 20)  # 2:1, same total as 30 + 30
     assert (big.max_batch_tokens, small.max_batch_tokens) == (400, 200)
-    engine = worker_overrides(plan)[0]["engine"]
-    assert (engine["max_batch_size"], engine["max_batch_tokens"]) == (40, 400)
-    assert engine["kv_cache_memory"] == big.kv_cache_bytes > 0 and engine["kv_block_size"] == 16
+    spec = big.spec  # what the router sends the worker
+    assert (spec.max_batch_size, spec.max_batch_tokens) == (40, 400)
+    assert spec.kv_cache_bytes == big.kv_cache_bytes > 0 and spec.model.kv_block_size == 16
 
 
 def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
     monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 8 * 2**30)
-    fusion = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"max_batch_size": 100000, "dtype": "bfloat16"})])
+    fusion = MultiModelFusion([info("m", "smollm2-135m", max_batch_size=100000, dtype="bfloat16")])
     plan = make_plan(fusion, 2, "cpu")  # auto: half of 8 GiB, less weights and overheads, shared by the two
     w = plan.workers[0]
     # the two copies share their weights, and each holds its own prepacked linears (about as many bytes)
@@ -128,18 +165,20 @@ def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
     assert plan.devices["cpu"]["estimated_bytes"] == fixed + 2 * w.kv_cache_bytes
     assert "KV cache" in plan.describe() and f"~{w.kv_tokens} tokens" in plan.describe()
     assert "MiB of prepacked linears of its own" in plan.describe()
-    unpacked = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"dtype": "bfloat16", "prepack_weights": False})])
+    unpacked = MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", prepack_weights=False)])
     assert make_plan(unpacked, 2, "cpu").workers[0].packed_bytes == 0
-    gemma = MultiModelFusion([ModelInfo("m", "gemma3-270m", params={"dtype": "bfloat16"})])
+    gemma = MultiModelFusion([info("m", "gemma3-270m", dtype="bfloat16")])
     assert make_plan(gemma, 1, "cpu").workers[0].packed_bytes == 0  # transformers' modules: nothing packed
-    small = MultiModelFusion([ModelInfo("m", "smollm2-135m", params={"max_batch_size": 2, "max_model_len": 1000,
-                                                                      "dtype": "bfloat16"})])
+    small = MultiModelFusion([info("m", "smollm2-135m", max_batch_size=2, max_model_len=1000,
+                                           dtype="bfloat16")])
     assert make_plan(small, 1, "cpu").workers[0].kv_tokens == 2 * 1000  # never more than its limits use
     assert make_plan(fusion, 1, "cpu", kv_cache_memory="1GiB").workers[0].kv_cache_bytes == 2**30
     with pytest.raises(ValueError, match="device cpu: .* GiB"):
         make_plan(fusion, 1, "cpu", kv_cache_memory="9GiB")
+    with pytest.raises(ValueError, match="model.kv_cache_memory must be a size"):
+        info("m", "tiny:llama", kv_cache_memory="lots")
     with pytest.raises(ValueError, match="kv_cache_memory 'lots' is not a size"):
-        make_plan(MultiModelFusion([ModelInfo("m", "tiny:llama", params={"kv_cache_memory": "lots"})]), 1, "cpu")
+        make_plan(fusion, 1, "cpu", kv_cache_memory="lots")
 
 
 def test_validate_only_prints_plan_without_loading():
@@ -153,3 +192,24 @@ def test_validate_only_prints_plan_without_loading():
     bad = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(TINY),
                           "--variants", "nope,1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'nope' is not in" in bad.stderr
+
+
+def test_place_worker_adds_one_beside_the_plan_and_leaves_the_plan_as_it_was(monkeypatch):
+    from fusion.plan import KV_AUTO_SHARE, device_fixed_bytes, kv_bytes_per_token, place_worker
+
+    avail = 8 * 2**30
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: avail)
+    fusion = MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", max_batch_size=4)])
+    plan = make_plan(fusion, 1, "cpu", threads_per_worker=1)
+    before = [(w.spec, w.kv_tokens) for w in plan.workers]
+    w = place_worker(plan.workers, fusion.models[0].spec, 0, "cpu", threads=1, avail=avail)
+    assert [(x.spec, x.kv_tokens) for x in plan.workers] == before  # the existing workers are unchanged
+    assert (w.worker_id, w.model_id, w.shares_weights) == (1, 0, True)
+    # an `auto` budget: what the device has left after the first worker, within what its limits use
+    left = int(avail * KV_AUTO_SHARE) - device_fixed_bytes([*plan.workers, w], "cpu") - plan.workers[0].kv_cache_bytes
+    per_token = kv_bytes_per_token("smollm2-135m", w.precision.compute.itemsize)
+    assert w.kv_cache_bytes == min(left, per_token * 4 * 2048) > 0
+    if plan.workers[0].cpus is not None and len(plan.workers[0].cpus) + 1 <= len(os.sched_getaffinity(0)):
+        assert w.cpus == [sorted(os.sched_getaffinity(0))[1]]  # the next free core
+    with pytest.raises(ValueError, match="no memory left"):
+        place_worker(plan.workers, fusion.models[0].spec, 0, "cpu", avail=plan.devices["cpu"]["estimated_bytes"])

@@ -21,6 +21,7 @@ from routing.client import Client
 from routing.entrypoints import ROUTER, WORKER, command
 from workers.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
+from workers.spec import ModelSpec, WorkerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [11, 12, 13, 14]
@@ -171,7 +172,7 @@ def test_fuzz_worker_directly():
     try:
         ident, frame = recv()
         assert P.unpack(frame, {P.READY})
-        spec = {"name": "llama", "source": "tiny:llama", "dtype": "float32", "engine": {"max_batch_size": 8}}
+        spec = WorkerSpec(ModelSpec("llama", "tiny:llama", dtype="float32", max_batch_size=8), 0).to_wire()
         sock.send_multipart([ident, P.pack({"type": P.ASSIGN, "worker_id": 0, "model_id": 0, "model": spec})])
         while P.unpack(recv()[1], P.WORKER_TYPES)["type"] != P.LOADED:
             pass

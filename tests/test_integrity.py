@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import msgpack
 import psutil
@@ -247,7 +248,7 @@ def test_idle_clients_are_served_by_a_restarted_router():
 
 
 def test_requests_for_a_model_whose_worker_cannot_load_fail_after_restart_wait():
-    spec = {**TINY, "source": "/nonexistent/model"}
+    spec = replace(TINY, source="/nonexistent/model")
     box: list = []
 
     def serve():
@@ -277,7 +278,7 @@ def test_requests_for_a_model_whose_worker_cannot_load_fail_after_restart_wait()
 
 
 def test_an_engine_failure_fails_only_the_requests_of_its_step():
-    with worker_threads({**TINY, "engine": {"max_batch_size": 1, "max_batch_tokens": 64}}) as (th, pair):
+    with worker_threads(replace(TINY, max_batch_size=1)) as (th, pair):
         real, calls = th.engine.runner.execute, []
 
         def failing_third_step(plan):

@@ -200,7 +200,7 @@ def test_cpu_prefill_kernel_matches_a_float64_reference(dtype, tol, window, bloc
 def test_cpu_rope_write_is_bit_equal_to_torch_and_fills_the_cache(dtype):
     """The C++ rotation of q and k equals torch's `x * cos + roll(x) * sin` bit for bit, and each
     token's rotated k and its v land in its (block, offset) of the cache."""
-    kernels = cpu_kernels.norm_kernels()
+    kernels = cpu_kernels.kernel_module()
     assert kernels is not None, cpu_kernels.build_error()
     gen = torch.Generator().manual_seed(3)
     n, heads, kvh, d, block, num_blocks = 7, 6, 2, 64, 4, 9
@@ -226,7 +226,7 @@ def test_cpu_rope_write_is_bit_equal_to_torch_and_fills_the_cache(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 576), (5, 100), (64, 576)])  # 100: a part-vector tail
 def test_cpu_norms_match_torch(dtype, rows, width):
-    norms = cpu_kernels.norm_kernels()
+    norms = cpu_kernels.kernel_module()
     assert norms is not None, cpu_kernels.build_error()
     gen = torch.Generator().manual_seed(rows)
     h = torch.randn(rows, width, generator=gen).to(dtype)
@@ -244,7 +244,7 @@ def test_cpu_norms_match_torch(dtype, rows, width):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (7, 1000), (64, 1536)])  # 1000: a part-vector tail
 def test_cpu_silu_mul_rounds_as_torch(dtype, rows, inter):
-    kernels = cpu_kernels.norm_kernels()
+    kernels = cpu_kernels.kernel_module()
     assert kernels is not None, cpu_kernels.build_error()
     gen = torch.Generator().manual_seed(rows)
     gu = (4 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)

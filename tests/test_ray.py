@@ -89,7 +89,7 @@ def test_bundles_ask_for_threads_gpu_shares_and_custom_resources(tmp_path):
     assert [b.get("GPU") for b in bundles(fusion, gpu)] == [0.3333] * 3
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"variants": {"x": {"model": {"source": "tiny:llama", "resources": {"a": -1}}}}}))
-    with pytest.raises(ValueError, match="variants.x.model.resources must map"):
+    with pytest.raises(ValueError, match="variants.x.model.resources must be a mapping of Ray resource names"):
         load_params(bad)
 
 

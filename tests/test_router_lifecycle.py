@@ -12,6 +12,7 @@ from routing import protocol as P
 from routing.client import Client, RouterError
 from routing.entrypoints import CLIENT, command
 from routing.router import ModelEntry, Router, RouterConfig
+from workers.spec import ModelSpec
 
 
 def test_queue_until_workers_are_up_then_busy():
@@ -51,7 +52,7 @@ def test_dead_worker_is_dropped_and_cancel_frees_the_slot():
 
 
 def test_worker_reconnects_after_router_restart():
-    probe = Router([ModelEntry(0, "x", {})], RouterConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+    probe = Router([ModelEntry(0, "x", ModelSpec("x", "tiny:llama"))], RouterConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
     backend = probe.backend_addr
     probe.shutdown()
     router, thread = start_router(backend=backend)

@@ -18,7 +18,7 @@ PACKED = ["gpt2", "llama", "mistral", "opt", "gemma3"]  # the tiny architectures
 
 
 def _group(rid, prompt, n=1, max_tokens=4):
-    g = SequenceGroup(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens), seed=0, arrival=0)
+    g = SequenceGroup(rid, prompt, SamplingParams(n=n, max_tokens=max_tokens), seed=0)
     g.seqs = [Sequence(i, g, i, prompt) for i in range(n)]
     return g
 

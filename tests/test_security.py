@@ -17,6 +17,7 @@ from routing.client import AsyncClient, Client, RouterError
 from routing.entrypoints import CLI, KEYS, WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
 from routing.security import SecurityError, generate, is_loopback
+from workers.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +36,8 @@ def test_defaults_bind_loopback_and_off_loopback_needs_keys_or_insecure():
     cfg = RouterConfig()
     assert is_loopback(cfg.frontend) and is_loopback(cfg.backend)
     with pytest.raises(SecurityError, match=r"binding tcp://0.0.0.0:\* .*--curve_keys DIR.*--insecure"):
-        Router([ModelEntry(0, "m", {})], RouterConfig(frontend="tcp://0.0.0.0:*", backend="tcp://127.0.0.1:*"))
-    r = Router([ModelEntry(0, "m", {})], RouterConfig(frontend="tcp://0.0.0.0:*", backend="tcp://127.0.0.1:*",
+        Router([ModelEntry(0, "m", ModelSpec("m", "tiny:llama"))], RouterConfig(frontend="tcp://0.0.0.0:*", backend="tcp://127.0.0.1:*"))
+    r = Router([ModelEntry(0, "m", ModelSpec("m", "tiny:llama"))], RouterConfig(frontend="tcp://0.0.0.0:*", backend="tcp://127.0.0.1:*",
                                                       insecure=True))
     r.shutdown()
 
@@ -66,7 +67,7 @@ def test_curve_refuses_unknown_clients_and_serves_allowed_ones(tmp_path):
     box: queue.Queue = queue.Queue()
 
     def serve():
-        r = Router([ModelEntry(0, "echo", {})], RouterConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*",
+        r = Router([ModelEntry(0, "echo", ModelSpec("echo", "tiny:llama"))], RouterConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*",
                                                              curve_keys=str(keys)))
         box.put(r)
         r.run()

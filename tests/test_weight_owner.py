@@ -152,7 +152,7 @@ def test_one_owner_per_device_source_and_dtype(monkeypatch):
                       ("cuda:0", "tiny:gpt2", "float32"): [4]}
     owners = WeightOwners(fusion, plan, print)
     owners.address = {g: f"/x/{i}" for i, g in enumerate(groups)}
-    assert owners.overrides() == {0: "/x/0", 2: "/x/0", 1: "/x/1", 3: "/x/1", 4: "/x/2"}
+    assert owners.addresses() == {0: "/x/0", 2: "/x/0", 1: "/x/1", 3: "/x/1", 4: "/x/2"}
     assert owner_groups(*_plan("cpu", 4)) == {}  # CPU copies map a file: no owner
     assert owner_groups(*_plan("cuda:0", 2, share=False)) == {("cuda:0", "tiny:gpt2", "float32"): [2]}
 

@@ -32,8 +32,6 @@ def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingPa
             raise ValueError(f"{key} is not supported by this server (got {merged[key]!r}); leave it out or "
                              f"set it to {noop!r}")
     kw = {k: merged[k] for k in _DIRECT if merged.get(k) is not None}
-    if "max_tokens" not in kw:
-        kw["max_tokens"] = 16  # OpenAI's default
     lp = merged.get("logprobs")
     if lp is not None:
         if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20:
@@ -47,7 +45,7 @@ def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingPa
     return SamplingParams(**kw), echo
 
 
-def _logprobs_block(tokenizer, token_ids, logprobs, tops, start_offset: int, prefix_tokens=None):
+def _logprobs_block(tokenizer, token_ids, logprobs, tops, start_offset: int):
     tokens, offsets = [], []
     offset = start_offset
     for t in token_ids:

@@ -11,27 +11,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from workers.validate import is_int, is_number
+
 REQUIRED = object()  # the default of a key that must be given
 # `prepack_weights`: the transformers classes the lean forward (workers.engine.lean) runs
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # `kv_cache_memory: auto`: the share of a device's available memory that its workers' KV caches
 # take, less the weights and process overheads planned there (an engine without a plan: its own)
 KV_AUTO_SHARE = 0.5
-
-
-def _int(x, low: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= low
-
-
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+DEFAULT_MAX_TOKENS = 16  # new tokens of a request that gives no max_tokens (OpenAI's default)
 
 
 def _tokens(x) -> bool:
     """A token ID or a non-empty list of them; an ID outside the vocabulary (even negative) is a marker."""
-    def one(t) -> bool:
-        return isinstance(t, int) and not isinstance(t, bool)
-    return one(x) or (isinstance(x, list) and bool(x) and all(one(t) for t in x))
+    return is_int(x) or (isinstance(x, (list, tuple)) and bool(x) and all(is_int(t) for t in x))
+
+
+def _resources(x) -> bool:
+    return x is None or (isinstance(x, dict) and all(isinstance(k, str) and is_number(v) and v > 0
+                                                      for k, v in x.items()))
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -39,7 +37,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 def parse_size(x) -> int | None:
     """Bytes from an integer or a string such as `2GiB`, `512 MiB`, `1.5GB`; None when it is not one."""
-    if isinstance(x, int) and not isinstance(x, bool):
+    if is_int(x):
         return x if x > 0 else None
     if not isinstance(x, str):
         return None
@@ -82,25 +80,25 @@ MODEL_KEYS: tuple[Key, ...] = (
         lambda x: x in ("auto", "float32", "bfloat16", "float16", "float64")),
     Key("max_model_len", None, "a positive integer, or null",
         "the longest sequence (prompt + generated) served; null: the model's own context length",
-        lambda x: x is None or _int(x, 1)),
+        lambda x: x is None or is_int(x, 1)),
     Key("max_batch_size", 64, "a positive integer",
         "sequences a worker runs at once (before `deltat_scaling_factor` shares a device's capacity)",
-        lambda x: _int(x, 1)),
+        lambda x: is_int(x, 1)),
     Key("max_batch_tokens", 512, "a positive integer",
-        "tokens a worker's step computes at most (decode tokens plus prefill chunks)", lambda x: _int(x, 1)),
+        "tokens a worker's step computes at most (decode tokens plus prefill chunks)", lambda x: is_int(x, 1)),
     Key("long_prefill_tokens", 16, "a positive integer",
         "while sequences decode, a prompt longer than `max_batch_tokens` computes a chunk costing about this many "
         "tokens a step, or half as many as sequences decode (a token deep in the prompt counts more: its attention "
         "grows with its position), and fewer when the steps' measured times show it slowing the streams by more "
         "than 60%: a long prompt does not stall the streams beside it",
-        lambda x: _int(x, 1)),
+        lambda x: is_int(x, 1)),
     Key("kv_cache_memory", None, "a size (`2GiB`, `512MiB`, a number of bytes), `auto`, or null",
         "the KV cache pool of each worker of this model, allocated once at load; null: the runconfig's "
         "`kv_cache_memory`", lambda x: x is None or x == "auto" or parse_size(x) is not None),
     Key("kv_block_size", 16, "a positive integer", "positions per KV cache block (the unit of paging and "
-        "of prefix caching)", lambda x: _int(x, 1)),
+        "of prefix caching)", lambda x: is_int(x, 1)),
     Key("deltat_scaling_factor", 1.0, "a positive number",
-        "this model's relative share of batch capacity among the workers of one device", lambda x: _num(x) and x > 0),
+        "this model's relative share of batch capacity among the workers of one device", lambda x: is_number(x) and x > 0),
     Key("share_weights", True, "`true`, `false`",
         "copies of this model on one device hold one set of weights (CPU: one read-only mapping; "
         "CUDA: one owner process)", lambda x: isinstance(x, bool)),
@@ -118,7 +116,8 @@ MODEL_KEYS: tuple[Key, ...] = (
         "the padded step sizes graphs are built for; null: powers of two up to 64, then multiples of 64 "
         "up to `max_batch_tokens`"),
     Key("resources", None, "a mapping of Ray resource names to positive amounts, or null",
-        "custom Ray resources each copy asks for (with `--ray`), so that it runs only on nodes that have them"),
+        "custom Ray resources each copy asks for (with `--ray`), so that it runs only on nodes that have them",
+        _resources),
     Key("start_token", None, "a token ID or a list of them (the first pads)",
         "HDF5 input: where each row's prompt ends and generation starts; required for HDF5 input",
         lambda x: x is None or _tokens(x)),
@@ -126,28 +125,19 @@ MODEL_KEYS: tuple[Key, ...] = (
         "HDF5 input: generation stops after emitting one (kept in the output); IDs past the vocabulary "
         "disable it", lambda x: x is None or _tokens(x)),
     Key("loop_dim", 1, "`0`, `1`", "HDF5 input: 1 reads `data` as (samples, seq), 0 as (seq, samples)",
-        lambda x: x in (0, 1) and not isinstance(x, bool)),
+        lambda x: is_int(x) and x in (0, 1)),
     Key("max_tokens", None, "a non-negative integer, or null",
-        "new tokens at most: the default of requests that give none (else 16, as OpenAI); HDF5 rows: null "
-        "fills the row", lambda x: x is None or _int(x, 0)),
+        f"new tokens at most: the default of requests that give none (else {DEFAULT_MAX_TOKENS}, as OpenAI); HDF5 "
+        "rows: null "
+        "fills the row", lambda x: x is None or is_int(x, 0)),
     Key("temperature", None, "a number >= 0, or null",
         "the default of requests that give none (else 1.0); HDF5 rows: null is greedy (0)",
-        lambda x: x is None or (_num(x) and x >= 0)),
+        lambda x: x is None or (is_number(x) and x >= 0)),
     Key("top_p", None, "a number in (0, 1], or null", "the default of requests that give none (else 1.0: off)",
-        lambda x: x is None or (_num(x) and 0 < x <= 1)),
+        lambda x: x is None or (is_number(x) and 0 < x <= 1)),
     Key("top_k", None, "an integer >= 0 (0 or -1: off), or null", "the default of requests that give none (else 0: off)",
-        lambda x: x is None or _int(x, -1)),
+        lambda x: x is None or is_int(x, -1)),
 )
 MODEL = {k.name: k for k in MODEL_KEYS}
 # the model keys that are request defaults: the worker applies them to requests that leave them out
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")
-
-
-def model_value(params: dict, name: str) -> Any:
-    """A variant's value for model key `name`: the params' own, else the table's default."""
-    if name in params:
-        return params[name]
-    default = MODEL[name].default
-    if default is REQUIRED:
-        raise KeyError(f"model key {name!r} is required")
-    return default

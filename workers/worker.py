@@ -37,8 +37,8 @@ from workers.output_thread import OutputThread
 @dataclass(slots=True)
 class WorkerConfig:
     backend: str = P.DEFAULT_BACKEND
-    heartbeat_interval: float = 0.5  # seconds between heartbeats both ways
-    liveness: int = 6  # missed heartbeats before the router is presumed dead
+    heartbeat_interval: float = P.HEARTBEAT_INTERVAL  # seconds between heartbeats both ways
+    liveness: int = P.LIVENESS  # missed heartbeats before the router is presumed dead
     reconnect_initial: float = 0.25
     reconnect_max: float = 8.0  # backoff cap
     num_threads: int | None = None
@@ -66,7 +66,7 @@ class EngineThread(threading.Thread):
         self.output, self.num_threads = output, num_threads
         self.stop = threading.Event()
         self.engine = None
-        self.spec: dict | None = None
+        self.spec = None  # the WorkerSpec it serves
         self.aborted = 0  # requests cancelled while they ran (their batch slots freed)
         self.dropped = 0  # requests dropped because the worker was assigned again
 
@@ -124,33 +124,26 @@ class EngineThread(threading.Thread):
             self.engine.abort(msg)
 
     def _load(self, msg: dict) -> None:
-        from workers.config_keys import model_value
         from workers.engine import Engine, EngineConfig
         from workers.models import load_model
+        from workers.spec import WorkerSpec
 
-        spec = msg["model"]
         try:
-            bind_cores(spec.get("cpus"))
+            spec = WorkerSpec.from_wire(msg["model"])
+            bind_cores(spec.cpus)
             if self.spec != spec:
-                lm = load_model(spec["source"], dtype=model_value(spec, "dtype"), device=spec.get("device", "cpu"),
-                                max_model_len=model_value(spec, "max_model_len"),
-                                share_weights=model_value(spec, "share_weights"), owner=spec.get("weights_owner"),
-                                prepack=model_value(spec, "prepack_weights"))
-                cfg = EngineConfig(**spec.get("engine", {}), num_threads=spec.get("num_threads") or self.num_threads,
-                                   compile=model_value(spec, "compile"),
-                                   long_prefill_tokens=model_value(spec, "long_prefill_tokens"),
-                                   prepack_weights=model_value(spec, "prepack_weights"),
-                                   compile_buckets=model_value(spec, "compile_buckets"))
-                self.engine, self.spec = Engine(lm, cfg), spec
+                m = spec.model
+                lm = load_model(m.source, dtype=m.dtype, device=spec.device, max_model_len=m.max_model_len,
+                                share_weights=m.share_weights, owner=spec.weights_owner, prepack=m.prepack_weights)
+                self.engine, self.spec = Engine(lm, EngineConfig.from_spec(spec, self.num_threads)), spec
                 if self.engine.compile_info.compiled:
-                    print(f"worker: {spec.get('name', spec['source'])}: {self.engine.compile_info.summary()}",
-                          file=sys.stderr, flush=True)
+                    print(f"worker: {spec.name}: {self.engine.compile_info.summary()}", file=sys.stderr, flush=True)
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
             traceback.print_exc()
             self.output.put_control({"type": P.LOAD_FAILED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
                                      "message": f"{type(exc).__name__}: {exc}"})
             return
-        self.output.put_model(spec["name"], self.engine.tokenizer, self.engine.lm.eos_token_ids)
+        self.output.put_model(spec.name, self.engine.tokenizer, self.engine.lm.eos_token_ids)
         self.output.put_control({"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
                                  "weights": self.engine.lm.weights.as_dict(),
                                  "compile": self.engine.compile_info.as_dict()})
@@ -159,7 +152,7 @@ class EngineThread(threading.Thread):
         """A tokenizer task's answer, computed here and now (no engine step)."""
         from workers import tasks
 
-        e, name = self.engine, self.spec["name"]
+        e, name = self.engine, self.spec.name
         if task == P.TOKENIZE:
             return tasks.tokenize(e.tokenizer, prompt, params, name, e.lm.max_model_len)
         if task == P.DETOKENIZE:
@@ -181,8 +174,8 @@ class EngineThread(threading.Thread):
                 return
             prompt = msg["prompt"]
             if task == P.CHAT:
-                prompt = chat_prompt(self.engine.tokenizer, prompt, self.spec["name"])
-            params, echo = sampling_params(msg.get("params", {}), self.spec.get("defaults"))
+                prompt = chat_prompt(self.engine.tokenizer, prompt, self.spec.name)
+            params, echo = sampling_params(msg.get("params", {}), self.spec.model.request_defaults())
             if task == P.CHAT and not params.ignore_eos:  # the reply ends with the template's end of turn
                 params.stop_token_ids = sorted(set(params.stop_token_ids) | set(end_of_turn_ids(self.engine.tokenizer)))
             # registered first: the output thread must know the request before its first step's output
@@ -366,9 +359,9 @@ class Worker:
             return False
         if mtype == P.ASSIGN:
             model = msg.get("model")
-            if not (isinstance(model, dict) and (self.engine is None or isinstance(model.get("source"), str))
-                    and isinstance(msg.get("worker_id"), int) and isinstance(msg.get("model_id"), int)):
-                return True  # not an assignment we can act on; the router only sends valid ones
+            if not (isinstance(model, dict) and isinstance(msg.get("worker_id"), int)
+                    and isinstance(msg.get("model_id"), int)):
+                return True  # not an assignment we can act on (a bad spec is answered with load_failed)
             self.worker_id, self.model_id = msg["worker_id"], msg["model_id"]
             if self.engine is None:
                 self._send(sock, [P.pack({"type": P.LOADED, "model_id": self.model_id, "worker_id": self.worker_id})])

@@ -31,7 +31,7 @@ from routing.http.metrics import Metrics
 log = logging.getLogger("mmfusion.http")
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key (probes, scrapers)
 CLIENT_GONE = 499  # nginx's code for "the client closed the connection": recorded in metrics only
-MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_BODY_BYTES = P.MAX_MESSAGE_BYTES  # a body the router would refuse is refused here first
 
 
 @dataclass(slots=True)

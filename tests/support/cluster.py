@@ -25,13 +25,13 @@ from support.models import tiny
 from workers.completions import sampling_params
 from workers.engine import Engine, EngineConfig
 from workers.output_thread import OutputThread
+from workers.spec import ModelSpec, WorkerSpec
 from workers.worker import EngineThread
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_CONFIG = ROOT / "configs" / "tiny.yaml"
 ANY_PORT = "tcp://127.0.0.1:*"  # the OS picks a free port when the socket binds
-TINY = {"name": "llama", "source": "tiny:llama", "dtype": "float32", "num_threads": 1,
-        "engine": {"max_batch_size": 8, "max_batch_tokens": 64}}
+TINY = ModelSpec("llama", "tiny:llama", dtype="float32", max_batch_size=8, max_batch_tokens=64)
 
 
 def wait_for(pred, timeout=60.0):
@@ -145,7 +145,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def worker_threads(model: dict, addr: str = "inproc://engine-test"):
+def worker_threads(model: ModelSpec, addr: str = "inproc://engine-test"):
     """A worker's engine and output threads without its router socket, `model` loaded: yields the
     engine thread (put ("request", (key, msg))-style items in its inbox) and the PAIR socket its
     messages arrive on."""
@@ -160,7 +160,7 @@ def worker_threads(model: dict, addr: str = "inproc://engine-test"):
     output.start()
     th.start()
     try:
-        th.inbox.put(("assign", {"model_id": 0, "worker_id": 0, "model": model}))
+        th.inbox.put(("assign", {"model_id": 0, "worker_id": 0, "model": WorkerSpec(model, 0, threads=1).to_wire()}))
         assert msgpack.unpackb(pair.recv())["type"] == P.LOADED
         yield th, pair
     finally:

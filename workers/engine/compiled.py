@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.buckets import Buckets
 from workers.engine import attention, compile_cache
-from workers.engine.buckets import Buckets
 
 log = logging.getLogger("mmfusion.compile")
 

@@ -108,7 +108,7 @@ def kernel_paths() -> list[str]:
     return list(module.paths()) if module is not None else []
 
 
-def norm_kernels():
+def kernel_module():
     """The built module, whose rms_norm(x, w, eps), add_rms_norm(h, delta, w, eps) and
     rope_write(qkv, cos, sin, key, value, blocks, offsets, heads, kvh) the lean forward runs on
     CPU, or None when it could not be built."""

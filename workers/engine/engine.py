@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.buckets import Buckets, compile_mode, default_buckets
 from workers.config_keys import MODEL
 from workers.engine import attention, cpu_kernels
 from workers.engine import lean as lean_mod
 from workers.engine.block_manager import BlockManager, CacheGroups, peak_blocks
-from workers.engine.buckets import Buckets, compile_mode, default_buckets
 from workers.engine.compiled import prepare
 from workers.engine.kv_cache import bytes_per_block, default_budget
 from workers.engine.outputs import CompletionOutput, RequestOutput
@@ -29,12 +29,8 @@ from workers.engine.sequence import Sequence, SequenceGroup
 from workers.engine.stops import finish_reason, stop_token_ids
 from workers.engine.text_output import RequestText
 from workers.precision import precision
+from workers.spec import WorkerSpec
 from workers.weights.loaded_model import LoadedModel
-
-
-def _same(x):
-    return x
-
 
 _SCHEDULING = SchedulerConfig()  # the scheduling limits' defaults are the scheduler's own
 
@@ -72,6 +68,16 @@ class EngineConfig:
         if self.compile_buckets is not None:
             self.compile_buckets = Buckets(tuple(self.compile_buckets)).tokens
 
+    @classmethod
+    def from_spec(cls, spec: WorkerSpec, num_threads: int | None = None) -> EngineConfig:
+        """A worker's engine settings: its planned limits and KV budget, its model's settings;
+        `num_threads` where the spec leaves the threads open."""
+        m = spec.model
+        return cls(max_batch_size=spec.batch_size, max_batch_tokens=spec.batch_tokens,
+                   long_prefill_tokens=m.long_prefill_tokens, kv_cache_memory=spec.kv_bytes,
+                   kv_block_size=m.kv_block_size, prepack_weights=m.prepack_weights,
+                   num_threads=spec.threads or num_threads, compile=m.compile, compile_buckets=m.compile_buckets)
+
     def buckets(self) -> Buckets:
         return Buckets(self.compile_buckets or default_buckets(self.max_batch_tokens))
 
@@ -97,7 +103,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler_config(self.attention_span, self._min_long_chunk(lm)), blocks)
         self.compile_info = prepare(self.runner, lm, self.config.compile, self.config.buckets())
         self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
+        self._generate_ids = itertools.count()
         self._seed_rng = random.Random()
         self.steps = 0
         self.last_plan: SchedulerOutput | None = None
@@ -187,7 +193,7 @@ class Engine:
                              f"KV cache (kv_cache_memory {self.kv_bytes / 2**20:.1f} MiB) holds {fits} tokens of one "
                              "sequence: shorten the prompt, lower max_tokens or raise kv_cache_memory")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        group = SequenceGroup(request_id, ids, params, seed, next(self._arrivals),
+        group = SequenceGroup(request_id, ids, params, seed,
                               prompt_text=prompt if isinstance(prompt, str) else None,
                               stop_ids=stop_token_ids(params, self.lm.eos_token_ids))
         group.seqs = [Sequence(next(self._seq_ids), group, i, ids) for i in range(params.num_samples)]
@@ -218,9 +224,9 @@ class Engine:
         forward = self.runner.forward_seconds
         result = self.runner.execute(plan)
         self.scheduler.observe(plan, self.runner.forward_seconds - forward)  # what the step's model call took
-        return self._postprocess(plan, result)
+        return self._update(plan, result)
 
-    def _postprocess(self, plan: SchedulerOutput, result) -> list[RequestOutput]:
+    def _update(self, plan: SchedulerOutput, result) -> list[RequestOutput]:
         self.steps += 1
         touched: dict[str, SequenceGroup] = {}
         new_tokens: dict[int, list[int]] = {}
@@ -280,7 +286,7 @@ class Engine:
         output is a copy, with every sample (best_of's too)."""
         finished = group.finished
         p = group.params
-        own = list if finished else _same
+        own = list if finished else (lambda x: x)  # a finished output copies; a running one shares
         outs = [
             CompletionOutput(
                 index=s.sample_index,
@@ -310,7 +316,7 @@ class Engine:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} params for {len(prompts)} prompts")
-        base = f"gen-{next(self._arrivals)}-"
+        base = f"gen-{next(self._generate_ids)}-"
         ids = [f"{base}{i}" for i in range(len(prompts))]
         texts: dict[str, RequestText] = {}
         for rid, prompt, p in zip(ids, prompts, plist):

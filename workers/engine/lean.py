@@ -53,7 +53,7 @@ def lean_forward(model, holder: attention.ContextHolder, device: torch.device, p
     and computing in its compute dtype; else None (transformers' modules)."""
     if not applies(model, device, prepack):
         return None
-    return LeanLlama(model, holder, precision, norms=cpu_kernels.norm_kernels())
+    return LeanLlama(model, holder, precision, norms=cpu_kernels.kernel_module())
 
 
 @dataclass(slots=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.config_keys import DEFAULT_MAX_TOKENS
+from workers.validate import check_int, check_number
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -14,7 +17,7 @@ class SamplingParams:
     same tokens alone or inside any batch. `seed` None draws one per request.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -37,34 +40,30 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {type(getattr(self, name)).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check_int("max_tokens", self.max_tokens, 0)
-        _check_num("temperature", self.temperature)
+        check_int("max_tokens", self.max_tokens, 0)
+        check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        _check_int("top_k", self.top_k, -1)
-        _check_num("top_p", self.top_p)
+        check_int("top_k", self.top_k, -1)
+        check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
-        _check_int("n", self.n, 1)
+            check_int("seed", self.seed, 0)
+        check_int("n", self.n, 1)
         if self.best_of is not None:
-            _check_int("best_of", self.best_of, 1)
+            check_int("best_of", self.best_of, 1)
             if self.best_of < self.n:
                 raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0)
+            check_int("stop_token_ids", t, 0)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
+            check_int("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+            check_int("prompt_logprobs", self.prompt_logprobs, 0)
 
     @property
     def num_samples(self) -> int:
@@ -75,15 +74,3 @@ class SamplingParams:
     def wants_logprobs(self) -> bool:
         """The chosen tokens' log-probabilities are needed: asked for, or to rank best_of samples."""
         return self.logprobs is not None or self.num_samples > self.n
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _check_num(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")

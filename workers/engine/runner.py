@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.buckets import Buckets
 from workers.engine import attention, calibrate
 from workers.engine.block_manager import first_block
-from workers.engine.buckets import Buckets
 from workers.engine.compiled import CompiledLayers
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.lean import LeanLlama
@@ -82,9 +82,9 @@ class BaseRunner(ABC):
         t0 = time.perf_counter()
         logits = self._forward(plan.decode, plan.prefill)
         self.forward_seconds += time.perf_counter() - t0
-        return self._postprocess(plan.decode, plan.prefill, logits)
+        return self._sample(plan.decode, plan.prefill, logits)
 
-    def _postprocess(self, decode: list[Sequence], chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
+    def _sample(self, decode: list[Sequence], chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
         specs: list[SampleSpec] = []
         owners: list[Sequence] = []
 

@@ -64,7 +64,6 @@ class SequenceGroup:
     prompt: list[int]
     params: SamplingParams
     seed: int
-    arrival: int
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
