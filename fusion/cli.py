@@ -20,16 +20,15 @@ import threading
 
 import zmq
 
+from fusion import launcher
 from fusion.data.files import DataError
-from fusion.deploy import build_fusion
-from fusion.local import LocalDeployment
 from fusion.params import ParamsError, load_params
-from fusion.plan import make_plan
-from fusion.predict import build_jobs, run_predict
 from routing.http.server import GatewayError
 from routing.security import SecurityError, check_bind
 
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
+# the modes that start worker processes here (unless they use a router elsewhere, or Ray)
+WORKER_MODES = {"predict", "infer", "eval", "serve"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -61,6 +60,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def configure(args) -> tuple[dict, object, object]:
+    # the plan's modules (torch, the model sources) are imported here, after the fork server has started
+    from fusion.deploy import build_fusion
+    from fusion.plan import make_plan
+
     params = load_params(args.params)
     run = params["runconfig"]
     for key in ("model_dir", "variants", "num_workers", "devices", "router", "frontend", "backend",
@@ -80,6 +83,8 @@ def configure(args) -> tuple[dict, object, object]:
                         getattr(args, "api_keys_file", None))
         run["api_keys"] = list(keys)
         check_listen(parse_listen(run["http"])[0], keys, bool(run["insecure"]))
+    if getattr(args, "mode", None) in WORKER_MODES and not run["router"] and not run["ray"]:
+        launcher.start_server()  # its imports (seconds) overlap the planning below
     fusion = build_fusion(params, run["variants"])
     plan = make_plan(fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
     return params, fusion, plan
@@ -114,8 +119,10 @@ def serve(params: dict, fusion, plan) -> int:
     return 0
 
 
-def deployment(fusion, plan, run: dict) -> LocalDeployment:
-    """The router and its workers: local processes, or Ray actors with --ray."""
+def deployment(fusion, plan, run: dict):
+    """The router and its workers: local processes (a LocalDeployment), or Ray actors with --ray."""
+    from fusion.local import LocalDeployment
+
     if run.get("ray"):
         from fusion.ray_cluster import RayDeployment
 
@@ -134,6 +141,8 @@ def _against_router(params: dict, fusion, plan, work):
 
 
 def predict(params: dict, fusion, plan) -> int:
+    from fusion.predict import build_jobs, run_predict
+
     run = params["runconfig"]
     # checks the data before any load
     jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"], retry_delays=run["retry_delays"])
@@ -167,7 +176,7 @@ def evaluate(params: dict, fusion, plan) -> int:
 
 def compile_models(fusion, plan) -> int:
     from fusion.compile import compile_only
-    from workers.engine.compiled import summary as compile_summary
+    from workers.compile_summary import summary as compile_summary
 
     print(plan.describe(), flush=True)
     reports, devices = compile_only(fusion, plan)
@@ -185,6 +194,13 @@ def compile_models(fusion, plan) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    try:
+        return run(args)
+    finally:
+        launcher.stop_server()  # every worker has exited: its fork server would otherwise linger
+
+
+def run(args) -> int:
     try:
         params, fusion, plan = configure(args)
     except (ParamsError, ValueError) as exc:

@@ -29,7 +29,7 @@ from fusion.params import input_value
 from fusion.plan import DeploymentPlan, available_bytes
 from workers.buckets import compile_mode
 from workers.spec import WorkerSpec
-from workers.weights.sources import gguf_cache_dir, source_gguf
+from workers.weights.sources import check_source, gguf_cache_dir, source_gguf
 
 TEST_BATCH_MAX_TOKENS = 16  # new tokens per prompt of the test batch when the variant sets no max_tokens
 
@@ -128,6 +128,10 @@ def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -
     bs = input_value(info.inference_input, "batch_size")
     max_tokens = model.max_tokens or TEST_BATCH_MAX_TOKENS
     prompts = first_batch(fusion, name, bs)
+    try:
+        check_source(info.source)  # here, not seconds later in a fresh process
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
     gguf = source_gguf(info.source)
     before = None
     if gguf is not None and gguf_cache_dir(gguf) is None:

@@ -7,7 +7,7 @@ Each worker is still a process of its own, with its own memory, sockets and engi
 runs no model and opens no socket, so forking it is safe. Each worker follows the process that
 started it, not the server: the server lives as long as any worker it forked does, so a starter
 killed with SIGKILL would otherwise leave both running for ever. Its workers exit when it is gone,
-and the server after them.
+and the server after them. A command line that is done stops its server at once (stop_server).
 """
 
 from __future__ import annotations
@@ -51,13 +51,41 @@ class WorkerProcess:
         self._proc.terminate()
 
 
+def fork_servers(pid: int) -> list:
+    """The fork servers of process `pid` (psutil Processes)."""
+    import psutil
+
+    return [c for c in psutil.Process(pid).children() if "forkserver" in " ".join(c.cmdline())]
+
+
 def forked_workers(pid: int) -> list:
     """The worker processes that process `pid` started through this launcher (psutil Processes): the
     children of its fork server. Their command line is the server's, so only the tree tells them apart."""
+    return [w for s in fork_servers(pid) for w in s.children()]
+
+
+def stop_server() -> None:
+    """End this process's fork server now; call it when this process will start no more workers and
+    those it started have exited. Left alone, the server ends only after its preload (seconds, if
+    the starter stops early) and then tears down all it imported (seconds more), holding the
+    starter's stdout and stderr all along: whoever reads them (a pipe, `subprocess.run`) waits.
+    It holds no state: a kill loses nothing."""
     import psutil
 
-    servers = [c for c in psutil.Process(pid).children() if "forkserver" in " ".join(c.cmdline())]
-    return [w for s in servers for w in s.children()]
+    for server in fork_servers(os.getpid()):
+        try:
+            server.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def start_server() -> None:
+    """Start the fork server now, without waiting for it: its imports (seconds of CPU) then overlap
+    whatever the starter does before its first start_worker, which finds the server ready sooner."""
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
 
 
 def start_worker(argv: list[str], env: dict[str, str] | None = None) -> WorkerProcess:
@@ -66,12 +94,19 @@ def start_worker(argv: list[str], env: dict[str, str] | None = None) -> WorkerPr
 
     As with any multiprocessing start method but fork, a script that starts workers must guard its
     entry point with `if __name__ == "__main__":` (run_mm.py and the other entry points do)."""
-    from workers.worker import run_forked
-
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     # daemon: a worker still running when this process exits is terminated, as an orphan would exit
-    proc = ctx.Process(target=run_forked, args=(list(argv), {**os.environ, **(env or {})}, os.getcwd(), os.getpid()),
+    proc = ctx.Process(target=_run_worker, args=(list(argv), {**os.environ, **(env or {})}, os.getcwd(), os.getpid()),
                        name="mmfusion-worker", daemon=True)
     proc.start()
     return WorkerProcess(proc)
+
+
+def _run_worker(argv: list[str], env: dict[str, str], cwd: str, starter_pid: int) -> None:
+    """The target the fork server runs, named here so that the starter never imports the worker (in
+    the server it is preloaded): torch, transformers and the engine would cost the starter seconds to
+    import and seconds more at exit."""
+    from workers.worker import run_forked
+
+    run_forked(argv, env, cwd, starter_pid)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.buckets import Buckets
+from workers.compile_summary import summary
 from workers.engine import attention, compile_cache
 
 log = logging.getLogger("mmfusion.compile")
@@ -120,14 +121,6 @@ class CompileInfo:
     def as_dict(self) -> dict:
         return {"compiled": self.compiled, "reason": self.reason, "warm": self.warm,
                 "seconds": round(self.seconds, 3), "cache": self.cache, "buckets": list(self.buckets)}
-
-
-def summary(info: dict | None) -> str:
-    """One phrase for logs from a CompileInfo dict (as workers report it)."""
-    if not info or not info.get("compiled"):
-        return f"eager ({info['reason']})" if info else "eager"
-    how = "loaded from" if info.get("warm") else "compiled and saved to"
-    return f"forward {how} {info['cache']} in {info['seconds']:.1f}s (token buckets {info['buckets']})"
 
 
 def prepare(runner, lm, mode: str, buckets: Buckets) -> CompileInfo:

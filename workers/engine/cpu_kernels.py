@@ -8,7 +8,7 @@ attention does. It is compiled at first use with torch's extension builder into 
 and the CPU capability; tens of seconds, once), for the level workers.capability decides:
 `-march=native` at the CPU's own level, an ISA target such as x86-64-v3 (AVX2, FMA, F16C) under
 MMFUSION_CPU_ISA, and an engine on CPU hands it to its model's attention
-(ContextHolder.decode_kernel). Where it cannot be built (no compiler) or does not apply
+(attention_backend.select_attention). Where it cannot be built (no compiler) or does not apply
 (float64, softcapped scores), attention.decode_attention serves.
 """
 
@@ -30,10 +30,12 @@ from workers.files import cache_root
 
 log = logging.getLogger("mmfusion.kernels")
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "silu_mul.cpp",
-                                       "bindings.cpp")]
+# two translation units, compiled side by side: the kernels (kernels.cpp includes each source) and
+# their Python bindings
+SOURCES = [KERNELS / "kernels.cpp", KERNELS / "bindings.cpp"]
 # part of the build's hash: a change rebuilds
-HEADERS = [KERNELS / name for name in ("avx512_math.h", "avx2_math.h", "head_dims.h", "torch_lite.h")]
+INCLUDED = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "silu_mul.cpp",
+                                        "avx512_math.h", "avx2_math.h", "head_dims.h", "torch_lite.h")]
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp), per dtype
 PREFILL_LANES = {torch.bfloat16: 16, torch.float32: 8}
@@ -60,7 +62,7 @@ def _build():
     from torch.utils import cpp_extension
 
     cap = cpu_capability()
-    src = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    src = b"".join(path.read_bytes() for path in [*SOURCES, *INCLUDED])
     tag = hashlib.sha1(src + torch.__version__.encode() + cap.tag().encode()).hexdigest()[:16]
     build = Path(os.environ.get(KERNEL_CACHE_ENV) or cache_root() / "kernels") / tag
     build.mkdir(parents=True, exist_ok=True)

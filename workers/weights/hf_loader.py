@@ -16,7 +16,7 @@ import torch
 
 from workers.files import atomic_replace
 from workers.weights import tiny
-from workers.weights.sources import EMBEDDED, embedded_gguf, gguf_cache_dir, gguf_cache_path
+from workers.weights.sources import EMBEDDED, check_source, embedded_gguf, gguf_cache_dir, gguf_cache_path
 
 
 def fast_gguf_reader_class():
@@ -108,12 +108,8 @@ def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
     if source in EMBEDDED:
         path = embedded_gguf(source)
     else:
+        check_source(source)
         path = Path(source).expanduser()
-        if not path.exists():
-            raise ValueError(
-                f"unknown model source {source!r}: not an embedded model ({', '.join(EMBEDDED)}), "
-                "not tiny:<arch>, and no such file or directory; give a Hugging Face directory or "
-                "a .gguf file")
     kw = dict(dtype=dtype, local_files_only=True)
     if path.is_dir():
         if not (path / "config.json").exists():

@@ -120,6 +120,16 @@ def embedded_gguf(name: str) -> Path:
     return Path(g.assemble())
 
 
+def check_source(source: str) -> None:
+    """ValueError naming what a source may be, unless it is an embedded model, tiny:<arch> or a
+    path that exists on this machine."""
+    if source in EMBEDDED or source.startswith("tiny:") or Path(source).expanduser().exists():
+        return
+    raise ValueError(f"unknown model source {source!r}: not an embedded model ({', '.join(EMBEDDED)}), "
+                     "not tiny:<arch>, and no such file or directory; give a Hugging Face directory or "
+                     "a .gguf file")
+
+
 def source_gguf(source: str) -> Path | None:
     """The GGUF file behind a source, or None when the source is not GGUF."""
     if source in EMBEDDED:
