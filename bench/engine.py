@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
 from bench.peers import have_vllm_cpu, run_vllm_cpu  # noqa: E402
+from bench.replay import record_calls, replay, stop_recording  # noqa: E402
 from workers.engine import Engine, EngineConfig, lean  # noqa: E402
 from workers.engine.attention import hf_attention  # noqa: E402
 from workers.engine.params import SamplingParams  # noqa: E402
@@ -66,7 +67,7 @@ def run_engine(lm, prompts, max_tokens, args, compile: str = "false"):
     eng = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                                   compile=compile))
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    eng.runner.trace = []
+    calls = record_calls(eng.runner)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
     t = time.perf_counter()
     steps0, fwd0 = eng.steps, eng.runner.forward_seconds
@@ -75,9 +76,9 @@ def run_engine(lm, prompts, max_tokens, args, compile: str = "false"):
     fwd_in_run = eng.runner.forward_seconds - fwd0
     useful = sum(len(o.outputs[0].token_ids) for o in outs)
     assert useful == sum(max_tokens), "engine stopped early"
-    trace, eng.runner.trace = eng.runner.trace, None
+    stop_recording(eng.runner)
     t = time.perf_counter()
-    eng.runner.replay(trace)
+    replay(eng.runner, calls)
     fwd = time.perf_counter() - t
     return wall, useful, eng.steps - steps0, fwd, fwd_in_run
 

@@ -43,7 +43,7 @@ PARAMS = ROOT / "configs" / "soak.yaml"
 
 def cases() -> list[tuple[list[int], dict, list[int]]]:
     """(prompt, params, expected tokens): greedy and seeded sampling, computed in-process."""
-    from workers.completions import sampling_params
+    from routing.openai_requests import sampling_params
     from workers.engine import Engine, EngineConfig
     from workers.models import load_model
 

@@ -32,6 +32,7 @@ import msgpack
 import zmq
 
 from routing import protocol as P
+from routing.openai_objects import text_completion
 from routing.security import connect_curve
 
 _WATCH = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -64,14 +65,18 @@ def decode_reply(frame: bytes) -> dict:
 
 
 class RouterError(RuntimeError):
-    def __init__(self, code: str, message: str):
+    """An error answer: its code (routing.protocol), message and, for a refused request parameter,
+    that parameter's name."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(f"{code}: {message}")
-        self.code = code
+        self.code, self.message, self.param = code, message, param
 
 
 def _check(msg: dict) -> dict:
     if msg.get("type") == P.ERROR:
-        raise RouterError(msg.get("code", P.INTERNAL), msg.get("message", ""))
+        param = msg.get("param")
+        raise RouterError(msg.get("code", P.INTERNAL), msg.get("message", ""), param if isinstance(param, str) else None)
     return msg
 
 
@@ -218,10 +223,12 @@ class Client(_Base):
             raise
 
     def complete(self, model, prompt, **params) -> dict:
-        """An OpenAI completions response dict."""
+        """An OpenAI completions response dict (with `return_token_ids=True`, each choice keeps its
+        `token_ids`)."""
         for msg in self._run(model, prompt, False, params):
             if msg["type"] == P.RESULT:
-                return msg["response"]
+                result = msg["response"]
+                return text_completion(result, result["model"], bool(params.get("return_token_ids")))
         raise RouterError(P.INTERNAL, "stream ended without a result")
 
     def stream(self, model, prompt, **params):
@@ -265,7 +272,7 @@ class _InFlight:
     def __exit__(self, *exc) -> None:
         self.client._queues.pop(self.rid, None)
         if not self.done:
-            self.client._cancel_nowait(self.rid)
+            self.client._sender.cancel(self.rid)
 
     async def next(self) -> dict:
         try:
@@ -276,6 +283,59 @@ class _InFlight:
         if msg["type"] == P.RESULT:
             self.done = True
         return msg
+
+
+class _Sender:
+    """An AsyncClient's writes. The requests of one event-loop turn reach zmq together, on the next
+    turn: each hand-over wakes zmq's I/O thread and costs a loopback write; under load a turn
+    holds many requests (answers come in bursts, one engine step's worth), and one write carries
+    them all. A full queue (the router not reading) is retried until the request's own timeout
+    gives up on it, which takes it out of the queue unsent."""
+
+    __slots__ = ("sock", "after_send", "loop", "outbox", "flush_at")
+
+    def __init__(self, sock: zmq.Socket, after_send):
+        self.sock, self.after_send = sock, after_send
+        self.loop = None
+        self.outbox: dict[str, bytes] = {}  # request id -> its frame, not yet handed to zmq
+        self.flush_at = None  # the loop callback (or timer) that will hand them over
+
+    def send(self, loop, msg: dict) -> None:
+        self.loop = loop
+        self.outbox[msg["id"]] = P.pack(msg)
+        if self.flush_at is None:
+            self.flush_at = loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_at = None
+        out = self.outbox
+        try:
+            while out:
+                rid = next(iter(out))
+                self.sock.send(out[rid], zmq.NOBLOCK)
+                del out[rid]
+        except zmq.Again:  # the queue is full: try again shortly
+            self.flush_at = self.loop.call_later(0.005, self.flush)
+        except zmq.ZMQError:  # closed: the requests' timeouts (or close) end them
+            out.clear()
+        self.after_send()
+
+    def cancel(self, rid: str) -> None:
+        """Usable where awaiting is not (a generator being closed): the write happens at once or
+        not at all (the socket's queue full, or closed)."""
+        if self.outbox.pop(rid, None) is not None:
+            return  # never sent: nothing to cancel on the router
+        try:
+            self.sock.send(P.pack({"type": P.CANCEL, "id": rid}), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def clear(self) -> None:
+        """The loop is going away: the requests queued on it went with it."""
+        if self.flush_at is not None:
+            self.flush_at.cancel()
+            self.flush_at = None
+        self.outbox.clear()
 
 
 class AsyncClient(_Base):
@@ -294,8 +354,7 @@ class AsyncClient(_Base):
         self._loop = None  # the event loop whose reader watches the socket
         self._fds: tuple[int, int] = (self.sock.getsockopt(zmq.FD), self.monitor.getsockopt(zmq.FD))
         self._recheck = False
-        self._outbox: dict[str, bytes] = {}  # request id -> its frame, not yet handed to zmq
-        self._flush_at = None  # the loop callback (or timer) that will hand them over
+        self._sender = _Sender(self.sock, self._after_send)
         self._sweep_at = None  # the timer that fails requests waiting past their timeout
         self.reader_errors = 0  # exceptions the reader survived
         self.bad_replies = 0  # undecodable replies that named no request in flight
@@ -324,13 +383,10 @@ class AsyncClient(_Base):
         self._loop = loop
 
     def _unwatch(self) -> None:
-        if self._flush_at is not None:  # queued on a loop that is going away: those requests went with it
-            self._flush_at.cancel()
-            self._flush_at = None
+        self._sender.clear()
         if self._sweep_at is not None:
             self._sweep_at.cancel()
             self._sweep_at = None
-        self._outbox.clear()
         loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():
             for fd in self._fds:
@@ -367,31 +423,6 @@ class AsyncClient(_Base):
                 self.bad_replies += 1
                 log.warning("AsyncClient: a reply for no known request was dropped: %s", msg.get("message"))
 
-    # --- writing ---------------------------------------------------------------------------------------
-    def _send(self, msg: dict) -> None:
-        """Queue the message; the requests of one event-loop turn reach zmq together, on the next
-        turn. Each hand-over wakes zmq's I/O thread and costs a loopback write; under load a turn
-        holds many requests (answers come in bursts, one engine step's worth), and one write
-        carries them all. A full queue (the router not reading) is retried until the request's
-        own timeout gives up on it, which takes it out of the queue unsent."""
-        self._outbox[msg["id"]] = P.pack(msg)
-        if self._flush_at is None:
-            self._flush_at = self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_at = None
-        out = self._outbox
-        try:
-            while out:
-                rid = next(iter(out))
-                self.sock.send(out[rid], zmq.NOBLOCK)
-                del out[rid]
-        except zmq.Again:  # the queue is full: try again shortly
-            self._flush_at = self._loop.call_later(0.005, self._flush)
-        except zmq.ZMQError:  # closed: the requests' timeouts (or close) end them
-            out.clear()
-        self._after_send()
-
     def _open(self) -> str:
         self._watch()
         self._raise_if_refused()  # the reader may have heard it while no request was in flight
@@ -407,18 +438,15 @@ class AsyncClient(_Base):
         if self.timeout is not None:
             q.deadline = self._loop.time() + self.timeout
             if self._sweep_at is None:
-                self._sweep_at = self._loop.call_later(self._sweep_every(), self._sweep)
+                self._sweep_at = self._loop.call_later(min(1.0, self.timeout / 4), self._sweep)
         try:
             await q.waiter
         except TimeoutError:
-            self._cancel_nowait(rid)
+            self._sender.cancel(rid)
             raise TimeoutError(f"no answer from {self.address} within {self.timeout}s") from None
         finally:
             q.waiter = None
         return _check(q.items.popleft())
-
-    def _sweep_every(self) -> float:
-        return min(1.0, self.timeout / 4)
 
     def _sweep(self) -> None:
         """Fail the waits that are past their deadline; look again later while any wait. One timer
@@ -435,22 +463,20 @@ class AsyncClient(_Base):
             else:
                 waiting = True
         if waiting:
-            self._sweep_at = self._loop.call_later(self._sweep_every(), self._sweep)
-
-    async def _admin(self, mtype: str):
-        with self._start({"type": mtype}) as req:
-            return (await req.next())["data"]
+            self._sweep_at = self._loop.call_later(min(1.0, self.timeout / 4), self._sweep)
 
     async def models(self) -> list[dict]:
-        return await self._admin(P.MODELS)
+        with self._start({"type": P.MODELS}) as req:
+            return (await req.next())["data"]
 
     async def status(self) -> dict:
-        return await self._admin(P.STATUS)
+        with self._start({"type": P.STATUS}) as req:
+            return (await req.next())["data"]
 
     def _start(self, msg: dict) -> _InFlight:
         rid = self._open()
         msg["id"] = rid
-        self._send(msg)
+        self._sender.send(self._loop, msg)
         return _InFlight(self, rid)
 
     def _request(self, model, prompt, stream: bool, params: dict, task: str) -> _InFlight:
@@ -459,41 +485,33 @@ class AsyncClient(_Base):
             msg["task"] = task
         return self._start(msg)
 
-    async def _run(self, model, prompt, stream: bool, params: dict, task: str = P.GENERATE):
-        """The request's messages, up to and including its result (as Client._run). Left early (a
-        consumer that stops iterating, a cancelled task), it cancels the request on the worker."""
+    async def events(self, model, prompt, stream: bool = True, task: str = P.GENERATE, **params):
+        """The raw messages of one request: chunks (when streamed), then the result; a RouterError
+        for an error. Left early (a consumer that stops iterating, aclose, a cancelled task), it
+        cancels the request on the worker."""
         with self._request(model, prompt, stream, params, task) as req:
             while not req.done:
                 yield await req.next()
 
-    def _cancel_nowait(self, rid: str) -> None:
-        """Usable where awaiting is not (a generator being closed): the write happens at once or
-        not at all (the socket's queue full, or closed)."""
-        if self._outbox.pop(rid, None) is not None:
-            return  # never sent: nothing to cancel on the router
-        try:
-            self.sock.send(P.pack({"type": P.CANCEL, "id": rid}), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-
-    async def events(self, model, prompt, stream: bool = True, task: str = P.GENERATE, **params):
-        """The raw messages of one request: chunks (when streamed), then the result; a RouterError
-        for an error. Closing it early cancels the request on the worker."""
-        async with contextlib.aclosing(self._run(model, prompt, stream, params, task)) as msgs:
-            async for msg in msgs:
-                yield msg
-
-    async def complete(self, model, prompt, task: str = P.GENERATE, **params) -> dict:
-        """An OpenAI completions response dict (or, for another task, that task's answer)."""
+    async def result(self, model, prompt, task: str = P.GENERATE, **params) -> dict:
+        """The request's neutral result (routing/protocol.py), or for a tokenizer task its answer."""
         with self._request(model, prompt, False, params, task) as req:
             while not req.done:  # a non-streamed request: its result, or an error
                 msg = await req.next()
         return msg["response"]
 
+    async def complete(self, model, prompt, task: str = P.GENERATE, **params) -> dict:
+        """An OpenAI completions response dict (with `return_token_ids=True`, each choice keeps its
+        `token_ids`), or for another task that task's answer."""
+        result = await self.result(model, prompt, task, **params)
+        if task not in (P.GENERATE, P.CHAT):
+            return result
+        return text_completion(result, result["model"], bool(params.get("return_token_ids")))
+
     async def stream(self, model, prompt, **params):
         """Yield {"index", "token_ids", "text", "finish_reason"} per new token and sample; closing it
         early (aclose, or a cancelled task) cancels the request on the worker."""
-        async with contextlib.aclosing(self._run(model, prompt, True, params)) as msgs:
+        async with contextlib.aclosing(self.events(model, prompt, True, **params)) as msgs:
             async for msg in msgs:
                 if msg["type"] == P.CHUNK:
                     for out in msg["outputs"]:

@@ -4,9 +4,7 @@ Every input (a client frame, a worker frame, a supervisor notice, a clock tick, 
 socket could not deliver) is a method call; every output is a `Send` appended to `outbox`, which
 the router's I/O loop (routing/router.py) writes to its sockets and empties.
 
-- A worker's READY gets a worker ID and a model ID: its planned slot's model when it names a
-  slot (a restarted local worker comes back on its planned model and device), else round-robin
-  in registration order, filling a model left without a worker first.
+- A worker's READY gets a worker ID and a model ID (routing/registry.py, which keeps the workers).
 - Request keys are `<epoch>-<n>`, the epoch new for every router: a worker still holding work from
   an earlier router can never answer a request of this one. Data is accepted only from the worker
   a request was given to.
@@ -26,13 +24,14 @@ from __future__ import annotations
 import itertools
 import random
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 
 from routing import protocol as P
-from workers.spec import ModelSpec, WorkerSpec
+from routing.registry import ModelEntry, WorkerRegistry, WorkerState
+from workers.spec import WorkerSpec
 
 FRONT, BACK = "front", "back"
+__all__ = ["BACK", "FRONT", "Dispatch", "ModelEntry", "Pending", "RouterConfig", "Send", "WorkerState"]
 
 
 @dataclass(slots=True)
@@ -66,37 +65,6 @@ class RouterConfig:
 
 
 @dataclass(slots=True)
-class ModelEntry:
-    model_id: int
-    name: str
-    spec: ModelSpec  # its settings; an unplanned worker of it gets them with no placement
-    queue: deque = field(default_factory=deque)
-    orphan_since: float | None = None  # when it lost its last live worker (None: it has one, or never had)
-    abandoned: bool = False  # the supervisor gave up on its last worker: queued requests fail at once
-
-
-@dataclass(slots=True)
-class WorkerState:
-    ident: bytes
-    worker_id: int
-    model_id: int
-    capabilities: dict
-    slot: int | None = None  # the deployment plan's worker this process is (local supervisor)
-    alive: bool = True
-    loaded: bool = False
-    last_seen: float = 0.0
-    inflight: set = field(default_factory=set)
-    served: int = 0
-    tokens: int = 0
-    errors: int = 0
-    load_error: str | None = None
-    lost: str | None = None  # why it was dropped
-    engine: dict = field(default_factory=dict)  # the worker's own counters, from its heartbeats
-    weights: dict = field(default_factory=dict)  # {"bytes", "shared", "path"} from its LOADED
-    compile: dict = field(default_factory=dict)  # {"compiled", "reason", "warm", "seconds", ...} from its LOADED
-
-
-@dataclass(slots=True)
 class Pending:
     key: str
     client: bytes
@@ -117,6 +85,27 @@ class Send:
     key: str | None = None  # the request a frontend data message belongs to
 
 
+class Outbox:
+    """What the dispatch sends, in order, until the router's I/O loop takes it."""
+
+    def __init__(self) -> None:
+        self.sends: list[Send] = []
+
+    def take(self) -> list[Send]:
+        out, self.sends = self.sends, []
+        return out
+
+    def client(self, client: bytes, msg: dict) -> None:
+        self.sends.append(Send(FRONT, [client, P.pack(msg)]))
+
+    def data(self, client: bytes, body: bytes, key: str) -> None:
+        """A worker's data message for a request, forwarded as is."""
+        self.sends.append(Send(FRONT, [client, body], key))
+
+    def worker(self, ident: bytes, *frames: bytes) -> None:
+        self.sends.append(Send(BACK, [ident, *frames]))
+
+
 class Dispatch:
     def __init__(self, models: list[ModelEntry], config: RouterConfig | None = None,
                  worker_specs: list[WorkerSpec] | None = None, log=None):
@@ -127,34 +116,20 @@ class Dispatch:
         self.by_name: dict[str, list[int]] = {}
         for m in models:
             self.by_name.setdefault(m.name, []).append(m.model_id)
-        # the deployment plan's workers (model, model ID, device, threads, batch limits), by slot
-        self.worker_specs = worker_specs or []
+        self.registry = WorkerRegistry(self.models, worker_specs or [], self.config.keep_dead)
+        self.workers = self.registry.workers  # live workers only, by socket identity
         self.log = log or (lambda line: None)
         self.epoch = uuid.uuid4().hex[:12]
-        self.outbox: list[Send] = []
-        self.workers: dict[bytes, WorkerState] = {}  # live workers only
-        self.dead: deque[WorkerState] = deque(maxlen=self.config.keep_dead)
+        self.outbox = Outbox()
+        self.take = self.outbox.take  # the router's I/O loop empties it after every input
         self.pending: dict[str, Pending] = {}
         self.client_keys: dict[tuple[bytes, str], str] = {}
         self._keys = itertools.count()
-        self._registrations = 0
-        self._used_ids: set[int] = set()
-        self._next_id = 0
         self.resent = 0  # requests sent again after losing their worker
         self.undeliverable = 0  # messages the frontend could not deliver (slow or vanished client)
         self.stray = 0  # data from a worker the request was not given to, or from a dropped one (refused)
         self.no_worker = 0  # queued requests failed because no worker came for their model
         self.internal_errors = 0
-
-    def take(self) -> list[Send]:
-        out, self.outbox = self.outbox, []
-        return out
-
-    def _to_client(self, client: bytes, msg: dict) -> None:
-        self.outbox.append(Send(FRONT, [client, P.pack(msg)]))
-
-    def _to_worker(self, ident: bytes, *frames: bytes) -> None:
-        self.outbox.append(Send(BACK, [ident, *frames]))
 
     # --- clients ---------------------------------------------------------------------------------
     def client(self, client: bytes, frame: bytes, now: float) -> None:
@@ -164,14 +139,15 @@ class Dispatch:
             if mtype == P.COMPLETE:
                 self._on_complete(client, msg, now)
             elif mtype == P.CANCEL:
-                if isinstance(msg.get("id"), str):
-                    self._on_cancel(client, msg["id"])
+                key = self.client_keys.get((client, msg.get("id"))) if isinstance(msg.get("id"), str) else None
+                if key is not None:
+                    self._cancel(key)
             elif mtype == P.MODELS:
-                self._to_client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.models_info()})
+                self.outbox.client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.models_info()})
             elif mtype == P.STATUS:
-                self._to_client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.status()})
+                self.outbox.client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.status()})
         except P.ProtocolError as exc:
-            self._to_client(client, P.error(exc.request_id, exc.code, str(exc)))
+            self.outbox.client(client, P.error(exc.request_id, exc.code, str(exc)))
 
     def _resolve(self, model, rid) -> list[int]:
         if isinstance(model, int):
@@ -184,30 +160,21 @@ class Dispatch:
                                   P.UNKNOWN_MODEL, rid)
         return self.by_name[model]
 
-    def _load(self, model_id: int) -> tuple[float, int]:
-        """Pending work per live worker, then requests served: idle copies take turns."""
-        ws = [w for w in self.workers.values() if w.loaded and w.model_id == model_id]
-        queued = len(self.models[model_id].queue)
-        served = sum(w.served + len(w.inflight) for w in self.workers.values() if w.model_id == model_id)
-        if not ws:
-            return 1e9 + queued, served
-        return (sum(len(w.inflight) for w in ws) + queued) / len(ws), served
-
     def _on_complete(self, client: bytes, msg: dict, now: float) -> None:
         req = P.CompleteRequest.from_msg(msg)
         candidates = self._resolve(req.model, req.id)
         if (client, req.id) in self.client_keys:
             raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
-        if all(self.models[m].abandoned and not self._usable(m) for m in candidates):
+        if all(self.models[m].abandoned and not self.registry.usable(m) for m in candidates):
             raise P.ProtocolError(f"no worker serves model {req.model!r}: its workers kept failing and were not "
                                   "restarted (see the deployment's log)", P.NO_WORKER, req.id)
-        model_id = min(candidates, key=self._load)
+        model_id = min(candidates, key=self.registry.load)
         key = f"{self.epoch}-{next(self._keys)}"
         if req.params.get("seed") is None and req.params.get("temperature") != 0:
             # fixed here, once: a resent or retried request then gives the same tokens anywhere
             msg["params"] = {**req.params, "seed": random.getrandbits(63)}
         p = Pending(key, client, req.id, model_id, P.pack(msg), now, list(candidates))
-        worker = self._pick_worker(model_id)
+        worker = self.registry.pick(model_id, self.config.max_inflight)
         if worker is None:
             q = self.models[model_id].queue
             if len(q) >= self.config.max_queue:
@@ -219,35 +186,25 @@ class Dispatch:
         self.pending[key] = p
         self.client_keys[(client, req.id)] = key
 
-    def _pick_worker(self, model_id: int) -> WorkerState | None:
-        ws = [w for w in self.workers.values()
-              if w.loaded and w.model_id == model_id and len(w.inflight) < self.config.max_inflight]
-        return min(ws, key=lambda w: (len(w.inflight), w.served)) if ws else None
-
     def _dispatch(self, p: Pending, w: WorkerState) -> None:
         p.worker = w.ident
         w.inflight.add(p.key)
-        self._to_worker(w.ident, P.header(P.REQUEST, p.key), p.frame)
+        self.outbox.worker(w.ident, P.header(P.REQUEST, p.key), p.frame)
 
     def _drain_queue(self, model_id: int) -> None:
         q = self.models[model_id].queue
         while q:
-            w = self._pick_worker(model_id)
+            w = self.registry.pick(model_id, self.config.max_inflight)
             if w is None:
                 return
             self._dispatch(q.popleft(), w)
-
-    def _on_cancel(self, client: bytes, client_id: str) -> None:
-        key = self.client_keys.get((client, client_id))
-        if key is not None:
-            self._cancel(key)
 
     def _cancel(self, key: str) -> None:
         p = self._finish(key)
         if p is None:
             return
         if p.worker is not None and p.worker in self.workers:
-            self._to_worker(p.worker, P.pack({"type": P.CANCEL, "id": key}))
+            self.outbox.worker(p.worker, P.pack({"type": P.CANCEL, "id": key}))
         else:
             q = self.models[p.model_id].queue
             if p in q:
@@ -266,7 +223,7 @@ class Dispatch:
 
     def _fail(self, p: Pending, code: str, message: str) -> None:
         self._finish(p.key)
-        self._to_client(p.client, P.error(p.client_id, code, message))
+        self.outbox.client(p.client, P.error(p.client_id, code, message))
 
     def undeliverable_send(self, send: Send, why: str, now: float) -> None:
         """The socket could not deliver `send` (full queue, peer gone): never lose it silently."""
@@ -284,42 +241,6 @@ class Dispatch:
             self.log(f"router: cannot deliver a reply to a client ({why})")
 
     # --- workers ---------------------------------------------------------------------------------
-    def _assign_model(self, slot: int | None) -> int:
-        if slot is not None:
-            planned = self.worker_specs[slot].model_id
-            if planned in self.models:
-                return planned
-        live = {mid: 0 for mid in self.models}
-        for w in self.workers.values():
-            live[w.model_id] += 1
-        ids = sorted(self.models)
-        rr = ids[self._registrations % len(ids)]
-        orphaned = [mid for mid in ids if live[mid] == 0]
-        return rr if live[rr] == 0 or not orphaned else orphaned[0]
-
-    def _new_worker_id(self, slot: int | None) -> int:
-        """A planned worker's first process gets its slot number; restarts and unplanned workers get
-        IDs past the plan's."""
-        if slot is not None and slot not in self._used_ids:
-            wid = slot
-        else:
-            wid = max(self._next_id, len(self.worker_specs))
-            while wid in self._used_ids:
-                wid += 1
-            self._next_id = wid + 1
-        self._used_ids.add(wid)
-        return wid
-
-    def _spec_for(self, w: WorkerState) -> WorkerSpec:
-        """What the worker serves: its slot's planned spec; a worker without a slot gets a planned
-        spec of its model (unbound: those cores are the slot's), else the model's settings alone."""
-        if w.slot is not None:
-            return self.worker_specs[w.slot]
-        planned = [s for s in self.worker_specs if s.model_id == w.model_id]
-        if planned:
-            return planned[w.worker_id % len(planned)].placed(cpus=None)
-        return WorkerSpec(self.models[w.model_id].spec, w.model_id)
-
     def worker(self, ident: bytes, frame: bytes, now: float) -> None:
         try:
             msg = P.unpack(frame, P.WORKER_TYPES)
@@ -331,18 +252,9 @@ class Dispatch:
             if w is not None:
                 self._drop(w, "re-registered", now)
             caps = msg.get("capabilities") if isinstance(msg.get("capabilities"), dict) else {}
-            slot = caps.get("slot")
-            slot = slot if isinstance(slot, int) and not isinstance(slot, bool) else None
-            if slot is not None and not 0 <= slot < len(self.worker_specs):
-                slot = None  # not a slot of this deployment's plan
-            w = WorkerState(ident, self._new_worker_id(slot), 0, caps, slot, last_seen=now)
-            w.model_id = self._assign_model(slot)
-            self._registrations += 1
-            self.workers[ident] = w
-            self.models[w.model_id].abandoned = False
-            self.models[w.model_id].orphan_since = None
-            self._to_worker(ident, P.pack({"type": P.ASSIGN, "worker_id": w.worker_id, "model_id": w.model_id,
-                                           "model": self._spec_for(w).to_wire()}))
+            w = self.registry.register(ident, caps, now)
+            self.outbox.worker(ident, P.pack({"type": P.ASSIGN, "worker_id": w.worker_id, "model_id": w.model_id,
+                                              "model": self.registry.spec_for(w).to_wire()}))
             return
         if w is None:
             return  # a worker we dropped: it registers again when our heartbeats stop reaching it
@@ -360,7 +272,9 @@ class Dispatch:
         elif mtype == P.LOAD_FAILED:
             # shown in status; the model's queue waits restart_wait for a worker that can load it
             w.load_error = str(msg.get("message"))[:2000]
-            self._note_orphan(w.model_id, now)
+            m = self.models[w.model_id]
+            if not self.registry.usable(w.model_id) and m.orphan_since is None:
+                m.orphan_since = now
 
     def worker_data(self, ident: bytes, head: bytes, body: bytes, now: float) -> None:
         w = self.workers.get(ident)
@@ -388,25 +302,10 @@ class Dispatch:
             w.errors += 1
         if mtype != P.CHUNK:
             self._finish(key)
-        self.outbox.append(Send(FRONT, [p.client, body], key))
-
-    def _usable(self, model_id: int) -> bool:
-        """A live worker serves it, loaded or loading (not failed to load)."""
-        return any(w.model_id == model_id and w.load_error is None for w in self.workers.values())
-
-    def _has_loaded_worker(self, model_id: int) -> bool:
-        return any(w.loaded and w.model_id == model_id for w in self.workers.values())
-
-    def _note_orphan(self, model_id: int, now: float) -> None:
-        m = self.models[model_id]
-        if not self._usable(model_id) and m.orphan_since is None:
-            m.orphan_since = now
+        self.outbox.data(p.client, body, key)
 
     def _drop(self, w: WorkerState, why: str, now: float) -> None:
-        w.alive, w.loaded, w.lost = False, False, why
-        self.workers.pop(w.ident, None)
-        self.dead.append(w)
-        self._note_orphan(w.model_id, now)
+        self.registry.remove(w, why, now)
         lost = f"worker {w.worker_id} serving model {w.model_id} was lost ({why})"
         requeued: set[int] = set()
         for key in sorted(w.inflight):
@@ -414,10 +313,10 @@ class Dispatch:
             if p is None:
                 continue
             p.worker = None
-            live = [mid for mid in p.candidates if self._has_loaded_worker(mid)]
+            live = [mid for mid in p.candidates if self.registry.has_loaded(mid)]
             room = [mid for mid in live if len(self.models[mid].queue) < self.config.max_queue]
             if room and p.resends < self.config.max_redispatch:
-                self._resend(p, min(room, key=self._load), now)
+                self._resend(p, min(room, key=self.registry.load), now)
                 requeued.add(p.model_id)
                 continue
             more = ("; no other live worker serves it" if not live else
@@ -447,13 +346,14 @@ class Dispatch:
             return
         model_id = None
         slot = msg.get("slot")
-        if isinstance(slot, int) and 0 <= slot < len(self.worker_specs):
-            model_id = self.worker_specs[slot].model_id
+        specs = self.registry.worker_specs
+        if isinstance(slot, int) and 0 <= slot < len(specs):
+            model_id = specs[slot].model_id
         for w in list(self.workers.values()):
             if w.capabilities.get("pid") == msg.get("pid") and w.capabilities.get("host") == msg.get("host"):
                 model_id = w.model_id
                 self._drop(w, "its process exited", now)
-        if msg.get("restart") is False and model_id in self.models and not self._usable(model_id):
+        if msg.get("restart") is False and model_id in self.models and not self.registry.usable(model_id):
             m = self.models[model_id]
             m.abandoned = True
             self._expire_queue(m, now)
@@ -466,16 +366,16 @@ class Dispatch:
             if now - w.last_seen > deadline:
                 self._drop(w, "no heartbeat", now)
             else:
-                self._to_worker(w.ident, beat)
+                self.outbox.worker(w.ident, beat)
         for m in self.models.values():
-            if self._usable(m.model_id):
+            if self.registry.usable(m.model_id):
                 m.orphan_since = None
             else:
                 self._expire_queue(m, now)
 
     def _expire_queue(self, m: ModelEntry, now: float) -> None:
         wait = self.config.restart_wait
-        failed = [w for w in self.workers.values() if w.model_id == m.model_id and w.load_error]
+        failed = [w for w in self.registry.of_model(m.model_id) if w.load_error]
         why = f"; its worker could not load it: {failed[0].load_error}" if failed else ""
         for p in list(m.queue):
             since = max(p.queued_at, m.orphan_since or 0.0)
@@ -487,25 +387,18 @@ class Dispatch:
 
     def shutdown_messages(self) -> None:
         for w in self.workers.values():
-            self._to_worker(w.ident, P.pack({"type": P.SHUTDOWN}))
+            self.outbox.worker(w.ident, P.pack({"type": P.SHUTDOWN}))
 
     # --- admin -----------------------------------------------------------------------------------
     def models_info(self) -> list[dict]:
         return [{"id": m.model_id, "name": m.name,
-                 "workers": sorted(w.worker_id for w in self.workers.values() if w.model_id == m.model_id)}
+                 "workers": sorted(w.worker_id for w in self.registry.of_model(m.model_id))}
                 for m in self.models.values()]
 
     def status(self) -> dict:
-        ws = sorted([*self.workers.values(), *self.dead], key=lambda w: w.worker_id)
         return {
             "epoch": self.epoch,
-            "workers": [{"id": w.worker_id, "model_id": w.model_id, "alive": w.alive, "loaded": w.loaded,
-                         "slot": w.slot, "served": w.served, "tokens": w.tokens, "errors": w.errors,
-                         "inflight": len(w.inflight), "pid": w.capabilities.get("pid"),
-                         "host": w.capabilities.get("host"), "placement": w.capabilities.get("placement"),
-                         "device": self._spec_for(w).device if w.alive else None,
-                         "load_error": w.load_error, "lost": w.lost, "engine": w.engine,
-                         "weights": w.weights, "compile": w.compile} for w in ws],
+            "workers": self.registry.status(),
             "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
             "pending": len(self.pending),
             "resent": self.resent,

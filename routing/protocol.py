@@ -8,7 +8,12 @@ Clients (DEALER) <-> router frontend (ROUTER):
   rendered with the model's chat template), tokenize (prompt: text or messages), detokenize (prompt:
   token IDs), tokenizer_info (no prompt). Every task is routed like a completion; its answer is a
   result whose response is the task's output.
-  router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}   error {id, code, message}
+  router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}   error {id, code, message, param}
+  A generate or chat result's response is neutral, not an OpenAI object (routing/openai_objects.py
+  builds those): {model, choices: [{index, text, token_ids, logprobs, finish_reason}], usage}, where
+  logprobs is null or {tokens, token_logprobs, top_logprobs, text_offset}. An error's param, when
+  present, names the request parameter it refuses. A chunk's outputs are [{index, token_ids, text,
+  finish_reason}].
   The router fixes the seed of every request that has none (unless temperature is 0) on arrival.
 
 Workers (DEALER) <-> router backend (ROUTER):
@@ -204,5 +209,9 @@ def resume_counts(value) -> dict[int, int]:
     return {i: n for i, n in value} if _is_counts(value) else {}
 
 
-def error(request_id, code: str, message: str) -> dict:
-    return {"type": ERROR, "id": request_id, "code": code, "message": message}
+def error(request_id, code: str, message: str, param: str | None = None) -> dict:
+    """An ERROR message; `param`: the request parameter refused (bad_request), by name."""
+    msg = {"type": ERROR, "id": request_id, "code": code, "message": message}
+    if param is not None:
+        msg["param"] = param
+    return msg

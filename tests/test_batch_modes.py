@@ -16,7 +16,8 @@ from support.cluster import ROOT
 from support.models import plain_logits, tiny
 
 from routing.entrypoints import CLI, command
-from workers.completions import completion_response, sampling_params
+from routing.openai_requests import sampling_params
+from workers.completions import completion_result
 from workers.engine import Engine, EngineConfig
 
 
@@ -86,8 +87,8 @@ def test_predict_jsonl_matches_the_engine_in_process(tmp_path):
         assert res["model"] == variant
         params_, echo = sampling_params({k: v for k, v in req.items() if k != "prompt"}, {"temperature": 0.0})
         eng = engines[variant]
-        want = completion_response(eng.generate([req["prompt"]], params_)[0], variant, eng.tokenizer, echo,
-                                   params_.logprobs is not None)
+        want = completion_result(eng.generate([req["prompt"]], params_)[0], variant, eng.tokenizer, echo,
+                                 params_.logprobs is not None)
         check_completion_object(res, [params_.logprobs is not None] * params_.n)
         same_choices(res["choices"], want["choices"])
         assert res["usage"] == want["usage"]
@@ -171,7 +172,7 @@ def test_compile_only_compiles_reports_memory_and_predict_starts_from_it(tmp_pat
     eng = Engine(tiny("llama", "float32"), EngineConfig(compile=False))
     for res, prompt in zip(got, ["one", "two two"], strict=True):
         params_, echo = sampling_params({"max_tokens": 7}, {"temperature": 0.0})
-        want = completion_response(eng.generate([prompt], params_)[0], "llama", eng.tokenizer, echo, False)
+        want = completion_result(eng.generate([prompt], params_)[0], "llama", eng.tokenizer, echo, False)
         same_choices(res["choices"], want["choices"])
 
 

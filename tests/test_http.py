@@ -142,7 +142,7 @@ def test_errors_are_openai_error_objects(oai, gw):
         oai.completions.create(model="llama", prompt=[])
     with pytest.raises(openai.BadRequestError) as info:  # the worker refuses it before the stream starts
         list(oai.completions.create(model="llama", prompt="x", stream=True, top_p=7))
-    assert info.value.status_code == 400
+    assert info.value.status_code == 400 and info.value.body["param"] == "top_p"
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model="llama", prompt="x", stream=True, logprobs=1)
     assert info.value.body["param"] == "logprobs"

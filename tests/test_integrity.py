@@ -35,6 +35,7 @@ from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
 from routing.entrypoints import WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
+from workers.thread_messages import Submit
 
 GREEDY = dict(ignore_eos=True, temperature=0.0)
 
@@ -203,12 +204,12 @@ def test_one_bad_reply_fails_only_its_own_request():
 
     async def go():
         async with AsyncClient(f"tcp://127.0.0.1:{port}", timeout=20) as ac:
-            big = ac.complete("m", "big")
+            big = ac.result("m", "big")
             with pytest.raises(RouterError) as info:
                 await big
             assert info.value.code == P.TOO_LARGE
-            assert await ac.complete("m", "garbage") == {"ok": 2}  # the reader survived the garbage
-            assert await ac.complete("m", "fine") == {"ok": 3}
+            assert await ac.result("m", "garbage") == {"ok": 2}  # the reader survived the garbage
+            assert await ac.result("m", "fine") == {"ok": 3}
             return ac.bad_replies, ac.reader_errors
 
     try:
@@ -290,7 +291,7 @@ def test_an_engine_failure_fails_only_the_requests_of_its_step():
         th.engine.runner.execute = failing_third_step
         # one slot: "a" runs, "b" waits outside the failing step and must be served as if nothing happened
         for key, prompt, n in (("a", [1, 2, 3], 30), ("b", [9, 8, 7], 6)):
-            th.inbox.put(("request", (key, {"id": key, "prompt": prompt, "params": {"max_tokens": n, **GREEDY}})))
+            th.inbox.put(Submit(key, {"id": key, "prompt": prompt, "params": {"max_tokens": n, **GREEDY}}))
         answers = {}
         while len(answers) < 2:
             frames = pair.recv_multipart()  # a turn's messages: (header, body) pairs

@@ -4,6 +4,7 @@ they replace."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from support.models import hf_greedy, tiny
 
 from workers.capability import cpu_capability
 from workers.engine import Engine, EngineConfig, attention, cpu_kernels
+from workers.engine.attention_backend import AttentionBackend
 from workers.engine.linears import Linear, can_pack
 from workers.engine.params import SamplingParams
 from workers.models import load_model
@@ -262,9 +264,9 @@ def test_cpu_silu_mul_rounds_as_torch(dtype, rows, inter):
 def _chunked_prompt_logprobs(lm, prompt, prefill_kernel: bool) -> torch.Tensor:
     """Prompt log-probabilities with the prompt computed in chunks of 96: later chunks read the
     earlier ones from the cache's blocks."""
-    eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=96))
-    if not prefill_kernel:
-        eng.runner.holder.prefill_kernel = None
+    # without the prefill kernel: the C++ decode kernel beside the PyTorch prefill path
+    backend = None if prefill_kernel else AttentionBackend("cpu-decode", cpu_kernels.decode_kernel())
+    eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=96), attention=backend)
     out = eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
     return torch.tensor(out.prompt_logprobs[1:], dtype=torch.float64)
 
@@ -300,7 +302,8 @@ def test_blocks_are_left_unzeroed_only_while_the_cpp_kernels_serve(embedded_mode
     assert eng.runner.holder.unzeroed
     fresh = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=64)).generate([list(range(100, 190))], greedy)
     assert out.outputs[0].token_ids == fresh[0].outputs[0].token_ids  # the NaNs were never read
-    eng.runner.holder.prefill_kernel = lambda *args: False  # as if the kernel declined a layout
+    # as if the kernel declined a layout
+    eng.runner.holder.backend = replace(eng.attention_backend, prefill=lambda *args: False)
     eng.add_request("x", list(range(300, 340)), greedy)
     with pytest.raises(RuntimeError, match="not zeroed"):
         eng.step()

@@ -1,13 +1,16 @@
-"""Bad parameters raise ValueError naming the parameter; nothing is queued."""
+"""Bad parameters raise ValueError (a ParamError) naming the parameter, in the message and as a
+field; nothing is queued."""
 
 from __future__ import annotations
 
 import pytest
 from support.models import tiny
 
+from routing.openai_requests import sampling_params
 from workers.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.engine.scheduler import SchedulerConfig
+from workers.validate import ParamError
 
 
 @pytest.mark.parametrize("kwargs,name", [
@@ -26,8 +29,22 @@ from workers.engine.scheduler import SchedulerConfig
     (dict(logprobs=-1), "logprobs"),
 ])
 def test_bad_sampling_params(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ParamError, match=name) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == name
+
+
+@pytest.mark.parametrize("params,name", [
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"echo": "yes"}, "echo"),
+    ({"max_tokens": -3}, "max_tokens"),
+])
+def test_request_parameters_are_refused_by_name(params, name):
+    with pytest.raises(ParamError) as info:
+        sampling_params(params)
+    assert info.value.param == name and name in str(info.value)
 
 
 @pytest.fixture(scope="module")

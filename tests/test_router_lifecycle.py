@@ -98,11 +98,11 @@ def test_async_client_hands_a_turns_requests_over_together():
                 tasks = [asyncio.ensure_future(ac.complete("llama", [1, 2, i], max_tokens=2, temperature=0))
                          for i in range(8)]
                 await asyncio.sleep(0)  # each task has queued its request; the hand-over is due next turn
-                queued = list(ac._outbox)
+                queued = list(ac._sender.outbox)
                 assert len(queued) == 8
-                ac._cancel_nowait(queued[0])  # as a timeout does: taken out unsent, no CANCEL to send
+                ac._sender.cancel(queued[0])  # as a timeout does: taken out unsent, no CANCEL to send
                 results = await asyncio.gather(*tasks[1:])
-                assert not ac._outbox
+                assert not ac._sender.outbox
                 tasks[0].cancel()  # it waited for an answer that never comes
                 return results
 

@@ -12,7 +12,7 @@ from support.models import tiny
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
-from workers.completions import sampling_params
+from routing.openai_requests import sampling_params
 from workers.engine import Engine, EngineConfig
 
 

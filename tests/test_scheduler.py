@@ -353,13 +353,14 @@ def test_decode_reads_only_the_blocks_each_sequence_holds():
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=8))
     cache = eng.runner.cache
     ptr, size = cache.keys.data_ptr(), cache.nbytes()
-    eng.runner.trace = []
+    steps, run_call = [], eng.runner.run_call
+    eng.runner.run_call = lambda ctx, call: steps.append(ctx) or run_call(ctx, call)
     rng = random.Random(6)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (400, 5, 6, 7)]
     outs = eng.generate(prompts, _greedy(10))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 10)
-    decode_steps = [ctx for ctx, _ in eng.runner.trace if ctx.num_decode == 4]
+    decode_steps = [ctx for ctx in steps if ctx.num_decode == 4]
     assert decode_steps
     for ctx in decode_steps:
         pairs = ctx.groups[0].pair_blocks.numel()
@@ -368,9 +369,10 @@ def test_decode_reads_only_the_blocks_each_sequence_holds():
 
 
 def test_a_device_decode_kernel_plugs_in_at_one_seam():
-    """The seam a CUDA paged kernel uses: registered for a device type, it gets every decode call
-    with the step's (row, block) pairs; here a CPU kernel that checks and delegates."""
+    """The seam a CUDA paged kernel uses: an attention backend handed to the engine at load gets
+    every decode call with the step's (row, block) pairs; here a CPU kernel that checks and delegates."""
     from workers.engine import attention
+    from workers.engine.attention_backend import AttentionBackend
 
     lm = tiny("llama", dtype="float32")
     calls = []
@@ -379,15 +381,14 @@ def test_a_device_decode_kernel_plugs_in_at_one_seam():
         calls.append(gs.pair_blocks.numel())
         return attention.decode_attention(gs, q, key, value, scaling, softcap)
 
-    attention.register_decode_kernel("cpu", kernel)
-    try:
-        prompts = [[5, 6, 7], list(range(1, 40))]
-        outs = Engine(lm, EngineConfig(max_batch_size=2)).generate(prompts, _greedy(6))
-    finally:
-        attention.register_decode_kernel("cpu", None)
-    assert calls and "cpu" not in attention.DECODE_KERNELS
+    prompts = [[5, 6, 7], list(range(1, 40))]
+    eng = Engine(lm, EngineConfig(max_batch_size=2), attention=AttentionBackend("checked", kernel))
+    outs = eng.generate(prompts, _greedy(6))
+    assert calls and eng.attention_backend.name == "checked"
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 6)
+    # chosen per engine, never for the process: another engine on the same weights runs its own
+    assert Engine(lm, EngineConfig(max_batch_size=2)).attention_backend.name != "checked"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

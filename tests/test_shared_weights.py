@@ -17,7 +17,7 @@ from fusion.deploy import build_fusion
 from fusion.local import LocalDeployment
 from fusion.plan import make_plan
 from routing.client import Client
-from workers.completions import sampling_params
+from routing.openai_requests import sampling_params
 from workers.models import load_engine, load_model
 from workers.weights import shared as S
 

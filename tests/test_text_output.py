@@ -14,6 +14,7 @@ from routing import protocol as P
 from workers.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.engine.text_output import RequestText
+from workers.thread_messages import Submit
 
 PROMPT = [10, 20, 30, 40, 50]
 
@@ -100,8 +101,8 @@ def test_the_worker_makes_text_on_its_output_thread_and_stops_the_engine_there(l
             return real_decode(*a, **kw)
 
         tok.decode = decode
-        th.inbox.put(("request", ("k", {"id": "c1", "prompt": PROMPT, "stream": True,
-                                        "params": {"max_tokens": 400, "stop": [stop], **greedy}})))
+        th.inbox.put(Submit("k", {"id": "c1", "prompt": PROMPT, "stream": True,
+                                   "params": {"max_tokens": 400, "stop": [stop], **greedy}}))
         chunks, result = _recv_until_result(pair, "k")
         choice = result["response"]["choices"][0]
         want = full.outputs[0].text

@@ -183,7 +183,7 @@ def test_deployment_copies_on_one_gpu_share_an_owner(tmp_path, monkeypatch):
 
     from fusion.local import LocalDeployment
     from routing.client import Client
-    from workers.completions import sampling_params
+    from routing.openai_requests import sampling_params
 
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "cache"))
     fusion, plan = _plan("cuda:0", 3)

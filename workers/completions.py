@@ -1,48 +1,10 @@
-"""OpenAI completions on top of the engine: request parameters in, completion objects out."""
+"""A finished request's neutral result: tokens, text, logprobs (with the tokens' text), finish
+reasons and usage, made on the worker, where the tokenizer is."""
 
 from __future__ import annotations
 
-import time
-import uuid
-
 from workers.engine.detok import tokens_within
 from workers.engine.outputs import RequestOutput
-from workers.engine.params import SamplingParams
-
-# OpenAI parameter -> SamplingParams field (extensions: top_k, stop_token_ids, ignore_eos)
-_DIRECT = {"max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids",
-           "ignore_eos"}
-_HANDLED = _DIRECT | {"logprobs", "echo"}
-# no effect on sampling: routing and bookkeeping fields (return_token_ids is read by the worker and adds
-# choices[i]["token_ids"])
-_IGNORED = {"user", "stream", "model", "engine", "prompt", "return_token_ids"}
-# OpenAI parameters not implemented: accepted only at their no-op value, refused otherwise, never ignored
-_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
-
-
-def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
-    """SamplingParams and `echo` from OpenAI-style parameters. ValueError names a bad key."""
-    merged = dict(defaults or {})
-    merged.update(req)
-    unknown = sorted(set(merged) - _HANDLED - _IGNORED - set(_UNSUPPORTED))
-    if unknown:
-        raise ValueError(f"unknown parameter {unknown[0]!r}")
-    for key, noop in _UNSUPPORTED.items():
-        if merged.get(key) not in (None, noop):
-            raise ValueError(f"{key} is not supported by this server (got {merged[key]!r}); leave it out or "
-                             f"set it to {noop!r}")
-    kw = {k: merged[k] for k in _DIRECT if merged.get(k) is not None}
-    lp = merged.get("logprobs")
-    if lp is not None:
-        if isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20:
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {lp!r}")
-        kw["logprobs"] = lp
-    echo = merged.get("echo", False)
-    if not isinstance(echo, bool):
-        raise ValueError(f"echo must be true or false, got {echo!r}")
-    if echo and lp is not None:
-        kw["prompt_logprobs"] = lp
-    return SamplingParams(**kw), echo
 
 
 def _logprobs_block(tokenizer, token_ids, logprobs, tops, start_offset: int):
@@ -57,9 +19,10 @@ def _logprobs_block(tokenizer, token_ids, logprobs, tops, start_offset: int):
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
-def completion_response(out: RequestOutput, model_name: str, tokenizer, echo: bool, with_logprobs: bool,
-                        token_ids: bool = False) -> dict:
-    """An OpenAI `text_completion` object for a finished request."""
+def completion_result(out: RequestOutput, model_name: str, tokenizer, echo: bool, with_logprobs: bool) -> dict:
+    """A finished request's result, as the worker sends it (routing/protocol.py): per sample its
+    text, token IDs, logprobs and finish reason, and the usage. The clients make OpenAI objects of
+    it (routing/openai_objects.py)."""
     prompt_text = "" if not echo else out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
     choices = []
     for c in out.outputs:
@@ -81,15 +44,10 @@ def completion_response(out: RequestOutput, model_name: str, tokenizer, echo: bo
                 lp_block = {k: pblock[k] + gen[k] for k in gen}
             else:
                 lp_block = gen
-        choice = {"text": text, "index": c.index, "logprobs": lp_block, "finish_reason": c.finish_reason}
-        if token_ids:
-            choice["token_ids"] = list(c.token_ids)
-        choices.append(choice)
+        choices.append({"text": text, "index": c.index, "logprobs": lp_block, "finish_reason": c.finish_reason,
+                        "token_ids": list(c.token_ids)})
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     return {
-        "id": f"cmpl-{uuid.uuid4().hex[:24]}",
-        "object": "text_completion",
-        "created": int(time.time()),
         "model": model_name,
         "choices": choices,
         "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion_tokens,

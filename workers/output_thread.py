@@ -2,7 +2,7 @@
 
 The engine thread hands each step's token outputs here and goes on to the next step. This thread
 detokenizes streams incrementally, matches stop strings (and tells the engine to stop a sample
-that matched one), formats chunks and OpenAI completion objects, and sends them to the I/O thread
+that matched one), formats chunks and results, and sends them to the I/O thread
 through the inproc PAIR socket it owns. Everything the engine thread sends to the router passes
 through here in order, so a request's error or result never overtakes its chunks.
 """
@@ -12,15 +12,29 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
 from routing import protocol as P
-from workers.completions import completion_response
+from workers.completions import completion_result
 from workers.engine.detok import IncrementalText
 from workers.engine.params import SamplingParams
 from workers.engine.text_output import RequestText
+from workers.thread_messages import (
+    Answer,
+    Control,
+    EngineMessage,
+    Failed,
+    FinishSample,
+    Forget,
+    ModelReady,
+    OutputMessage,
+    Registered,
+    Retire,
+    StepOutputs,
+)
 
 
 @dataclass(slots=True)
@@ -31,7 +45,6 @@ class Request:
     text: RequestText
     stream: bool = False
     echo: bool = False
-    token_ids: bool = False  # return_token_ids: choices carry their token IDs
     logprobs: bool = False
     skip: dict[int, int] = field(default_factory=dict)  # resent after a lost worker: tokens the client has
     hold: int = 0  # characters a stream holds back: the start of a stop string the final text may cut
@@ -40,55 +53,44 @@ class Request:
     closed: set[int] = field(default_factory=set)  # samples whose last chunk went out
 
 
-@dataclass(slots=True)
-class Model:
-    """The loaded model as the output thread needs it."""
-
-    name: str
-    tokenizer: object
-    eos_token_ids: list[int]
-
-
 class OutputThread(threading.Thread):
     """Consumes the engine thread's items (see the put_* methods), sends the resulting messages."""
 
-    def __init__(self, ctx: zmq.Context, out_addr: str, engine_inbox: queue.Queue):
+    def __init__(self, ctx: zmq.Context, out_addr: str, tell_engine: Callable[[EngineMessage], None]):
         super().__init__(daemon=True, name="output")
-        self.items: queue.Queue = queue.Queue()
-        self.ctx, self.out_addr, self.engine_inbox = ctx, out_addr, engine_inbox
+        self.items: queue.Queue[OutputMessage] = queue.Queue()
+        self.ctx, self.out_addr, self.tell_engine = ctx, out_addr, tell_engine
         self.stop = threading.Event()
-        self.model: Model | None = None
+        self.model: ModelReady | None = None
         self.requests: dict[str, Request] = {}
         self.outbox: list[bytes] = []  # this turn's data messages (header, body, ...), sent as one
 
     # --- called on the engine thread ------------------------------------------------------------
     def put_model(self, name: str, tokenizer, eos_token_ids: list[int]) -> None:
-        self.items.put(("model", Model(name, tokenizer, list(eos_token_ids))))
+        self.items.put(ModelReady(name, tokenizer, list(eos_token_ids)))
 
     def put_control(self, msg: dict) -> None:
-        self.items.put(("control", P.pack(msg)))
+        self.items.put(Control(P.pack(msg)))
 
-    def put_error(self, key: str, cid: str | None, code: str, message: str) -> None:
+    def put_error(self, key: str, cid: str | None, code: str, message: str, param: str | None = None) -> None:
         """A request failed: its error, after whatever it sent before; the request is forgotten.
         `cid` None: the client's id is the one it was registered with (put_request); a request
-        already answered gets no error."""
-        self.items.put(("error", key, cid, code, message))
+        already answered gets no error. `param`: the request parameter refused."""
+        self.items.put(Failed(key, cid, code, message, param))
 
     def put_result(self, key: str, body: dict) -> None:
         """An answer computed on the engine thread (tokenizer tasks)."""
-        self.items.put(("result", key, body))
+        self.items.put(Answer(key, body))
 
     def put_request(self, key: str, msg: dict, params: SamplingParams, echo: bool) -> None:
-        self.items.put(("request", key, msg, params, echo))
+        self.items.put(Registered(key, msg, params, echo))
 
     def put_forget(self, keys: list[str] | None) -> None:
         """Cancelled, or (None) all dropped for a new assignment: send nothing more for these."""
-        self.items.put(("forget", keys))
+        self.items.put(Forget(keys))
 
     def put_step(self, results: list) -> None:
-        """A step's outputs, with each sample's length now: a running request's lists are the
-        engine's own and grow on the next step."""
-        self.items.put(("step", results, [[len(c.token_ids) for c in r.outputs] for r in results]))
+        self.items.put(StepOutputs(results, [[len(c.token_ids) for c in r.outputs] for r in results]))
 
     # --- this thread ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -107,35 +109,34 @@ class OutputThread(threading.Thread):
         finally:
             out.close(linger=0)
 
-    def _handle(self, item: tuple, out) -> None:
-        kind = item[0]
-        if kind == "step":
-            for res, lengths in zip(item[1], item[2]):
-                self._emit(res, lengths)
-        elif kind == "request":
-            self._add(*item[1:])
-        elif kind == "error":
-            _, key, cid, code, message = item
-            req = self.requests.pop(key, None)
-            if req is not None or cid is not None:
-                self._data(P.ERROR, key, P.error(req.id if req is not None else cid, code, message))
-        elif kind == "result":
-            self._data(P.RESULT, item[1], item[2])
-        elif kind == "forget":
-            for key in list(self.requests) if item[1] is None else item[1]:
-                self.requests.pop(key, None)
-        elif kind == "model":
-            self.model = item[1]
-        elif kind == "control":
-            self._flush(out)
-            self._put(out, [item[1]])
+    def _handle(self, item: OutputMessage, out) -> None:
+        match item:
+            case StepOutputs(results, lengths):
+                for res, counts in zip(results, lengths):
+                    self._emit(res, counts)
+            case Registered(key, msg, params, echo):
+                self._add(key, msg, params, echo)
+            case Failed(key, cid, code, message, param):
+                req = self.requests.pop(key, None)
+                if req is not None or cid is not None:
+                    self._data(P.ERROR, key, P.error(req.id if req is not None else cid, code, message, param))
+            case Answer(key, body):
+                self._data(P.RESULT, key, body)
+            case Forget(keys):
+                for key in list(self.requests) if keys is None else keys:
+                    self.requests.pop(key, None)
+            case ModelReady():
+                self.model = item
+            case Control(frame):
+                self._flush(out)
+                self._put(out, [frame])
 
     def _add(self, key: str, msg: dict, params: SamplingParams, echo: bool) -> None:
         m = self.model
         stream = bool(msg.get("stream"))
         self.requests[key] = Request(
             id=msg.get("id"), text=RequestText(m.tokenizer, params, m.eos_token_ids, incremental=stream),
-            stream=stream, echo=echo, token_ids=bool(msg.get("params", {}).get("return_token_ids")),
+            stream=stream, echo=echo,
             logprobs=params.logprobs is not None, skip=P.resume_counts(msg.get("resume")),
             hold=max((len(x) for x in params.stop), default=1) - 1)
 
@@ -144,16 +145,16 @@ class OutputThread(threading.Thread):
         if req is None:
             return  # cancelled, dropped, or already answered (a stop string ended it)
         for index in req.text.update(res, lengths):
-            self.engine_inbox.put(("finish", (res.request_id, index)))
+            self.tell_engine(FinishSample(res.request_id, index))
         if req.stream:
             self._chunk(req, res.request_id, res, lengths)
         if req.text.done(res):
             final = req.text.final(res)
             del self.requests[res.request_id]
             if not res.finished:  # stop strings ended every sample: the engine has nothing left to run
-                self.engine_inbox.put(("retire", res.request_id))
+                self.tell_engine(Retire(res.request_id))
             m = self.model
-            response = completion_response(final, m.name, m.tokenizer, req.echo, req.logprobs, req.token_ids)
+            response = completion_result(final, m.name, m.tokenizer, req.echo, req.logprobs)
             self._data(P.RESULT, res.request_id, {"type": P.RESULT, "id": req.id, "response": response},
                        response["usage"]["completion_tokens"])
 

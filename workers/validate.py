@@ -2,13 +2,22 @@
 here (YAML and JSON `true` must not pass as 1), and an error names the parameter and what to give.
 
 Predicates (`is_int`, `is_number`) answer where the caller words its own error; the `check_*`
-functions raise `ValueError` with the parameter's name and return the value.
+functions raise `ParamError` (a ValueError) with the parameter's name and return the value.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+
+class ParamError(ValueError):
+    """A bad value of one parameter, named in `param` as well as in the message (an HTTP error
+    names it in its `param` field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def is_int(x: Any, low: int | None = None) -> bool:
@@ -23,9 +32,9 @@ def is_number(x: Any) -> bool:
 
 def check_int(name: str, x: Any, low: int | None = None) -> int:
     if not is_int(x):
-        raise ValueError(f"{name} must be an integer, got {x!r}")
+        raise ParamError(name, f"{name} must be an integer, got {x!r}")
     if low is not None and x < low:
-        raise ValueError(f"{name} must be >= {low}, got {x}")
+        raise ParamError(name, f"{name} must be >= {low}, got {x}")
     return x
 
 
@@ -33,15 +42,15 @@ def check_number(name: str, x: Any, low: float | None = None, high: float | None
                  low_open: bool = False) -> float:
     """A number in [low, high] (or (low, high] with `low_open`)."""
     if not is_number(x):
-        raise ValueError(f"{name} must be a number, got {x!r}")
+        raise ParamError(name, f"{name} must be a number, got {x!r}")
     if low is not None and (x <= low if low_open else x < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low:g}, got {x!r}")
+        raise ParamError(name, f"{name} must be {'>' if low_open else '>='} {low:g}, got {x!r}")
     if high is not None and x > high:
-        raise ValueError(f"{name} must be <= {high:g}, got {x!r}")
+        raise ParamError(name, f"{name} must be <= {high:g}, got {x!r}")
     return x
 
 
 def check_bool(name: str, x: Any) -> bool:
     if not isinstance(x, bool):
-        raise ValueError(f"{name} must be true or false, got {x!r}")
+        raise ParamError(name, f"{name} must be true or false, got {x!r}")
     return x

@@ -32,6 +32,7 @@ import zmq
 from routing import protocol as P
 from routing.security import connect_curve
 from workers.output_thread import OutputThread
+from workers.thread_messages import Assign, Cancel, EngineMessage, FinishSample, Retire, Submit
 
 
 @dataclass(slots=True)
@@ -59,16 +60,22 @@ class EngineThread(threading.Thread):
     """Owns the Engine: load on assignment, then step while there is work. What a step produced
     goes to the output thread, which makes text and messages of it while the next step runs."""
 
-    def __init__(self, output: OutputThread, num_threads: int | None):
+    def __init__(self, num_threads: int | None):
         # daemon only as a last resort: exit joins it (Worker.run), and never leaves it running
         super().__init__(daemon=True, name="engine")
-        self.inbox: queue.Queue = output.engine_inbox
-        self.output, self.num_threads = output, num_threads
+        self.inbox: queue.Queue[EngineMessage] = queue.Queue()
+        self.output: OutputThread | None = None  # connect() sets it before the thread starts
+        self.num_threads = num_threads
         self.stop = threading.Event()
         self.engine = None
         self.spec = None  # the WorkerSpec it serves
         self.aborted = 0  # requests cancelled while they ran (their batch slots freed)
         self.dropped = 0  # requests dropped because the worker was assigned again
+
+    def connect(self, ctx: zmq.Context, out_addr: str) -> OutputThread:
+        """The output thread this one hands its steps to, which tells this one of matched stops."""
+        self.output = OutputThread(ctx, out_addr, self.inbox.put)
+        return self.output
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -92,36 +99,36 @@ class EngineThread(threading.Thread):
     def _fail_step(self, why: str) -> None:
         """Fail the requests the failed step touched; the others were left as they were and go on."""
         traceback.print_exc()
-        plan = self.engine.last_plan
-        keys = plan.request_ids() if plan is not None else set(self.engine.scheduler.groups)
-        for key in sorted(keys):
+        for key in sorted(self.engine.last_step_requests()):
             self.engine.abort(key)
             self.output.put_error(key, None, P.INTERNAL, f"the engine failed: {why}")
 
     def _drop_all(self) -> None:
         """A new assignment: the router resent everything we held; finishing it would only waste steps."""
         if self.engine is not None:
-            self.dropped += len(self.engine.scheduler.groups)
-            for key in list(self.engine.scheduler.groups):
+            keys = self.engine.request_ids()
+            self.dropped += len(keys)
+            for key in keys:
                 self.engine.abort(key)
         self.output.put_forget(None)
 
-    def _handle(self, item) -> None:
-        kind, msg = item
-        if kind == "assign":
-            self._drop_all()
-            self._load(msg)
-        elif kind == "request":
-            self._add(*msg)
-        elif kind == "cancel":
-            if self.engine is not None and self.engine.abort(msg["id"]):
-                self.aborted += 1
-            self.output.put_forget([msg["id"]])
-        elif kind == "finish":  # the output thread matched a stop string: stop running that sample
-            if self.engine is not None:
-                self.engine.finish_sample(*msg)
-        elif kind == "retire" and self.engine is not None:  # answered already: nothing left to run
-            self.engine.abort(msg)
+    def _handle(self, item: EngineMessage) -> None:
+        match item:
+            case Assign(msg):
+                self._drop_all()
+                self._load(msg)
+            case Submit(key, msg):
+                self._add(key, msg)
+            case Cancel(key):
+                if self.engine is not None and self.engine.abort(key):
+                    self.aborted += 1
+                self.output.put_forget([key])
+            case FinishSample(key, index):  # the output thread matched a stop string: stop running that sample
+                if self.engine is not None:
+                    self.engine.finish_sample(key, index)
+            case Retire(key):  # answered already: nothing left to run
+                if self.engine is not None:
+                    self.engine.abort(key)
 
     def _load(self, msg: dict) -> None:
         from workers.engine import Engine, EngineConfig
@@ -160,7 +167,7 @@ class EngineThread(threading.Thread):
         return tasks.tokenizer_info(e.tokenizer, name, e.lm.max_model_len)
 
     def _add(self, key: str, msg: dict) -> None:
-        from workers.completions import sampling_params
+        from routing.openai_requests import sampling_params
         from workers.tasks import chat_prompt, end_of_turn_ids
 
         cid = msg.get("id")
@@ -181,8 +188,8 @@ class EngineThread(threading.Thread):
             # registered first: the output thread must know the request before its first step's output
             self.output.put_request(key, msg, params, echo)
             self.engine.add_request(key, prompt, params)
-        except ValueError as exc:
-            self.output.put_error(key, cid, P.BAD_REQUEST, str(exc))
+        except ValueError as exc:  # a ParamError names the parameter
+            self.output.put_error(key, cid, P.BAD_REQUEST, str(exc), getattr(exc, "param", None))
         except Exception as exc:  # never let one request take the worker down
             self.output.put_error(key, cid, P.INTERNAL, f"{type(exc).__name__}: {exc}")
 
@@ -201,8 +208,7 @@ def echo_response(msg: dict) -> dict:
     prompt = msg.get("prompt")
     text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
     return {"type": P.RESULT, "id": msg.get("id"),
-            "response": {"id": "cmpl-echo", "object": "text_completion", "created": int(time.time()),
-                         "model": "echo", "choices": [{"text": text, "index": 0, "logprobs": None,
+            "response": {"model": "echo", "choices": [{"text": text, "index": 0, "logprobs": None, "token_ids": [],
                                                        "finish_reason": "length"}],
                          "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}}
 
@@ -214,8 +220,8 @@ class Worker:
         self.out_addr = f"inproc://engine-out-{id(self)}"
         self.pair = self.ctx.socket(zmq.PAIR)
         self.pair.bind(self.out_addr)
-        self.output = None if config.echo else OutputThread(self.ctx, self.out_addr, queue.Queue())
-        self.engine = None if config.echo else EngineThread(self.output, config.num_threads)
+        self.engine = None if config.echo else EngineThread(config.num_threads)
+        self.output = None if config.echo else self.engine.connect(self.ctx, self.out_addr)
         self.worker_id: int | None = None
         self.model_id: int | None = None
         self.unsent = 0  # messages dropped because the router was not reading
@@ -347,7 +353,7 @@ class Worker:
         if self.engine is None:
             self._send(sock, [P.header(P.RESULT, key), P.pack(echo_response(msg))])
         else:
-            self.engine.inbox.put(("request", (key, msg)))
+            self.engine.inbox.put(Submit(key, msg))
 
     def _on_router(self, sock, frame: bytes) -> bool:
         try:
@@ -366,9 +372,9 @@ class Worker:
             if self.engine is None:
                 self._send(sock, [P.pack({"type": P.LOADED, "model_id": self.model_id, "worker_id": self.worker_id})])
             else:
-                self.engine.inbox.put(("assign", msg))
+                self.engine.inbox.put(Assign(msg))
         elif mtype == P.CANCEL and self.engine is not None and isinstance(msg.get("id"), str):
-            self.engine.inbox.put(("cancel", msg))
+            self.engine.inbox.put(Cancel(msg["id"]))
         return True
 
 

@@ -23,10 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from routing import openai_objects, openai_requests
 from routing import protocol as P
-from routing.client import AsyncClient, RouterError
+from routing.client import AsyncClient
 from routing.http import openai as O
 from routing.http.metrics import Metrics
+from routing.http.streaming import stream_response
 
 log = logging.getLogger("mmfusion.http")
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key (probes, scrapers)
@@ -63,7 +65,7 @@ class ApiKeys:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not any(hmac.compare_digest(token.strip(), k) for k in self.keys):
-                err = O.OpenAIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
+                err = openai_requests.OpenAIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
                                     code="invalid_api_key")
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
@@ -74,17 +76,10 @@ def parse_body(body: bytes) -> dict:
     try:
         data = json.loads(body)
     except ValueError as exc:
-        raise O.OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+        raise openai_requests.OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise O.OpenAIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        raise openai_requests.OpenAIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     return data
-
-
-def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 class FastPath:
@@ -119,7 +114,7 @@ async def read_body(scope, receive, limit: int) -> bytes:
     for name, value in scope["headers"]:
         if name == b"content-length":
             if value.isdigit() and int(value) > limit:
-                raise O.OpenAIError(413, f"request body of {value.decode()} bytes exceeds the limit of {limit}",
+                raise openai_requests.OpenAIError(413, f"request body of {value.decode()} bytes exceeds the limit of {limit}",
                                     code="too_large")
             break
     body = b""
@@ -129,7 +124,7 @@ async def read_body(scope, receive, limit: int) -> bytes:
             raise ClientGone()
         body += msg.get("body", b"")
         if len(body) > limit:
-            raise O.OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
+            raise openai_requests.OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
         if not msg.get("more_body", False):
             return body
 
@@ -147,6 +142,49 @@ async def send_json(send, obj) -> None:
 
 class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
+
+
+async def read_json(scope, receive, limit: int) -> dict:
+    """The body as a JSON object."""
+    return parse_body(await read_body(scope, receive, limit))
+
+
+async def until_cancelled_by_client(receive, coro):
+    """Await `coro`; if the client disconnects first, cancel it (which cancels on the workers).
+    One watcher task per request, which cancels this one: cheaper than racing two tasks."""
+    me = asyncio.current_task()
+    gone = False
+
+    async def watch():
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        me.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if gone:
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def all_of(coros) -> list:
+    """gather, but a failure cancels the others (and so their work on the workers)."""
+    coros = list(coros)
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
 
 
 @dataclass(slots=True)
@@ -217,7 +255,7 @@ class Gateway:
         default = names[0] if len(names) == 1 and tokenizer_path else None
         try:
             target = O.resolve_model(value, models, default)
-        except O.OpenAIError as exc:
+        except openai_requests.OpenAIError as exc:
             if exc.status != 404:
                 raise
             models = await self.models(refresh=True)  # a model table gone stale
@@ -226,67 +264,13 @@ class Gateway:
             self._targets[key] = target  # bounded: only names that resolved (the deployment's)
         return target
 
-    async def read_json(self, scope, receive, params: list) -> dict:
-        """The body as a JSON object; `params` gets its parameter names (a refused one is named)."""
-        data = parse_body(await read_body(scope, receive, self.settings.max_body_bytes))
-        params += [k for k in data if k not in ("model", "prompt", "messages")]
-        return data
-
-    @staticmethod
-    async def until_cancelled_by_client(receive, coro):
-        """Await `coro`; if the client disconnects first, cancel it (which cancels on the workers).
-        One watcher task per request, which cancels this one: cheaper than racing two tasks."""
-        me = asyncio.current_task()
-        gone = False
-
-        async def watch():
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            me.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        try:
-            return await coro
-        except asyncio.CancelledError:
-            if gone:
-                raise ClientGone() from None
-            raise
-        finally:
-            watcher.cancel()
-
-    @staticmethod
-    async def all_of(coros) -> list:
-        """gather, but a failure cancels the others (and so their work on the workers)."""
-        coros = list(coros)
-        if len(coros) == 1:
-            return [await coros[0]]
-        tasks = [asyncio.ensure_future(c) for c in coros]
-        try:
-            return await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
-
-    def error_response(self, exc: Exception, params=()) -> Response:
-        if isinstance(exc, O.OpenAIError):
-            err = exc
-        elif isinstance(exc, RouterError):
-            err = O.from_router(exc.code, str(exc).split(": ", 1)[-1], params)
-        elif isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-            err = O.OpenAIError(504, f"no answer from the router within {self.settings.request_timeout:g}s",
-                                code="timeout")
-        else:
-            log.exception("gateway: unexpected error")
-            err = O.OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal")
+    def error_response(self, exc: Exception) -> JSONResponse:
+        err = O.error_for(exc, self.settings.request_timeout)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    async def answer(self, endpoint: str, work, params: list) -> Response | dict:
+    async def answer(self, endpoint: str, work) -> Response | dict:
         """Run an endpoint's work; count it, time it, turn its failure into an OpenAI error. The work
-        returns (a Response or a JSON body, the model label); `params` are the request's parameter
-        names, filled in by the work as it reads the body."""
+        returns (a Response or a JSON body, the model label)."""
         t0 = time.perf_counter()
         label = "unknown"
         try:
@@ -294,186 +278,85 @@ class Gateway:
         except ClientGone:
             resp = Response(status_code=CLIENT_GONE)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error object, never a crash
-            resp = self.error_response(exc, params)
+            resp = self.error_response(exc)
         streamed = isinstance(resp, StreamingResponse)
         self.metrics.request_done(label, endpoint, resp.status_code if isinstance(resp, Response) else 200,
                                   None if streamed else time.perf_counter() - t0)
         return resp
 
-    async def handle(self, endpoint: str, work, params: list | None = None) -> Response:
+    async def handle(self, endpoint: str, work) -> Response:
         """answer(), as a Response for a Starlette endpoint."""
-        resp = await self.answer(endpoint, work, [] if params is None else params)
+        resp = await self.answer(endpoint, work)
         return JSONResponse(resp) if isinstance(resp, dict) else resp
 
     # --- OpenAI endpoints --------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
         async def work(t0):
-            return JSONResponse(O.model_list(await self.models(), int(time.time()))), "-"
+            return JSONResponse(openai_objects.model_list(await self.models(), int(time.time()))), "-"
         return await self.handle("models", work)
 
     async def get_model(self, request: Request) -> Response:
         async def work(t0):
             models = await self.models()
             target = O.resolve_model(request.path_params["model"], models)
-            entry = next(m for m in O.model_list(models, int(time.time()))["data"] if m["id"] == target.name)
+            entry = next(m for m in openai_objects.model_list(models, int(time.time()))["data"] if m["id"] == target.name)
             return JSONResponse(entry), target.name
         return await self.handle("models", work)
 
     async def completions(self, scope, receive, send) -> None:
         """POST /v1/completions, as plain ASGI: the hot path of short requests, so no Request or
         Response object on its way unless it streams or fails."""
-        params: list = []
-
         async def work(t0):
-            body = await self.read_json(scope, receive, params)
+            body = await read_json(scope, receive, self.settings.max_body_bytes)
             path_model = scope.get("path_params", {}).get("model")
             target = await self.target_for(path_model or body.get("model"), scope["path"])
-            job = O.completion_job(body)
+            job = openai_requests.completion_job(body)
             if job.stream.stream:
-                return await self.stream_response(target, job.prompts, job.params, job.n, job.stream.include_usage,
-                                                  P.GENERATE, t0), target.name
-            results = await self.until_cancelled_by_client(receive, self.all_of(
-                self.client.complete(target.router_model, p, **job.params) for p in job.prompts))
-            out = O.merge_completions(results, target.name, job.n)
+                return await stream_response(self.client, self.metrics, self.error_response, target, job.prompts,
+                                             job.params, job.n, job.stream.include_usage, P.GENERATE, t0), target.name
+            results = await until_cancelled_by_client(receive, all_of(
+                self.client.result(target.router_model, p, **job.params) for p in job.prompts))
+            out = openai_objects.merge_completions(results, target.name, job.n)
             self.metrics.observe_usage(target.name, out["usage"])
             return out, target.name
 
-        resp = await self.answer("completions", work, params)
+        resp = await self.answer("completions", work)
         if isinstance(resp, dict):
             await send_json(send, resp)
         else:
             await resp(scope, receive, send)
 
     async def chat(self, request: Request) -> Response:
-        params: list = []
-
         async def work(t0):
-            body = await self.read_json(request.scope, request.receive, params)
+            body = await read_json(request.scope, request.receive, self.settings.max_body_bytes)
             target = await self.target(request, body)
-            job = O.chat_job(body)
+            job = openai_requests.chat_job(body)
             if job.stream.stream:
-                return await self.stream_response(target, [job.messages], job.params, job.n,
-                                                  job.stream.include_usage, P.CHAT, t0), target.name
-            result = await self.until_cancelled_by_client(
-                request.receive, self.client.complete(target.router_model, job.messages, task=P.CHAT, **job.params))
+                return await stream_response(self.client, self.metrics, self.error_response, target, [job.messages],
+                                             job.params, job.n, job.stream.include_usage, P.CHAT, t0), target.name
+            result = await until_cancelled_by_client(
+                request.receive, self.client.result(target.router_model, job.messages, task=P.CHAT, **job.params))
             self.metrics.observe_usage(target.name, result["usage"])
-            return O.chat_completion(result, target.name), target.name
-        return await self.handle("chat", work, params)
-
-    async def stream_response(self, target: O.Target, prompts: list, params: dict, n: int,
-                              include_usage: bool, task: str, t0: float) -> Response:
-        """An SSE stream of chunks. The first event is awaited before answering, so that a request
-        the worker refuses gets its HTTP error status; later failures are an error event, then
-        [DONE]. Closing the connection cancels every part of it on the workers."""
-        chat = task == P.CHAT
-        state = O.StreamState(O.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), target.name)
-        events = self.merged_events(target, prompts, params, task)
-        try:
-            first = await events.__anext__()
-        except BaseException:
-            await events.aclose()
-            raise
-        return StreamingResponse(self.sse(events, first, state, n, include_usage, chat, t0),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def merged_events(self, target: O.Target, prompts: list, params: dict, task: str):
-        """(prompt index, router message) of every prompt's stream, as they come."""
-        if len(prompts) == 1:  # the common case: no pump task, no queue between the two
-            async with contextlib.aclosing(self.client.events(target.router_model, prompts[0], True, task,
-                                                              **params)) as msgs:
-                async for msg in msgs:
-                    yield 0, msg
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(i, prompt):
-            try:
-                async for msg in self.client.events(target.router_model, prompt, True, task, **params):
-                    await queue.put((i, msg))
-                await queue.put((i, done))
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
-                await queue.put((i, exc))
-
-        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
-        try:
-            left = len(tasks)
-            while left:
-                i, item = await queue.get()
-                if item is done:
-                    left -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def sse(self, events, first, state: O.StreamState, n: int, include_usage: bool, chat: bool, t0: float):
-        model, m = state.model, self.metrics
-        last = None
-        try:
-            pending = [first]
-            while True:
-                i, msg = pending.pop() if pending else await events.__anext__()
-                if msg["type"] == P.RESULT:
-                    state.usage.add(msg["response"]["usage"])
-                    continue
-                now = time.perf_counter()
-                for out in msg["outputs"]:
-                    index = i * n + out["index"]
-                    if out["token_ids"]:
-                        if last is None:
-                            m.child(m.ttft, model).observe(now - t0)
-                        else:
-                            m.child(m.itl, model).observe((now - last) / len(out["token_ids"]))
-                        last = now
-                    if chat:
-                        if index not in state.started:
-                            state.started.add(index)
-                            yield _sse(O.chat_chunk(state.id, state.created, model, index,
-                                                    {"role": "assistant", "content": ""}))
-                        if out["text"]:
-                            yield _sse(O.chat_chunk(state.id, state.created, model, index, {"content": out["text"]}))
-                        if out["finish_reason"]:
-                            yield _sse(O.chat_chunk(state.id, state.created, model, index, {}, out["finish_reason"]))
-                    elif out["text"] or out["finish_reason"]:
-                        yield _sse(O.completion_chunk(state.id, state.created, model, index, out["text"],
-                                                      out["finish_reason"]))
-        except StopAsyncIteration:
-            if include_usage:
-                yield _sse(O.usage_chunk(state.id, state.created, model,
-                                         "chat.completion.chunk" if chat else "text_completion", state.usage))
-            m.observe_usage(model, state.usage.as_dict())
-        except Exception as exc:  # noqa: BLE001 - a stream that fails part-way: an error event, then [DONE]
-            resp = self.error_response(exc)
-            m.child(m.requests, model, "stream", str(resp.status_code)).inc()
-            yield b"data: " + resp.body + b"\n\n"
-        finally:
-            await events.aclose()
-            m.child(m.e2e, model).observe(time.perf_counter() - t0)
-        yield SSE_DONE
+            return openai_objects.chat_completion(result, target.name), target.name
+        return await self.handle("chat", work)
 
     # --- tokenizer endpoints -------------------------------------------------------------------------
     async def _task(self, request: Request, endpoint: str, task: str, body_needed: bool, build) -> Response:
-        params: list = []
-
         async def work(t0):
-            body = await self.read_json(request.scope, request.receive, params) if body_needed else {}
+            body = await read_json(request.scope, request.receive, self.settings.max_body_bytes) if body_needed else {}
             target = await self.target(request, body)
             prompt, task_params = build(body)
-            answer = await self.until_cancelled_by_client(
-                request.receive, self.client.complete(target.router_model, prompt, task=task, **task_params))
+            answer = await until_cancelled_by_client(
+                request.receive, self.client.result(target.router_model, prompt, task=task, **task_params))
             return answer, target.name
-        return await self.handle(endpoint, work, params)
+        return await self.handle(endpoint, work)
 
     async def tokenize(self, request: Request) -> Response:
         def build(body):
             if "messages" in body:
                 return body["messages"], {}
             if not isinstance(body.get("prompt"), str):
-                raise O.bad("prompt", "prompt must be a string (or give messages)")
+                raise openai_requests.bad("prompt", "prompt must be a string (or give messages)")
             add = body.get("add_special_tokens", True)
             return body["prompt"], {"add_special_tokens": add}
         return await self._task(request, "tokenize", P.TOKENIZE, True, build)

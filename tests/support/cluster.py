@@ -20,12 +20,12 @@ from fusion.params import load_params
 from fusion.plan import make_plan
 from routing import protocol as P
 from routing.client import Client
+from routing.openai_requests import sampling_params
 from routing.router import ModelEntry, Router, RouterConfig
 from support.models import tiny
-from workers.completions import sampling_params
 from workers.engine import Engine, EngineConfig
-from workers.output_thread import OutputThread
 from workers.spec import ModelSpec, WorkerSpec
+from workers.thread_messages import Assign
 from workers.worker import EngineThread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,20 +147,20 @@ def free_port() -> int:
 @contextmanager
 def worker_threads(model: ModelSpec, addr: str = "inproc://engine-test"):
     """A worker's engine and output threads without its router socket, `model` loaded: yields the
-    engine thread (put ("request", (key, msg))-style items in its inbox) and the PAIR socket its
-    messages arrive on."""
+    engine thread (put workers.thread_messages.Submit(key, msg) in its inbox) and the PAIR socket
+    its messages arrive on."""
     import msgpack
     import zmq
 
     ctx = zmq.Context()
     pair = ctx.socket(zmq.PAIR)
     pair.bind(addr)
-    output = OutputThread(ctx, addr, queue.Queue())
-    th = EngineThread(output, 1)
+    th = EngineThread(1)
+    output = th.connect(ctx, addr)
     output.start()
     th.start()
     try:
-        th.inbox.put(("assign", {"model_id": 0, "worker_id": 0, "model": WorkerSpec(model, 0, threads=1).to_wire()}))
+        th.inbox.put(Assign({"model_id": 0, "worker_id": 0, "model": WorkerSpec(model, 0, threads=1).to_wire()}))
         assert msgpack.unpackb(pair.recv())["type"] == P.LOADED
         yield th, pair
     finally:

@@ -21,9 +21,9 @@ gathers its blocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +34,7 @@ from workers.engine.block_manager import CacheGroups
 
 ATTN_NAME = "mmfusion"
 KV_KWARG = "mmfusion_kv"  # the model call's keyword argument that carries (keys, values) of the paged cache
+LAYER_BUFFER = "mmfusion_layer"  # an attention module's layer index, as a buffer (index_layers)
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ class GroupStep:
     # within its gathered blocks)
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     span_table: torch.Tensor | None = None  # spans as a tensor, made once a step by the kernel that wants it
-    # for a prefill kernel (ContextHolder.prefill_kernel): the chunks' block lists one after another,
+    # for a prefill kernel (AttentionBackend.prefill): the chunks' block lists one after another,
     # and per chunk (first token row, tokens, first position, offset in prefill_blocks, position of
     # its first block)
     prefill_blocks: torch.Tensor | None = None
@@ -207,19 +208,6 @@ def _row_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bloc
     return out.view(1, heads, -1).to(q.dtype)
 
 
-# The seam for a device's own paged decode kernel (on CUDA, e.g. a FlashInfer or vLLM paged-attention
-# kernel): same arguments and result as decode_attention, which serves every device without one.
-DECODE_KERNELS: dict[str, Callable] = {}
-
-
-def register_decode_kernel(device_type: str, kernel: Callable | None) -> None:
-    """Use `kernel` for decode attention on `device_type` ("cuda", "cpu"); None restores the default."""
-    if kernel is None:
-        DECODE_KERNELS.pop(device_type, None)
-    else:
-        DECODE_KERNELS[device_type] = kernel
-
-
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """Positions [0, length) of a block list as one [1, kvh, length, d] tensor."""
     b = cache.index_select(0, blocks)  # [nb, kvh, block, d]
@@ -291,12 +279,11 @@ def attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value:
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
     if d:
-        kernel = DECODE_KERNELS.get(key_buf.device.type) or holder.decode_kernel or decode_attention
-        if holder.unzeroed and kernel is not holder.decode_kernel:
-            raise RuntimeError("decode attention would read blocks that were not zeroed")
+        kernel = holder.backend.decode if holder.backend is not None else decode_attention
         out[:d] = kernel(gs, query[:d], key_buf, value_buf, scaling, softcap)
-    if (ctx.segments and softcap is None and holder.prefill_kernel is not None and gs.prefill_table is not None
-            and holder.prefill_kernel(out, query, key_buf, value_buf, gs, window, scaling)):
+    prefill = holder.backend.prefill if holder.backend is not None else None
+    if (ctx.segments and softcap is None and prefill is not None and gs.prefill_table is not None
+            and prefill(out, query, key_buf, value_buf, gs, window, scaling)):
         return out
     if ctx.segments and holder.unzeroed:
         raise RuntimeError("prefill attention would read blocks that were not zeroed")
@@ -354,19 +341,19 @@ def _(query, key, value, key_cache, value_cache, holder, layer, scaling, window,
     return query.new_empty(1, query.shape[2], query.shape[1], value.shape[-1])
 
 
-def mmfusion_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def mmfusion_attention(holder: ContextHolder, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask, scaling: float | None = None, dropout: float = 0.0,
                        sliding_window: int | None = None, softcap: float | None = None, **kwargs):
-    """transformers attention-interface entry point. query: [1, H, N, d]; key/value: this step's
-    new K/V (the model runs without a transformers cache; the op writes the paged cache, which the
-    runner passes down the model's keyword arguments as `mmfusion_kv`)."""
-    holder: ContextHolder = module._mmfusion_ctx
+    """transformers attention-interface entry point, registered per model with its holder bound
+    (install). query: [1, H, N, d]; key/value: this step's new K/V (the model runs without a
+    transformers cache; the op writes the paged cache, which the runner passes down the model's
+    keyword arguments as `mmfusion_kv`)."""
     key_cache, value_cache = kwargs[KV_KWARG]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if torch.compiler.is_compiling():
-        out = attend_op(query, key, value, key_cache, value_cache, holder.id, module._mmfusion_layer, scaling,
-                        sliding_window, softcap)
+        out = attend_op(query, key, value, key_cache, value_cache, holder.id, module.get_buffer(LAYER_BUFFER),
+                        scaling, sliding_window, softcap)
     else:  # eager: skip the custom-op dispatch
         out = _attend_hf(holder, query, key, value, key_cache, value_cache, module.layer_idx, scaling,
                          sliding_window, softcap)
@@ -381,8 +368,7 @@ class ContextHolder:
     """Mutable handle shared by the attention modules of one model (and by every engine on it):
     the runner that steps sets its cache and `current` for each forward."""
 
-    __slots__ = ("current", "groups", "position", "windows", "id", "decode_kernel", "prefill_kernel", "unzeroed",
-                 "__weakref__")
+    __slots__ = ("current", "groups", "position", "windows", "id", "backend", "unzeroed", "__weakref__")
 
     def __init__(self, groups: CacheGroups) -> None:
         self.current: StepContext | None = None
@@ -390,35 +376,39 @@ class ContextHolder:
         self.position = groups.position_of()  # layer -> (cache group, index in its storage)
         self.windows = groups.windows
         self.id = next(_HOLDER_IDS)
-        # this model's own decode kernel (the CPU's C++ one); a kernel registered for the device wins
-        self.decode_kernel: Callable | None = None
-        # and its prefill kernel: (out, query, key cache, value cache, GroupStep, window, scaling) ->
-        # whether it wrote out's prefill rows (else the PyTorch path runs)
-        self.prefill_kernel: Callable | None = None
-        # new blocks are not zeroed (the C++ kernels never read a position past a row's own): the
-        # PyTorch paths, which read whole blocks under a mask, must not run then
+        # the engine's attention_backend.AttentionBackend, chosen at load; None: the PyTorch path
+        self.backend = None
+        # new blocks are not zeroed (the backend's kernels never read a position past a row's own):
+        # the PyTorch paths, which read whole blocks under a mask, must not run then
         self.unzeroed = False
         _HOLDERS[self.id] = self
 
 
+def attention_modules(model) -> list:
+    """The model's attention modules (those that carry a layer index and projections)."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and (hasattr(m, "q_proj") or hasattr(m, "c_attn"))]
+
+
 def install(model) -> ContextHolder | None:
-    """Switch `model` to the paged-cache attention. Returns None if the model can't use it."""
+    """Switch `model` to the paged-cache attention. Returns None if the model can't use it.
+
+    The attention function transformers calls is registered for this model under a name of its own,
+    with the model's holder bound: nothing is set on transformers' modules. Another engine on these
+    weights finds the holder by that name (its id is in compiled graphs, so it is shared)."""
     if not getattr(model, "_supports_attention_backend", False):
         return None
-    AttentionInterface.register(ATTN_NAME, mmfusion_attention)
-    holder = getattr(model, "_mmfusion_holder", None)
-    if holder is not None:  # another engine on these weights: share the holder (its id is in compiled graphs)
-        model.set_attn_implementation(ATTN_NAME)
-        return holder
-    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and (hasattr(m, "q_proj") or hasattr(m, "c_attn"))]
+    current = str(model.config._attn_implementation or "")
+    if current.startswith(f"{ATTN_NAME}-") and current[len(ATTN_NAME) + 1:].isdigit():
+        holder = _HOLDERS.get(int(current[len(ATTN_NAME) + 1:]))
+        if holder is not None:
+            return holder
+    mods = attention_modules(model)
     if not mods:
         return None
     holder = ContextHolder(CacheGroups.from_windows(layer_windows(model, mods)))
-    for mod in mods:
-        # object.__setattr__: a plain attribute, not a registered submodule.
-        object.__setattr__(mod, "_mmfusion_ctx", holder)
-    object.__setattr__(model, "_mmfusion_holder", holder)
-    model.set_attn_implementation(ATTN_NAME)
+    name = f"{ATTN_NAME}-{holder.id}"
+    AttentionInterface.register(name, functools.partial(mmfusion_attention, holder))
+    model.set_attn_implementation(name)
     return holder
 
 
@@ -436,9 +426,9 @@ def layer_windows(model, attention_modules: list) -> list[int | None]:
 def index_layers(model) -> None:
     """Give each attention module its layer index as a (CPU, non-persistent) buffer: a compiled
     layer takes buffers as graph inputs, so it does not specialise, and recompile, per layer."""
-    for mod in model.modules():
-        if hasattr(mod, "_mmfusion_ctx") and not hasattr(mod, "_mmfusion_layer"):
-            mod.register_buffer("_mmfusion_layer", torch.tensor(mod.layer_idx), persistent=False)
+    for mod in attention_modules(model):
+        if LAYER_BUFFER not in dict(mod.named_buffers(recurse=False)):
+            mod.register_buffer(LAYER_BUFFER, torch.tensor(mod.layer_idx), persistent=False)
 
 
 @contextlib.contextmanager

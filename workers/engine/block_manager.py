@@ -105,6 +105,17 @@ class SeqBlocks:
         return sum(1 for t in self.tables for b in t if b != NO_BLOCK)
 
 
+def prefix_digests(sb: SeqBlocks, tokens: list[int], count: int, block_size: int) -> list[bytes]:
+    """The chained digests of the first `count` full blocks of `tokens` (kept on the sequence): a
+    block's digest covers every token before it, so equal digests mean equal prefixes."""
+    while len(sb.digests) < count:
+        i = len(sb.digests)
+        h = hashlib.blake2b(sb.digests[-1] if sb.digests else b"", digest_size=16)
+        h.update(array("q", tokens[i * block_size: (i + 1) * block_size]).tobytes())
+        sb.digests.append(h.digest())
+    return sb.digests[:count]
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, groups: CacheGroups, max_chunk: int,
                  enable_prefix_caching: bool = True, cache_reserve: int | None = None):
@@ -137,27 +148,21 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
-    def _blocks(self, length: int) -> int:
-        return -(-length // self.block_size)
-
     def peak_blocks(self, length: int) -> int:
         return peak_blocks(self.groups, self.block_size, self.max_chunk, length)
 
     def max_tokens(self) -> int:
         """The longest sequence the pool can ever hold alone."""
         if self._max_tokens is None:
-            self._max_tokens = self._longest()
+            lo, hi = 0, self.num_blocks * self.block_size
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.peak_blocks(mid) <= self.num_blocks:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            self._max_tokens = lo
         return self._max_tokens
-
-    def _longest(self) -> int:
-        lo, hi = 0, self.num_blocks * self.block_size
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.peak_blocks(mid) <= self.num_blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     def first_needed(self, g: int, start: int) -> int:
         """First block of group g that a query at position `start` (or later) can see."""
@@ -165,7 +170,7 @@ class BlockManager:
 
     def blocks_needed(self, sb: SeqBlocks, start: int, end: int) -> int:
         """New blocks for positions [start, end) to be written and attended."""
-        last = self._blocks(end)
+        last = -(-end // self.block_size)
         return sum(max(0, last - max(len(t), self.first_needed(g, start))) for g, t in enumerate(sb.tables))
 
     # --- allocation ------------------------------------------------------------------------------
@@ -199,7 +204,7 @@ class BlockManager:
         the pool lacks the blocks."""
         if self.blocks_needed(sb, start, end) > self.num_free:
             return False
-        last = self._blocks(end)
+        last = -(-end // self.block_size)
         for g, table in enumerate(sb.tables):
             first = self.first_needed(g, start)
             while len(table) < last:
@@ -228,15 +233,6 @@ class BlockManager:
             sb.trimmed[g] = max(sb.trimmed[g], first)
 
     # --- prefix cache ------------------------------------------------------------------------------
-    def _digests(self, sb: SeqBlocks, tokens: list[int], count: int) -> list[bytes]:
-        bs = self.block_size
-        while len(sb.digests) < count:
-            i = len(sb.digests)
-            h = hashlib.blake2b(sb.digests[-1] if sb.digests else b"", digest_size=16)
-            h.update(array("q", tokens[i * bs: (i + 1) * bs]).tobytes())
-            sb.digests.append(h.digest())
-        return sb.digests[:count]
-
     def commit(self, sb: SeqBlocks, tokens: list[int], num_computed: int) -> None:
         """Offer the sequence's newly completed blocks to the prefix cache."""
         if not self.enable_prefix_caching:
@@ -244,7 +240,7 @@ class BlockManager:
         full = num_computed // self.block_size
         if full <= sb.committed:
             return
-        digests = self._digests(sb, tokens, full)
+        digests = prefix_digests(sb, tokens, full, self.block_size)
         for g, table in enumerate(sb.tables):
             cache = self.cached[g]
             for j in range(sb.committed, min(full, len(table))):
@@ -260,7 +256,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         limit = (len(tokens) - 1) // self.block_size
-        digests = self._digests(sb, tokens, limit)
+        digests = prefix_digests(sb, tokens, limit, self.block_size)
         top = limit
         for g, w in enumerate(self.groups.windows):
             if w is None:

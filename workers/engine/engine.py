@@ -18,6 +18,7 @@ from workers.buckets import Buckets, compile_mode, default_buckets
 from workers.config_keys import MODEL
 from workers.engine import attention, cpu_kernels
 from workers.engine import lean as lean_mod
+from workers.engine.attention_backend import AttentionBackend, select_attention
 from workers.engine.block_manager import BlockManager, CacheGroups, peak_blocks
 from workers.engine.compiled import prepare
 from workers.engine.kv_cache import bytes_per_block, default_budget
@@ -26,10 +27,12 @@ from workers.engine.params import SamplingParams
 from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, attention_span, kv_dims, num_layers
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
-from workers.engine.stops import finish_reason, stop_token_ids
+from workers.engine.step_result import StepResult
+from workers.engine.stops import stop_token_ids
 from workers.engine.text_output import RequestText
 from workers.precision import precision
 from workers.spec import WorkerSpec
+from workers.validate import ParamError
 from workers.weights.loaded_model import LoadedModel
 
 _SCHEDULING = SchedulerConfig()  # the scheduling limits' defaults are the scheduler's own
@@ -87,8 +90,12 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None,
+                 attention: AttentionBackend | None = None):
+        """`attention`: the attention kernels to run instead of those attention_backend.select
+        chooses for the device (a device's own kernel, a checked one in a test)."""
         self.config = config or EngineConfig()
+        self.attention_backend = attention  # the one chosen at load, once loaded (None: no paged attention)
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.lm = lm
@@ -133,9 +140,8 @@ class Engine:
         self.kv_bytes = num_blocks * per_block
         if holder is None:
             return CompatRunner(lm), blocks
-        if lm.device.type == "cpu":
-            holder.decode_kernel = cpu_kernels.decode_kernel()
-            holder.prefill_kernel = cpu_kernels.prefill_kernel(compute, kv_dims(lm)[1])
+        self.attention_backend = self.attention_backend or select_attention(lm.device, compute, kv_dims(lm)[1])
+        holder.backend = self.attention_backend
         lean = lean_mod.lean_forward(lm.model, holder, lm.device, self.precision, cfg.prepack_weights)
         return PagedRunner(lm, holder, num_blocks, bs, lean, compute), blocks
 
@@ -143,7 +149,7 @@ class Engine:
         """The tokens whose query rows fill one pass of the CPU prefill kernel over the context (16
         rows of one KV head in bfloat16, 8 in float32): a chunk of fewer costs as much."""
         holder = getattr(self.runner, "holder", None)
-        if holder is None or holder.prefill_kernel is None:
+        if holder is None or holder.backend.prefill is None:
             return 1
         heads, kv_heads = lm.model.config.get_text_config().num_attention_heads, kv_dims(lm)[0]
         return max(1, cpu_kernels.PREFILL_LANES[self.precision.compute] // max(1, heads // kv_heads))
@@ -160,14 +166,14 @@ class Engine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise ParamError("prompt", "prompt must not be empty")
             return list(self.tokenizer(prompt).input_ids)
         if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompt must be text or a list of token IDs, got {type(prompt).__name__}")
+            raise ParamError("prompt", f"prompt must be text or a list of token IDs, got {type(prompt).__name__}")
         vocab = self.lm.vocab_size
         for i, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token ID {t!r} at position {i} is not in the vocabulary [0, {vocab})")
+                raise ParamError("prompt", f"prompt token ID {t!r} at position {i} is not in the vocabulary [0, {vocab})")
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -178,18 +184,19 @@ class Engine:
         if request_id in self.scheduler.groups:
             raise ValueError(f"request_id {request_id!r} is already running")
         if params.num_samples > self.config.max_batch_size:
-            raise ValueError(f"{'best_of' if params.best_of else 'n'} ({params.num_samples}) exceeds this engine's "
+            name = "best_of" if params.best_of else "n"
+            raise ParamError(name, f"{name} ({params.num_samples}) exceeds this engine's "
                              f"max_batch_size ({self.config.max_batch_size}): its samples must run together")
         ids = self.encode(prompt)
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise ParamError("prompt", "prompt must not be empty")
         ctx = self.lm.max_model_len
         if len(ids) >= ctx or len(ids) + params.max_tokens > ctx:
-            raise ValueError(f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, but the model's "
+            raise ParamError("max_tokens", f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, but the model's "
                              f"context (max_model_len) is {ctx} tokens: shorten the prompt or lower max_tokens")
         fits = self.scheduler.blocks.max_tokens()
         if len(ids) + params.max_tokens > fits:
-            raise ValueError(f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, but this worker's "
+            raise ParamError("max_tokens", f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, but this worker's "
                              f"KV cache (kv_cache_memory {self.kv_bytes / 2**20:.1f} MiB) holds {fits} tokens of one "
                              "sequence: shorten the prompt, lower max_tokens or raise kv_cache_memory")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -214,6 +221,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def request_ids(self) -> list[str]:
+        """The requests added and not yet finished or aborted."""
+        return list(self.scheduler.groups)
+
+    def last_step_requests(self) -> set[str]:
+        """The requests the last step touched (what a failed step may have left half-done): every
+        request when it failed before its plan was made."""
+        plan = self.last_plan
+        return plan.request_ids() if plan is not None else set(self.scheduler.groups)
+
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.last_plan = None  # None after a failed schedule(): the caller can't tell what it touched
@@ -226,44 +243,13 @@ class Engine:
         self.scheduler.observe(plan, self.runner.forward_seconds - forward)  # what the step's model call took
         return self._update(plan, result)
 
-    def _update(self, plan: SchedulerOutput, result) -> list[RequestOutput]:
+    def _update(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         self.steps += 1
-        touched: dict[str, SequenceGroup] = {}
-        new_tokens: dict[int, list[int]] = {}
-        for seq in plan.decode:
-            seq.num_computed += 1
-            self.scheduler.computed(seq)
-        for chunk in plan.prefill:
-            seq = chunk.seq
-            seq.num_computed += chunk.length
-            self.scheduler.computed(seq)
-            if seq.sample_index == 0 and seq.num_computed == len(seq.prompt) and not seq.output:
-                group = seq.group
-                touched[group.request_id] = group
-                if group.params.max_tokens == 0:
-                    for s in group.seqs:
-                        self._finish(s, "length")
-                elif len(group.seqs) > 1:
-                    self.scheduler.start_samples(group)
-        for ps in result.prompt_scores:
-            g = ps.group
-            g.prompt_logprobs[ps.first_target: ps.first_target + len(ps.logprobs)] = ps.logprobs
-            g.prompt_top_logprobs[ps.first_target: ps.first_target + len(ps.top)] = ps.top
-        for seq, tok, lp, top in result.samples:
-            if seq.finished:
-                continue
-            seq.output.append(tok)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            if top is not None:
-                seq.top_logprobs.append(top)
-            new_tokens.setdefault(seq.seq_id, []).append(tok)
-            self.tokens_generated += 1
-            touched[seq.group.request_id] = seq.group
-            reason = finish_reason(seq, tok, self.lm.max_model_len)
-            if reason:
-                self._finish(seq, reason)
-        return [self._output(g, new_tokens) for g in touched.values()]
+        update = self.scheduler.update_from_output(plan, result, self.lm.max_model_len)
+        for seq in update.finished:
+            self.runner.release(seq)
+        self.tokens_generated += update.tokens
+        return [self._output(g, update.new_tokens) for g in update.touched.values()]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.runner.release(seq)

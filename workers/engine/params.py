@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.config_keys import DEFAULT_MAX_TOKENS
-from workers.validate import check_int, check_number
+from workers.validate import ParamError, check_int, check_number
 
 
 @dataclass(slots=True)
@@ -37,27 +37,27 @@ class SamplingParams:
             self.stop_token_ids = [self.stop_token_ids]
         for name in ("stop", "stop_token_ids"):
             if not isinstance(getattr(self, name) or [], (list, tuple)):
-                raise ValueError(f"{name} must be a list, got {type(getattr(self, name)).__name__}")
+                raise ParamError(name, f"{name} must be a list, got {type(getattr(self, name)).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         check_int("max_tokens", self.max_tokens, 0)
         check_number("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+            raise ParamError("temperature", f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         check_int("top_k", self.top_k, -1)
         check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
             check_int("seed", self.seed, 0)
         check_int("n", self.n, 1)
         if self.best_of is not None:
             check_int("best_of", self.best_of, 1)
             if self.best_of < self.n:
-                raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+                raise ParamError("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+                raise ParamError("stop", f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             check_int("stop_token_ids", t, 0)
         if self.logprobs is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 
 import torch
 
@@ -22,22 +21,9 @@ from workers.engine.kv_cache import PagedKVCache
 from workers.engine.lean import LeanLlama
 from workers.engine.sampler import SampleSpec, sample, top_alternatives
 from workers.engine.scheduler import Chunk, SchedulerOutput
-from workers.engine.sequence import Sequence, SequenceGroup
+from workers.engine.sequence import Sequence
+from workers.engine.step_result import PromptScores, StepResult
 from workers.weights.loaded_model import LoadedModel
-
-
-@dataclass(slots=True)
-class PromptScores:
-    group: SequenceGroup
-    first_target: int  # prompt index of the token scored by logprobs[0]
-    logprobs: list[float]
-    top: list[dict[int, float] | None]
-
-
-@dataclass(slots=True)
-class StepResult:
-    samples: list[tuple[Sequence, int, float, dict | None]] = field(default_factory=list)
-    prompt_scores: list[PromptScores] = field(default_factory=list)
 
 
 def _kept_rows(chunk: Chunk) -> range:
@@ -131,7 +117,6 @@ class PagedRunner(BaseRunner):
         self.holder = holder
         self.lean = lean  # the lean forward on packed weights, where the model's family has one
         self.compiled: CompiledLayers | None = None
-        self.trace: list | None = None  # set to [] to record each step's model call (bench replay)
         self.block_size = block_size
         # the KV cache in the compute dtype (float32 where 16-bit weights compute in float32)
         self.cache = PagedKVCache(holder.groups, num_blocks, block_size, *kv_dims(lm), kv_dtype or lm.dtype, lm.device)
@@ -165,8 +150,8 @@ class PagedRunner(BaseRunner):
         # the C++ kernels read only the positions a row holds; the PyTorch paths read whole blocks
         # under a mask, and stale memory (NaN among it) would leak through: zero for them
         h = self.holder
-        h.unzeroed = (self.lean is not None and self.compiled is None and h.prefill_kernel is not None
-                      and h.decode_kernel is not None and not attention.DECODE_KERNELS)
+        h.unzeroed = (self.lean is not None and self.compiled is None and h.backend is not None
+                      and h.backend.own_positions_only)
         if not h.unzeroed:
             self.cache.zero_blocks(blocks)
 
@@ -238,7 +223,7 @@ class PagedRunner(BaseRunner):
             keep.extend(t0 + r for r in _kept_rows(chunk))
         dev = self.lm.device
         groups = self._group_steps(decode, chunks, pos)
-        if chunks and self.holder.prefill_kernel is not None:
+        if chunks and self.holder.backend is not None and self.holder.backend.prefill is not None:
             self._prefill_tables(groups, chunks, len(decode))
         self.holder.current = attention.StepContext(
             num_decode=len(decode), num_tokens=len(ids), groups=groups, segments=self._segments(chunks, len(decode)))
@@ -253,8 +238,11 @@ class PagedRunner(BaseRunner):
             position_ids=torch.tensor([pos], device=dev),
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
         )
-        if self.trace is not None:
-            self.trace.append((self.holder.current, call))
+        return self.run_call(self.holder.current, call)
+
+    def run_call(self, ctx: attention.StepContext, call: dict) -> torch.Tensor:
+        """One model call of a step, laid out by `ctx`: the logits of the rows it keeps."""
+        self.holder.current = ctx
         return self._call(call)
 
     def _call(self, call: dict) -> torch.Tensor:
@@ -288,15 +276,6 @@ class PagedRunner(BaseRunner):
             zeros = torch.zeros(1, b, dtype=torch.long, device=dev)
             self._call(dict(input_ids=zeros, position_ids=zeros,
                             logits_to_keep=torch.zeros(1, dtype=torch.long, device=dev)))
-
-    @torch.inference_mode()
-    def replay(self, trace: list) -> None:
-        """Re-run recorded model calls alone: the forward-only cost of a schedule."""
-        for ctx, call in trace:
-            ctx.masks.clear()
-            ctx.prompt_groups.clear()
-            self.holder.current = ctx
-            self._call(call)
 
 
 class CompatRunner(BaseRunner):

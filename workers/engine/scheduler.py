@@ -27,6 +27,8 @@ from workers.config_keys import MODEL
 from workers.engine.block_manager import BlockManager
 from workers.engine.pace import LongChunkPace
 from workers.engine.sequence import Sequence, SequenceGroup, Status
+from workers.engine.step_result import StepResult, StepUpdate
+from workers.engine.stops import finish_reason
 
 
 @dataclass(slots=True)
@@ -157,6 +159,49 @@ class Scheduler:
         if seq.num_computed // self.blocks.block_size > seq.blocks.committed:
             self.blocks.commit(seq.blocks, seq.all_tokens(), seq.num_computed)
         self.blocks.trim(seq.blocks, seq.num_computed)
+
+    def update_from_output(self, out: SchedulerOutput, result: StepResult, max_model_len: int) -> StepUpdate:
+        """Apply what the step that `out` planned computed: positions advance, finished prompts start
+        their other samples, new tokens are appended, and samples that reached a stop end."""
+        update = StepUpdate()
+        for seq in out.decode:
+            seq.num_computed += 1
+            self.computed(seq)
+        for chunk in out.prefill:
+            seq = chunk.seq
+            seq.num_computed += chunk.length
+            self.computed(seq)
+            if seq.sample_index == 0 and seq.num_computed == len(seq.prompt) and not seq.output:
+                group = seq.group
+                update.touched[group.request_id] = group
+                if group.params.max_tokens == 0:
+                    for s in group.seqs:
+                        self._end(s, "length", update)
+                elif len(group.seqs) > 1:
+                    self.start_samples(group)
+        for ps in result.prompt_scores:
+            g = ps.group
+            g.prompt_logprobs[ps.first_target: ps.first_target + len(ps.logprobs)] = ps.logprobs
+            g.prompt_top_logprobs[ps.first_target: ps.first_target + len(ps.top)] = ps.top
+        for seq, tok, lp, top in result.samples:
+            if seq.finished:
+                continue
+            seq.output.append(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            if top is not None:
+                seq.top_logprobs.append(top)
+            update.new_tokens.setdefault(seq.seq_id, []).append(tok)
+            update.tokens += 1
+            update.touched[seq.group.request_id] = seq.group
+            reason = finish_reason(seq, tok, max_model_len)
+            if reason:
+                self._end(seq, reason, update)
+        return update
+
+    def _end(self, seq: Sequence, reason: str, update: StepUpdate) -> None:
+        self.finish(seq, reason)
+        update.finished.append(seq)
 
     # --- the decision -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

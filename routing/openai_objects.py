@@ -1,0 +1,103 @@
+"""OpenAI's response objects, built here only: text completions (with `Client.complete` and the
+HTTP gateway), chat completions, stream chunks and the model list, from the neutral results the
+workers send (routing/protocol.py: per sample its text, token IDs, logprobs and finish reason, and
+the usage). No I/O here."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{random.getrandbits(96):024x}"  # opaque and unique enough; no syscall per request
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, usage: dict) -> None:
+        self.prompt_tokens += usage.get("prompt_tokens", 0)
+        self.completion_tokens += usage.get("completion_tokens", 0)
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def text_completion(result: dict, model: str, token_ids: bool = False) -> dict:
+    """The `text_completion` object of one prompt's result; `token_ids`: each choice keeps its
+    token IDs (the `return_token_ids` extension, which predict's HDF5 rows use)."""
+    return merge_completions([result], model, 1, token_ids)
+
+
+def merge_completions(results: list[dict], model: str, n: int, token_ids: bool = False) -> dict:
+    """One completion object from one router answer per prompt: choice index = prompt * n + sample."""
+    choices, usage = [], Usage()
+    for i, r in enumerate(results):
+        usage.add(r["usage"])
+        for c in r["choices"]:
+            c = {k: v for k, v in c.items() if token_ids or k != "token_ids"}
+            c["index"] = i * n + c["index"]
+            choices.append(c)
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage.as_dict()}
+
+
+def model_list(models: list[dict], created: int) -> dict:
+    data = []
+    for name in dict.fromkeys(m["name"] for m in models):
+        data.append({"id": name, "object": "model", "created": created, "owned_by": "mmfusion", "root": name,
+                     "parent": None})
+    for m in models:
+        data.append({"id": f"{m['name']}:{m['id']}", "object": "model", "created": created, "owned_by": "mmfusion",
+                     "root": m["name"], "parent": m["name"]})
+    return {"object": "list", "data": data}
+
+
+def completion_chunk(cid: str, created: int, model: str, index: int, text: str, finish_reason) -> dict:
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(cid: str, created: int, model: str, obj: str, usage: Usage) -> dict:
+    return {"id": cid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage.as_dict()}
+
+
+def _chat_logprobs(block: dict | None) -> dict | None:
+    if block is None:
+        return None
+    content = []
+    tops = block.get("top_logprobs") or [None] * len(block["tokens"])
+    for tok, lp, top in zip(block["tokens"], block["token_logprobs"], tops):
+        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode("utf-8"))}
+                                         for t, v in (top or {}).items()]})
+    return {"content": content}
+
+
+def chat_completion(result: dict, model: str) -> dict:
+    choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                "logprobs": _chat_logprobs(c.get("logprobs")), "finish_reason": c["finish_reason"]}
+               for c in result["choices"]]
+    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": result["usage"]}
+
+
+def chat_chunk(cid: str, created: int, model: str, index: int, delta: dict, finish_reason=None) -> dict:
+    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+@dataclass(slots=True)
+class StreamState:
+    """Per-request bookkeeping of a stream: which choices have started (chat sends the role first)."""
+
+    id: str
+    created: int
+    model: str
+    started: set = field(default_factory=set)
+    usage: Usage = field(default_factory=Usage)

@@ -1,0 +1,180 @@
+"""OpenAI request bodies and parameters, parsed here only: the gateway's bodies (prompts, messages,
+stream options) into router requests, and a request's parameters into the engine's
+SamplingParams (`sampling_params`, on the worker). A bad value is an error that names its parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from workers.validate import ParamError
+
+if TYPE_CHECKING:
+    from workers.engine.params import SamplingParams
+
+MAX_LOGPROBS = 20
+# keys the gateway consumes; every other key goes to the worker, which checks it and names it if unknown
+_COMPLETION_OWN = {"model", "prompt", "stream", "stream_options", "user", "echo"}
+_CHAT_OWN = {"model", "messages", "stream", "stream_options", "user", "logprobs", "top_logprobs",
+             "max_completion_tokens"}
+
+# OpenAI parameter -> SamplingParams field (extensions: top_k, stop_token_ids, ignore_eos)
+_DIRECT = {"max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids",
+           "ignore_eos"}
+_HANDLED = _DIRECT | {"logprobs", "echo"}
+# no effect on sampling: routing and bookkeeping fields (return_token_ids is the clients': their
+# OpenAI object then keeps each choice's token_ids)
+_IGNORED = {"user", "stream", "model", "engine", "prompt", "return_token_ids"}
+# OpenAI parameters not implemented: accepted only at their no-op value, refused otherwise, never ignored
+_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
+
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI's error object with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}.get(self.status, "invalid_request_error" if self.status < 500 else
+                                             "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code="invalid_parameter")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def split_prompts(prompt) -> list[str | list[int]]:
+    """OpenAI's four prompt forms: a string, strings, token IDs, lists of token IDs."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_int(t) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return list(prompt)
+    raise bad("prompt", "prompt must be a string, a list of strings, a list of token IDs or a list of "
+                        "token-ID lists, and not empty")
+
+
+@dataclass(slots=True)
+class StreamOptions:
+    stream: bool = False
+    include_usage: bool = False
+
+
+def stream_options(body: dict) -> StreamOptions:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise bad("stream", f"stream must be true or false, got {stream!r}")
+    opts = body.get("stream_options")
+    if opts is None:
+        return StreamOptions(bool(stream))
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise bad("stream_options", "stream_options must be an object like {\"include_usage\": true}")
+    if not stream:
+        raise bad("stream_options", "stream_options is only allowed with stream: true")
+    return StreamOptions(True, opts.get("include_usage", False))
+
+
+@dataclass(slots=True)
+class CompletionJob:
+    prompts: list
+    params: dict  # for the worker (sampling_params checks them)
+    stream: StreamOptions
+    n: int = 1
+
+
+def completion_job(body: dict) -> CompletionJob:
+    prompts = split_prompts(body.get("prompt"))
+    opts = stream_options(body)
+    params = {k: v for k, v in body.items() if k not in _COMPLETION_OWN}
+    echo = body.get("echo", False)
+    if echo:
+        if opts.stream:
+            raise bad("echo", "echo is not supported together with stream")
+        params["echo"] = echo
+    lp = body.get("logprobs")
+    if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+        raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+    if lp is not None and opts.stream:
+        raise bad("logprobs", "logprobs is not supported together with stream")
+    n = body.get("n", 1)
+    return CompletionJob(prompts, params, opts, n if _is_int(n) and n > 0 else 1)
+
+
+@dataclass(slots=True)
+class ChatJob:
+    messages: list
+    params: dict
+    stream: StreamOptions
+    n: int = 1
+
+
+def chat_job(body: dict) -> ChatJob:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise bad("messages", "messages must be a non-empty list of {role, content} objects")
+    opts = stream_options(body)
+    params = {k: v for k, v in body.items() if k not in _CHAT_OWN}
+    if body.get("max_completion_tokens") is not None:
+        params["max_tokens"] = body["max_completion_tokens"]
+    want = body.get("logprobs", False)
+    if not isinstance(want, bool) and want is not None:
+        raise bad("logprobs", f"logprobs must be true or false, got {want!r}")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+            raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
+        if not want:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    if want:
+        if opts.stream:
+            raise bad("logprobs", "logprobs is not supported together with stream")
+        params["logprobs"] = top or 0
+    n = body.get("n", 1)
+    return ChatJob(messages, params, opts, n if _is_int(n) and n > 0 else 1)
+
+
+def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
+    """SamplingParams and `echo` from OpenAI-style parameters (a router request's, over `defaults`).
+    A bad value raises ParamError naming its key."""
+    # here, not at the top: the gateway parses bodies with this module and never loads the engine
+    from workers.engine.params import SamplingParams
+
+    merged = dict(defaults or {})
+    merged.update(req)
+    unknown = sorted(set(merged) - _HANDLED - _IGNORED - set(_UNSUPPORTED))
+    if unknown:
+        raise ParamError(unknown[0], f"unknown parameter {unknown[0]!r}")
+    for key, noop in _UNSUPPORTED.items():
+        if merged.get(key) not in (None, noop):
+            raise ParamError(key, f"{key} is not supported by this server (got {merged[key]!r}); leave it out or "
+                             f"set it to {noop!r}")
+    kw = {k: merged[k] for k in _DIRECT if merged.get(k) is not None}
+    lp = merged.get("logprobs")
+    if lp is not None:
+        if not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS:
+            raise ParamError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        kw["logprobs"] = lp
+    echo = merged.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ParamError("echo", f"echo must be true or false, got {echo!r}")
+    if echo and lp is not None:
+        kw["prompt_logprobs"] = lp
+    return SamplingParams(**kw), echo

@@ -1,0 +1,117 @@
+"""What a worker's threads hand each other through their queues (workers/worker.py,
+workers/output_thread.py). The wire messages to the router are routing/protocol.py's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.engine.outputs import RequestOutput
+from workers.engine.params import SamplingParams
+
+# --- to the engine thread (its inbox) ----------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class Assign:
+    """The router's ASSIGN: load (or keep) this model, dropping what the last assignment held."""
+
+    msg: dict
+
+
+@dataclass(slots=True, frozen=True)
+class Submit:
+    """A COMPLETE request under the router's key."""
+
+    key: str
+    msg: dict
+
+
+@dataclass(slots=True, frozen=True)
+class Cancel:
+    """The client cancelled: free the request's batch slots and send nothing more for it."""
+
+    key: str
+
+
+@dataclass(slots=True, frozen=True)
+class FinishSample:
+    """A stop string matched this sample's text: stop computing it."""
+
+    key: str
+    index: int
+
+
+@dataclass(slots=True, frozen=True)
+class Retire:
+    """Answered already (stop strings ended every sample): nothing left to run."""
+
+    key: str
+
+
+EngineMessage = Assign | Submit | Cancel | FinishSample | Retire
+
+# --- to the output thread ------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class ModelReady:
+    """The model the next requests run on, as the output thread needs it."""
+
+    name: str
+    tokenizer: object
+    eos_token_ids: list[int]
+
+
+@dataclass(slots=True, frozen=True)
+class Control:
+    """A packed control message (LOADED, LOAD_FAILED), sent after the data before it."""
+
+    frame: bytes
+
+
+@dataclass(slots=True, frozen=True)
+class Registered:
+    """A request the engine accepted: its outputs follow."""
+
+    key: str
+    msg: dict
+    params: SamplingParams
+    echo: bool
+
+
+@dataclass(slots=True, frozen=True)
+class Failed:
+    """A request failed; `cid` None: the id it was registered with (none: it was answered)."""
+
+    key: str
+    cid: str | None
+    code: str
+    message: str
+    param: str | None = None  # the request parameter refused, by name
+
+
+@dataclass(slots=True, frozen=True)
+class Answer:
+    """A body computed on the engine thread (tokenizer tasks)."""
+
+    key: str
+    body: dict
+
+
+@dataclass(slots=True, frozen=True)
+class Forget:
+    """Send nothing more for these requests; None: for any (a new assignment)."""
+
+    keys: list[str] | None
+
+
+@dataclass(slots=True, frozen=True)
+class StepOutputs:
+    """A step's outputs, with each sample's length at the step: a running request's lists are the
+    engine's own and grow on the next step."""
+
+    results: list[RequestOutput]
+    lengths: list[list[int]]
+
+
+OutputMessage = ModelReady | Control | Registered | Failed | Answer | Forget | StepOutputs
