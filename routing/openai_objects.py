@@ -63,8 +63,10 @@ def completion_chunk(cid: str, created: int, model: str, index: int, text: str, 
             "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}]}
 
 
-def usage_chunk(cid: str, created: int, model: str, obj: str, usage: Usage) -> dict:
-    return {"id": cid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage.as_dict()}
+def usage_chunk(cid: str, created: int, model: str, chat: bool, usage: Usage) -> dict:
+    """The last chunk of a stream that asked for its usage (stream_options.include_usage)."""
+    return {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage.as_dict()}
 
 
 def _chat_logprobs(block: dict | None) -> dict | None:

@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from routing import openai_objects
 from routing import protocol as P
 from routing.client import AsyncClient
 from routing.http import openai as O
 from routing.http.metrics import Metrics
+from routing.openai_objects import StreamState, chat_chunk, completion_chunk, new_id, usage_chunk
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -32,7 +32,7 @@ async def stream_response(client: AsyncClient, metrics: Metrics, error_response:
                           t0: float) -> Response:
     """The SSE response of a streaming request of `prompts` (n samples each) to `target`."""
     chat = task == P.CHAT
-    state = openai_objects.StreamState(openai_objects.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), target.name)
+    state = StreamState(new_id("chatcmpl" if chat else "cmpl"), int(time.time()), target.name)
     events = merged_events(client, target, prompts, params, task)
     try:
         first = await events.__anext__()
@@ -77,7 +77,7 @@ async def merged_events(client: AsyncClient, target: O.Target, prompts: list, pa
             t.cancel()
 
 
-async def sse(events, first, state: openai_objects.StreamState, n: int, include_usage: bool, chat: bool, t0: float,
+async def sse(events, first, state: StreamState, n: int, include_usage: bool, chat: bool, t0: float,
               m: Metrics, error_response: Callable[[Exception], JSONResponse]):
     model = state.model
     last = None
@@ -100,19 +100,18 @@ async def sse(events, first, state: openai_objects.StreamState, n: int, include_
                 if chat:
                     if index not in state.started:
                         state.started.add(index)
-                        yield _sse(openai_objects.chat_chunk(state.id, state.created, model, index,
-                                                {"role": "assistant", "content": ""}))
+                        yield _sse(chat_chunk(state.id, state.created, model, index,
+                                              {"role": "assistant", "content": ""}))
                     if out["text"]:
-                        yield _sse(openai_objects.chat_chunk(state.id, state.created, model, index, {"content": out["text"]}))
+                        yield _sse(chat_chunk(state.id, state.created, model, index, {"content": out["text"]}))
                     if out["finish_reason"]:
-                        yield _sse(openai_objects.chat_chunk(state.id, state.created, model, index, {}, out["finish_reason"]))
+                        yield _sse(chat_chunk(state.id, state.created, model, index, {}, out["finish_reason"]))
                 elif out["text"] or out["finish_reason"]:
-                    yield _sse(openai_objects.completion_chunk(state.id, state.created, model, index, out["text"],
-                                                  out["finish_reason"]))
+                    yield _sse(completion_chunk(state.id, state.created, model, index, out["text"],
+                                                out["finish_reason"]))
     except StopAsyncIteration:
         if include_usage:
-            yield _sse(openai_objects.usage_chunk(state.id, state.created, model,
-                                     "chat.completion.chunk" if chat else "text_completion", state.usage))
+            yield _sse(usage_chunk(state.id, state.created, model, chat, state.usage))
         m.observe_usage(model, state.usage.as_dict())
     except Exception as exc:  # noqa: BLE001 - a stream that fails part-way: an error event, then [DONE]
         resp = error_response(exc)
