@@ -80,6 +80,14 @@ def _check(msg: dict) -> dict:
     return msg
 
 
+def _completion(result, token_ids: bool) -> dict:
+    """The OpenAI completion of a generate result; a result that is not one is a bad reply."""
+    try:
+        return text_completion(result, result["model"], token_ids)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise RouterError(BAD_REPLY, f"the router's result is not a completion ({type(exc).__name__}: {exc})") from None
+
+
 class _Base:
     """The connection both clients share: a DEALER (CURVE when given keys) and a monitor of it that
     reports a dropped or refused connection."""
@@ -227,8 +235,7 @@ class Client(_Base):
         `token_ids`)."""
         for msg in self._run(model, prompt, False, params):
             if msg["type"] == P.RESULT:
-                result = msg["response"]
-                return text_completion(result, result["model"], bool(params.get("return_token_ids")))
+                return _completion(msg["response"], bool(params.get("return_token_ids")))
         raise RouterError(P.INTERNAL, "stream ended without a result")
 
     def stream(self, model, prompt, **params):
@@ -506,7 +513,7 @@ class AsyncClient(_Base):
         result = await self.result(model, prompt, task, **params)
         if task not in (P.GENERATE, P.CHAT):
             return result
-        return text_completion(result, result["model"], bool(params.get("return_token_ids")))
+        return _completion(result, bool(params.get("return_token_ids")))
 
     async def stream(self, model, prompt, **params):
         """Yield {"index", "token_ids", "text", "finish_reason"} per new token and sample; closing it

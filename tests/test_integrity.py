@@ -181,14 +181,20 @@ def test_abandoned_and_cancelled_async_requests_are_cancelled_on_the_worker():
 
 
 def test_one_bad_reply_fails_only_its_own_request():
-    """A misbehaving router (a plain ROUTER socket here) answers three requests: one too large, one
-    with an undecodable frame that names no request, one properly."""
+    """A misbehaving router (a plain ROUTER socket here) answers four requests: one too large, one
+    with an undecodable frame that names no request, one properly, and one whose result is not a
+    completion."""
     ctx = zmq.Context()
     fake = ctx.socket(zmq.ROUTER)
     port = fake.bind_to_random_port("tcp://127.0.0.1")
 
+    done = threading.Event()
+
     def serve():
-        for _ in range(3):
+        for _ in range(4):
+            while not fake.poll(100):  # never blocked in recv when the test ends: closing it then aborts
+                if done.is_set():
+                    return
             ident, frame = fake.recv_multipart()
             msg = msgpack.unpackb(frame)
             if msg["prompt"] == "big":
@@ -210,11 +216,15 @@ def test_one_bad_reply_fails_only_its_own_request():
             assert info.value.code == P.TOO_LARGE
             assert await ac.result("m", "garbage") == {"ok": 2}  # the reader survived the garbage
             assert await ac.result("m", "fine") == {"ok": 3}
+            with pytest.raises(RouterError, match="not a completion") as info:  # no OpenAI object of it
+                await ac.complete("m", "fine")
+            assert info.value.code == "bad_reply"
             return ac.bad_replies, ac.reader_errors
 
     try:
         assert asyncio.run(go()) == (1, 0)
     finally:
+        done.set()
         t.join(5)
         fake.close(0)
         ctx.term()
