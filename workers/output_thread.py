@@ -24,6 +24,7 @@ from workers.engine.params import SamplingParams
 from workers.engine.text_output import RequestText
 from workers.thread_messages import (
     Answer,
+    Cancel,
     Control,
     EngineMessage,
     Failed,
@@ -32,7 +33,6 @@ from workers.thread_messages import (
     ModelReady,
     OutputMessage,
     Registered,
-    Retire,
     StepOutputs,
 )
 
@@ -152,7 +152,7 @@ class OutputThread(threading.Thread):
             final = req.text.final(res)
             del self.requests[res.request_id]
             if not res.finished:  # stop strings ended every sample: the engine has nothing left to run
-                self.tell_engine(Retire(res.request_id))
+                self.tell_engine(Cancel(res.request_id, answered=True))
             m = self.model
             response = completion_result(final, m.name, m.tokenizer, req.echo, req.logprobs)
             self._data(P.RESULT, res.request_id, {"type": P.RESULT, "id": req.id, "response": response},

@@ -13,9 +13,13 @@ from workers.engine.params import SamplingParams
 
 @dataclass(slots=True, frozen=True)
 class Assign:
-    """The router's ASSIGN: load (or keep) this model, dropping what the last assignment held."""
+    """The router's ASSIGN: load (or keep) this model, dropping what the last assignment held. The
+    spec is still in its wire form: the engine thread reads it, and answers a bad one with
+    LOAD_FAILED."""
 
-    msg: dict
+    model_id: int
+    worker_id: int
+    spec: dict
 
 
 @dataclass(slots=True, frozen=True)
@@ -28,9 +32,11 @@ class Submit:
 
 @dataclass(slots=True, frozen=True)
 class Cancel:
-    """The client cancelled: free the request's batch slots and send nothing more for it."""
+    """Run nothing more for this request and free its batch slots. Either the client cancelled
+    (send nothing more for it), or stop strings ended every sample and it is `answered`."""
 
     key: str
+    answered: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,14 +47,7 @@ class FinishSample:
     index: int
 
 
-@dataclass(slots=True, frozen=True)
-class Retire:
-    """Answered already (stop strings ended every sample): nothing left to run."""
-
-    key: str
-
-
-EngineMessage = Assign | Submit | Cancel | FinishSample | Retire
+EngineMessage = Assign | Submit | Cancel | FinishSample
 
 # --- to the output thread ------------------------------------------------------------------------
 
@@ -92,7 +91,8 @@ class Failed:
 
 @dataclass(slots=True, frozen=True)
 class Answer:
-    """A body computed on the engine thread (tokenizer tasks)."""
+    """A tokenizer task's answer (tokenize, detokenize, tokenizer_info), sent as the request's
+    RESULT. The engine thread computes it: it holds the tokenizer and the model's length."""
 
     key: str
     body: dict

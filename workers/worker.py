@@ -32,7 +32,7 @@ import zmq
 from routing import protocol as P
 from routing.security import connect_curve
 from workers.output_thread import OutputThread
-from workers.thread_messages import Assign, Cancel, EngineMessage, FinishSample, Retire, Submit
+from workers.thread_messages import Assign, Cancel, EngineMessage, FinishSample, Submit
 
 
 @dataclass(slots=True)
@@ -114,29 +114,27 @@ class EngineThread(threading.Thread):
 
     def _handle(self, item: EngineMessage) -> None:
         match item:
-            case Assign(msg):
+            case Assign():
                 self._drop_all()
-                self._load(msg)
+                self._load(item)
             case Submit(key, msg):
                 self._add(key, msg)
-            case Cancel(key):
-                if self.engine is not None and self.engine.abort(key):
+            case Cancel(key, answered):
+                if self.engine is not None and self.engine.abort(key) and not answered:
                     self.aborted += 1
-                self.output.put_forget([key])
+                if not answered:  # the output thread forgot an answered request itself
+                    self.output.put_forget([key])
             case FinishSample(key, index):  # the output thread matched a stop string: stop running that sample
                 if self.engine is not None:
                     self.engine.finish_sample(key, index)
-            case Retire(key):  # answered already: nothing left to run
-                if self.engine is not None:
-                    self.engine.abort(key)
 
-    def _load(self, msg: dict) -> None:
+    def _load(self, assign: Assign) -> None:
         from workers.engine import Engine, EngineConfig
         from workers.models import load_model
         from workers.spec import WorkerSpec
 
         try:
-            spec = WorkerSpec.from_wire(msg["model"])
+            spec = WorkerSpec.from_wire(assign.spec)
             bind_cores(spec.cpus)
             if self.spec != spec:
                 m = spec.model
@@ -147,11 +145,11 @@ class EngineThread(threading.Thread):
                     print(f"worker: {spec.name}: {self.engine.compile_info.summary()}", file=sys.stderr, flush=True)
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
             traceback.print_exc()
-            self.output.put_control({"type": P.LOAD_FAILED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
+            self.output.put_control({"type": P.LOAD_FAILED, "model_id": assign.model_id, "worker_id": assign.worker_id,
                                      "message": f"{type(exc).__name__}: {exc}"})
             return
         self.output.put_model(spec.name, self.engine.tokenizer, self.engine.lm.eos_token_ids)
-        self.output.put_control({"type": P.LOADED, "model_id": msg["model_id"], "worker_id": msg["worker_id"],
+        self.output.put_control({"type": P.LOADED, "model_id": assign.model_id, "worker_id": assign.worker_id,
                                  "weights": self.engine.lm.weights.as_dict(),
                                  "compile": self.engine.compile_info.as_dict()})
 
@@ -372,7 +370,7 @@ class Worker:
             if self.engine is None:
                 self._send(sock, [P.pack({"type": P.LOADED, "model_id": self.model_id, "worker_id": self.worker_id})])
             else:
-                self.engine.inbox.put(Assign(msg))
+                self.engine.inbox.put(Assign(self.model_id, self.worker_id, model))
         elif mtype == P.CANCEL and self.engine is not None and isinstance(msg.get("id"), str):
             self.engine.inbox.put(Cancel(msg["id"]))
         return True

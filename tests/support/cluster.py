@@ -160,7 +160,7 @@ def worker_threads(model: ModelSpec, addr: str = "inproc://engine-test"):
     output.start()
     th.start()
     try:
-        th.inbox.put(Assign({"model_id": 0, "worker_id": 0, "model": WorkerSpec(model, 0, threads=1).to_wire()}))
+        th.inbox.put(Assign(0, 0, WorkerSpec(model, 0, threads=1).to_wire()))
         assert msgpack.unpackb(pair.recv())["type"] == P.LOADED
         yield th, pair
     finally:
