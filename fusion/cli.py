@@ -59,7 +59,9 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def configure(args) -> tuple[dict, object, object]:
+def configure(args) -> tuple[dict, object, object, object]:
+    """The params, the fused models, the plan, and (validate_only and local serve) the catalog of
+    what can load at run time."""
     # the plan's modules (torch, the model sources) are imported here, after the fork server has started
     from fusion.deploy import build_fusion
     from fusion.plan import make_plan
@@ -87,16 +89,22 @@ def configure(args) -> tuple[dict, object, object]:
         launcher.start_server()  # its imports (seconds) overlap the planning below
     fusion = build_fusion(params, run["variants"])
     plan = make_plan(fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
-    return params, fusion, plan
+    catalog = None
+    if getattr(args, "mode", None) in ("validate_only", "serve") and not run["router"] and not run["ray"]:
+        from fusion.catalog import make_catalog
+        from fusion.deploy import variant_specs
+
+        catalog = make_catalog(fusion, plan, variant_specs(params), run)
+    return params, fusion, plan, catalog
 
 
-def serve(params: dict, fusion, plan) -> int:
+def serve(params: dict, fusion, plan, catalog) -> int:
     run = params["runconfig"]
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(plan.describe())
-    with deployment(fusion, plan, run) as dep:
+    with deployment(fusion, plan, run, catalog) as dep:
         print(f"serving: clients connect to {dep.frontend} (workers: {dep.router.backend_addr})", flush=True)
         if dep.config.curve_keys:
             print(f"serving: CurveZMQ keys in {dep.config.curve_keys}: clients connect with "
@@ -119,15 +127,16 @@ def serve(params: dict, fusion, plan) -> int:
     return 0
 
 
-def deployment(fusion, plan, run: dict):
-    """The router and its workers: local processes (a LocalDeployment), or Ray actors with --ray."""
+def deployment(fusion, plan, run: dict, catalog=None):
+    """The router and its workers: local processes (a LocalDeployment), or Ray actors with --ray.
+    `catalog` (serve): the models it may load and unload at run time."""
     from fusion.local import LocalDeployment
 
     if run.get("ray"):
         from fusion.ray_cluster import RayDeployment
 
         return RayDeployment.from_runconfig(fusion, plan, run)
-    return LocalDeployment.from_runconfig(fusion, plan, run)
+    return LocalDeployment.from_runconfig(fusion, plan, run, catalog)
 
 
 def _against_router(params: dict, fusion, plan, work):
@@ -202,16 +211,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     try:
-        params, fusion, plan = configure(args)
+        params, fusion, plan, catalog = configure(args)
     except (ParamsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.mode == "validate_only":
         print(plan.describe())
+        if catalog is not None:
+            print("\n".join(catalog.placer.describe(catalog.specs)))
         return 0
     try:
         if args.mode == "serve":
-            return serve(params, fusion, plan)
+            return serve(params, fusion, plan, catalog)
         if args.mode in ("predict", "infer"):
             return predict(params, fusion, plan)
         if args.mode == "eval":

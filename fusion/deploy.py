@@ -17,5 +17,10 @@ def build_fusion(params: dict, variants) -> MultiModelFusion:
     return MultiModelFusion(models)
 
 
+def variant_specs(params: dict) -> dict[str, ModelSpec]:
+    """Every variant of the params: what a serving deployment can load at run time."""
+    return {name: ModelSpec.from_params(name, v["model"]) for name, v in params["variants"].items()}
+
+
 def model_entries(fusion: MultiModelFusion) -> list[ModelEntry]:
     return [ModelEntry(i, info.name, info.spec) for i, info in enumerate(fusion.models)]

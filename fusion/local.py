@@ -5,6 +5,11 @@ cause and started again after a capped backoff, up to `max_restarts` times per w
 process registers with the router naming its slot in the plan, so it takes back its planned model
 ID and device. The router hears of every exit at once, and of the supervisor giving up on a slot
 (its model's queued requests then fail with `no_worker` instead of waiting).
+
+With a catalog (serve), the router loads and unloads models at run time (routing/lifecycle.py):
+it tells the supervisor to start a worker in a new slot (`start_worker`), or to stop one for good
+(`stop_worker`: terminated, killed after STOP_GRACE seconds, never restarted), and hears back when
+that process has exited.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from fusion.owners import WeightOwners
 from fusion.params import RUNCONFIG_DEFAULTS
 from fusion.plan import DeploymentPlan
 from routing import protocol as P
-from routing.router import Router, RouterConfig
+from routing.router import Catalog, Router, RouterConfig
+
+STOP_GRACE = 10.0  # seconds an unloaded worker has to exit on SIGTERM before it is killed
 
 
 @dataclass(slots=True)
@@ -56,10 +63,11 @@ class LocalDeployment:
 
     def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, frontend: str, backend: str,
                  supervisor: SupervisorConfig | None = None, log=None, curve_keys: str | None = None,
-                 insecure: bool = False, restart_wait: float = P.RESTART_WAIT):
-        self.fusion, self.plan = fusion, plan
+                 insecure: bool = False, restart_wait: float = P.RESTART_WAIT, catalog: Catalog | None = None,
+                 router: dict | None = None):
+        self.fusion, self.plan, self.catalog = fusion, plan, catalog
         self.config = RouterConfig(frontend=frontend, backend=backend, curve_keys=curve_keys, insecure=insecure,
-                                   restart_wait=restart_wait)
+                                   restart_wait=restart_wait, **(router or {}))
         self.supervisor = supervisor or SupervisorConfig()
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.router: Router | None = None
@@ -67,6 +75,7 @@ class LocalDeployment:
         self.procs: list[WorkerProcess] = []
         self.restarts: list[int] = []
         self.gave_up: set[int] = set()
+        self.stopped: dict[int, float] = {}  # slot -> when to kill it (told to stop for good)
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         self.owners = WeightOwners(fusion, plan, self.log, self.supervisor.max_restarts)
@@ -88,7 +97,8 @@ class LocalDeployment:
 
         def serve():
             try:
-                r = Router(model_entries(self.fusion), self.config, worker_specs=specs, log=self.log)
+                r = Router(model_entries(self.fusion), self.config, worker_specs=specs, log=self.log,
+                           catalog=self.catalog)
             except Exception as exc:  # e.g. the address is taken: report it to the caller
                 box.put(exc)
                 return
@@ -103,9 +113,14 @@ class LocalDeployment:
         self.router = got
 
     @classmethod
-    def from_runconfig(cls, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict) -> LocalDeployment:
+    def from_runconfig(cls, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict,
+                       catalog: Catalog | None = None) -> LocalDeployment:
+        """`catalog`: the models it may load at run time (fusion.catalog; serve), with the runconfig's
+        load settings; None: its copies stay as started."""
+        router = {k: run[k] for k in ("autoload", "load_timeout", "unload_timeout", "idle_unload_s")}
         return cls(fusion, plan, run["frontend"], run["backend"], SupervisorConfig(max_restarts=run["max_restarts"]),
-                   curve_keys=run["curve_keys"], insecure=run["insecure"], restart_wait=run["restart_wait"])
+                   curve_keys=run["curve_keys"], insecure=run["insecure"], restart_wait=run["restart_wait"],
+                   catalog=catalog, router=router)
 
     def client_kw(self) -> dict:
         """What a client of this deployment needs besides the address."""
@@ -122,20 +137,57 @@ class LocalDeployment:
         tell = self.router.ctx.socket(zmq.PUSH)  # the router's control socket: "this worker exited"
         tell.setsockopt(zmq.LINGER, 0)
         tell.connect(self.router.control_addr)
+        orders = self.router.ctx.socket(zmq.PULL)  # the router's: start_worker, stop_worker
+        orders.setsockopt(zmq.LINGER, 0)
+        orders.connect(self.router.supervise_addr)
         try:
-            self._watch(tell)
+            self._watch(tell, orders)
         finally:
             tell.close(linger=0)
+            orders.close(linger=0)
 
-    def _watch(self, tell: zmq.Socket) -> None:
+    def _orders(self, orders: zmq.Socket, now: float) -> None:
+        while True:
+            try:
+                msg = P.unpack(orders.recv(zmq.NOBLOCK), P.SUPERVISOR_TYPES)
+            except zmq.Again:
+                return
+            slot = msg.get("slot")
+            if msg["type"] == P.START_WORKER and slot == len(self.procs):
+                self.procs.append(self._spawn(slot))
+                self.restarts.append(0)
+                self.log(f"supervisor: worker slot {slot} started as process {self.procs[slot].pid}")
+            elif msg["type"] == P.STOP_WORKER and isinstance(slot, int) and 0 <= slot < len(self.procs):
+                self.stopped[slot] = now + STOP_GRACE
+                self.procs[slot].terminate()
+
+    def _reap_stopped(self, tell: zmq.Socket, due: dict[int, float], host: str, now: float) -> None:
+        """Stopped workers: once exited, the router hears it (for good); past the grace, killed."""
+        for i, kill_at in list(self.stopped.items()):
+            proc = self.procs[i]
+            if proc.poll() is None:
+                if now >= kill_at:
+                    proc.kill()
+                continue
+            del self.stopped[i]
+            due.pop(i, None)
+            self.gave_up.add(i)
+            tell.send(P.pack({"type": P.WORKER_EXITED, "pid": proc.pid, "host": host, "slot": i, "restart": False}))
+
+    def _watch(self, tell: zmq.Socket, orders: zmq.Socket) -> None:
         cfg = self.supervisor
         due: dict[int, float] = {}  # worker slot -> when to start it again
         host = socket.gethostname()
-        while not self._closing.wait(cfg.poll_interval):
+        while not self._closing.is_set():
+            orders.poll(cfg.poll_interval * 1000)  # wakes at once for the router's orders
+            if self._closing.is_set():
+                return
             self.owners.check()
             now = time.monotonic()
+            self._orders(orders, now)
+            self._reap_stopped(tell, due, host, now)
             for i, proc in enumerate(self.procs):
-                if i in self.gave_up or proc.poll() is None:
+                if i in self.gave_up or i in self.stopped or proc.poll() is None:
                     continue
                 if i not in due:
                     n = self.restarts[i]

@@ -51,6 +51,23 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
         "how many times a crashed worker is started again"),
     Key("restart_wait", _default(RouterConfig, "restart_wait"), "a number of seconds >= 0",
         "how long queued requests wait for a model with no live worker before failing with `no_worker`"),
+    Key("memory_budget", None, "a size (`8GiB`, `512MiB`, a number of bytes), `auto`, or null",
+        "serve: the memory each device's copies may hold together (weights once per device, packed linears, KV "
+        "pools, process overheads); a load that does not fit evicts the least recently used unpinned copies "
+        "first. `auto`: the device's available memory when the deployment starts; null: no budget (nothing "
+        "is evicted)", lambda x: x is None or x == "auto" or parse_size(x) is not None),
+    Key("autoload", _default(RouterConfig, "autoload"), "`true`, `false`",
+        "serve: a request for a variant with no copy loaded loads one (it waits for it)",
+        lambda x: isinstance(x, bool)),
+    Key("load_timeout", _default(RouterConfig, "load_timeout"), "a number of seconds > 0",
+        "serve: a copy loaded at run time that does not serve within this fails its load, and the requests "
+        "waiting for it", lambda x: is_number(x) and x > 0),
+    Key("unload_timeout", _default(RouterConfig, "unload_timeout"), "a number of seconds >= 0",
+        "serve: an unloaded (or evicted) copy finishes its requests for up to this long; then they fail with "
+        "`unloaded`", lambda x: is_number(x) and x >= 0),
+    Key("idle_unload_s", _default(RouterConfig, "idle_unload_s"), "a number of seconds > 0, or null",
+        "serve: unload an unpinned model that no request has named for this long; null: never",
+        lambda x: x is None or (is_number(x) and x > 0)),
     Key("retry_delays", [0.5, 2.0, 8.0], f"a list of at most {MAX_RETRIES} waits in seconds (each 0-3600)",
         "predict and eval: the waits before each resend of a request that failed for a transient reason "
         "(`busy`, `worker_lost`, `no_worker`, `router_lost`, a timeout); `[]` turns resending off"),

@@ -202,9 +202,10 @@ class RayDeployment(LocalDeployment):
         self._watcher.start()
         return self
 
-    def _watch(self, tell: zmq.Socket) -> None:
+    def _watch(self, tell: zmq.Socket, orders: zmq.Socket) -> None:
         """Ask each actor where it is: a changed pid is a restart Ray made, a failed call a death
-        (the router hears of it at once, and resends that worker's requests)."""
+        (the router hears of it at once, and resends that worker's requests). No catalog: the
+        router sends no orders."""
         ray = self.ray
         period = max(self.supervisor.poll_interval, 0.5)
         while not self._closing.wait(period):

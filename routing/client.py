@@ -149,6 +149,29 @@ class _Base:
         """Whether `msg` is for request `rid`: its own answer, or a connection failure (for all)."""
         return msg.get("id") == rid or msg.get("code") in (P.ROUTER_LOST, P.REFUSED)
 
+    def models(self):
+        """One entry per model ID ({id, name, workers, state, pinned, resident_bytes, last_use}); where
+        the deployment can load models, also one per variant with no copy (`id` None, state
+        `available`). AsyncClient: await it."""
+        return self._admin({"type": P.MODELS})
+
+    def status(self):
+        """The router's workers, queues and counters (AsyncClient: await it)."""
+        return self._admin({"type": P.STATUS})
+
+    def load(self, model: str, copies: int = 1, pin: bool = False, timeout: float | None = None):
+        """Have `copies` copies of the variant `model` in all (a retry never adds more), pinned
+        (never evicted) with `pin`; returns {model, copies: [its models entries]} once every copy
+        serves. A cold load can take minutes: `timeout` (seconds) overrides the client's for this
+        call. AsyncClient: await it."""
+        return self._admin({"type": P.LOAD, "model": model, "copies": copies, "pin": pin}, timeout)
+
+    def unload(self, model: str | int, copies: int | None = None, timeout: float | None = None):
+        """Unload `copies` copies of `model` (highest model IDs first; None: all), or the one model ID
+        `model`; each finishes its requests first (up to the deployment's unload_timeout). Returns
+        {model, copies: [what is left]} once they are gone. AsyncClient: await it."""
+        return self._admin({"type": P.UNLOAD, "model": model, "copies": copies}, timeout)
+
     def _new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
@@ -192,21 +215,15 @@ class Client(_Base):
     def _deadline(self) -> float | None:
         return None if self.timeout is None else time.monotonic() + self.timeout
 
-    def _admin(self, mtype: str):
+    def _admin(self, msg: dict, timeout: float | None = None):
         rid = self._new_id()
         self._forget_stale_events()
-        self.sock.send(P.pack({"type": mtype, "id": rid}))
-        deadline = self._deadline()
+        self.sock.send(P.pack({**msg, "id": rid}))
+        deadline = self._deadline() if timeout is None else time.monotonic() + timeout
         while True:
             msg = self.recv(deadline)
             if self._answers(msg, rid):
                 return _check(msg)["data"]
-
-    def models(self) -> list[dict]:
-        return self._admin(P.MODELS)
-
-    def status(self) -> dict:
-        return self._admin(P.STATUS)
 
     def _run(self, model, prompt, stream: bool, params: dict):
         rid = self._new_id()
@@ -268,10 +285,11 @@ class _InFlight:
     until `done`. Left before its result (an error of ours, a cancelled task, a closed generator),
     it cancels the request on the worker."""
 
-    __slots__ = ("client", "rid", "done")
+    __slots__ = ("client", "rid", "done", "timeout")
 
-    def __init__(self, client: AsyncClient, rid: str):
+    def __init__(self, client: AsyncClient, rid: str, timeout: float | None = None):
         self.client, self.rid, self.done = client, rid, False
+        self.timeout = timeout  # None: the client's
 
     def __enter__(self) -> _InFlight:
         return self
@@ -283,7 +301,7 @@ class _InFlight:
 
     async def next(self) -> dict:
         try:
-            msg = await self.client._get(self.rid)
+            msg = await self.client._get(self.rid, self.timeout)
         except (RouterError, TimeoutError):
             self.done = True  # the router has forgotten it already (a timeout sent its own cancel)
             raise
@@ -437,20 +455,21 @@ class AsyncClient(_Base):
         self._queues[rid] = _Inbox()
         return rid
 
-    async def _get(self, rid: str) -> dict:
+    async def _get(self, rid: str, timeout: float | None = None) -> dict:
         q = self._queues[rid]
         if q.items:  # the common case under load: no future
             return _check(q.items.popleft())
         q.waiter = self._loop.create_future()
-        if self.timeout is not None:
-            q.deadline = self._loop.time() + self.timeout
+        timeout = self.timeout if timeout is None else timeout
+        if timeout is not None:
+            q.deadline = self._loop.time() + timeout
             if self._sweep_at is None:
-                self._sweep_at = self._loop.call_later(min(1.0, self.timeout / 4), self._sweep)
+                self._sweep_at = self._loop.call_later(min(1.0, timeout / 4), self._sweep)
         try:
             await q.waiter
         except TimeoutError:
             self._sender.cancel(rid)
-            raise TimeoutError(f"no answer from {self.address} within {self.timeout}s") from None
+            raise TimeoutError(f"no answer from {self.address} within {timeout}s") from None
         finally:
             q.waiter = None
         return _check(q.items.popleft())
@@ -470,21 +489,17 @@ class AsyncClient(_Base):
             else:
                 waiting = True
         if waiting:
-            self._sweep_at = self._loop.call_later(min(1.0, self.timeout / 4), self._sweep)
+            self._sweep_at = self._loop.call_later(min(1.0, (self.timeout or 1.0) / 4), self._sweep)
 
-    async def models(self) -> list[dict]:
-        with self._start({"type": P.MODELS}) as req:
+    async def _admin(self, msg: dict, timeout: float | None = None):
+        with self._start(msg, timeout) as req:
             return (await req.next())["data"]
 
-    async def status(self) -> dict:
-        with self._start({"type": P.STATUS}) as req:
-            return (await req.next())["data"]
-
-    def _start(self, msg: dict) -> _InFlight:
+    def _start(self, msg: dict, timeout: float | None = None) -> _InFlight:
         rid = self._open()
         msg["id"] = rid
         self._sender.send(self._loop, msg)
-        return _InFlight(self, rid)
+        return _InFlight(self, rid, timeout)
 
     def _request(self, model, prompt, stream: bool, params: dict, task: str) -> _InFlight:
         msg = self._complete_msg("", model, prompt, stream, params)
@@ -535,11 +550,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--models", action="store_true", help="list the models")
     ap.add_argument("--status", action="store_true", help="show the workers")
+    ap.add_argument("--load", metavar="NAME", help="load the variant NAME (with --copies N in all, --pin)")
+    ap.add_argument("--unload", metavar="NAME", help="unload the variant NAME (--copies N of them; default all)")
+    ap.add_argument("--copies", type=int, help="with --load: copies wanted in all (default 1); with --unload: "
+                                               "how many to unload")
+    ap.add_argument("--pin", action="store_true", help="with --load: never evict it")
     ap.add_argument("--curve-keys", help="CurveZMQ keys directory (server.key + clients/NAME.key_secret)")
     ap.add_argument("--curve-name", default="client")
     args = ap.parse_args(argv)
     with Client(args.router, timeout=args.timeout, curve_keys=args.curve_keys, curve_name=args.curve_name) as c:
         try:
+            if args.load or args.unload:
+                out = (c.load(args.load, args.copies or 1, args.pin) if args.load
+                       else c.unload(int(args.unload) if args.unload.isdigit() else args.unload, args.copies))
+                print(json.dumps(out, indent=2))
+                return 0
             if args.models or args.status:
                 print(json.dumps(c.models() if args.models else c.status(), indent=2))
                 return 0

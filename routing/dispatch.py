@@ -23,15 +23,19 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 import uuid
 from dataclasses import dataclass, field
 
 from routing import protocol as P
+from routing.lifecycle import Catalog, Lifecycle
 from routing.registry import ModelEntry, WorkerRegistry, WorkerState
 from workers.spec import WorkerSpec
 
 FRONT, BACK = "front", "back"
-__all__ = ["BACK", "FRONT", "Dispatch", "ModelEntry", "Pending", "RouterConfig", "Send", "WorkerState"]
+SUPER = "super"  # the supervisor (routing/lifecycle.py's start_worker and stop_worker)
+__all__ = ["BACK", "FRONT", "SUPER", "Catalog", "Dispatch", "ModelEntry", "Pending", "RouterConfig", "Send",
+           "WorkerState"]
 
 
 @dataclass(slots=True)
@@ -53,6 +57,11 @@ class RouterConfig:
     hard_message_limit: int = P.SOCKET_MESSAGE_LIMIT  # the socket drops peers beyond this (ZMQ_MAXMSGSIZE)
     curve_keys: str | None = None  # CurveZMQ keys directory (routing.security): both sockets then need keys
     insecure: bool = False  # allow binding off loopback without CurveZMQ
+    # models at run time (routing/lifecycle.py), with a supervisor to start and stop workers
+    autoload: bool = True  # a request for a variant with no copy loads one
+    load_timeout: float = 600.0  # a copy that does not serve within this fails its load and its queue
+    unload_timeout: float = 60.0  # an unloaded copy's requests may finish for this long, then fail `unloaded`
+    idle_unload_s: float | None = None  # unload an unpinned model no request named for this long (None: never)
 
     def __post_init__(self) -> None:
         for name in ("max_queue", "max_inflight", "liveness", "keep_dead", "client_queue", "worker_queue"):
@@ -60,8 +69,11 @@ class RouterConfig:
                 raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.heartbeat_interval > 0:
             raise ValueError(f"RouterConfig.heartbeat_interval must be > 0, got {self.heartbeat_interval!r}")
-        if not self.restart_wait >= 0:
-            raise ValueError(f"RouterConfig.restart_wait must be >= 0 seconds, got {self.restart_wait!r}")
+        for name in ("restart_wait", "load_timeout", "unload_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"RouterConfig.{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+        if self.idle_unload_s is not None and not self.idle_unload_s > 0:
+            raise ValueError(f"RouterConfig.idle_unload_s must be > 0 seconds or None, got {self.idle_unload_s!r}")
 
 
 @dataclass(slots=True)
@@ -80,7 +92,7 @@ class Pending:
 
 @dataclass(slots=True)
 class Send:
-    side: str  # FRONT (a client) or BACK (a worker)
+    side: str  # FRONT (a client), BACK (a worker) or SUPER (the supervisor: frames is [message])
     frames: list[bytes]  # [peer identity, *message frames]
     key: str | None = None  # the request a frontend data message belongs to
 
@@ -105,11 +117,14 @@ class Outbox:
     def worker(self, ident: bytes, *frames: bytes) -> None:
         self.sends.append(Send(BACK, [ident, *frames]))
 
+    def supervisor(self, msg: dict) -> None:
+        self.sends.append(Send(SUPER, [P.pack(msg)]))
+
 
 class Dispatch:
     def __init__(self, models: list[ModelEntry], config: RouterConfig | None = None,
-                 worker_specs: list[WorkerSpec] | None = None, log=None):
-        if not models:
+                 worker_specs: list[WorkerSpec] | None = None, log=None, catalog: Catalog | None = None):
+        if not models and catalog is None:
             raise ValueError("the router needs at least one model")
         self.config = config or RouterConfig()
         self.models = {m.model_id: m for m in models}
@@ -120,6 +135,7 @@ class Dispatch:
         self.workers = self.registry.workers  # live workers only, by socket identity
         self.log = log or (lambda line: None)
         self.epoch = uuid.uuid4().hex[:12]
+        self.wall = time.time() - time.monotonic()  # the models reply gives last_use as a Unix time
         self.outbox = Outbox()
         self.take = self.outbox.take  # the router's I/O loop empties it after every input
         self.pending: dict[str, Pending] = {}
@@ -130,6 +146,10 @@ class Dispatch:
         self.stray = 0  # data from a worker the request was not given to, or from a dropped one (refused)
         self.no_worker = 0  # queued requests failed because no worker came for their model
         self.internal_errors = 0
+        # load and unload at run time: only with a supervisor to start and stop workers (its catalog)
+        self.lifecycle = None if catalog is None else Lifecycle(
+            catalog, self.config, self.models, self.by_name, self.registry, self.outbox, self.pending, self._fail,
+            self.log)
 
     # --- clients ---------------------------------------------------------------------------------
     def client(self, client: bytes, frame: bytes, now: float) -> None:
@@ -146,15 +166,30 @@ class Dispatch:
                 self.outbox.client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.models_info()})
             elif mtype == P.STATUS:
                 self.outbox.client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.status()})
+            elif self.lifecycle is None:  # load, unload
+                raise P.ProtocolError(f"this router cannot {mtype} models: it has no supervisor to start and stop "
+                                      "workers (a router started alone, or with --router)", P.NOT_SUPPORTED,
+                                      msg.get("id"))
+            elif mtype == P.LOAD:
+                self.lifecycle.load(client, msg, now)
+            else:
+                self.lifecycle.unload(client, msg, now)
         except P.ProtocolError as exc:
             self.outbox.client(client, P.error(exc.request_id, exc.code, str(exc)))
 
-    def _resolve(self, model, rid) -> list[int]:
+    def _resolve(self, model, rid, now: float) -> list[int]:
         if isinstance(model, int):
             if model not in self.models:
                 raise P.ProtocolError(f"unknown model ID {model}; known IDs: {sorted(self.models)}",
                                       P.UNKNOWN_MODEL, rid)
+            if self.models[model].state == P.STATE_UNLOADING:
+                raise P.ProtocolError(f"model ID {model} is being unloaded; name the model to reach its other "
+                                      "copies (or a reload)", P.UNLOADED, rid)
             return [model]
+        if model not in self.by_name and self.lifecycle is not None:
+            loading = self.lifecycle.autoload(model, rid, now)
+            if loading is not None:
+                return loading
         if model not in self.by_name:
             raise P.ProtocolError(f"unknown model {model!r}; known models: {sorted(self.by_name)}",
                                   P.UNKNOWN_MODEL, rid)
@@ -162,13 +197,16 @@ class Dispatch:
 
     def _on_complete(self, client: bytes, msg: dict, now: float) -> None:
         req = P.CompleteRequest.from_msg(msg)
-        candidates = self._resolve(req.model, req.id)
+        candidates = self._resolve(req.model, req.id, now)
         if (client, req.id) in self.client_keys:
             raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
         if all(self.models[m].abandoned and not self.registry.usable(m) for m in candidates):
             raise P.ProtocolError(f"no worker serves model {req.model!r}: its workers kept failing and were not "
                                   "restarted (see the deployment's log)", P.NO_WORKER, req.id)
         model_id = min(candidates, key=self.registry.load)
+        self.models[model_id].last_use = now
+        if self.lifecycle is not None:
+            self.lifecycle.touch(model_id, now)
         key = f"{self.epoch}-{next(self._keys)}"
         if req.params.get("seed") is None and req.params.get("temperature") != 0:
             # fixed here, once: a resent or retried request then gives the same tokens anywhere
@@ -268,6 +306,8 @@ class Dispatch:
                 w.weights = {k: v for k, v in msg["weights"].items() if k in ("bytes", "shared", "path")}
             if isinstance(msg.get("compile"), dict):
                 w.compile = dict(msg["compile"])
+            if self.lifecycle is not None:
+                self.lifecycle.loaded(w.model_id, now)
             self._drain_queue(w.model_id)
         elif mtype == P.LOAD_FAILED:
             # shown in status; the model's queue waits restart_wait for a worker that can load it
@@ -275,6 +315,8 @@ class Dispatch:
             m = self.models[w.model_id]
             if not self.registry.usable(w.model_id) and m.orphan_since is None:
                 m.orphan_since = now
+            if self.lifecycle is not None:  # a copy loading at run time fails its load at once
+                self.lifecycle.load_failed(w.model_id, w.load_error, now)
 
     def worker_data(self, ident: bytes, head: bytes, body: bytes, now: float) -> None:
         w = self.workers.get(ident)
@@ -326,6 +368,8 @@ class Dispatch:
         w.inflight.clear()
         for mid in requeued:
             self._drain_queue(mid)
+        if self.lifecycle is not None:
+            self.lifecycle.exited(None)
 
     def _resend(self, p: Pending, model_id: int, now: float) -> None:
         p.resends += 1
@@ -355,8 +399,13 @@ class Dispatch:
                 self._drop(w, "its process exited", now)
         if msg.get("restart") is False and model_id in self.models and not self.registry.usable(model_id):
             m = self.models[model_id]
-            m.abandoned = True
-            self._expire_queue(m, now)
+            if self.lifecycle is not None and m.state == P.STATE_LOADING:
+                self.lifecycle.load_failed(model_id, "its worker process kept exiting (see the deployment's log)", now)
+            elif m.state != P.STATE_UNLOADING:
+                m.abandoned = True
+                self._expire_queue(m, now)
+        if self.lifecycle is not None:
+            self.lifecycle.exited(slot if isinstance(slot, int) else None)
 
     def tick(self, now: float) -> None:
         """Heartbeats out, silent workers dropped, queued requests of workerless models expired."""
@@ -367,14 +416,17 @@ class Dispatch:
                 self._drop(w, "no heartbeat", now)
             else:
                 self.outbox.worker(w.ident, beat)
-        for m in self.models.values():
+        for m in list(self.models.values()):
             if self.registry.usable(m.model_id):
                 m.orphan_since = None
             else:
                 self._expire_queue(m, now)
+        if self.lifecycle is not None:
+            self.lifecycle.tick(now)
 
     def _expire_queue(self, m: ModelEntry, now: float) -> None:
-        wait = self.config.restart_wait
+        loading = m.state == P.STATE_LOADING
+        wait = self.config.load_timeout if loading else self.config.restart_wait
         failed = [w for w in self.registry.of_model(m.model_id) if w.load_error]
         why = f"; its worker could not load it: {failed[0].load_error}" if failed else ""
         for p in list(m.queue):
@@ -383,7 +435,7 @@ class Dispatch:
                 m.queue.remove(p)
                 self.no_worker += 1
                 self._fail(p, P.NO_WORKER, f"no worker served model {m.name!r} (ID {m.model_id}) within "
-                                           f"restart_wait ({wait:g}s){why}")
+                                           f"{'load_timeout' if loading else 'restart_wait'} ({wait:g}s){why}")
 
     def shutdown_messages(self) -> None:
         for w in self.workers.values():
@@ -391,9 +443,11 @@ class Dispatch:
 
     # --- admin -----------------------------------------------------------------------------------
     def models_info(self) -> list[dict]:
-        return [{"id": m.model_id, "name": m.name,
-                 "workers": sorted(w.worker_id for w in self.registry.of_model(m.model_id))}
-                for m in self.models.values()]
+        """One entry per model ID; with a supervisor, also one per variant with no copy (`id` None)."""
+        life = self.lifecycle
+        if life is None:
+            return [self.registry.model_info(m, 0, self.wall) for m in self.models.values()]
+        return [*(life.info(m) for m in self.models.values()), *life.catalog.available(self.by_name)]
 
     def status(self) -> dict:
         return {
@@ -406,4 +460,5 @@ class Dispatch:
             "stray": self.stray,
             "no_worker": self.no_worker,
             "internal_errors": self.internal_errors,
+            **({"models": self.lifecycle.status()} if self.lifecycle is not None else {}),
         }

@@ -48,14 +48,30 @@ def merge_completions(results: list[dict], model: str, n: int, token_ids: bool =
 
 
 def model_list(models: list[dict], created: int) -> dict:
+    """A variant by name (any copy; `available` when none is loaded: a request loads one), then
+    each model ID as `name:id` with its state, pin, resident bytes and last use."""
     data = []
     for name in dict.fromkeys(m["name"] for m in models):
+        copies = [m for m in models if m["name"] == name and m["id"] is not None]
+        state = "loaded" if any(m.get("state", "loaded") == "loaded" for m in copies) else (
+            copies[0]["state"] if copies else "available")
         data.append({"id": name, "object": "model", "created": created, "owned_by": "mmfusion", "root": name,
-                     "parent": None})
+                     "parent": None, "state": state, "pinned": any(m.get("pinned") for m in models
+                                                                   if m["name"] == name)})
     for m in models:
+        if m["id"] is None:
+            continue
         data.append({"id": f"{m['name']}:{m['id']}", "object": "model", "created": created, "owned_by": "mmfusion",
-                     "root": m["name"], "parent": m["name"]})
+                     "root": m["name"], "parent": m["name"], "state": m.get("state", "loaded"),
+                     "pinned": m.get("pinned", False), "resident_bytes": m.get("resident_bytes"),
+                     "last_use": m.get("last_use")})
     return {"object": "list", "data": data}
+
+
+def model_copies(change: dict, created: int) -> dict:
+    """A load's or an unload's answer: the model, and its copies now as GET /v1/models lists them."""
+    data = [e for e in model_list(change["copies"], created)["data"] if e["parent"] is not None]
+    return {"object": "list", "model": change["model"], "data": data}
 
 
 def completion_chunk(cid: str, created: int, model: str, index: int, text: str, finish_reason) -> dict:

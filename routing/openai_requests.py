@@ -151,6 +151,33 @@ def chat_job(body: dict) -> ChatJob:
     return ChatJob(messages, params, opts, n if _is_int(n) and n > 0 else 1)
 
 
+def _model_name(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required: the name of a variant of this deployment (see GET /v1/models)")
+    return model
+
+
+def load_args(body: dict) -> dict:
+    """POST /v1/models/load's body: {model, copies (all wanted, default 1), pin (default false)}."""
+    copies, pin = body.get("copies", 1), body.get("pin", False)
+    if not _is_int(copies) or copies < 1:
+        raise bad("copies", f"copies must be an integer >= 1 (the copies wanted in all), got {copies!r}")
+    if not isinstance(pin, bool):
+        raise bad("pin", f"pin must be true or false, got {pin!r}")
+    return {"model": _model_name(body), "copies": copies, "pin": pin}
+
+
+def unload_args(body: dict) -> dict:
+    """POST /v1/models/unload's body: {model (a name, or `name:id` for one copy), copies (how many,
+    highest model IDs first; default all)}."""
+    model, copies = _model_name(body), body.get("copies")
+    if copies is not None and (not _is_int(copies) or copies < 1):
+        raise bad("copies", f"copies must be an integer >= 1 (how many to unload) or null (all), got {copies!r}")
+    name, sep, mid = model.rpartition(":")
+    return {"model": int(mid) if sep and name and mid.isdigit() else model, "copies": copies}
+
+
 def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
     """SamplingParams and `echo` from OpenAI-style parameters (a router request's, over `defaults`).
     A bad value raises ParamError naming its key."""

@@ -4,6 +4,7 @@ Every message is one ZeroMQ frame holding a msgpack map with at least {"v": VERS
 
 Clients (DEALER) <-> router frontend (ROUTER):
   client -> router   complete {id, model, prompt, params, stream, task}   cancel {id}   models {id}   status {id}
+                     load {id, model, copies, pin}   unload {id, model, copies}
   task (default generate): generate (prompt: text or token IDs), chat (prompt: [{role, content}, ...],
   rendered with the model's chat template), tokenize (prompt: text or messages), detokenize (prompt:
   token IDs), tokenizer_info (no prompt). Every task is routed like a completion; its answer is a
@@ -15,6 +16,8 @@ Clients (DEALER) <-> router frontend (ROUTER):
   present, names the request parameter it refuses. A chunk's outputs are [{index, token_ids, text,
   finish_reason}].
   The router fixes the seed of every request that has none (unless temperature is 0) on arrival.
+  A load's or an unload's reply comes when its copies serve (or are gone): {model, copies: [the
+  models entries of that model]}. A router without a supervisor answers them not_supported.
 
 Workers (DEALER) <-> router backend (ROUTER):
   worker -> router   ready {capabilities: pid, host, slot (its planned worker, if any), ...}
@@ -33,7 +36,9 @@ Request keys are `<router epoch>-<n>`: unique across router lifetimes, so a work
 for an earlier router can never match a request of this one.
 
 Supervisor -> router (inproc control socket, same process): worker_exited {pid, host, slot, restart}
-(restart false: the supervisor gave up on that worker).
+(restart false: the supervisor gave up on that worker, or stopped it when told to).
+Router -> supervisor (inproc, same process): start_worker {slot} (a copy loaded at run time: its
+spec is the router's slot `slot`), stop_worker {slot} (unloaded: stop it, never restart it).
 Errors a client raises by itself, without a message: router_lost (the connection dropped with
 requests in flight), refused (the router refused the CurveZMQ handshake).
 """
@@ -65,11 +70,14 @@ MAX_SAMPLES = 1024  # per-sample entries in a chunk header
 
 # message types
 COMPLETE, CANCEL, MODELS, STATUS = "complete", "cancel", "models", "status"
+LOAD, UNLOAD = "load", "unload"
 CHUNK, RESULT, REPLY, ERROR = "chunk", "result", "reply", "error"
 READY, LOADED, HEARTBEAT, ASSIGN, REQUEST, SHUTDOWN = "ready", "loaded", "heartbeat", "assign", "request", "shutdown"
 LOAD_FAILED = "load_failed"  # worker -> router: {model_id, worker_id, message}; it stays up, unloaded
 WORKER_EXITED = "worker_exited"  # supervisor -> router (inproc control socket): {pid, host}
-CLIENT_TYPES = {COMPLETE, CANCEL, MODELS, STATUS}
+START_WORKER, STOP_WORKER = "start_worker", "stop_worker"  # router -> supervisor: {slot}
+CLIENT_TYPES = {COMPLETE, CANCEL, MODELS, STATUS, LOAD, UNLOAD}
+SUPERVISOR_TYPES = {START_WORKER, STOP_WORKER}
 WORKER_TYPES = {READY, LOADED, LOAD_FAILED, HEARTBEAT}
 
 # tasks of a complete request
@@ -84,7 +92,13 @@ WORKER_LOST = "worker_lost"
 NO_WORKER = "no_worker"  # queued, but no worker served the model within restart_wait (or none will)
 TOO_LARGE = "too_large"
 INTERNAL = "internal"
+NO_MEMORY = "no_memory"  # a load that no device's memory_budget can hold, even by evicting what may go
+CONFLICT = "conflict"  # a load and an unload of one model at once
+UNLOADED = "unloaded"  # the model (copy) was unloaded, or is not loaded and autoload is off
+NOT_SUPPORTED = "not_supported"  # load/unload on a router without a supervisor to start and stop workers
 ROUTER_LOST = "router_lost"  # raised by the client itself: the connection dropped with requests in flight
+# a model ID's state in the models reply; a variant with no copy is listed once as AVAILABLE
+STATE_LOADING, STATE_LOADED, STATE_UNLOADING, STATE_AVAILABLE = "loading", "loaded", "unloading", "available"
 # what a worker's heartbeat reports of its engine (integers), as the router's status shows it:
 # requests, and its KV cache (blocks, preemptions, prefix cache lookups and hits in tokens)
 ENGINE_STATS = ("running", "aborted", "dropped", "kv_cache_bytes", "block_size", "blocks_total", "blocks_used",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from routing import protocol as P
 from workers.spec import ModelSpec, WorkerSpec
 
 
@@ -22,6 +23,10 @@ class ModelEntry:
     queue: deque = field(default_factory=deque)
     orphan_since: float | None = None  # when it lost its last live worker (None: it has one, or never had)
     abandoned: bool = False  # the supervisor gave up on its last worker: queued requests fail at once
+    state: str = P.STATE_LOADED  # or STATE_LOADING (started at run time, not serving yet), STATE_UNLOADING
+    pinned: bool = False  # never evicted (routing.residency)
+    last_use: float = 0.0  # when a request last named it (monotonic)
+    since: float = 0.0  # when it entered its state (monotonic)
 
 
 @dataclass(slots=True)
@@ -52,6 +57,7 @@ class WorkerRegistry:
         self.worker_specs = worker_specs
         self.workers: dict[bytes, WorkerState] = {}  # live workers only
         self.dead: deque[WorkerState] = deque(maxlen=keep_dead)
+        self.retired: set[int] = set()  # slots of unloaded copies: never assigned again
         self._registrations = 0
         self._used_ids: set[int] = set()
         self._next_id = 0
@@ -75,19 +81,29 @@ class WorkerRegistry:
         w.alive, w.loaded, w.lost = False, False, why
         self.workers.pop(w.ident, None)
         self.dead.append(w)
-        m = self.models[w.model_id]
-        if not self.usable(w.model_id) and m.orphan_since is None:
+        m = self.models.get(w.model_id)  # None: an unloaded model's
+        if m is not None and not self.usable(w.model_id) and m.orphan_since is None:
             m.orphan_since = now
+
+    def add_slot(self, spec: WorkerSpec) -> int:
+        """A worker started at run time (a loaded copy): its slot, whose spec it gets at READY."""
+        self.worker_specs.append(spec)
+        return len(self.worker_specs) - 1
+
+    def slots_of(self, model_id: int) -> list[int]:
+        return [k for k, s in enumerate(self.worker_specs) if s.model_id == model_id and k not in self.retired]
 
     def _assign_model(self, slot: int | None) -> int:
         if slot is not None:
             planned = self.worker_specs[slot].model_id
-            if planned in self.models:
+            if planned in self.models and slot not in self.retired:
                 return planned
-        live = {mid: 0 for mid in self.models}
+        # a worker without a slot serves a model of the start, or one loaded since, never one leaving
+        live = {mid: 0 for mid, m in self.models.items() if m.state != P.STATE_UNLOADING} or dict.fromkeys(self.models, 0)
         for w in self.workers.values():
-            live[w.model_id] += 1
-        ids = sorted(self.models)
+            if w.model_id in live:
+                live[w.model_id] += 1
+        ids = sorted(live)
         rr = ids[self._registrations % len(ids)]
         orphaned = [mid for mid in ids if live[mid] == 0]
         return rr if live[rr] == 0 or not orphaned else orphaned[0]
@@ -139,6 +155,12 @@ class WorkerRegistry:
         if not ws:
             return 1e9 + queued, served
         return (sum(len(w.inflight) for w in ws) + queued) / len(ws), served
+
+    def model_info(self, m: ModelEntry, resident_bytes: int, wall: float) -> dict:
+        """One model ID as the models reply lists it; `wall` turns monotonic times into Unix times."""
+        return {"id": m.model_id, "name": m.name, "workers": sorted(w.worker_id for w in self.of_model(m.model_id)),
+                "state": m.state, "pinned": m.pinned, "resident_bytes": resident_bytes,
+                "last_use": round(m.last_use + wall, 3) if m.last_use else None}
 
     def status(self) -> list[dict]:
         """Every live worker and the last lost ones, by ID."""

@@ -16,19 +16,20 @@ import traceback
 
 import zmq
 
-from routing.dispatch import BACK, Dispatch, ModelEntry, RouterConfig, Send
+from routing.dispatch import BACK, SUPER, Catalog, Dispatch, ModelEntry, RouterConfig, Send
 from routing.security import check_bind, serve_curve
 from workers.spec import ModelSpec
 
-__all__ = ["ModelEntry", "Router", "RouterConfig"]
+__all__ = ["Catalog", "ModelEntry", "Router", "RouterConfig"]
 
 
 class Router:
     def __init__(self, models: list[ModelEntry], config: RouterConfig | None = None,
-                 ctx: zmq.Context | None = None, worker_specs: list | None = None, log=None):
+                 ctx: zmq.Context | None = None, worker_specs: list | None = None, log=None,
+                 catalog: Catalog | None = None):
         self.config = config or RouterConfig()
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.dispatch = Dispatch(models, self.config, worker_specs, self.log)
+        self.dispatch = Dispatch(models, self.config, worker_specs, self.log, catalog)
         for addr in (self.config.frontend, self.config.backend):
             check_bind(addr, self.config.curve_keys, self.config.insecure)
         # a context of our own, terminated on shutdown (CURVE also installs an authenticator on it)
@@ -52,6 +53,11 @@ class Router:
         self.control.setsockopt(zmq.LINGER, 0)
         self.control_addr = f"inproc://router-control-{id(self)}"
         self.control.bind(self.control_addr)
+        # and the other way: start this worker, stop that one (models loaded and unloaded at run time)
+        self.supervise = self.ctx.socket(zmq.PUSH)
+        self.supervise.setsockopt(zmq.LINGER, 0)
+        self.supervise_addr = f"inproc://router-supervise-{id(self)}"
+        self.supervise.bind(self.supervise_addr)
 
     @property
     def models(self) -> dict[int, ModelEntry]:
@@ -151,6 +157,12 @@ class Router:
                 self._write(send)
 
     def _write(self, send: Send) -> None:
+        if send.side == SUPER:
+            try:
+                self.supervise.send(send.frames[0], zmq.NOBLOCK)
+            except zmq.Again:  # no supervisor listens: the load waits out load_timeout, and says so
+                self.log("router: no supervisor took a start/stop message")
+            return
         sock = self.backend if send.side == BACK else self.frontend
         try:
             sock.send_multipart(send.frames, zmq.NOBLOCK)
@@ -172,7 +184,7 @@ class Router:
         self._close()
 
     def _close(self) -> None:
-        for name in ("frontend", "backend", "control"):
+        for name in ("frontend", "backend", "control", "supervise"):
             sock = getattr(self, name, None)
             if sock is not None and not sock.closed:
                 sock.close(linger=100 if name == "backend" else 0)

@@ -115,6 +115,9 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("compile_buckets", None, "a strictly increasing list of positive token counts, or null",
         "the padded step sizes graphs are built for; null: powers of two up to 64, then multiples of 64 "
         "up to `max_batch_tokens`"),
+    Key("pin", False, "`true`, `false`",
+        "its copies are never evicted to make room for another model's load (an explicit unload still "
+        "unloads them)", lambda x: isinstance(x, bool)),
     Key("resources", None, "a mapping of Ray resource names to positive amounts, or null",
         "custom Ray resources each copy asks for (with `--ray`), so that it runs only on nodes that have them",
         _resources),

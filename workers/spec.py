@@ -42,6 +42,7 @@ class ModelSpec:
     prepack_weights: bool = _default("prepack_weights")
     compile: str | bool = _default("compile")
     compile_buckets: tuple[int, ...] | None = _default("compile_buckets")
+    pin: bool = _default("pin")
     resources: dict | None = _default("resources")
     start_token: int | tuple[int, ...] | None = _default("start_token")
     end_token: int | tuple[int, ...] | None = _default("end_token")

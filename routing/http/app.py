@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,9 @@ from routing import openai_objects, openai_requests
 from routing import protocol as P
 from routing.client import AsyncClient
 from routing.http import openai as O
+from routing.http.bodies import ClientGone, read_json, send_json
 from routing.http.metrics import Metrics
+from routing.http.models_admin import model_admin_routes
 from routing.http.streaming import stream_response
 
 log = logging.getLogger("mmfusion.http")
@@ -72,16 +73,6 @@ class ApiKeys:
         await self.app(scope, receive, send)
 
 
-def parse_body(body: bytes) -> dict:
-    try:
-        data = json.loads(body)
-    except ValueError as exc:
-        raise openai_requests.OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise openai_requests.OpenAIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-    return data
-
-
 class FastPath:
     """ASGI: POST /v1/completions straight to its handler, past Starlette's router and middleware
     layers (the short-request hot spot); everything else, lifespan included, to Starlette."""
@@ -107,46 +98,6 @@ class Asgi:
 
     async def __call__(self, scope, receive, send):
         await self.fn(scope, receive, send)
-
-
-async def read_body(scope, receive, limit: int) -> bytes:
-    """The request body, at most `limit` bytes (413 past it, from Content-Length when it says so)."""
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            if value.isdigit() and int(value) > limit:
-                raise openai_requests.OpenAIError(413, f"request body of {value.decode()} bytes exceeds the limit of {limit}",
-                                    code="too_large")
-            break
-    body = b""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise ClientGone()
-        body += msg.get("body", b"")
-        if len(body) > limit:
-            raise openai_requests.OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
-        if not msg.get("more_body", False):
-            return body
-
-
-JSON_HEADERS = (b"content-type", b"application/json")
-
-
-async def send_json(send, obj) -> None:
-    """A 200 JSON response in two ASGI messages, without a Response object (the hot path's answer)."""
-    body = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
-
-
-async def read_json(scope, receive, limit: int) -> dict:
-    """The body as a JSON object."""
-    return parse_body(await read_body(scope, receive, limit))
 
 
 async def until_cancelled_by_client(receive, coro):
@@ -222,7 +173,8 @@ class Gateway:
                        Route(prefix + "/tokenize", self.tokenize, methods=["POST"]),
                        Route(prefix + "/detokenize", self.detokenize, methods=["POST"]),
                        Route(prefix + "/tokenizer_info", self.tokenizer_info, methods=["GET"])]
-        routes += [Route("/v1/models", self.list_models, methods=["GET"]),
+        routes += [*model_admin_routes(self),
+                   Route("/v1/models", self.list_models, methods=["GET"]),
                    Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                    Route("/health", self.health, methods=["GET"]),
                    Route("/metrics", self.prometheus, methods=["GET"])]
@@ -376,11 +328,12 @@ class Gateway:
             status = await asyncio.wait_for(self.client.status(), self.settings.probe_timeout)
         except Exception as exc:  # noqa: BLE001 - unhealthy, whatever the reason
             return JSONResponse({"status": "unavailable", "error": f"the router did not answer: {exc!r}"}, 503)
-        missing = [f"{m['name']}:{m['id']}" for m in models
+        serving = [m for m in models if m["id"] is not None and m.get("state", "loaded") == "loaded"]
+        missing = [f"{m['name']}:{m['id']}" for m in serving
                    if not any(w["alive"] and w["loaded"] and w["model_id"] == m["id"] for w in status["workers"])]
         if missing:
             return JSONResponse({"status": "unavailable", "models_without_worker": missing}, 503)
-        return JSONResponse({"status": "ok", "models": [f"{m['name']}:{m['id']}" for m in models]})
+        return JSONResponse({"status": "ok", "models": [f"{m['name']}:{m['id']}" for m in serving]})
 
     async def prometheus(self, request: Request) -> Response:
         try:

@@ -43,6 +43,21 @@ class Metrics:
                                  "workers started", ["model"], registry=r)
         self.prefix_hit_rate = Gauge("mmfusion_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries",
                                      ["model"], registry=r)
+        # models at run time (routing/lifecycle.py), where the deployment can load them
+        self.resident = Gauge("mmfusion_model_resident_bytes", "Memory a model copy holds (its shared weights "
+                              "split among their holders)", ["model"], registry=r)
+        self.device_resident = Gauge("mmfusion_device_resident_bytes", "Memory the copies on a device hold",
+                                     ["device"], registry=r)
+        self.device_budget = Gauge("mmfusion_device_memory_budget_bytes", "The device's memory_budget", ["device"],
+                                   registry=r)
+        self.loads = Gauge("mmfusion_model_loads", "Copies loaded at run time since the router started", registry=r)
+        self.load_failures = Gauge("mmfusion_model_load_failures", "Loads that failed", registry=r)
+        self.evictions = Gauge("mmfusion_model_unloads", "Copies unloaded, by reason (unload, evicted, idle, "
+                               "load_failed)", ["reason"], registry=r)
+        self.load_seconds = Gauge("mmfusion_model_load_seconds_mean", "Mean seconds from a load to serving",
+                                  registry=r)
+        self.queue_wait = Gauge("mmfusion_model_load_queue_wait_seconds_mean", "Mean seconds requests waited for "
+                                "a load", registry=r)
 
         self._children: dict = {}  # (metric, labels) -> its child: labels() takes a lock and checks every call
 
@@ -63,8 +78,13 @@ class Metrics:
         self.child(self.generation_tokens, model).inc(usage.get("completion_tokens", 0))
 
     def router_state(self, models: list[dict], status: dict) -> None:
+        if "models" in status:
+            self._lifecycle(status["models"])
         for m in models:
+            if m["id"] is None:
+                continue  # a variant with no copy
             label = f"{m['name']}:{m['id']}"
+            self.resident.labels(label).set(m.get("resident_bytes") or 0)
             ws = [w for w in status["workers"] if w["alive"] and w["model_id"] == m["id"]]
             self.live_workers.labels(label).set(sum(w["loaded"] for w in ws))
             self.inflight.labels(label).set(sum(w["inflight"] for w in ws))
@@ -82,6 +102,19 @@ class Metrics:
             self.prefix_queries.labels(label).set(queries)
             self.prefix_hits.labels(label).set(hits)
             self.prefix_hit_rate.labels(label).set(hits / queries if queries else 0.0)
+
+    def _lifecycle(self, life: dict) -> None:
+        for device, used in life["resident_bytes"].items():
+            self.device_resident.labels(device).set(used)
+        for device, budget in life["budgets"].items():
+            if budget is not None:
+                self.device_budget.labels(device).set(budget)
+        self.loads.set(life["loads"])
+        self.load_failures.set(life["load_failures"])
+        for reason, n in life["evictions"].items():
+            self.evictions.labels(reason).set(n)
+        self.load_seconds.set(life["load_seconds"]["mean"] or 0.0)
+        self.queue_wait.set(life["queue_wait_seconds"]["mean"] or 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,7 +16,8 @@ log = logging.getLogger("mmfusion.http")
 
 # router error code -> HTTP status
 STATUS = {P.BAD_REQUEST: 400, P.UNKNOWN_MODEL: 404, P.TOO_LARGE: 413, P.BUSY: 429, P.WORKER_LOST: 503,
-          P.NO_WORKER: 503, P.ROUTER_LOST: 503, P.REFUSED: 503, P.INTERNAL: 500, "bad_reply": 502}
+          P.NO_WORKER: 503, P.ROUTER_LOST: 503, P.REFUSED: 503, P.INTERNAL: 500, "bad_reply": 502,
+          P.NO_MEMORY: 507, P.CONFLICT: 409, P.UNLOADED: 503, P.NOT_SUPPORTED: 501}
 
 
 def from_router(code: str, message: str, param: str | None = None) -> OpenAIError:
@@ -59,7 +60,7 @@ def resolve_model(value, models: list[dict], default: str | None = None) -> Targ
     name, sep, mid = value.rpartition(":")
     if sep and mid.isdigit() and any(m["id"] == int(mid) and m["name"] == name for m in models):
         return Target(int(mid), value)
-    known = sorted(names | {f"{m['name']}:{m['id']}" for m in models})
+    known = sorted(names | {f"{m['name']}:{m['id']}" for m in models if m["id"] is not None})
     raise OpenAIError(404, f"The model '{value}' does not exist; this deployment serves {', '.join(known)}",
                       param="model", code="model_not_found")
 

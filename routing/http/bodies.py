@@ -1,0 +1,58 @@
+"""Request and response bodies of the HTTP gateway as plain ASGI: a JSON body read within a size
+limit (413 past it), and a JSON answer without a Response object."""
+
+from __future__ import annotations
+
+import json
+
+from routing.openai_requests import OpenAIError
+
+
+def parse_body(body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    return data
+
+
+async def read_body(scope, receive, limit: int) -> bytes:
+    """The request body, at most `limit` bytes (413 past it, from Content-Length when it says so)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if value.isdigit() and int(value) > limit:
+                raise OpenAIError(413, f"request body of {value.decode()} bytes exceeds the limit of {limit}",
+                                    code="too_large")
+            break
+    body = b""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone()
+        body += msg.get("body", b"")
+        if len(body) > limit:
+            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="too_large")
+        if not msg.get("more_body", False):
+            return body
+
+
+JSON_HEADERS = (b"content-type", b"application/json")
+
+
+async def send_json(send, obj) -> None:
+    """A 200 JSON response in two ASGI messages, without a Response object (the hot path's answer)."""
+    body = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def read_json(scope, receive, limit: int) -> dict:
+    """The body as a JSON object."""
+    return parse_body(await read_body(scope, receive, limit))
