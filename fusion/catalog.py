@@ -73,7 +73,8 @@ class PlanPlacer:
         return self._plan(model, model_id, device, threads).spec.placed(cpus=cpus if device == "cpu" else None)
 
     def describe(self, specs: dict[str, ModelSpec]) -> list[str]:
-        lines = ["a copy of each variant, loaded at run time:"]
+        budget = ", ".join(f"{d} {mib(b)}" if b is not None else f"{d} none" for d, b in self.budget.items())
+        lines = [f"a copy of each variant, loaded at run time (memory_budget: {budget}):"]
         for name, spec in specs.items():
             for d in self.devices:
                 w = self._plan(spec, 0, d)

@@ -128,7 +128,13 @@ class Residency:
         trial = copy.deepcopy(self)
         out = []
         for k in range(n):
-            p = trial.choose(name, sizes, busy, wait)
+            try:
+                p = trial.choose(name, sizes, busy, wait)
+            except NoMemory as exc:
+                if k == 0:
+                    raise
+                raise NoMemory(f"no memory for {n} copies of {name!r}, only for {k}: "
+                               + str(exc).removeprefix("no memory for the load: ")) from None
             trial.apply(p, -1 - k, True, 0.0)  # pinned in the trial: one load never evicts its own copies
             out.append(p)
         return out
@@ -152,5 +158,6 @@ class Residency:
             held = self.used(s.device, frozenset(r.model_id for r in self.copies.values() if r not in kept))
             parts.append(f"on {s.device} a copy of {name!r} needs {mib(s.alone)} (with its shared weights) and the "
                          f"memory_budget is {mib(budget)}, of which pinned or loading copies hold {mib(held)}"
-                         f" (model IDs {sorted(r.model_id for r in kept)})")
+                         f" (model IDs {sorted(r.model_id for r in kept if r.model_id >= 0)}"
+                         f"{', and the copies of this load before it' if any(r.model_id < 0 for r in kept) else ''})")
         return "no memory for the load: " + "; ".join(parts)
