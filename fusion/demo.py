@@ -4,7 +4,7 @@ SmolLM2-135M x2 completes the HDF5 prompts (its batches split over the two copie
 270M x1 serves the JSONL requests, except the lines whose `model` names smollm2; all through one
 router. Then prints where the outputs are and a few completions.
 
-    python -m fusion.demo [--model_dir model_dir/demo] [--keep]
+    python -m fusion.demo [--model_dir model_dir/demo] [--keep] [--inference_steps K]
 """
 
 from __future__ import annotations
@@ -53,12 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model_dir", default="model_dir/demo")
     ap.add_argument("--keep", action="store_true", help="keep earlier outputs (the rerun then resumes)")
+    ap.add_argument("--inference_steps", type=int, help="only the first K batches per model (a quick look)")
     args = ap.parse_args(argv)
     out = Path(args.model_dir)
     if not args.keep and (out / "predictions").exists():
         shutil.rmtree(out / "predictions")
     t = time.perf_counter()
-    rc = cli.main(["--mode", "predict", "--params", str(PARAMS), "--model_dir", str(out)])
+    steps = ["--inference_steps", str(args.inference_steps)] if args.inference_steps else []
+    rc = cli.main(["--mode", "predict", "--params", str(PARAMS), "--model_dir", str(out), *steps])
     if rc != 0:
         return rc
     print(f"\ndemo finished in {time.perf_counter() - t:.0f}s; outputs under {out / 'predictions'}")

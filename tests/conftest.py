@@ -67,7 +67,7 @@ def embedded_models(smollm2_fp32, gemma3_fp32) -> None:
 # (--dist loadscope, in collection order: --no-loadscope-reorder) to its workers, so the long ones
 # start at once and the short ones fill in after.
 LONGEST_FIRST = ["test_batch_modes.py", "test_batch_integrity.py", "test_ray.py", "test_crash_recovery.py",
-                 "test_parity.py", "test_compiled.py", "test_weight_owner.py", "test_predict.py", "test_lean.py",
+                 "test_parity.py", "test_models_runtime.py", "test_compiled.py", "test_weight_owner.py", "test_predict.py", "test_lean.py",
                  "test_integrity.py", "test_http.py", "test_precision.py", "test_fuzz.py", "test_http_lm_eval.py",
                  "test_serve.py", "test_models.py", "test_security.py", "test_fusion.py", "test_hdf5.py", "test_faults.py"]
 

@@ -169,7 +169,8 @@ ABORT = "terminate called"
 
 @pytest.mark.slow
 def test_the_demo_exits_cleanly(tmp_path, embedded_models):
-    out = subprocess.run([*command(DEMO), "--model_dir", str(tmp_path / "demo")], cwd=ROOT,
+    # one batch per model: every part runs (both models, HDF5 and JSONL, one router), and exits
+    out = subprocess.run([*command(DEMO), "--model_dir", str(tmp_path / "demo"), "--inference_steps", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
     assert ABORT not in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -198,3 +198,38 @@ def test_load_and_unload_over_http_behind_the_api_keys():
                 assert reasons == {"evicted": 1, "unload": 1}
         finally:
             g.stop()
+
+
+@pytest.mark.slow
+def test_real_smollm2_and_gemma3_take_turns_in_a_budget_that_holds_one(smollm2_fp32, gemma3_fp32):
+    from workers.engine import Engine
+    from workers.engine.params import SamplingParams
+
+    models = {"smollm2": ("smollm2-135m", smollm2_fp32), "gemma3": ("gemma3-270m", gemma3_fp32)}
+    p = {"variants": {n: {"model": {"source": src, "dtype": "float32", "max_batch_size": 4, "max_model_len": 512}}
+                      for n, (src, _) in models.items()}, "runconfig": {}}
+    specs = {n: ModelSpec.from_params(n, v["model"]) for n, v in p["variants"].items()}
+    sizes = sorted(PlanPlacer(["cpu"], "auto", {"cpu": 2**40}).size(s, "cpu").alone for s in specs.values())
+    budget = sizes[1] + sizes[0] // 2  # one copy of either, never both
+    fusion = build_fusion(p, ["smollm2,1"])
+    plan = make_plan(fusion, None, "cpu", threads_per_worker=1)
+    catalog = make_catalog(fusion, plan, specs, {"memory_budget": budget, "kv_cache_memory": "auto"})
+    prompts = ["The three primary colours are", "Once upon a time"]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    refs = {(n, t): o.outputs[0].token_ids for n, (_, lm) in models.items()
+            for t, o in zip(prompts, Engine(lm).generate(prompts, sp), strict=True)}
+    with LocalDeployment(fusion, plan, ANY_PORT, ANY_PORT, catalog=catalog, router={"unload_timeout": 120.0}) as dep:
+        dep.wait_loaded(300)
+
+        def client(name: str) -> list:
+            with Client(dep.frontend, timeout=600) as c:
+                return [((name, t), c.complete(name, t, max_tokens=8, temperature=0.0, ignore_eos=True,
+                                               return_token_ids=True)["choices"][0]["token_ids"])
+                        for _ in range(2) for t in prompts]
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = [a for f in [pool.submit(client, n) for n in models] for a in f.result()]
+        with Client(dep.frontend, timeout=30) as c:
+            life = c.status()["models"]
+    assert all(tokens == refs[key] for key, tokens in answers) and len(answers) == 8
+    assert life["loads"] >= 1 and life["evictions"].get("evicted", 0) >= 1 and life["load_failures"] == 0

@@ -1,0 +1,180 @@
+"""Models at run time: load-to-first-token, and a budget that holds two of four models while clients
+alternate between all four. Prints JSON lines.
+
+A `run_mm.py --mode serve` subprocess starts with one variant loaded and a `memory_budget` that
+holds any two of the four variants' copies (their sizes as validate_only prints them). Then:
+
+1. For each variant, cold and warm load-to-first-token: a streamed greedy request for the variant
+   while it is not loaded (autoload) until its first token; then it is unloaded and the same
+   again (the conversion cache and the shared weights file are warm). `conversion_cached` says
+   whether the model's conversion was in the cache before the cold load.
+2. The alternating scenario: `--clients` threads send greedy requests to the four variants in
+   turn for `--seconds`. Per request the latency; per variant the loads; the workers' summed PSS
+   (the worker processes only: not the router, the fork server or this driver), sampled at 10 Hz,
+   against the budget. Every answer of one (variant, prompt) must be the same tokens.
+
+    python bench/models.py [--seconds 120] [--clients 4]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+ROOT = Path(__file__).resolve().parents[1]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+
+import psutil  # noqa: E402
+
+from bench.machine import describe  # noqa: E402
+from bench.router import emit, free_port, pct  # noqa: E402
+from routing.entrypoints import CLI, command  # noqa: E402
+
+VARIANTS = {
+    "smollm2": {"source": "smollm2-135m", "dtype": "auto"},
+    "gemma3": {"source": "gemma3-270m", "dtype": "auto"},
+    "smollm2_bf16": {"source": "smollm2-135m", "dtype": "bfloat16"},
+    "tiny": {"source": "tiny:llama", "dtype": "float32"},
+}
+PROMPTS = ["The three primary colours are", "Once upon a time", "def fibonacci(n):"]
+GREEDY = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+
+
+def budget_for_two(params: dict) -> tuple[int, dict]:
+    from fusion.catalog import PlanPlacer
+    from workers.spec import ModelSpec
+
+    placer = PlanPlacer(["cpu"], "auto", {"cpu": 2**40})
+    sizes = {n: placer.size(ModelSpec.from_params(n, v["model"]), "cpu").alone for n, v in params["variants"].items()}
+    s = sorted(sizes.values())
+    return s[-1] + s[-2] + s[0] // 2, sizes
+
+
+def workers_pss(serve_pid: int) -> int:
+    """The worker processes of the serve process: the children of its fork server."""
+    total = 0
+    try:
+        servers = [c for c in psutil.Process(serve_pid).children() if "forkserver" in " ".join(c.cmdline())]
+        for w in (w for s in servers for w in s.children()):
+            total += w.memory_full_info().pss
+    except psutil.Error:
+        pass  # a worker exited between the listing and the read
+    return total
+
+
+def first_token(c, name: str, prompt: str) -> float:
+    t0 = time.perf_counter()
+    for _ in c.stream(name, prompt, max_tokens=4, temperature=0.0):
+        return time.perf_counter() - t0
+    raise RuntimeError("no token")
+
+
+def conversion_cached(source: str) -> bool | None:
+    from workers.files import cache_root
+
+    pattern = {"smollm2-135m": "SmolLM2-135M*", "gemma3-270m": "gemma-3-270m*"}.get(source)
+    return None if pattern is None else any(p.is_dir() for p in cache_root().glob(pattern))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--clients", type=int, default=4)
+    args = ap.parse_args()
+    print(json.dumps(describe("models", sys.argv)), flush=True)
+    params = {"variants": {n: {"model": {**m, "max_batch_size": 8, "max_model_len": 1024}} for n, m in VARIANTS.items()},
+              "runconfig": {"threads_per_worker": 1, "devices": "cpu", "unload_timeout": 60}}
+    budget, sizes = budget_for_two(params)
+    params["runconfig"]["memory_budget"] = budget
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=ROOT / "bench", delete=False) as f:
+        json.dump(params, f)
+    cfg = Path(f.name)
+    front = f"tcp://127.0.0.1:{free_port()}"
+    cached = {n: conversion_cached(m["source"]) for n, m in VARIANTS.items()}
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants", "tiny,1",
+                             "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    from routing.client import Client
+
+    try:
+        with Client(front, timeout=900) as c:
+            deadline = time.monotonic() + 300
+            while not any(w["loaded"] for w in c.status()["workers"]):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("serve did not start:\n" + "".join(log[-30:]))
+                time.sleep(0.5)
+            c.unload("tiny")
+            for name in VARIANTS:
+                cold = first_token(c, name, PROMPTS[0])
+                c.unload(name)
+                warm = first_token(c, name, PROMPTS[0])
+                c.unload(name)
+                emit(bench="models_load", model=name, source=VARIANTS[name]["source"], dtype=VARIANTS[name]["dtype"],
+                     copy_mib=round(sizes[name] / 2**20), conversion_cached=cached[name],
+                     cold_load_to_first_token_s=round(cold, 2), warm_load_to_first_token_s=round(warm, 2))
+        scenario(front, proc.pid, budget, sizes, args)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        cfg.unlink(missing_ok=True)
+
+
+def scenario(front: str, serve_pid: int, budget: int, sizes: dict, args) -> None:
+    from routing.client import Client
+
+    latencies: list[float] = []
+    answers: dict = {}
+    mismatched, peak, stop = [0], [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], workers_pss(serve_pid))
+            stop.wait(0.1)
+
+    def client(k: int) -> None:
+        end = time.monotonic() + args.seconds
+        with Client(front, timeout=900) as c:
+            r = 0
+            while time.monotonic() < end:
+                name = list(VARIANTS)[(k + r) % len(VARIANTS)]
+                prompt = PROMPTS[(k + r) % len(PROMPTS)]
+                t0 = time.perf_counter()
+                tokens = c.complete(name, prompt, **GREEDY)["choices"][0]["token_ids"]
+                latencies.append(time.perf_counter() - t0)
+                if answers.setdefault((name, prompt), tokens) != tokens:
+                    mismatched[0] += 1
+                r += 1
+
+    with Client(front, timeout=60) as c:
+        before = c.status()["models"]
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    with ThreadPoolExecutor(args.clients) as pool:
+        for f in [pool.submit(client, k) for k in range(args.clients)]:
+            f.result()
+    stop.set()
+    sampler.join(5)
+    with Client(front, timeout=60) as c:
+        life = c.status()["models"]
+    loads = life["loads"] - before["loads"]
+    emit(bench="models_alternating", variants=list(VARIANTS), clients=args.clients, seconds=args.seconds,
+         requests=len(latencies), p50_s=round(pct(latencies, 0.5), 3), p99_s=round(pct(latencies, 0.99), 3),
+         loads=loads, loads_per_request=round(loads / max(1, len(latencies)), 3),
+         evictions=life["evictions"], load_seconds_mean=life["load_seconds"]["mean"],
+         budget_mib=round(budget / 2**20), copy_mib={n: round(s / 2**20) for n, s in sizes.items()},
+         peak_workers_pss_mib=round(peak[0] / 2**20), peak_over_budget=round(peak[0] / budget, 3),
+         answers_consistent=mismatched[0] == 0, load_failures=life["load_failures"])
+
+
+if __name__ == "__main__":
+    main()
