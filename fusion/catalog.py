@@ -49,8 +49,9 @@ def copy_size(workers: list[WorkerPlan]) -> CopySize:
 class PlanPlacer:
     """routing.lifecycle.Placer for a local deployment: the plan's sizing, one copy at a time."""
 
-    def __init__(self, devices: list[str], kv_cache_memory, budget: dict[str, int | None]):
+    def __init__(self, devices: list[str], kv_cache_memory, budget: dict[str, int | None], ray: bool = False):
         self.devices = devices
+        self.ray = ray  # Ray places the worker: no cores of this machine, and an actor's GPU is its device 0
         self.kv_cache_memory = kv_cache_memory
         self.budget = budget
         self.avail = {d: available_bytes(d) for d in devices if budget.get(d) is None}
@@ -70,7 +71,10 @@ class PlanPlacer:
         device's cores (unbound: the running workers keep theirs)."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = (len(cpus) if cpus else max(1, cores // copies_on_device)) if device == "cpu" else None
-        return self._plan(model, model_id, device, threads).spec.placed(cpus=cpus if device == "cpu" else None)
+        spec = self._plan(model, model_id, device, threads).spec
+        if self.ray:
+            return spec.placed(cpus=None, device="cpu" if device == "cpu" else "cuda:0")
+        return spec.placed(cpus=cpus if device == "cpu" else None)
 
     def describe(self, specs: dict[str, ModelSpec]) -> list[str]:
         budget = ", ".join(f"{d} {mib(b)}" if b is not None else f"{d} none" for d, b in self.budget.items())
@@ -86,10 +90,12 @@ class PlanPlacer:
 
 
 def make_catalog(fusion: MultiModelFusion, plan: DeploymentPlan, variants: dict[str, ModelSpec], run: dict) -> Catalog:
-    """The catalog of a deployment; raises ValueError when the started copies exceed the budget."""
+    """The catalog of a deployment; raises ValueError when the started copies exceed the budget.
+    On Ray (`run["ray"]`) there is no budget: Ray places each copy where its memory fits, or not."""
     devices = list(dict.fromkeys([*plan.devices, *(w.device for w in plan.workers)]))
-    budget = budgets(run.get("memory_budget"), devices)
-    placer = PlanPlacer(devices, run.get("kv_cache_memory", "auto"), budget)
+    ray = bool(run.get("ray"))
+    budget = budgets(None if ray else run.get("memory_budget"), devices)
+    placer = PlanPlacer(devices, run.get("kv_cache_memory", "auto"), budget, ray)
     by_model: dict[int, list[WorkerPlan]] = {}
     for w in plan.workers:
         by_model.setdefault(w.model_id, []).append(w)

@@ -90,7 +90,7 @@ def configure(args) -> tuple[dict, object, object, object]:
     fusion = build_fusion(params, run["variants"])
     plan = make_plan(fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
     catalog = None
-    if getattr(args, "mode", None) in ("validate_only", "serve") and not run["router"] and not run["ray"]:
+    if getattr(args, "mode", None) in ("validate_only", "serve") and not run["router"]:
         from fusion.catalog import make_catalog
         from fusion.deploy import variant_specs
 
@@ -135,7 +135,7 @@ def deployment(fusion, plan, run: dict, catalog=None):
     if run.get("ray"):
         from fusion.ray_cluster import RayDeployment
 
-        return RayDeployment.from_runconfig(fusion, plan, run)
+        return RayDeployment.from_runconfig(fusion, plan, run, catalog)
     return LocalDeployment.from_runconfig(fusion, plan, run, catalog)
 
 

@@ -72,7 +72,7 @@ class LocalDeployment:
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.router: Router | None = None
         self.thread: threading.Thread | None = None
-        self.procs: list[WorkerProcess] = []
+        self.procs: list[WorkerProcess | None] = []  # by slot; None: a run-time slot not started (yet)
         self.restarts: list[int] = []
         self.gave_up: set[int] = set()
         self.stopped: dict[int, float] = {}  # slot -> when to kill it (told to stop for good)
@@ -147,19 +147,27 @@ class LocalDeployment:
             orders.close(linger=0)
 
     def _orders(self, orders: zmq.Socket, now: float) -> None:
+        """The router's orders waiting on the socket, each carried out."""
         while True:
             try:
-                msg = P.unpack(orders.recv(zmq.NOBLOCK), P.SUPERVISOR_TYPES)
+                self._order(P.unpack(orders.recv(zmq.NOBLOCK), P.SUPERVISOR_TYPES), now)
             except zmq.Again:
                 return
-            slot = msg.get("slot")
-            if msg["type"] == P.START_WORKER and slot == len(self.procs):
-                self.procs.append(self._spawn(slot))
-                self.restarts.append(0)
-                self.log(f"supervisor: worker slot {slot} started as process {self.procs[slot].pid}")
-            elif msg["type"] == P.STOP_WORKER and isinstance(slot, int) and 0 <= slot < len(self.procs):
-                self.stopped[slot] = now + STOP_GRACE
-                self.procs[slot].terminate()
+
+    def _order(self, msg: dict, now: float) -> None:
+        """start_worker: spawn the slot's worker; stop_worker: terminate it, for good."""
+        slot = msg.get("slot")
+        if msg["type"] == P.START_WORKER and isinstance(slot, int) and slot >= len(self.procs):
+            # a run-time slot; one that waited for evictions may come after a later one
+            grow = slot + 1 - len(self.procs)
+            self.procs += [None] * grow
+            self.restarts += [0] * grow
+            self.procs[slot] = self._spawn(slot)
+            self.log(f"supervisor: worker slot {slot} started as process {self.procs[slot].pid}")
+        elif (msg["type"] == P.STOP_WORKER and isinstance(slot, int) and 0 <= slot < len(self.procs)
+              and self.procs[slot] is not None):
+            self.stopped[slot] = now + STOP_GRACE
+            self.procs[slot].terminate()
 
     def _reap_stopped(self, tell: zmq.Socket, due: dict[int, float], host: str, now: float) -> None:
         """Stopped workers: once exited, the router hears it (for good); past the grace, killed."""
@@ -187,7 +195,7 @@ class LocalDeployment:
             self._orders(orders, now)
             self._reap_stopped(tell, due, host, now)
             for i, proc in enumerate(self.procs):
-                if i in self.gave_up or i in self.stopped or proc.poll() is None:
+                if proc is None or i in self.gave_up or i in self.stopped or proc.poll() is None:
                     continue
                 if i not in due:
                     n = self.restarts[i]
@@ -248,6 +256,8 @@ class LocalDeployment:
         """The router told every worker to shut down; wait for them, then kill what remains."""
         deadline = time.monotonic() + 10
         for p in self.procs:
+            if p is None:
+                continue
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -20,6 +20,11 @@ worker process that died.
   directory (`--curve-keys`); serve prints it.
 - On exit (Ctrl-C included) every actor is killed without restart and the placement group is
   removed: nothing of the deployment stays on the cluster.
+- Models at run time: a copy loaded while serving gets a placement group of its own, one bundle
+  that asks for its threads and for Ray's `memory` resource equal to the copy's size, and its
+  actor starts once Ray has placed it. There is no eviction on Ray (no memory_budget): a load that
+  Ray cannot place within `load_timeout` is refused. An unloaded copy's actor is killed without
+  restart and its placement group removed.
 
 Network note: on a machine whose tests must stay on loopback, every Ray node, the driver and the
 router must live on 127.0.0.1 (`ray start --node-ip-address 127.0.0.1`, ray.init with
@@ -119,7 +124,7 @@ class WorkerActor:
 class RayDeployment(LocalDeployment):
     """A LocalDeployment whose workers are Ray actors: same router, same client interface."""
 
-    def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict, log=None):
+    def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict, log=None, catalog=None):
         self.ray = import_ray()
         self.strategy = placement_strategy(run.get("placement") or "spread")
         # off loopback with no set-up: a keypair set kept where the user finds it, for clients too
@@ -128,17 +133,21 @@ class RayDeployment(LocalDeployment):
         self.address = run["ray"]
         self.host = run.get("ray_router_host")
         self.run_id = f"mmfusion-{os.getpid()}-{int(time.time())}"
+        router = {k: run[k] for k in ("autoload", "load_timeout", "unload_timeout", "idle_unload_s") if k in run}
         super().__init__(fusion, plan, run["frontend"], run["backend"],
                          SupervisorConfig(max_restarts=run["max_restarts"]), log=log, curve_keys=keys,
-                         insecure=run["insecure"], restart_wait=run["restart_wait"])
+                         insecure=run["insecure"], restart_wait=run["restart_wait"], catalog=catalog, router=router)
         self.bundles = bundles(fusion, plan)
-        self.actors: list = []
+        self.actors: list = []  # by slot; None: a copy loaded at run time that Ray has not placed (or unloaded)
         self.pgs: list = []
         self.where: list[dict | None] = []
+        self.pending: dict[int, tuple] = {}  # slot -> (placement group, its ready ref, deadline, bundle, threads)
+        self.slot_pgs: dict[int, object] = {}  # slot -> the placement group of a copy loaded at run time
 
     @classmethod
-    def from_runconfig(cls, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict) -> RayDeployment:
-        return cls(fusion, plan, run)
+    def from_runconfig(cls, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict,
+                       catalog=None) -> RayDeployment:
+        return cls(fusion, plan, run, catalog=catalog)
 
     def _connect(self) -> None:
         ray = self.ray
@@ -185,31 +194,89 @@ class RayDeployment(LocalDeployment):
             self.__exit__(None, None, None)
             raise RuntimeError(f"the Ray cluster at {self.address} has no room for this deployment's workers "
                                f"(placement {self.strategy}; bundles {need}); add nodes or resources")
-        keys = {name: (Path(self.config.curve_keys) / name).read_text() for name in KEY_FILES}
-        env = {"TQDM_DISABLE": "1", **{k: v for k, v in os.environ.items() if k.startswith(("MMFUSION_", "HF_"))}}
-        remote = ray.remote(WorkerActor)
+        self._keys = {name: (Path(self.config.curve_keys) / name).read_text() for name in KEY_FILES}
+        self._env = {"TQDM_DISABLE": "1", **{k: v for k, v in os.environ.items() if k.startswith(("MMFUSION_", "HF_"))}}
+        self._strategy = PlacementGroupSchedulingStrategy
         for i, (w, b) in enumerate(zip(self.plan.workers, self.bundles)):
-            custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU")}
-            actor = remote.options(
-                name=f"{self.run_id}-worker-{i}", num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
-                resources=custom or None, max_restarts=self.supervisor.max_restarts, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(where[i][0], placement_group_bundle_index=where[i][1]),
-            ).remote(self.router.backend_addr, i, w.threads, keys, env, b)
-            self.actors.append(actor)
+            self.actors.append(self._actor(i, w.threads, b, *where[i]))
         self.where = [None] * len(self.actors)
         self.restarts = [0] * len(self.actors)
         self._watcher = threading.Thread(target=self._supervise, name="ray-supervisor", daemon=True)
         self._watcher.start()
         return self
 
+    def _actor(self, slot: int, threads: int | None, bundle: dict, pg, index: int):
+        """The worker actor of `slot`, in bundle `index` of placement group `pg`."""
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
+        return self.ray.remote(WorkerActor).options(
+            name=f"{self.run_id}-worker-{slot}", num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+            memory=bundle.get("memory"), resources=custom or None, max_restarts=self.supervisor.max_restarts,
+            max_task_retries=0, scheduling_strategy=self._strategy(pg, placement_group_bundle_index=index),
+        ).remote(self.router.backend_addr, slot, threads, self._keys, self._env, bundle)
+
+    def _order(self, msg: dict, now: float) -> None:
+        """start_worker: a placement group for the copy, its actor once Ray placed it (_runtime_slots);
+        stop_worker: kill it, for good."""
+        from ray.util.placement_group import placement_group
+
+        slot = msg.get("slot")
+        if msg["type"] == P.START_WORKER and isinstance(slot, int) and slot >= len(self.actors):
+            gpu = min([b["GPU"] for b in self.bundles if "GPU" in b] or [1.0])
+            bundle = {"CPU": float(msg.get("threads") or 1)} if msg.get("device") == "cpu" else {"CPU": 1.0,
+                                                                                                "GPU": gpu}
+            bundle["memory"] = float(msg.get("memory") or 0) or None
+            bundle.update({str(k): float(v) for k, v in (msg.get("resources") or {}).items()})
+            bundle = {k: v for k, v in bundle.items() if v is not None}
+            pg = placement_group([bundle], strategy="PACK", name=f"{self.run_id}-slot-{slot}")
+            grow = slot + 1 - len(self.actors)  # one that waited for evictions may come after a later one
+            self.actors += [None] * grow
+            self.where += [None] * grow
+            self.restarts += [0] * grow
+            self.pending[slot] = (pg, pg.ready(), now + self.config.load_timeout, bundle, msg.get("threads"))
+            self.log(f"ray: placing worker slot {slot} ({bundle})")
+        elif msg["type"] == P.STOP_WORKER and isinstance(slot, int) and 0 <= slot < len(self.actors):
+            self.stopped[slot] = now
+
+    def _runtime_slots(self, tell: zmq.Socket, now: float) -> None:
+        """Start what Ray has placed, refuse what it could not place in time, stop what was unloaded."""
+        from ray.util.placement_group import remove_placement_group
+
+        ray = self.ray
+        for slot, (pg, ready, deadline, bundle, threads) in list(self.pending.items()):
+            done, _ = ray.wait([ready], timeout=0)
+            if done:
+                self.actors[slot] = self._actor(slot, threads, bundle, pg, 0)
+                self.slot_pgs[slot] = pg
+                del self.pending[slot]
+            elif now > deadline or slot in self.stopped:
+                remove_placement_group(pg)
+                del self.pending[slot]
+                self.stopped.pop(slot, None)
+                tell.send(P.pack({"type": P.WORKER_EXITED, "slot": slot, "restart": False,
+                                  "why": f"Ray could not place it within load_timeout ({self.config.load_timeout:g}s):"
+                                         f" no node has {bundle} free"}))
+        for slot in list(self.stopped):
+            actor, info = self.actors[slot], self.where[slot] or {}
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+            if slot in self.slot_pgs:
+                remove_placement_group(self.slot_pgs.pop(slot))
+            self.actors[slot] = None
+            del self.stopped[slot]
+            tell.send(P.pack({"type": P.WORKER_EXITED, "pid": info.get("pid"), "host": info.get("host"), "slot": slot,
+                              "restart": False}))
+
     def _watch(self, tell: zmq.Socket, orders: zmq.Socket) -> None:
         """Ask each actor where it is: a changed pid is a restart Ray made, a failed call a death
-        (the router hears of it at once, and resends that worker's requests). No catalog: the
-        router sends no orders."""
+        (the router hears of it at once, and resends that worker's requests). Start and stop the
+        copies loaded and unloaded at run time."""
         ray = self.ray
         period = max(self.supervisor.poll_interval, 0.5)
         while not self._closing.wait(period):
-            calls = {a.info.remote(): i for i, a in enumerate(self.actors)}
+            now = time.monotonic()
+            self._orders(orders, now)
+            self._runtime_slots(tell, now)
+            calls = {a.info.remote(): i for i, a in enumerate(self.actors) if a is not None}
             done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=5)
             for ref in done:
                 i = calls[ref]
@@ -243,12 +310,13 @@ class RayDeployment(LocalDeployment):
         ray = self.ray
         for a in self.actors:
             try:
-                ray.kill(a, no_restart=True)
+                if a is not None:
+                    ray.kill(a, no_restart=True)
             except Exception:  # already gone
                 pass
         from ray.util.placement_group import remove_placement_group
 
-        for pg in self.pgs:
+        for pg in [*self.pgs, *self.slot_pgs.values(), *(p[0] for p in self.pending.values())]:
             try:
                 remove_placement_group(pg)
             except Exception:  # already removed

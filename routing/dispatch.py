@@ -400,7 +400,9 @@ class Dispatch:
         if msg.get("restart") is False and model_id in self.models and not self.registry.usable(model_id):
             m = self.models[model_id]
             if self.lifecycle is not None and m.state == P.STATE_LOADING:
-                self.lifecycle.load_failed(model_id, "its worker process kept exiting (see the deployment's log)", now)
+                why = msg.get("why") if isinstance(msg.get("why"), str) else None
+                self.lifecycle.load_failed(model_id, why or "its worker process kept exiting (see the deployment's log)",
+                                           now)
             elif m.state != P.STATE_UNLOADING:
                 m.abandoned = True
                 self._expire_queue(m, now)

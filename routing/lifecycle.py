@@ -263,7 +263,7 @@ class Lifecycle:
         if waiting:
             self.blocked[slot] = waiting
         else:
-            self.outbox.supervisor({"type": P.START_WORKER, "slot": slot})
+            self.outbox.supervisor(start_order(slot, wspec, p.size))
 
     def loaded(self, model_id: int, now: float) -> None:
         """A worker of the model answered LOADED: a loading copy now serves."""
@@ -362,7 +362,8 @@ class Lifecycle:
             waiting.discard(model_id)
             if not waiting:
                 del self.blocked[slot]
-                self.outbox.supervisor({"type": P.START_WORKER, "slot": slot})
+                spec = self.registry.worker_specs[slot]
+                self.outbox.supervisor(start_order(slot, spec, self.residency.copies[spec.model_id].size))
         self._place_deferred(time.monotonic())
         self._answer()
 
@@ -407,6 +408,12 @@ class Lifecycle:
 
     def _answer(self) -> None:
         self.waiters.answer(self.models, self.info)
+
+
+def start_order(slot: int, spec: WorkerSpec, size: CopySize) -> dict:
+    """The supervisor's order to start a slot's worker, with what a cluster placing it needs."""
+    return {"type": P.START_WORKER, "slot": slot, "device": spec.device, "threads": spec.threads,
+            "memory": size.alone, "resources": spec.model.resources}
 
 
 def _keep(xs: list, x: float, most: int) -> None:

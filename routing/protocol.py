@@ -37,8 +37,11 @@ for an earlier router can never match a request of this one.
 
 Supervisor -> router (inproc control socket, same process): worker_exited {pid, host, slot, restart}
 (restart false: the supervisor gave up on that worker, or stopped it when told to).
-Router -> supervisor (inproc, same process): start_worker {slot} (a copy loaded at run time: its
-spec is the router's slot `slot`), stop_worker {slot} (unloaded: stop it, never restart it).
+Router -> supervisor (inproc, same process): start_worker {slot, device, threads, memory,
+resources} (a copy loaded at run time: its spec is the router's slot `slot`; the rest is what a
+cluster needs to place it: its bytes and custom resources), stop_worker {slot} (unloaded: stop it,
+never restart it). A supervisor that cannot start a slot's worker answers worker_exited {slot,
+restart: false, why}.
 Errors a client raises by itself, without a message: router_lost (the connection dropped with
 requests in flight), refused (the router refused the CurveZMQ handshake).
 """

@@ -161,12 +161,13 @@ def test_workers_on_both_nodes_answer_as_locally_survive_sigkill_and_leave_nothi
 
 def test_run_mm_serve_with_ray_names_its_keys_and_stops_every_actor_on_sigint(cluster, tmp_path):
     """With no curve_keys the run's keypairs live under model_dir/keys, serve prints where, and a
-    ZeroMQ client connects with them; SIGINT then leaves nothing on the cluster."""
+    ZeroMQ client connects with them; a model loaded at run time is an actor placed with its memory,
+    and unloading it kills that actor; SIGINT then leaves nothing on the cluster."""
     c, _ = cluster
-    params = _params(tmp_path, {"llama": ("llama", {})})
+    params = _params(tmp_path, {"llama": ("llama", {}), "gpt2": ("gpt2", {})})
     path = tmp_path / "serve.yaml"
     run = params["runconfig"]
-    path.write_text(yaml.safe_dump({"variants": {"llama": {"model": params["variants"]["llama"]["model"]}},
+    path.write_text(yaml.safe_dump({"variants": {n: {"model": params["variants"][n]["model"]} for n in ("llama", "gpt2")},
                                     "runconfig": {**{k: run[k] for k in ("threads_per_worker", "devices", "frontend",
                                                                          "backend", "ray_router_host")},
                                                   "model_dir": str(tmp_path / "md")}}))
@@ -195,7 +196,17 @@ def test_run_mm_serve_with_ray_names_its_keys_and_stops_every_actor_on_sigint(cl
         with Client(frontend, timeout=120, curve_keys=str(keys)) as cl:
             got = cl.complete(model="llama", prompt=[5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True,
                               return_token_ids=True)
-        assert got["choices"][0]["token_ids"] == _greedy([5, 6, 7], 4, "llama")
+            assert got["choices"][0]["token_ids"] == _greedy([5, 6, 7], 4, "llama")
+            loaded = cl.load("gpt2", timeout=300)["copies"]
+            assert [x["state"] for x in loaded] == ["loaded"] and loaded[0]["id"] == 2
+            (w,) = [w for w in cl.status()["workers"] if w["model_id"] == 2 and w["alive"]]
+            assert w["placement"]["resources"]["memory"] > 2**20  # the copy's size, asked of Ray
+            got = cl.complete(model="gpt2", prompt=[5, 6, 7], max_tokens=4, temperature=0, ignore_eos=True,
+                              return_token_ids=True)
+            assert got["choices"][0]["token_ids"] == _greedy([5, 6, 7], 4, "gpt2")
+            assert cl.unload("gpt2", timeout=120)["copies"] == []
+            names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "mmfusion"}
+            assert f"{alive[0]['name'].rsplit('-', 1)[0]}-2" not in names  # the unloaded copy's actor is gone
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, "".join(lines) + out
