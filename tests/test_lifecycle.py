@@ -313,3 +313,16 @@ def test_a_load_of_several_copies_never_counts_on_evicting_its_own():
     admin(d, P.LOAD, "l", model="b", copies=2)
     (err,) = replies(sent(d))
     assert err["code"] == P.NO_MEMORY and list(d.models) == [0]
+
+
+def test_a_budget_smaller_than_the_copies_that_start_is_refused_before_anything_starts():
+    from fusion.catalog import make_catalog
+    from fusion.deploy import build_fusion
+    from fusion.plan import make_plan
+
+    params = {"variants": {n: {"model": {"source": s.source}} for n, s in SPECS.items()}, "runconfig": {}}
+    fusion = build_fusion(params, ["a,1"])
+    plan = make_plan(fusion, None, "cpu", 1)
+    with pytest.raises(ValueError, match="memory_budget: the copies started on cpu need ~.* MiB, more than its budget"):
+        make_catalog(fusion, plan, SPECS, {"memory_budget": "10MiB"})
+    assert make_catalog(fusion, plan, SPECS, {"memory_budget": "auto"}).budgets["cpu"] > 2**20
