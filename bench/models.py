@@ -6,8 +6,9 @@ holds any two of the four variants' copies (their sizes as validate_only prints 
 
 1. For each variant, cold and warm load-to-first-token: a streamed greedy request for the variant
    while it is not loaded (autoload) until its first token; then it is unloaded and the same
-   again (the conversion cache and the shared weights file are warm). `conversion_cached` says
-   whether the model's conversion was in the cache before the cold load.
+   again (the shared weights file is warm, and the page cache holds it). `weights_cached` says
+   whether an earlier run left the model's weights in the cache (a shared weights file, or a GGUF
+   conversion): without, the cold load reads the GGUF file.
 2. The alternating scenario: `--clients` threads send greedy requests to the four variants in
    turn for `--seconds`. Per request the latency; per variant the loads; the workers' summed PSS
    (the worker processes only: not the router, the fork server or this driver), sampled at 10 Hz,
@@ -77,11 +78,14 @@ def first_token(c, name: str, prompt: str) -> float:
     raise RuntimeError("no token")
 
 
-def conversion_cached(source: str) -> bool | None:
+def weights_cached(source: str) -> bool:
+    """Whether an earlier run left this source's weights in the cache: the file copies map
+    (workers.weights.shared), or a GGUF conversion (compile_only)."""
     from workers.files import cache_root
+    from workers.weights.sources import gguf_cache_dir, source_gguf, source_key
 
-    pattern = {"smollm2-135m": "SmolLM2-135M*", "gemma3-270m": "gemma-3-270m*"}.get(source)
-    return None if pattern is None else any(p.is_dir() for p in cache_root().glob(pattern))
+    gguf = None if source.startswith("tiny:") else source_gguf(source)
+    return any((cache_root() / "shared").glob(f"{source_key(source)}-*")) or bool(gguf and gguf_cache_dir(gguf))
 
 
 def main() -> None:
@@ -98,7 +102,7 @@ def main() -> None:
         json.dump(params, f)
     cfg = Path(f.name)
     front = f"tcp://127.0.0.1:{free_port()}"
-    cached = {n: conversion_cached(m["source"]) for n, m in VARIANTS.items()}
+    cached = {n: weights_cached(m["source"]) for n, m in VARIANTS.items()}
     proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants", "tiny,1",
                              "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -120,7 +124,7 @@ def main() -> None:
                 warm = first_token(c, name, PROMPTS[0])
                 c.unload(name)
                 emit(bench="models_load", model=name, source=VARIANTS[name]["source"], dtype=VARIANTS[name]["dtype"],
-                     copy_mib=round(sizes[name] / 2**20), conversion_cached=cached[name],
+                     copy_mib=round(sizes[name] / 2**20), weights_cached=cached[name],
                      cold_load_to_first_token_s=round(cold, 2), warm_load_to_first_token_s=round(warm, 2))
         scenario(front, proc.pid, budget, sizes, args)
     finally:
