@@ -59,8 +59,11 @@ class PlanPlacer:
     def _plan(self, model: ModelSpec, model_id: int, device: str, threads: int | None = None) -> WorkerPlan:
         budget = self.budget.get(device)
         share = None if budget is None else int(budget * KV_BUDGET_SHARE)
-        return place_worker([], model, model_id, device, threads=threads, kv_cache_memory=self.kv_cache_memory,
-                            kv_share=share, avail=self.avail.get(device), bind=False)
+        w = place_worker([], model, model_id, device, threads=threads, kv_cache_memory=self.kv_cache_memory,
+                         kv_share=share, avail=self.avail.get(device), bind=False)
+        if device != "cpu":  # a CUDA copy loaded at run time holds its own weights (no owner process is given it)
+            w.shares_weights = False
+        return w
 
     def size(self, model: ModelSpec, device: str) -> CopySize:
         return copy_size([self._plan(model, 0, device)])
