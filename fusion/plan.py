@@ -196,7 +196,7 @@ def kv_bytes_per_token(source: str, wbytes: int) -> int | None:
     if source in KNOWN:
         return int(KNOWN[source][1] * wbytes / 2)
     if source.startswith("tiny:"):
-        from workers.weights.tiny import TINY_CONFIGS
+        from workers.weights.tiny_configs import TINY_CONFIGS
 
         cfg = TINY_CONFIGS.get(source.split(":")[1])
         return None if cfg is None else _kv_per_token(cfg, wbytes)

@@ -53,7 +53,7 @@ def architecture(source: str) -> str | None:
     if source in EMBEDDED_ARCHITECTURES:
         return EMBEDDED_ARCHITECTURES[source]
     if source.startswith("tiny:"):
-        from workers.weights.tiny import TINY_ARCHITECTURES
+        from workers.weights.tiny_configs import TINY_ARCHITECTURES
 
         return TINY_ARCHITECTURES.get(source.split(":")[1])
     path = Path(source).expanduser()
