@@ -4,14 +4,16 @@ loads, evicts and unloads worker processes while clients keep sending to all fou
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from support.cluster import ANY_PORT, engine_reference
+from support.cluster import ANY_PORT, ROOT, engine_reference
 
 from fusion import launcher
 from fusion.catalog import PlanPlacer, make_catalog
@@ -20,6 +22,7 @@ from fusion.local import LocalDeployment
 from fusion.plan import make_plan
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
+from routing.entrypoints import CLIENT, command
 from workers.spec import ModelSpec
 
 ARCHS = {"llama": "llama", "gpt2": "gpt2", "mistral": "mistral", "opt": "opt"}
@@ -159,6 +162,18 @@ def test_load_unload_and_bad_input_through_the_clients():
         out, models = asyncio.run(async_load())
         assert out["copies"][0]["state"] == P.STATE_LOADED and out["copies"][0]["id"] > 1  # IDs are never reused
         assert sorted(m["name"] for m in models if m["id"] is not None) == ["gpt2", "llama"]
+
+        # the client's command line: --unload, --load NAME --copies N --pin, --models
+        def cli(*args: str) -> dict | list:
+            done = subprocess.run([*command(CLIENT, "--router", dep.frontend, *args)], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        assert cli("--unload", "llama")["copies"] == []
+        (copy,) = cli("--load", "llama", "--copies", "1", "--pin")["copies"]
+        assert copy["state"] == P.STATE_LOADED and copy["pinned"]
+        assert {m["name"]: m["state"] for m in cli("--models")}["opt"] == P.STATE_AVAILABLE
 
 
 def test_load_and_unload_over_http_behind_the_api_keys():
