@@ -62,9 +62,7 @@ def parser() -> argparse.ArgumentParser:
 def configure(args) -> tuple[dict, object, object, object]:
     """The params, the fused models, the plan, and (validate_only and local serve) the catalog of
     what can load at run time."""
-    # the plan's modules (torch, the model sources) are imported here, after the fork server has started
     from fusion.deploy import build_fusion
-    from fusion.plan import make_plan
 
     params = load_params(args.params)
     run = params["runconfig"]
@@ -85,12 +83,23 @@ def configure(args) -> tuple[dict, object, object, object]:
                         getattr(args, "api_keys_file", None))
         run["api_keys"] = list(keys)
         check_listen(parse_listen(run["http"])[0], keys, bool(run["insecure"]))
-    if getattr(args, "mode", None) in WORKER_MODES and not run["router"] and not run["ray"]:
-        launcher.start_server()  # its imports (seconds) overlap the planning below
+    mode = getattr(args, "mode", None)
+    local = not run["router"] and not run["ray"]
+    if mode in WORKER_MODES and local:
+        launcher.start_server()  # its imports (seconds) overlap what comes before the first worker
     fusion = build_fusion(params, run["variants"])
-    plan = make_plan(fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
+    plan_args = (fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
+    if mode in ("predict", "infer", "eval") and run["router"]:
+        plan = None  # the router's workers are already placed
+    elif mode in ("predict", "infer", "eval") and local:
+        # planned where torch is imported already: this process only starts workers and sends requests
+        plan = launcher.call_in_server("fusion.plan:plan_to_read_without_torch", *plan_args)
+    else:
+        from fusion.plan import make_plan  # torch, the model sources: serve sizes copies at run time
+
+        plan = make_plan(*plan_args)
     catalog = None
-    if getattr(args, "mode", None) in ("validate_only", "serve") and not run["router"]:
+    if mode in ("validate_only", "serve") and not run["router"]:
         from fusion.catalog import make_catalog
         from fusion.deploy import variant_specs
 

@@ -8,10 +8,13 @@ runs no model and opens no socket, so forking it is safe. Each worker follows th
 started it, not the server: the server lives as long as any worker it forked does, so a starter
 killed with SIGKILL would otherwise leave both running for ever. Its workers exit when it is gone,
 and the server after them. A command line that is done stops its server at once (stop_server).
+predict and eval also make their plan in a process forked from it (call_in_server), so that their
+command line never imports torch.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import subprocess
@@ -101,6 +104,39 @@ def start_worker(argv: list[str], env: dict[str, str] | None = None) -> WorkerPr
                        name="mmfusion-worker", daemon=True)
     proc.start()
     return WorkerProcess(proc)
+
+
+def call_in_server(fn: str, *args):
+    """`fn(*args)` ("module:function") computed in a process forked from the preloaded server, its
+    result (or exception) sent back pickled: the server has imported torch already, so this process
+    need not (seconds of CPU for a command line that only starts workers)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_call, args=(fn, args, send), name="mmfusion-call", daemon=True)
+    proc.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"{fn} ended without an answer (exit code {proc.exitcode})") from None
+    finally:
+        receive.close()
+    proc.join()
+    if not ok:
+        raise value
+    return value
+
+
+def _call(fn: str, args: tuple, send) -> None:
+    module, name = fn.split(":")
+    try:
+        answer = (True, getattr(importlib.import_module(module), name)(*args))
+    except Exception as exc:  # the caller raises it: a bad setting is its error to report
+        answer = (False, exc)
+    send.send(answer)
+    send.close()
 
 
 def _run_worker(argv: list[str], env: dict[str, str], cwd: str, starter_pid: int) -> None:

@@ -19,12 +19,14 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fusion.model_info import MultiModelFusion
 from workers.config_keys import KV_AUTO_SHARE, parse_size
-from workers.precision import FP16, ONEDNN, Precision, precision
 from workers.spec import ModelSpec, WorkerSpec
-from workers.weights.sources import lean_source, resolve_dtype
+
+if TYPE_CHECKING:  # torch: imported where a plan is made, not where one is read (fusion.launcher.call_in_server)
+    from workers.precision import Precision
 
 # parameters and KV bytes per token (at 2 bytes) of the embedded models, to plan without loading
 KNOWN = {"smollm2-135m": (134.5e6, 30 * 2 * 3 * 64 * 2), "gemma3-270m": (268e6, 18 * 2 * 1 * 256 * 2)}
@@ -182,6 +184,9 @@ def planned_precision(source: str, dtype: str, device: str, prepack: bool) -> Pr
     """How a worker will hold and compute this model (workers.precision), decided as its load
     will decide it; a source whose family is unknown before loading counts as the lean forward's
     (its packed linears are counted: the plan errs high)."""
+    from workers.precision import precision
+    from workers.weights.sources import lean_source, resolve_dtype
+
     weights = resolve_dtype(dtype, device, prepack, source)
     lean = prepack and device == "cpu" and lean_source(source) is not False
     return precision(weights, device, lean)
@@ -232,6 +237,8 @@ def weight_bytes(source: str, wbytes: int) -> int:
 def packed_bytes(weights: int, prec: Precision) -> int:
     """A lean worker's own packed linears (every linear, the LM head included: about all the
     weights), from the weights' bytes: oneDNN's in the compute dtype, FBGEMM's in float16."""
+    from workers.precision import FP16, ONEDNN
+
     if prec.linears == ONEDNN:
         return weights * _bytes(prec.compute) // _bytes(prec.weights)
     if prec.linears == FP16:
@@ -322,6 +329,17 @@ def _free_cores(existing: list[WorkerPlan], threads: int | None) -> tuple[int, .
         return None
     at = sum(len(w.cpus) for w in cpu)
     return tuple(cores[at: at + threads]) if at + threads <= len(cores) else None
+
+
+def plan_to_read_without_torch(fusion: MultiModelFusion, num_workers: int | None, devices, threads_per_worker,
+                               kv_cache_memory) -> DeploymentPlan:
+    """make_plan, for a caller that plans in another process (fusion.launcher.call_in_server) and
+    reads the plan back without importing torch: the workers' precision (torch dtypes), which sized
+    them, is dropped."""
+    plan = make_plan(fusion, num_workers, devices, threads_per_worker, kv_cache_memory)
+    for w in plan.workers:
+        w.precision = None
+    return plan
 
 
 def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices="auto",

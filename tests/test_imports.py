@@ -72,12 +72,14 @@ def test_no_private_name_imported_across_modules():
 
 def test_the_command_line_gateway_and_clients_start_without_torch():
     """run_mm's command line, the HTTP gateway and the clients import neither torch nor transformers
-    (seconds of CPU at every start, and more at exit): the workers' fork server imports those, while
-    the command line plans (fusion.cli.configure imports the plan's modules itself)."""
+    (seconds of CPU at every start, and more at exit): the workers' fork server imports those. The
+    modules predict and eval run on (the plan read back, the local deployment, the jobs) do not
+    either: their plan is made in a process forked from that server (fusion.launcher.call_in_server)."""
     import subprocess
     import sys
 
     probe = ("import sys, fusion.cli, routing.http.server, routing.client, routing.openai_objects, "
-             "routing.openai_requests; print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+             "routing.openai_requests, fusion.plan, fusion.local, fusion.predict, fusion.evaluate; "
+             "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
