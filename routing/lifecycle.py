@@ -195,7 +195,7 @@ class Lifecycle:
         return ids
 
     def touch(self, model_id: int, now: float) -> None:
-        self.models[model_id].last_use = now
+        """A request named the copy (the dispatch keeps its entry's last_use): LRU order."""
         r = self.residency.copies.get(model_id)
         if r is not None:
             r.last_use = now
