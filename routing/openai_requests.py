@@ -174,8 +174,7 @@ def unload_args(body: dict) -> dict:
     model, copies = _model_name(body), body.get("copies")
     if copies is not None and (not _is_int(copies) or copies < 1):
         raise bad("copies", f"copies must be an integer >= 1 (how many to unload) or null (all), got {copies!r}")
-    name, sep, mid = model.rpartition(":")
-    return {"model": int(mid) if sep and name and mid.isdigit() else model, "copies": copies}
+    return {"model": model, "copies": copies}
 
 
 def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:

@@ -201,6 +201,8 @@ def test_load_and_unload_over_http_behind_the_api_keys():
                 bad = h.post("/v1/models/load", json={"model": "gpt2", "copies": "two"}, headers=auth)
                 assert bad.status_code == 400 and bad.json()["error"]["param"] == "copies"
                 assert h.post("/v1/models/unload", json={"model": "nope"}, headers=auth).status_code == 404
+                # name:id names that copy, and must match: model ID 0 is llama's, not gpt2's
+                assert h.post("/v1/models/unload", json={"model": "gpt2:0"}, headers=auth).status_code == 404
                 listed = {m["id"]: m for m in h.get("/v1/models", headers=auth).json()["data"]}
                 assert listed["opt"]["state"] == "available" and listed["llama"]["pinned"]
                 assert listed[copy["id"]]["state"] == "loaded"
@@ -210,7 +212,9 @@ def test_load_and_unload_over_http_behind_the_api_keys():
                 want = engine_reference("mistral", [5, 6, 7], max_tokens=4, temperature=0.0)
                 assert r.json()["choices"][0]["text"] == h.post(
                     "/detokenize", json={"model": "mistral", "tokens": want}, headers=auth).json()["prompt"]
-                r = h.post("/v1/models/unload", json={"model": "mistral"}, headers=auth)
+                copy_id = next(m["id"] for m in h.get("/v1/models", headers=auth).json()["data"]
+                               if m["id"].startswith("mistral:"))
+                r = h.post("/v1/models/unload", json={"model": copy_id}, headers=auth)  # that one copy
                 assert r.status_code == 200 and r.json()["data"] == []
                 assert h.get("/health").json()["status"] == "ok"
                 families = {f.name: f for f in text_string_to_metric_families(h.get("/metrics").text)}

@@ -15,9 +15,11 @@ from routing.http.bodies import read_json
 
 
 def model_admin_routes(gateway) -> list[Route]:
-    async def change(request: Request, endpoint: str, parse, call) -> Response:
+    async def change(request: Request, endpoint: str, parse, call, resolve: bool = False) -> Response:
         async def work(t0):
             args = parse(await read_json(request.scope, request.receive, gateway.settings.max_body_bytes))
+            if resolve:  # `name:id` is that copy, checked against the model table as a request's model is
+                args["model"] = (await gateway.target_for(args["model"], request.scope["path"])).router_model
             out = await call(**args)
             await gateway.models(refresh=True)  # the model table changed
             return openai_objects.model_copies(out, int(time.time())), str(args["model"])
@@ -29,6 +31,6 @@ def model_admin_routes(gateway) -> list[Route]:
 
     async def unload(request: Request) -> Response:
         """{"model" (a name, or name:id), "copies" (default all)}: answered when they are gone."""
-        return await change(request, "unload", openai_requests.unload_args, gateway.client.unload)
+        return await change(request, "unload", openai_requests.unload_args, gateway.client.unload, resolve=True)
 
     return [Route("/v1/models/load", load, methods=["POST"]), Route("/v1/models/unload", unload, methods=["POST"])]
