@@ -143,6 +143,7 @@ class RayDeployment(LocalDeployment):
         self.where: list[dict | None] = []
         self.pending: dict[int, tuple] = {}  # slot -> (placement group, its ready ref, deadline, bundle, threads)
         self.slot_pgs: dict[int, object] = {}  # slot -> the placement group of a copy loaded at run time
+        self.to_stop: set[int] = set()  # slots the router unloaded, stopped on the next look
 
     @classmethod
     def from_runconfig(cls, fusion: MultiModelFusion, plan: DeploymentPlan, run: dict,
@@ -235,7 +236,7 @@ class RayDeployment(LocalDeployment):
             self.pending[slot] = (pg, pg.ready(), now + self.config.load_timeout, bundle, msg.get("threads"))
             self.log(f"ray: placing worker slot {slot} ({bundle})")
         elif msg["type"] == P.STOP_WORKER and isinstance(slot, int) and 0 <= slot < len(self.actors):
-            self.stopped[slot] = now
+            self.to_stop.add(slot)
 
     def _runtime_slots(self, tell: zmq.Socket, now: float) -> None:
         """Start what Ray has placed, refuse what it could not place in time, stop what was unloaded."""
@@ -248,21 +249,21 @@ class RayDeployment(LocalDeployment):
                 self.actors[slot] = self._actor(slot, threads, bundle, pg, 0)
                 self.slot_pgs[slot] = pg
                 del self.pending[slot]
-            elif now > deadline or slot in self.stopped:
+            elif now > deadline or slot in self.to_stop:
                 remove_placement_group(pg)
                 del self.pending[slot]
-                self.stopped.pop(slot, None)
+                self.to_stop.discard(slot)
                 tell.send(P.pack({"type": P.WORKER_EXITED, "slot": slot, "restart": False,
                                   "why": f"Ray could not place it within load_timeout ({self.config.load_timeout:g}s):"
                                          f" no node has {bundle} free"}))
-        for slot in list(self.stopped):
+        for slot in sorted(self.to_stop):
             actor, info = self.actors[slot], self.where[slot] or {}
             if actor is not None:
                 ray.kill(actor, no_restart=True)
             if slot in self.slot_pgs:
                 remove_placement_group(self.slot_pgs.pop(slot))
             self.actors[slot] = None
-            del self.stopped[slot]
+            self.to_stop.discard(slot)
             tell.send(P.pack({"type": P.WORKER_EXITED, "pid": info.get("pid"), "host": info.get("host"), "slot": slot,
                               "restart": False}))
 

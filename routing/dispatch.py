@@ -149,7 +149,7 @@ class Dispatch:
         # load and unload at run time: only with a supervisor to start and stop workers (its catalog)
         self.lifecycle = None if catalog is None else Lifecycle(
             catalog, self.config, self.models, self.by_name, self.registry, self.outbox, self.pending, self._fail,
-            self.log)
+            self.log, self.wall)
 
     # --- clients ---------------------------------------------------------------------------------
     def client(self, client: bytes, frame: bytes, now: float) -> None:
@@ -197,9 +197,9 @@ class Dispatch:
 
     def _on_complete(self, client: bytes, msg: dict, now: float) -> None:
         req = P.CompleteRequest.from_msg(msg)
-        candidates = self._resolve(req.model, req.id, now)
-        if (client, req.id) in self.client_keys:
+        if (client, req.id) in self.client_keys:  # before resolving: a refused request must not start a load
             raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
+        candidates = self._resolve(req.model, req.id, now)
         if all(self.models[m].abandoned and not self.registry.usable(m) for m in candidates):
             raise P.ProtocolError(f"no worker serves model {req.model!r}: its workers kept failing and were not "
                                   "restarted (see the deployment's log)", P.NO_WORKER, req.id)
@@ -369,7 +369,7 @@ class Dispatch:
         for mid in requeued:
             self._drain_queue(mid)
         if self.lifecycle is not None:
-            self.lifecycle.exited(None)
+            self.lifecycle.exited(None, now)
 
     def _resend(self, p: Pending, model_id: int, now: float) -> None:
         p.resends += 1
@@ -407,7 +407,7 @@ class Dispatch:
                 m.abandoned = True
                 self._expire_queue(m, now)
         if self.lifecycle is not None:
-            self.lifecycle.exited(slot if isinstance(slot, int) else None)
+            self.lifecycle.exited(slot if isinstance(slot, int) else None, now)
 
     def tick(self, now: float) -> None:
         """Heartbeats out, silent workers dropped, queued requests of workerless models expired."""

@@ -17,7 +17,6 @@ the outbox, to a client, a worker or the supervisor.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -116,7 +115,7 @@ class Stats:
 
 class Lifecycle:
     def __init__(self, catalog: Catalog, config, models: dict[int, ModelEntry], by_name: dict[str, list[int]],
-                 registry: WorkerRegistry, outbox, pending: dict, fail, log):
+                 registry: WorkerRegistry, outbox, pending: dict, fail, log, wall: float):
         self.catalog, self.config = catalog, config
         self.models, self.by_name, self.registry, self.outbox = models, by_name, registry, outbox
         self.pending = pending  # the dispatch's requests by key
@@ -133,7 +132,7 @@ class Lifecycle:
         self.blocked: dict[int, set[int]] = {}  # slot -> the leaving copies it starts after
         self.stopping: dict[int, set[int]] = {}  # model ID -> its slots told to stop, not yet exited
         self.stats = Stats()
-        self.wall = time.time() - time.monotonic()
+        self.wall = wall  # the dispatch's: monotonic times + wall = Unix times
 
     # --- requests from clients -------------------------------------------------------------------
     def load(self, client: bytes, msg: dict, now: float) -> None:
@@ -246,7 +245,7 @@ class Lifecycle:
     def _place(self, mid: int, p: Placement, now: float) -> None:
         m = self.models[mid]
         spec = m.spec
-        evicted = [w for i in p.evict for w in self.registry.slots_of(i)]
+        evicted = [k for i in p.evict for k in self.registry.slots_of(i)]
         cpus = [c for k in evicted for c in (self.registry.worker_specs[k].cpus or ())]
         bound = evicted and all(self.registry.worker_specs[k].cpus for k in evicted)
         on_device = sum(1 for r in self.residency.copies.values() if r.size.device == p.device and not r.leaving)
@@ -341,15 +340,15 @@ class Lifecycle:
             if w.slot is None:  # a hand-started worker: the supervisor cannot stop it, it stops itself
                 self.outbox.worker(w.ident, P.pack({"type": P.SHUTDOWN}))
         self.stopping[m.model_id] = stop
-        self._check_gone(m.model_id)
+        self._check_gone(m.model_id, now)
 
-    def exited(self, slot: int | None) -> None:
+    def exited(self, slot: int | None, now: float) -> None:
         """A worker process exited for good (`slot`: its supervisor says so), or a worker was dropped."""
         for mid, slots in list(self.stopping.items()):
             slots.discard(slot)
-            self._check_gone(mid)
+            self._check_gone(mid, now)
 
-    def _check_gone(self, model_id: int) -> None:
+    def _check_gone(self, model_id: int, now: float) -> None:
         """A leaving copy whose processes have all exited is gone: its memory is free."""
         if self.stopping.get(model_id, True) or self.registry.of_model(model_id):
             return
@@ -364,7 +363,7 @@ class Lifecycle:
                 del self.blocked[slot]
                 spec = self.registry.worker_specs[slot]
                 self.outbox.supervisor(start_order(slot, spec, self.residency.copies[spec.model_id].size))
-        self._place_deferred(time.monotonic())
+        self._place_deferred(now)
         self._answer()
 
     # --- clock -------------------------------------------------------------------------------------
