@@ -184,12 +184,18 @@ def planned_precision(source: str, dtype: str, device: str, prepack: bool) -> Pr
     """How a worker will hold and compute this model (workers.precision), decided as its load
     will decide it; a source whose family is unknown before loading counts as the lean forward's
     (its packed linears are counted: the plan errs high)."""
+    import torch
+
+    from workers.config_keys import FLOAT32_LEAN
     from workers.precision import precision
-    from workers.weights.sources import lean_source, resolve_dtype
+    from workers.weights.sources import architecture, lean_source, resolve_dtype
 
     weights = resolve_dtype(dtype, device, prepack, source)
     lean = prepack and device == "cpu" and lean_source(source) is not False
-    return precision(weights, device, lean)
+    prec = precision(weights, device, lean)
+    if lean and prec.compute != torch.float32 and architecture(source) in FLOAT32_LEAN:
+        return precision(weights, device, False)  # that family's lean forward is float32 only
+    return prec
 
 
 def _bytes(dtype) -> int:

@@ -167,8 +167,8 @@ def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
     assert "MiB of prepacked linears of its own" in plan.describe()
     unpacked = MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", prepack_weights=False)])
     assert make_plan(unpacked, 2, "cpu").workers[0].packed_bytes == 0
-    gemma = MultiModelFusion([info("m", "gemma3-270m", dtype="bfloat16")])
-    assert make_plan(gemma, 1, "cpu").workers[0].packed_bytes == 0  # transformers' modules: nothing packed
+    gpt2 = MultiModelFusion([info("m", "tiny:gpt2", dtype="bfloat16")])
+    assert make_plan(gpt2, 1, "cpu").workers[0].packed_bytes == 0  # transformers' modules: nothing packed
     small = MultiModelFusion([info("m", "smollm2-135m", max_batch_size=2, max_model_len=1000,
                                            dtype="bfloat16")])
     assert make_plan(small, 1, "cpu").workers[0].kv_tokens == 2 * 1000  # never more than its limits use

@@ -77,8 +77,15 @@ def test_lean_bf16_logprobs_stay_within_bf16_rounding_of_transformers_modules(ar
     assert 0 < plain_err and lean_err <= 2 * plain_err + 1e-3, (float(lean_err), float(plain_err))
 
 
-def test_lean_fp32_greedy_equals_transformers_and_counts_its_own_memory():
-    lm = tiny("llama", dtype="float32")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_lean_fp32_greedy_equals_transformers_and_counts_its_own_memory(arch):
+    """Gemma 3's prompts run past its sliding window (32 tokens) on its sliding layers, and its
+    norms (1 + w, initialised to w = 0) get weights of their own."""
+    lm = tiny(arch, dtype="float32")
+    gen = torch.Generator().manual_seed(3)
+    for m in lm.model.modules():
+        if arch == "gemma3" and type(m).__name__ == "Gemma3RMSNorm":
+            m.weight.data = torch.randn(m.weight.shape, generator=gen) * 0.5
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=32))
     assert eng.runner.lean is not None
     linears = sum(m.weight.numel() for m in lm.model.modules() if isinstance(m, torch.nn.Linear))

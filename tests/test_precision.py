@@ -17,6 +17,7 @@ from support.models import hf_greedy, tiny
 from workers.capability import AVX2_ENV, ISA_ENV, cpu_capability, decide
 from workers.engine import Engine, EngineConfig, cpu_kernels
 from workers.engine.params import SamplingParams
+from workers.models import load_model
 from workers.precision import FP16, ONEDNN, PLAIN, Precision, precision, weights_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,12 +66,14 @@ def test_the_dtypes_each_cpu_kind_serves():
 
 
 @FP16_GEMM
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_16_bit_weights_with_float32_math_equal_transformers_float32_on_the_same_weights(dtype):
+def test_16_bit_weights_with_float32_math_equal_transformers_float32_on_the_same_weights(dtype, arch):
     """The lean forward over 16-bit weights computing in float32 (auto on a CPU without bf16
     arithmetic; bfloat16 where oneDNN has no bf16 path; float16 anywhere): greedy tokens equal
-    transformers' float32 forward on the same rounded weights, token for token."""
-    lm = tiny("llama", dtype=dtype)
+    transformers' float32 forward on the same rounded weights, token for token. Gemma 3's prompts
+    run past its sliding window (32)."""
+    lm = tiny(arch, dtype=dtype)
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=32))
     mixed = eng.precision.mixed
     if dtype == "bfloat16" and cpu_capability().onednn_bf16:
@@ -88,6 +91,20 @@ def test_16_bit_weights_with_float32_math_equal_transformers_float32_on_the_same
     outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(reference, p, 12)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16", "float16"])
+def test_the_plan_expects_the_precision_and_forward_that_the_engine_picks(dtype):
+    """Gemma 3's lean forward computes only in float32: where its weights would compute in
+    bfloat16 (AVX512-BF16 or AMX), it runs transformers' modules, packs nothing, and the plan counts
+    no packed linears for it."""
+    from fusion.plan import planned_precision
+
+    for arch in ("llama", "gemma3", "gpt2"):
+        eng = Engine(load_model(f"tiny:{arch}", dtype=dtype), EngineConfig(max_batch_size=2, max_batch_tokens=16))
+        assert planned_precision(f"tiny:{arch}", dtype, "cpu", True) == eng.precision, arch
+        lean = eng.runner.lean is not None
+        assert lean == (arch == "llama" or (arch == "gemma3" and eng.precision.compute == torch.float32)), arch
 
 
 def test_the_switch_builds_and_decides_as_an_avx2_cpu():

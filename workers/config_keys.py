@@ -15,7 +15,9 @@ from workers.validate import is_int, is_number
 
 REQUIRED = object()  # the default of a key that must be given
 # `prepack_weights`: the transformers classes the lean forward (workers.engine.lean) runs
-LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM")
+# of those, the ones whose lean forward computes only in float32 (workers.engine.lean)
+FLOAT32_LEAN = ("Gemma3ForCausalLM",)
 # `kv_cache_memory: auto`: the share of a device's available memory that its workers' KV caches
 # take, less the weights and process overheads planned there (an engine without a plan: its own)
 KV_AUTO_SHARE = 0.5
@@ -74,7 +76,7 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("dtype", "auto", "`auto`, `float32`, `bfloat16`, `float16`, `float64`",
         "the serving dtype. `auto`: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX; on other CPUs (AVX2, "
         "AVX-512 without bf16) float16 weights with float32 math, activations and KV cache for the lean forward "
-        "(Llama family, `prepack_weights`), float32 for other models. `bfloat16`/`float16` on a CPU without "
+        "(Llama family and Gemma 3, `prepack_weights`), float32 for other models. `bfloat16`/`float16` on a CPU without "
         "bf16 arithmetic: 16-bit weights, float32 math in the lean forward; other models compute in the "
         "16-bit dtype (see docs/cpus.md)",
         lambda x: x in ("auto", "float32", "bfloat16", "float16", "float64")),
@@ -103,7 +105,7 @@ MODEL_KEYS: tuple[Key, ...] = (
         "copies of this model on one device hold one set of weights (CPU: one read-only mapping; "
         "CUDA: one owner process)", lambda x: isinstance(x, bool)),
     Key("prepack_weights", True, "`true`, `false`",
-        "CPU, Llama family (SmolLM2, Llama, Mistral, Qwen 2): run the lean forward, with each linear "
+        "CPU, Llama family (SmolLM2, Llama, Mistral, Qwen 2) and Gemma 3 (where it computes in float32): run the lean forward, with each linear "
         "weight fused and prepacked once at load, for oneDNN or, for 16-bit weights with float32 math, FBGEMM "
         "(decoding about 1.5x faster); each worker then holds its own packed copy of the linear weights, "
         "which `share_weights` cannot share. It is preferred to `compile`, which then applies only with "
@@ -111,7 +113,7 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("compile", "auto", "`auto`, `true`, `false`",
         "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "
         "`true` compiling now if needed, `false` eager. Where the lean forward runs (`prepack_weights`, Llama "
-        "family, CPU) it is kept: eager, it is about twice as fast as the compiled modules"),
+        "family or Gemma 3, CPU) it is kept: eager, it is about twice as fast as the compiled modules"),
     Key("compile_buckets", None, "a strictly increasing list of positive token counts, or null",
         "the padded step sizes graphs are built for; null: powers of two up to 64, then multiples of 64 "
         "up to `max_batch_tokens`"),

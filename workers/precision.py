@@ -5,7 +5,7 @@ dtype and the CPU's capability (workers.capability), once at load.
 On a CPU without bf16 arithmetic a decode step is bound by the bytes of weights it reads, so the
 lean forward keeps 16-bit weights (half the bytes of float32) and computes in float32 through
 FBGEMM's fp16-weight linear, as vLLM's CPU build runs bfloat16 weights with float32 math there.
-Models that run transformers' own modules (not of the Llama family, or `prepack_weights: false`)
+Models that run transformers' own modules (without a lean forward, or `prepack_weights: false`)
 compute in their weights' dtype.
 
     requested    CUDA       CPU with AVX512-BF16/AMX     CPU without (AVX2, AVX-512 without bf16)
@@ -16,6 +16,9 @@ compute in their weights' dtype.
                                                          for other models
     float16      float16    float16 weights, float32 math (lean forward); float16 for other models
     float32      float32    float32, oneDNN packed (lean forward)
+
+Gemma 3's lean forward computes only in float32: where its weights would compute in bfloat16, it
+runs transformers' modules (workers.engine.lean).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Precision:
 
 def weights_dtype(dtype: str | torch.dtype, device: torch.device | str, lean: bool = False) -> torch.dtype:
     """The dtype a model's weights are loaded in. `lean`: the model will run the lean forward
-    (a Llama-family model with prepack_weights on CPU), which is what lets `auto` keep float16
+    (a Llama-family or Gemma 3 model with prepack_weights on CPU), which is what lets `auto` keep float16
     weights on a CPU without bf16 arithmetic."""
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -1,5 +1,5 @@
-"""A lean packed forward for the Llama family (Llama, SmolLM2, Mistral, Qwen 2): transformers'
-weights and math in a fraction of its operations.
+"""A lean packed forward for the Llama family (Llama, SmolLM2, Mistral, Qwen 2) and Gemma 3:
+transformers' weights and math in a fraction of its operations.
 
 A decode step of a small model is mostly not its matmuls: transformers' modules issue some
 sixty tensor operations per layer (norms in five steps, rotary embeddings for q and k apart,
@@ -7,6 +7,11 @@ three projections where one would do), and at a few rows each operation costs it
 Here a layer is one fused q/k/v projection, one fused gate/up projection (both prepacked for
 oneDNN on CPU, workers.engine.linears), the rotary embedding of q and k together, the paged
 attention op, and fused norms: about twenty operations.
+
+Gemma 3 adds a norm after attention and after the MLP, q and k norms, GELU (tanh) for SiLU, a
+scaled embedding, and rotary tables per layer type. Its norms scale by (1 + w) in float32 and
+round once, so its lean forward runs where the math is float32 (float32 weights, or 16-bit
+weights computing in float32); bfloat16 math runs transformers' modules.
 
 The weights are the model's own parameters (norms, embeddings) or this process's fused and
 packed copies of them (`own_bytes`); the transformers modules are left as they are, so a
@@ -20,18 +25,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.config_keys import LEAN_ARCHITECTURES as LLAMA_FAMILY
+from workers.config_keys import FLOAT32_LEAN, LEAN_ARCHITECTURES
 from workers.engine import attention, cpu_kernels
 from workers.engine.linears import Linear, fused
-from workers.precision import Precision
+from workers.precision import Precision, precision
 
 
 def unsupported(model) -> str | None:
     """Why `model` cannot run the lean forward, or None when it can."""
     name = type(model).__name__
-    if name not in LLAMA_FAMILY:
-        return f"{name} is not of the Llama family ({', '.join(LLAMA_FAMILY)})"
+    if name not in LEAN_ARCHITECTURES:
+        return f"{name} has no lean forward (it has for {', '.join(LEAN_ARCHITECTURES)})"
     cfg = model.config.get_text_config()
+    if name in FLOAT32_LEAN:
+        return _gemma3_unsupported(model, cfg)
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} is not silu"
     if getattr(cfg, "pretraining_tp", 1) != 1:
@@ -39,6 +46,20 @@ def unsupported(model) -> str | None:
     rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
     if "dynamic" in rope or rope == "longrope":
         return f"rope_type {rope!r} changes with the sequence length"
+    return None
+
+
+def _gemma3_unsupported(model, cfg) -> str | None:
+    compute = precision(model.dtype, "cpu", True).compute
+    if compute != torch.float32:
+        return f"Gemma 3's lean forward computes in float32, and {model.dtype} weights compute in {compute} here"
+    if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
+        return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r} is not gelu_pytorch_tanh"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention is set"
+    ropes = (getattr(cfg, "rope_parameters", None) or {}).values()
+    if any((r or {}).get("rope_type", "default") != "default" for r in ropes):
+        return "a rope_type other than default"
     return None
 
 
@@ -53,7 +74,8 @@ def lean_forward(model, holder: attention.ContextHolder, device: torch.device, p
     and computing in its compute dtype; else None (transformers' modules)."""
     if not applies(model, device, prepack):
         return None
-    return LeanLlama(model, holder, precision, norms=cpu_kernels.kernel_module())
+    family = LeanGemma3 if type(model).__name__ in FLOAT32_LEAN else LeanLlama
+    return family(model, holder, precision, norms=cpu_kernels.kernel_module())
 
 
 @dataclass(slots=True)
@@ -72,8 +94,7 @@ class LeanLlama:
 
     def __init__(self, model, holder: attention.ContextHolder, precision: Precision, norms=None):
         cfg = model.config.get_text_config()
-        compute, kind = precision.compute, precision.linears
-        self.compute = compute
+        self.compute = precision.compute
         self.norms = norms  # the C++ norms (cpu_kernels), or None for F.rms_norm
         inner = model.model
         self.holder = holder
@@ -88,18 +109,30 @@ class LeanLlama:
         # looked up); the norms' small weights are widened once
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
-        self.final_norm = inner.norm.weight.detach().to(compute)
-        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), kind, compute=compute)
+        self.final_norm = self._norm_weight(inner.norm)
+        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), precision.linears,
+                              compute=self.compute)
         windows = attention.layer_windows(model, [layer.self_attn for layer in inner.layers])
-        self.layers = [
-            _Layer(layer.input_layernorm.weight.detach().to(compute),
-                   fused([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], kind, compute),
-                   fused([layer.self_attn.o_proj], kind, compute),
-                   layer.post_attention_layernorm.weight.detach().to(compute),
-                   fused([layer.mlp.gate_proj, layer.mlp.up_proj], kind, compute),
-                   fused([layer.mlp.down_proj], kind, compute),
-                   windows[i])
-            for i, layer in enumerate(inner.layers)]
+        self.layers = [self._layer(layer, windows[i], precision.linears) for i, layer in enumerate(inner.layers)]
+
+    def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
+        return norm.weight.detach().to(self.compute)
+
+    def _layer(self, layer, window: int | None, kind: str) -> _Layer:
+        attn, mlp, compute = layer.self_attn, layer.mlp, self.compute
+        return _Layer(self._norm_weight(layer.input_layernorm),
+                      fused([attn.q_proj, attn.k_proj, attn.v_proj], kind, compute),
+                      fused([attn.o_proj], kind, compute),
+                      self._norm_weight(layer.post_attention_layernorm),
+                      fused([mlp.gate_proj, mlp.up_proj], kind, compute),
+                      fused([mlp.down_proj], kind, compute),
+                      window)
+
+    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of rows [N, head_dim] as the rotation below takes them: rotate_half(x) * sin
+        == roll(x, half) * [-sin_low, sin_high], one roll and no cat of halves."""
+        half = self.head_dim // 2
+        return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
     @property
     def own_bytes(self) -> int:
@@ -112,7 +145,7 @@ class LeanLlama:
         # scale (the same in float32; within a rounding in bfloat16)
         if self.norms is not None:
             return self.norms.rms_norm(x.contiguous(), weight, self.eps)
-        return F.rms_norm(x, (self.hidden,), weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + delta, its norm): one pass over the rows with the C++ norms, h updated in place."""
@@ -121,36 +154,43 @@ class LeanLlama:
         h = h + delta
         return h, F.rms_norm(h, (self.hidden,), weight, self.eps)
 
+    def _rope_write(self, h: torch.Tensor, cos: torch.Tensor):
+        """C++: the rotation of q and k and the cache writes in one pass per layer (bit-equal)."""
+        return getattr(self.norms, "rope_write", None) if cos.dtype == h.dtype else None
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        return qkv
+
+    def _attention(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv: tuple[torch.Tensor, torch.Tensor], rope_write) -> torch.Tensor:
+        """Layer i's attention over the paged cache, its output projection applied."""
+        n, heads, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        key_cache, value_cache = kv
+        qkv = self._qk_norm(layer.qkv(x), layer)
+        if rope_write is not None:
+            gs, kb, vb = attention.layer_cache(self.holder, i, key_cache, value_cache)
+            rope_write(qkv, cos, sin, kb, vb, gs.write_blocks, gs.write_offsets, heads, kvh)
+            qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
+        else:
+            qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
+            qk = qk * cos[:, None, :] + qk.roll(d // 2, -1) * sin[:, None, :]
+        v = qkv[:, (heads + kvh) * d:].view(n, kvh, d)
+        a = attention.attend(self.holder, qk[:, :heads], qk[:, heads:], v, key_cache, value_cache, i,
+                             self.scaling, layer.window, None, written=rope_write is not None)
+        return layer.o(a.reshape(n, heads * d))
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """ids, positions: [N]; keep: the rows whose logits are returned. Returns [len(keep), vocab]."""
         h = F.embedding(ids, self.embed).to(self.compute)
-        cos, sin = self.rotary(h, positions[None])
-        half = self.head_dim // 2
-        cos = cos[0]
-        # rotate_half(x) * sin == roll(x, half) * [-sin_low, sin_high]: one roll, no cat of halves
-        sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-        n, heads, kvh, d = ids.shape[0], self.heads, self.kv_heads, self.head_dim
-        key_cache, value_cache = kv
-        # C++: the rotation of q and k and the cache writes in one pass per layer (bit-equal)
-        rope_write = getattr(self.norms, "rope_write", None) if cos.dtype == h.dtype else None
+        cos, sin = self._rotation(*self.rotary(h, positions[None]))
+        rope_write = self._rope_write(h, cos)
         # C++ silu * up in one pass, where it rounds as torch does (float32 keeps torch's exp)
         silu_mul = getattr(self.norms, "silu_mul", None) if h.dtype in (torch.bfloat16, torch.float16) else None
         x = self._norm(h, self.layers[0].input_norm)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(x)
-            if rope_write is not None:
-                gs, kb, vb = attention.layer_cache(self.holder, i, key_cache, value_cache)
-                rope_write(qkv, cos, sin, kb, vb, gs.write_blocks, gs.write_offsets, heads, kvh)
-                qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
-            else:
-                qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
-                qk = qk * cos[:, None, :] + qk.roll(half, -1) * sin[:, None, :]
-            v = qkv[:, (heads + kvh) * d:].view(n, kvh, d)
-            a = attention.attend(self.holder, qk[:, :heads], qk[:, heads:], v, key_cache, value_cache, i,
-                                 self.scaling, layer.window, None, written=rope_write is not None)
-            h, x = self._add_norm(h, layer.o(a.reshape(n, heads * d)), layer.post_norm)
+            h, x = self._add_norm(h, self._attention(i, layer, x, cos, sin, kv, rope_write), layer.post_norm)
             gu = layer.gate_up(x)
             if silu_mul is not None:
                 delta = layer.down(silu_mul(gu))
@@ -163,3 +203,66 @@ class LeanLlama:
                 h = h + delta
         h = self._norm(h.index_select(0, keep), self.final_norm)
         return self.lm_head(h)
+
+
+@dataclass(slots=True)
+class _GemmaLayer(_Layer):
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    attn_out_norm: torch.Tensor  # post_attention_layernorm: on the attention's output (post_norm is pre_feedforward's)
+    mlp_out_norm: torch.Tensor  # post_feedforward_layernorm
+    rope: str  # the layer type whose rotary table it takes
+
+
+class LeanGemma3(LeanLlama):
+    """Gemma 3 (text) on LeanLlama's pass, computing in float32 (see the module's docstring)."""
+
+    def __init__(self, model, holder: attention.ContextHolder, precision: Precision, norms=None):
+        cfg = model.config.get_text_config()
+        self.layer_types = list(cfg.layer_types)
+        super().__init__(model, holder, precision, norms)
+        # transformers multiplies by the buffer in the weights' dtype; widened, the same value
+        self.embed_scale = model.model.embed_tokens.embed_scale.to(self.compute)
+        self.softcap = cfg.final_logit_softcapping
+
+    def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
+        # Gemma3RMSNorm scales by (1 + w) computed in float32, as is everything here
+        return 1.0 + norm.weight.detach().float()
+
+    def _layer(self, layer, window: int | None, kind: str) -> _GemmaLayer:
+        base = LeanLlama._layer(self, layer, window, kind)
+        return _GemmaLayer(base.input_norm, base.qkv, base.o, self._norm_weight(layer.pre_feedforward_layernorm),
+                           base.gate_up, base.down, window, self._norm_weight(layer.self_attn.q_norm),
+                           self._norm_weight(layer.self_attn.k_norm), self._norm_weight(layer.post_attention_layernorm),
+                           self._norm_weight(layer.post_feedforward_layernorm),
+                           self.layer_types[layer.self_attn.layer_idx])
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: _GemmaLayer) -> torch.Tensor:
+        n, d = qkv.shape[0], self.head_dim
+        hq, hk = self.heads * d, self.kv_heads * d
+        q = self._norm(qkv[:, :hq].reshape(n * self.heads, d), layer.q_norm)
+        k = self._norm(qkv[:, hq:hq + hk].reshape(n * self.kv_heads, d), layer.k_norm)
+        return torch.cat((q.view(n, hq), k.view(n, hk), qkv[:, hq + hk:]), dim=1)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = F.embedding(ids, self.embed).to(self.compute) * self.embed_scale
+        tables = {t: self._rotation(*self.rotary(h, positions[None], t)) for t in set(self.layer_types)}
+        rope_write = self._rope_write(h, next(iter(tables.values()))[0])
+        x = self._norm(h, self.layers[0].input_norm)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attn = self._attention(i, layer, x, *tables[layer.rope], kv, rope_write)
+            h, x = self._add_norm(h, self._norm(attn, layer.attn_out_norm), layer.post_norm)
+            gu = layer.gate_up(x)
+            inter = gu.shape[1] // 2
+            mlp = layer.down(F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:])
+            delta = self._norm(mlp, layer.mlp_out_norm)
+            if i < last:
+                h, x = self._add_norm(h, delta, self.layers[i + 1].input_norm)
+            else:
+                h = h + delta
+        logits = self.lm_head(self._norm(h.index_select(0, keep), self.final_norm))
+        if self.softcap is not None:  # as Gemma3ForCausalLM: divide, tanh, multiply
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -43,7 +43,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, prepack: bool 
                   source: str | None = None) -> torch.dtype:
     """The dtype `source`'s weights load in (workers.precision): `auto` is bfloat16 on CUDA and on
     CPUs with native bf16; on other CPUs float16 for a model that runs the lean forward
-    (`prepack` and of the Llama family: 16-bit weights, float32 math), float32 otherwise."""
+    (`prepack` and with a lean forward: 16-bit weights, float32 math), float32 otherwise."""
     lean = prepack and torch.device(device).type == "cpu" and source is not None and lean_source(source) is True
     return weights_dtype(dtype, device, lean)
 
