@@ -13,7 +13,7 @@ from support.models import hf_greedy, tiny
 from workers.capability import cpu_capability
 from workers.engine import Engine, EngineConfig, attention, cpu_kernels
 from workers.engine.attention_backend import AttentionBackend
-from workers.engine.linears import Linear, can_pack
+from workers.engine.linears import PACK_ROWS, Linear, can_pack
 from workers.engine.params import SamplingParams
 from workers.models import load_model
 
@@ -33,10 +33,12 @@ def test_packed_linear_matches_f_linear(dtype, kind):
     compute = torch.float32 if kind == "fp16" else dtype
     assert can_pack(dtype, "cpu") or kind == "fp16"
     g = torch.Generator().manual_seed(0)
-    w = (0.1 * torch.randn(96, 64, generator=g)).to(dtype)
-    b = torch.randn(96, generator=g).to(compute)
+    out = PACK_ROWS + 96 if kind == "fp16" else 96  # FBGEMM's: packed in two slices of rows
+    w = (0.1 * torch.randn(out, 64, generator=g)).to(dtype)
+    b = torch.randn(out, generator=g).to(compute)
     lin = Linear(w, b, kind, compute=compute)
     assert (lin.packed is not None or lin.fp16 is not None) and lin.weight is None
+    assert kind != "fp16" or len(lin.fp16) == 2
     assert lin.own_bytes == w.numel() * (2 if kind == "fp16" else w.element_size())
     for rows in (1, 5, 64):
         x = torch.randn(rows, 64, generator=g).to(compute)
