@@ -23,10 +23,24 @@ from fusion import cli
 PARAMS = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 
-def show_hdf5(pred_dir: Path, start_token: int, rows: int = 3) -> None:
+def decoder(source: str):
+    """Something with `decode(ids, skip_special_tokens=True)` for an embedded model: the
+    tokenizers library on the tokenizer saved beside its converted weights (a moment), else the
+    transformers tokenizer (importing torch and transformers first: seconds)."""
+    from workers.weights.sources import embedded_gguf, gguf_cache_dir
+
+    converted = gguf_cache_dir(embedded_gguf(source))
+    if converted is not None and (converted / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(converted / "tokenizer.json"))
     from fusion.data.prepare import tokenize_only
 
-    tok = tokenize_only("smollm2-135m")
+    return tokenize_only(source)
+
+
+def show_hdf5(pred_dir: Path, start_token: int, rows: int = 3) -> None:
+    tok = decoder("smollm2-135m")
     with np.load(pred_dir / "predictions_1.npz") as z:
         preds = z["predictions"]
     print(f"\n== smollm2 x2, HDF5 ({pred_dir}, {len(list(pred_dir.glob('*.npz')))} files) ==")

