@@ -37,22 +37,33 @@ sys.stdin.readline()  # hold the weights until told to go
 
 
 def _owner(tmp_path: Path, device: str, source: str = "tiny:llama"):
+    """(process, address, key, env) of an owner, started: it prints "weight owner:" once it serves."""
     key = secrets.token_hex(16)
     addr = str(tmp_path / "owner.sock")
     env = {**os.environ, "MMFUSION_OWNER_KEY": key, "MMFUSION_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen([*command(WEIGHT_OWNER), "--source", source, "--dtype", "float32",
                              "--device", device, "--address", addr, "--parent-pid", str(os.getpid())],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    assert "weight owner:" in proc.stdout.readline()
     return proc, addr, key, env
 
 
-def _copy(addr: str, key: str, env: dict) -> tuple[subprocess.Popen, dict]:
-    p = subprocess.Popen([sys.executable, "-c", COPY, addr, key], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    line = p.stdout.readline()
-    assert line, "the copy could not attach"
-    return p, json.loads(line)
+def _copies(addr: str, key: str, env: dict, n: int = 1,
+            procs: list[subprocess.Popen] | None = None) -> list[tuple[subprocess.Popen, dict]]:
+    """n copies started together (each imports torch for seconds), or `procs` started earlier,
+    once each has attached."""
+    procs = procs or _start_copies(addr, key, env, n)
+    out = []
+    for p in procs:
+        line = p.stdout.readline()
+        assert line, "the copy could not attach"
+        out.append((p, json.loads(line)))
+    return out
+
+
+def _start_copies(addr: str, key: str, env: dict, n: int) -> list[subprocess.Popen]:
+    """Copies attach once the owner answers (attach_remote waits for it)."""
+    return [subprocess.Popen([sys.executable, "-c", COPY, addr, key], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True) for _ in range(n)]
 
 
 def _check_owner(tmp_path: Path, device: str) -> None:
@@ -62,18 +73,17 @@ def _check_owner(tmp_path: Path, device: str) -> None:
     with torch.inference_mode():
         want = ref.model(torch.tensor([PROMPT], device=device)).logits[0].float().cpu()
     owner, addr, key, env = _owner(tmp_path, device)
-    copies = []
+    copies = _start_copies(addr, key, env, 2)  # they start while the owner loads
     try:
-        a, ra = _copy(addr, key, env)
-        b, rb = _copy(addr, key, env)
-        copies += [a, b]
+        assert "weight owner:" in owner.stdout.readline()
+        (a, ra), (b, rb) = _copies(addr, key, env, procs=copies)
         for r in (ra, rb):
             assert r["shared"] and r["all_shared"] and r["device"].startswith(device.split(":")[0])
             assert torch.equal(torch.tensor(r["logits"]), want)
             assert r["cuda_allocated_by_copy"] < r["bytes"]  # the weights are the owner's memory
         a.kill()  # a copy that dies leaves the weights to the others, and a new copy attaches
         a.wait()
-        c, rc = _copy(addr, key, env)
+        ((c, rc),) = _copies(addr, key, env)
         copies.append(c)
         assert torch.equal(torch.tensor(rc["logits"]), want) and owner.poll() is None
         # a wrong key gets nothing, and the owner goes on serving
