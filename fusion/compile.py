@@ -75,13 +75,15 @@ def _in_fresh_process(fn, *args):
             raise DataError(str(exc)) from None
 
 
-def _convert(source: str, dtype: str, device: str) -> float:
-    """First load of a GGUF (dequantizing it), then the safetensors cache. Returns the load time."""
+def _convert(source: str) -> float:
+    """First load of a GGUF (dequantizing it), then the safetensors cache. Returns the load time.
+    In float32 on CPU whatever the variant serves in: the cache keeps the dequantized values
+    exactly, for every dtype that loads it later (a bfloat16 load would round them first)."""
     from workers.models import load_model
     from workers.weights.hf_loader import write_gguf_cache
 
     t = time.perf_counter()
-    lm = load_model(source, dtype=dtype, device=device, use_cache=False)
+    lm = load_model(source, dtype="float32", device="cpu", use_cache=False)
     took = time.perf_counter() - t
     write_gguf_cache(lm.model, lm.tokenizer, source_gguf(source))
     return took
@@ -135,7 +137,7 @@ def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -
     gguf = source_gguf(info.source)
     before = None
     if gguf is not None and gguf_cache_dir(gguf) is None:
-        before = round(_in_fresh_process(_convert, info.source, model.dtype, w.device), 3)
+        before = round(_in_fresh_process(_convert, info.source), 3)
     # compile_only is where the artifacts are made: `auto` compiles here
     compiled = "false" if compile_mode(model.compile) == "false" else "true"
     spec = w.spec.placed(model=replace(model, compile=compiled))

@@ -188,7 +188,6 @@ def test_compile_only_names_bad_data(tmp_path):
 def test_compile_only_caches_gguf_as_safetensors(tmp_path, monkeypatch, smollm2_fp32):
     import os
 
-    from workers.engine.params import SamplingParams
     from workers.models import load_model
     from workers.weights.sources import gguf_cache_dir, source_gguf
 
@@ -207,15 +206,15 @@ def test_compile_only_caches_gguf_as_safetensors(tmp_path, monkeypatch, smollm2_
     assert rep["fits"] and rep["load_s_before_cache"] > rep["load_s"] and rep["cache"].startswith(str(tmp_path))
     assert (Path(rep["cache"]) / "model.safetensors").exists()
     # the next compile_only or worker finds the cache (compile_only then converts nothing: the
-    # test above covers a run with nothing to convert), and loading from it gives what the GGUF gives
+    # test above covers a run with nothing to convert), and loading from it gives what the GGUF
+    # gives: the same weights, bit for bit, and the same tokens
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "cache"))
     assert str(gguf_cache_dir(source_gguf("smollm2-135m"))) == rep["cache"]
     cached = load_model("smollm2-135m", dtype="float32")
-    prompts = ["The capital of France is", "def add(a, b):"]
-    sp = SamplingParams(max_tokens=12, temperature=0.0)
-    assert [o.outputs[0].token_ids for o in Engine(cached).generate(prompts, sp)] == \
-        [o.outputs[0].token_ids for o in Engine(smollm2_fp32).generate(prompts, sp)]
-    assert cached.tokenizer(prompts[0]).input_ids == smollm2_fp32.tokenizer(prompts[0]).input_ids
+    mine, theirs = cached.model.state_dict(), smollm2_fp32.model.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    prompt = "The capital of France is"
+    assert cached.tokenizer(prompt).input_ids == smollm2_fp32.tokenizer(prompt).input_ids
 
 
 def test_a_model_that_cannot_load_is_an_error_not_a_hang(tmp_path):
