@@ -96,7 +96,7 @@ def test_prepare_helper_round_trip(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     p = GptHDF5MapDataProcessor(tmp_path / "data", batch_size=2, start_token=500)
-    from workers.weights.tiny import byte_tokenizer
+    from workers.weights.tiny_tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
     assert [tok.decode(x) for x in p.prompts] == ["hello world", "ab"]

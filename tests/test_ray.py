@@ -169,7 +169,7 @@ def test_run_mm_serve_with_ray_names_its_keys_and_stops_every_actor_on_sigint(cl
     run = params["runconfig"]
     path.write_text(yaml.safe_dump({"variants": {n: {"model": params["variants"][n]["model"]} for n in ("llama", "gpt2")},
                                     "runconfig": {**{k: run[k] for k in ("threads_per_worker", "devices", "frontend",
-                                                                         "backend", "ray_router_host")},
+                                                                         "backend", "ray_router_host", "restart_wait")},
                                                   "model_dir": str(tmp_path / "md")}}))
     env = {**os.environ, "RAY_ADDRESS": c.address}
     proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(path), "--variants",

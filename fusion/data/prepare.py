@@ -16,10 +16,14 @@ import numpy as np
 
 
 def tokenize_only(source: str):
-    """The tokenizer of a model source, without loading its weights where that can be avoided."""
-    from workers.models import load_model
+    """The tokenizer of a model source, without loading its weights (or importing torch) where
+    that can be avoided."""
     from workers.weights.sources import EMBEDDED, embedded_gguf, gguf_cache_dir
 
+    if source.startswith("tiny:"):
+        from workers.weights.tiny_tokenizer import tiny_tokenizer
+
+        return tiny_tokenizer(source.split(":")[1])
     if source in EMBEDDED or source.endswith(".gguf"):
         from transformers import AutoTokenizer
 
@@ -32,6 +36,8 @@ def tokenize_only(source: str):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    from workers.models import load_model
+
     return load_model(source, dtype="float32").tokenizer
 
 
