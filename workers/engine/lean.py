@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from workers.config_keys import FLOAT32_LEAN, LEAN_ARCHITECTURES
 from workers.engine import attention, cpu_kernels
 from workers.engine.linears import Linear, fused
-from workers.precision import Precision, precision
+from workers.precision import Precision
+from workers.precision import precision as decide_precision
 
 
 def unsupported(model) -> str | None:
@@ -50,7 +51,7 @@ def unsupported(model) -> str | None:
 
 
 def _gemma3_unsupported(model, cfg) -> str | None:
-    compute = precision(model.dtype, "cpu", True).compute
+    compute = decide_precision(model.dtype, "cpu", True).compute
     if compute != torch.float32:
         return f"Gemma 3's lean forward computes in float32, and {model.dtype} weights compute in {compute} here"
     if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
@@ -64,7 +65,8 @@ def _gemma3_unsupported(model, cfg) -> str | None:
 
 
 def applies(model, device: torch.device, prepack: bool) -> bool:
-    """Whether the lean forward runs this model: `prepack_weights` asks for it, on CPU, Llama family."""
+    """Whether the lean forward runs this model: `prepack_weights` asks for it, on CPU, and
+    `unsupported` finds no reason against it."""
     return prepack and device.type == "cpu" and unsupported(model) is None
 
 
