@@ -47,11 +47,8 @@ def _owner(tmp_path: Path, device: str, source: str = "tiny:llama"):
     return proc, addr, key, env
 
 
-def _copies(addr: str, key: str, env: dict, n: int = 1,
-            procs: list[subprocess.Popen] | None = None) -> list[tuple[subprocess.Popen, dict]]:
-    """n copies started together (each imports torch for seconds), or `procs` started earlier,
-    once each has attached."""
-    procs = procs or _start_copies(addr, key, env, n)
+def _attached(procs: list[subprocess.Popen]) -> list[tuple[subprocess.Popen, dict]]:
+    """Each started copy with what it printed once attached."""
     out = []
     for p in procs:
         line = p.stdout.readline()
@@ -76,14 +73,14 @@ def _check_owner(tmp_path: Path, device: str) -> None:
     copies = _start_copies(addr, key, env, 2)  # they start while the owner loads
     try:
         assert "weight owner:" in owner.stdout.readline()
-        (a, ra), (b, rb) = _copies(addr, key, env, procs=copies)
+        (a, ra), (b, rb) = _attached(copies)
         for r in (ra, rb):
             assert r["shared"] and r["all_shared"] and r["device"].startswith(device.split(":")[0])
             assert torch.equal(torch.tensor(r["logits"]), want)
             assert r["cuda_allocated_by_copy"] < r["bytes"]  # the weights are the owner's memory
         a.kill()  # a copy that dies leaves the weights to the others, and a new copy attaches
         a.wait()
-        ((c, rc),) = _copies(addr, key, env)
+        ((c, rc),) = _attached(_start_copies(addr, key, env, 1))
         copies.append(c)
         assert torch.equal(torch.tensor(rc["logits"]), want) and owner.poll() is None
         # a wrong key gets nothing, and the owner goes on serving

@@ -232,7 +232,7 @@ class LeanGemma3(LeanLlama):
         return 1.0 + norm.weight.detach().float()
 
     def _layer(self, layer, window: int | None, kind: str) -> _GemmaLayer:
-        base = LeanLlama._layer(self, layer, window, kind)
+        base = super()._layer(layer, window, kind)
         return _GemmaLayer(base.input_norm, base.qkv, base.o, self._norm_weight(layer.pre_feedforward_layernorm),
                            base.gate_up, base.down, window, self._norm_weight(layer.self_attn.q_norm),
                            self._norm_weight(layer.self_attn.k_norm), self._norm_weight(layer.post_attention_layernorm),
