@@ -37,9 +37,10 @@ serve: install
 	$(PY) run_mm.py --mode serve --params configs/demo.yaml --variants smollm2,2 gemma3,1 --http 127.0.0.1:8000
 
 # The suite, then on a CPU above AVX2 the kernel and dtype tests again in a process of their own as
-# an AVX2-only CPU runs them (workers.capability: torch and its libraries read their switches at start)
+# an AVX2-only CPU runs them (workers.capability: torch and its libraries read their switches at start).
+# test_models' dtype test only: its other tests load models in float32, which test_lean covers.
 AVX2_ENV := MMFUSION_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
-ISA_TESTS := tests/test_lean.py tests/test_precision.py tests/test_models.py
+ISA_TESTS := tests/test_lean.py tests/test_precision.py tests/test_models.py::test_dtypes
 
 test: install
 	$(PY) -m pytest -q

@@ -124,6 +124,15 @@ class ChatJob:
     params: dict
     stream: StreamOptions
     n: int = 1
+    # the name the request gave the worker's max_tokens (chat's current name, or the older one)
+    max_tokens_name: str = "max_tokens"
+
+    def error(self, exc: OpenAIError) -> OpenAIError:
+        """A worker's refusal of max_tokens, in the words of the request that sent it."""
+        if exc.param != "max_tokens" or self.max_tokens_name == "max_tokens":
+            return exc
+        return OpenAIError(exc.status, exc.message.replace("max_tokens", self.max_tokens_name),
+                           param=self.max_tokens_name, code=exc.code, headers=exc.headers)
 
 
 def chat_job(body: dict) -> ChatJob:
@@ -132,8 +141,11 @@ def chat_job(body: dict) -> ChatJob:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
     opts = stream_options(body)
     params = {k: v for k, v in body.items() if k not in _CHAT_OWN}
-    if body.get("max_completion_tokens") is not None:
-        params["max_tokens"] = body["max_completion_tokens"]
+    limit = body.get("max_completion_tokens")
+    if limit is not None:  # chat's current name for max_tokens; it wins where both are given, as in vLLM
+        if not _is_int(limit) or limit < 0:
+            raise bad("max_completion_tokens", f"max_completion_tokens must be an integer >= 0, got {limit!r}")
+        params["max_tokens"] = limit
     want = body.get("logprobs", False)
     if not isinstance(want, bool) and want is not None:
         raise bad("logprobs", f"logprobs must be true or false, got {want!r}")
@@ -148,7 +160,8 @@ def chat_job(body: dict) -> ChatJob:
             raise bad("logprobs", "logprobs is not supported together with stream")
         params["logprobs"] = top or 0
     n = body.get("n", 1)
-    return ChatJob(messages, params, opts, n if _is_int(n) and n > 0 else 1)
+    return ChatJob(messages, params, opts, n if _is_int(n) and n > 0 else 1,
+                   "max_tokens" if limit is None else "max_completion_tokens")
 
 
 def _model_name(body: dict) -> str:

@@ -146,6 +146,18 @@ def test_errors_are_openai_error_objects(oai, gw):
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model="llama", prompt="x", stream=True, logprobs=1)
     assert info.value.body["param"] == "logprobs"
+    msgs = [{"role": "user", "content": "x"}]
+    for stream in (False, True):  # chat's name for max_tokens: the worker's refusal names it as sent
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.chat.completions.create(model="llama", messages=msgs, max_completion_tokens=10**6, stream=stream)
+        assert info.value.body["param"] == "max_completion_tokens", info.value.body
+        assert "max_completion_tokens is 1000000" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="llama", messages=msgs, max_completion_tokens=-1)
+    assert info.value.body["param"] == "max_completion_tokens" and ">= 0" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:  # the older name keeps its own
+        oai.chat.completions.create(model="llama", messages=msgs, max_tokens=10**6)
+    assert info.value.body["param"] == "max_tokens"
     bad = httpx.post(gw.url + "/v1/completions", content=b"{not json", timeout=10)
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
     big = httpx.post(gw.url + "/v1/completions", json={"model": "llama", "prompt": "x" * 70_000}, timeout=10)

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from routing import openai_objects, openai_requests
 from routing import protocol as P
-from routing.client import AsyncClient
+from routing.client import AsyncClient, RouterError
 from routing.http import openai as O
 from routing.http.bodies import ClientGone, read_json, send_json
 from routing.http.metrics import Metrics
@@ -283,11 +283,15 @@ class Gateway:
             body = await read_json(request.scope, request.receive, self.settings.max_body_bytes)
             target = await self.target(request, body)
             job = openai_requests.chat_job(body)
-            if job.stream.stream:
-                return await stream_response(self.client, self.metrics, self.error_response, target, [job.messages],
-                                             job.params, job.n, job.stream.include_usage, P.CHAT, t0), target.name
-            result = await until_cancelled_by_client(
-                request.receive, self.client.result(target.router_model, job.messages, task=P.CHAT, **job.params))
+            try:
+                if job.stream.stream:
+                    return await stream_response(self.client, self.metrics, self.error_response, target,
+                                                 [job.messages], job.params, job.n, job.stream.include_usage, P.CHAT,
+                                                 t0), target.name
+                result = await until_cancelled_by_client(
+                    request.receive, self.client.result(target.router_model, job.messages, task=P.CHAT, **job.params))
+            except RouterError as exc:
+                raise job.error(O.error_for(exc)) from None
             self.metrics.observe_usage(target.name, result["usage"])
             return openai_objects.chat_completion(result, target.name), target.name
         return await self.handle("chat", work)
