@@ -46,7 +46,7 @@ class GatewaySettings:
     probe_timeout: float = 5.0  # /health and /metrics ask the router at most this long
     curve_keys: str | None = None
     curve_name: str = "client"
-    models_ttl: float = 5.0  # seconds the router's model table is reused before asking again
+    models_ttl: float = 5.0  # seconds a request reuses the router's model table (GET /v1/models always asks)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -243,13 +243,13 @@ class Gateway:
 
     # --- OpenAI endpoints --------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
-        async def work(t0):
-            return JSONResponse(openai_objects.model_list(await self.models(), int(time.time()))), "-"
+        async def work(t0):  # the router's table as it is now (models load and unload at run time)
+            return JSONResponse(openai_objects.model_list(await self.models(refresh=True), int(time.time()))), "-"
         return await self.handle("models", work)
 
     async def get_model(self, request: Request) -> Response:
         async def work(t0):
-            models = await self.models()
+            models = await self.models(refresh=True)
             target = O.resolve_model(request.path_params["model"], models)
             entry = next(m for m in openai_objects.model_list(models, int(time.time()))["data"] if m["id"] == target.name)
             return JSONResponse(entry), target.name
