@@ -4,7 +4,7 @@ Decode attention in PyTorch operations costs a few dozen small operations per la
 dispatch, not their arithmetic, is most of a decode step's attention time. The C++ kernel
 does one pass per (row, KV head) over only the positions the row sees, as vLLM's CPU paged
 attention does. It is compiled at first use with torch's extension builder into the cache
-(`$MMFUSION_KERNEL_CACHE`, default `$MMFUSION_CACHE/kernels`, under a hash of the source, torch
+(`$MMFUSION_KERNEL_CACHE`, default `$MMFUSION_CACHE/kernels`, under a hash of the source, its folder, torch
 and the CPU capability; tens of seconds, once), for the level workers.capability decides:
 `-march=native` at the CPU's own level, an ISA target such as x86-64-v3 (AVX2, FMA, F16C) under
 MMFUSION_CPU_ISA, and an engine on CPU hands it to its model's attention
@@ -63,7 +63,9 @@ def _build():
 
     cap = cpu_capability()
     src = b"".join(path.read_bytes() for path in [*SOURCES, *INCLUDED])
-    tag = hashlib.sha1(src + torch.__version__.encode() + cap.tag().encode()).hexdigest()[:16]
+    # the sources' folder too: torch's builder writes their paths into build.ninja, so two checkouts
+    # sharing one folder rebuilt it for each other in turn
+    tag = hashlib.sha1(src + torch.__version__.encode() + cap.tag().encode() + str(KERNELS).encode()).hexdigest()[:16]
     build = Path(os.environ.get(KERNEL_CACHE_ENV) or cache_root() / "kernels") / tag
     build.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build / "lock")
