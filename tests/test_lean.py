@@ -156,6 +156,31 @@ def _reference_chunk(q, k, v, start, window, scaling):
     return out
 
 
+# the AVX512-BF16 paths: each source defines its macro where the target has AVX512F and AVX512-BF16
+BF16_PATHS = ("MMFUSION_BF16_DOT", "MMFUSION_PREFILL_BF16", "MMFUSION_NORM_BF16", "MMFUSION_ROPE_BF16",
+              "MMFUSION_SILU_BF16")
+
+
+def test_the_avx512_bf16_paths_compile_on_any_cpu(tmp_path):
+    """A CPU below AVX512-BF16 builds the kernels without those paths, so a change made on one could
+    break them unseen: they are compiled here for a target that has them (Sapphire Rapids), with
+    the build's own flags; syntax and types only, nothing runs."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    check = tmp_path / "avx512_bf16.cpp"
+    missing = " || ".join(f"!defined({m})" for m in BF16_PATHS)
+    check.write_text(f'#include "{cpu_kernels.KERNELS / "kernels.cpp"}"\n#if {missing}\n'
+                     '#error "an AVX512-BF16 path was left out"\n#endif\n')
+    includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
+    cmd = [cpp_extension.get_cxx_compiler(), "-std=c++20", "-fsyntax-only", "-march=sapphirerapids",
+           *cpu_kernels.CFLAGS, *includes, str(check)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
 def _prefill_kernel(head_dim: int, dtype: torch.dtype = torch.bfloat16):
     """The CPU prefill kernel for heads of this size, which this run must have at its level:
     bfloat16 at avx512_bf16, float32 at avx2 and above."""

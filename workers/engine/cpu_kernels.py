@@ -41,6 +41,10 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREFILL_LANES = {torch.bfloat16: 16, torch.float32: 8}
 PREFILL_HEAD_DIMS = (64, 128, 256)  # the head sizes it has a path for
 PREFILL_PATHS = {torch.bfloat16: "bf16_avx512", torch.float32: "f32_avx2"}  # the build's path for each dtype
+# the compiler flags besides the level's target. Fast-math and OpenMP (at::parallel_for, omp simd):
+# the dot products and exponentials vectorize (glibc's libmvec holds the vector exp)
+CFLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp")
+LDFLAGS = ("-lmvec", "-fopenmp")
 # where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
 KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
 # a build takes under a minute: a lock older than this was left by a process killed while building
@@ -70,10 +74,7 @@ def _build():
     build.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build / "lock")
     return cpp_extension.load(name=f"mmfusion_paged_decode_{tag}", sources=[str(path) for path in SOURCES], build_directory=str(build),
-                              # fast-math and OpenMP (at::parallel_for, omp simd): the dot products and exponentials vectorize
-                              # (glibc's libmvec holds the vector exp)
-                              extra_cflags=["-O3", *cap.cflags, "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
-                              extra_ldflags=["-lmvec", "-fopenmp"], verbose=False)
+                              extra_cflags=[*CFLAGS, *cap.cflags], extra_ldflags=list(LDFLAGS), verbose=False)
 
 
 def clear_stale_lock(lock: Path, max_age: float = STALE_BUILD_LOCK_S) -> bool:
