@@ -73,6 +73,15 @@ class RouterError(RuntimeError):
         self.code, self.message, self.param = code, message, param
 
 
+def _frame(msg: dict) -> bytes:
+    """A request's frame. A value the wire cannot carry (an integer beyond 64 bits, which JSON
+    allows) is refused here, as the router would refuse a bad value: a bad_request naming it."""
+    try:
+        return P.pack(msg)
+    except P.ProtocolError as exc:
+        raise RouterError(exc.code, str(exc), exc.param) from None
+
+
 def _check(msg: dict) -> dict:
     if msg.get("type") == P.ERROR:
         param = msg.get("param")
@@ -218,7 +227,7 @@ class Client(_Base):
     def _admin(self, msg: dict, timeout: float | None = None):
         rid = self._new_id()
         self._forget_stale_events()
-        self.sock.send(P.pack({**msg, "id": rid}))
+        self.sock.send(_frame({**msg, "id": rid}))
         deadline = self._deadline() if timeout is None else time.monotonic() + timeout
         while True:
             msg = self.recv(deadline)
@@ -228,7 +237,7 @@ class Client(_Base):
     def _run(self, model, prompt, stream: bool, params: dict):
         rid = self._new_id()
         self._forget_stale_events()
-        self.sock.send(P.pack(self._complete_msg(rid, model, prompt, stream, params)))
+        self.sock.send(_frame(self._complete_msg(rid, model, prompt, stream, params)))
         deadline = self._deadline()
         try:
             while True:
@@ -327,7 +336,7 @@ class _Sender:
 
     def send(self, loop, msg: dict) -> None:
         self.loop = loop
-        self.outbox[msg["id"]] = P.pack(msg)
+        self.outbox[msg["id"]] = _frame(msg)
         if self.flush_at is None:
             self.flush_at = loop.call_soon(self.flush)
 
@@ -498,7 +507,11 @@ class AsyncClient(_Base):
     def _start(self, msg: dict, timeout: float | None = None) -> _InFlight:
         rid = self._open()
         msg["id"] = rid
-        self._sender.send(self._loop, msg)
+        try:
+            self._sender.send(self._loop, msg)
+        except RouterError:
+            del self._queues[rid]  # never sent: nothing will answer it
+            raise
         return _InFlight(self, rid, timeout)
 
     def _request(self, model, prompt, stream: bool, params: dict, task: str) -> _InFlight:

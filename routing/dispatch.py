@@ -175,7 +175,7 @@ class Dispatch:
             else:
                 self.lifecycle.unload(client, msg, now)
         except P.ProtocolError as exc:
-            self.outbox.client(client, P.error(exc.request_id, exc.code, str(exc)))
+            self.outbox.client(client, P.error(exc.request_id, exc.code, str(exc), exc.param))
 
     def _resolve(self, model, rid, now: float) -> list[int]:
         if isinstance(model, int):

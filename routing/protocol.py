@@ -110,17 +110,46 @@ REFUSED = "refused"  # raised by the client itself: the router refused its Curve
 
 
 class ProtocolError(ValueError):
-    """A message that can't be accepted; `code` is one of the error codes above."""
+    """A message that can't be accepted; `code` is one of the error codes above, `param` the request
+    parameter at fault where there is one."""
 
-    def __init__(self, message: str, code: str = BAD_REQUEST, request_id=None):
+    def __init__(self, message: str, code: str = BAD_REQUEST, request_id=None, param: str | None = None):
         super().__init__(message)
         self.code = code
         self.request_id = request_id
+        self.param = param
+
+
+# the integers msgpack carries: int64 and uint64
+INT_MIN, INT_MAX = -2**63, 2**64 - 1
 
 
 def pack(msg: dict) -> bytes:
+    """The frame of a message. An integer msgpack cannot carry (JSON has no limit) is a
+    ProtocolError that names where it is: `params.seed`, `prompt[0]`."""
     msg.setdefault("v", VERSION)
-    return msgpack.packb(msg, use_bin_type=True)
+    try:
+        return msgpack.packb(msg, use_bin_type=True)
+    except OverflowError:
+        path = _oversized(msg)
+        if path is None:
+            raise
+        where = path[0] + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path[1:])
+        param = path[1] if path[0] == "params" and len(path) > 1 else path[0]
+        raise ProtocolError(f"{where} is out of range: integers must be within [{INT_MIN}, {INT_MAX}]",
+                            request_id=msg.get("id"), param=str(param)) from None
+
+
+def _oversized(obj) -> list | None:
+    """The key path to the first integer outside [INT_MIN, INT_MAX] in a message, or None."""
+    if isinstance(obj, int) and not INT_MIN <= obj <= INT_MAX:
+        return []
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        path = _oversized(value)
+        if path is not None:
+            return [key, *path]
+    return None
 
 
 def unpack(frame: bytes, allowed: set[str]) -> dict:
@@ -186,7 +215,7 @@ class CompleteRequest:
             elif not isinstance(prompt, str):
                 raise ProtocolError("prompt must be text or a list of integer token IDs", request_id=rid)
             if not prompt:
-                raise ProtocolError("prompt must not be empty", request_id=rid)
+                raise ProtocolError("prompt must not be empty", request_id=rid, param="prompt")
         params = msg.get("params", {})
         if not isinstance(params, dict):
             raise ProtocolError("params must be a map", request_id=rid)

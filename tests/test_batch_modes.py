@@ -53,6 +53,7 @@ REQUESTS = [
     {"prompt": "The quick brown", "max_tokens": 8, "best_of": 3, "n": 1, "temperature": 1.0, "seed": 1},
     {"prompt": "stop me", "max_tokens": 12, "stop": ["STOP"], "logprobs": 0},
     {"prompt": [9, 8, 7, 6], "engine": "gpt2", "max_tokens": 6, "echo": True},
+    {"prompt": "abc", "max_tokens": 3, "seed": 2**70},  # beyond what the wire carries: that line's error
 ]
 
 
@@ -74,7 +75,8 @@ def test_predict_jsonl_matches_the_engine_in_process(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "md" / "predictions" / "output_req.jsonl").read_text().splitlines()]
     assert len(lines) == len(reqs) and [ln["request"] for ln in lines] == reqs  # input order, request echoed
     errors = {i: ln["error"] for i, ln in enumerate(lines) if "error" in ln}
-    assert sorted(errors) == [2, 3, 5]
+    assert sorted(errors) == [2, 3, 5, 9]
+    assert errors[9]["code"] == "bad_request" and "params.seed is out of range" in errors[9]["message"]
     assert errors[2]["message"].startswith("req.jsonl line 3: not valid JSON")
     assert "unknown model 'gpt-4'" in errors[3]["message"]
     assert errors[5]["code"] == "bad_request" and "logprobs must be an integer in [0, 20]" in errors[5]["message"]

@@ -155,6 +155,10 @@ def test_errors_are_openai_error_objects(oai, gw):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model="llama", messages=msgs, max_completion_tokens=-1)
     assert info.value.body["param"] == "max_completion_tokens" and ">= 0" in info.value.message
+    for stream in (False, True):  # JSON has no integer limit; the wire has 64 bits: a 400, not a 500
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(model="llama", prompt="x", max_tokens=2, seed=2**70, stream=stream)
+        assert info.value.body["param"] == "seed" and "out of range" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:  # the older name keeps its own
         oai.chat.completions.create(model="llama", messages=msgs, max_tokens=10**6)
     assert info.value.body["param"] == "max_tokens"

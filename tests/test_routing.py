@@ -104,23 +104,44 @@ def test_async_client(two_archs):
     assert sum(len(ch["token_ids"]) for ch in chunks) == 3 and chunks[-1]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("kwargs,code,match", [
-    (dict(model="nope", prompt=[1]), P.UNKNOWN_MODEL, "unknown model 'nope'"),
-    (dict(model=9, prompt=[1]), P.UNKNOWN_MODEL, "unknown model ID 9"),
-    (dict(model="llama", prompt=[1], temperature=-1), P.BAD_REQUEST, "temperature"),
-    (dict(model="llama", prompt=[1], top_p=2), P.BAD_REQUEST, "top_p"),
-    (dict(model="llama", prompt=[1, 99999]), P.BAD_REQUEST, "vocabulary"),
-    (dict(model="llama", prompt=list(range(1, 250)) * 3), P.BAD_REQUEST, "context"),
-    (dict(model="llama", prompt=[1], frobnicate=3), P.BAD_REQUEST, "frobnicate"),
-    (dict(model="llama", prompt=[]), P.BAD_REQUEST, "empty"),
+@pytest.mark.parametrize("kwargs,code,match,param", [
+    (dict(model="nope", prompt=[1]), P.UNKNOWN_MODEL, "unknown model 'nope'", None),
+    (dict(model=9, prompt=[1]), P.UNKNOWN_MODEL, "unknown model ID 9", None),
+    (dict(model="llama", prompt=[1], temperature=-1), P.BAD_REQUEST, "temperature", "temperature"),
+    (dict(model="llama", prompt=[1], top_p=2), P.BAD_REQUEST, "top_p", "top_p"),
+    (dict(model="llama", prompt=[1, 99999]), P.BAD_REQUEST, "vocabulary", "prompt"),
+    (dict(model="llama", prompt=list(range(1, 250)) * 3), P.BAD_REQUEST, "context", "max_tokens"),
+    (dict(model="llama", prompt=[1], frobnicate=3), P.BAD_REQUEST, "frobnicate", "frobnicate"),
+    (dict(model="llama", prompt=[]), P.BAD_REQUEST, "empty", "prompt"),
+    # integers JSON allows but the wire cannot carry: refused by the client, by name
+    (dict(model="llama", prompt=[1], seed=2**64), P.BAD_REQUEST, r"params\.seed is out of range", "seed"),
+    (dict(model="llama", prompt=[1, -2**63 - 1]), P.BAD_REQUEST, r"prompt\[1\] is out of range", "prompt"),
+    (dict(model="llama", prompt=[1], stop_token_ids=[2**70]), P.BAD_REQUEST, r"stop_token_ids\[0\]",
+     "stop_token_ids"),
 ])
-def test_bad_requests_get_errors(two_archs, kwargs, code, match):
+def test_bad_requests_get_errors(two_archs, kwargs, code, match, param):
     with Client(two_archs.frontend, timeout=30) as c:
         model, prompt = kwargs.pop("model"), kwargs.pop("prompt")
         with pytest.raises(RouterError, match=match) as info:
             c.complete(model=model, prompt=prompt, **kwargs)
-        assert info.value.code == code
+        assert info.value.code == code and info.value.param == param
         assert c.complete(model="llama", prompt=[1, 2], max_tokens=1)["choices"]  # still serving
+
+
+def test_the_largest_seed_the_wire_carries_samples_and_the_async_client_refuses_a_larger_one(two_archs):
+    import asyncio
+
+    async def go():
+        async with AsyncClient(two_archs.frontend, timeout=60) as c:
+            with pytest.raises(RouterError, match=r"params\.seed is out of range") as info:
+                await c.complete("llama", [3, 4], max_tokens=2, temperature=1.0, seed=2**64)
+            assert info.value.param == "seed"
+            top = [await c.complete("llama", [3, 4], max_tokens=4, temperature=1.0, seed=2**64 - 1,
+                                    return_token_ids=True) for _ in range(2)]
+            return [r["choices"][0]["token_ids"] for r in top]
+
+    a, b = asyncio.run(go())
+    assert a == b and len(a) == 4  # seeded: the same tokens twice
 
 
 @pytest.mark.parametrize("frame,match", [
