@@ -52,6 +52,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from workers.validate import out_of_range, range_error
+
 VERSION = 1
 # where a router listens when nothing else is said: clients connect to the frontend, workers to the backend
 DEFAULT_FRONTEND = "tcp://127.0.0.1:5555"
@@ -120,10 +122,6 @@ class ProtocolError(ValueError):
         self.param = param
 
 
-# the integers msgpack carries: int64 and uint64
-INT_MIN, INT_MAX = -2**63, 2**64 - 1
-
-
 def pack(msg: dict) -> bytes:
     """The frame of a message. An integer msgpack cannot carry (JSON has no limit) is a
     ProtocolError that names where it is: `params.seed`, `prompt[0]`."""
@@ -131,25 +129,11 @@ def pack(msg: dict) -> bytes:
     try:
         return msgpack.packb(msg, use_bin_type=True)
     except OverflowError:
-        path = _oversized(msg)
+        path = out_of_range(msg)
         if path is None:
             raise
-        where = path[0] + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path[1:])
         param = path[1] if path[0] == "params" and len(path) > 1 else path[0]
-        raise ProtocolError(f"{where} is out of range: integers must be within [{INT_MIN}, {INT_MAX}]",
-                            request_id=msg.get("id"), param=str(param)) from None
-
-
-def _oversized(obj) -> list | None:
-    """The key path to the first integer outside [INT_MIN, INT_MAX] in a message, or None."""
-    if isinstance(obj, int) and not INT_MIN <= obj <= INT_MAX:
-        return []
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    for key, value in items:
-        path = _oversized(value)
-        if path is not None:
-            return [key, *path]
-    return None
+        raise ProtocolError(range_error(path), request_id=msg.get("id"), param=str(param)) from None
 
 
 def unpack(frame: bytes, allowed: set[str]) -> dict:

@@ -97,6 +97,11 @@ def test_variants_parsing():
     ("variants:\n  a: {model: {source: x, start_token: [1, x]}}\n", r"model\.start_token must be"),
     ("variants:\n  a: {model: {source: x, loop_dim: 2}}\n", r"model\.loop_dim must be"),
     ("variants:\n  a: {model: {source: x, max_model_len: -1}}\n", r"model\.max_model_len must be"),
+    # YAML's integers have no limit; a spec travels to its workers as a message, whose have 64 bits
+    ("variants:\n  a: {model: {source: x, max_tokens: 100000000000000000000}}\n",
+     r"variants\.a\.model\.max_tokens is out of range: integers must be within"),
+    ("variants:\n  a: {model: {source: x, end_token: [2, -9223372036854775809]}}\n",
+     r"model\.end_token\[1\] is out of range"),
 ])
 def test_params_errors_name_file_and_key(tmp_path, text, match):
     f = tmp_path / "p.yaml"

@@ -17,7 +17,7 @@ from typing import Any
 
 from workers.buckets import Buckets, compile_mode
 from workers.config_keys import MODEL, REQUIRED, SAMPLING_DEFAULTS, parse_size
-from workers.validate import check_int, is_int
+from workers.validate import check_int, is_int, out_of_range, range_error
 
 
 def _default(name: str) -> Any:
@@ -61,6 +61,9 @@ class ModelSpec:
             value = getattr(self, key.name)
             if key.check is not None and not key.check(value):
                 raise ValueError(f"model.{key.name} must be {key.valid}, got {value!r}")
+        path = out_of_range({f.name: getattr(self, f.name) for f in fields(self)})
+        if path is not None:  # the spec travels to its workers as a message
+            raise ValueError(f"model.{range_error(path)}")
         # lists from YAML or the wire become tuples: the spec is a value, compared and never changed
         for name in ("compile_buckets", "start_token", "end_token"):
             if isinstance(getattr(self, name), list):
