@@ -128,7 +128,10 @@ class ChatJob:
     max_tokens_name: str = "max_tokens"
 
     def error(self, exc: OpenAIError) -> OpenAIError:
-        """A worker's refusal of max_tokens, in the words of the request that sent it."""
+        """A refusal in the words of the request that sent it: its messages went as the prompt, and
+        its max_completion_tokens as max_tokens."""
+        if exc.param == "prompt":
+            return OpenAIError(exc.status, exc.message, param="messages", code=exc.code, headers=exc.headers)
         if exc.param != "max_tokens" or self.max_tokens_name == "max_tokens":
             return exc
         return OpenAIError(exc.status, exc.message.replace("max_tokens", self.max_tokens_name),

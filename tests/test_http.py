@@ -159,6 +159,9 @@ def test_errors_are_openai_error_objects(oai, gw):
         with pytest.raises(openai.BadRequestError) as info:
             oai.completions.create(model="llama", prompt="x", max_tokens=2, seed=2**70, stream=stream)
         assert info.value.body["param"] == "seed" and "out of range" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:  # a chat's prompt is its messages
+        oai.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x", "n": 2**70}])
+    assert info.value.body["param"] == "messages" and "out of range" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:  # the older name keeps its own
         oai.chat.completions.create(model="llama", messages=msgs, max_tokens=10**6)
     assert info.value.body["param"] == "max_tokens"
