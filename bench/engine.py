@@ -45,11 +45,11 @@ import torch  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from bench.peers import have_vllm_cpu, run_vllm_cpu  # noqa: E402
 from bench.replay import record_calls, replay, stop_recording  # noqa: E402
-from workers.engine import Engine, EngineConfig, lean  # noqa: E402
+from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.attention import hf_attention  # noqa: E402
 from workers.engine.params import SamplingParams  # noqa: E402
 from workers.models import load_model  # noqa: E402
-from workers.precision import precision  # noqa: E402
+from workers.platform import for_model  # noqa: E402
 
 
 def workload(n: int, vocab: int, seed: int = 0):
@@ -388,8 +388,8 @@ def main() -> None:
     lm = load_model(args.model, dtype=args.dtype)
     requested = args.dtype
     args.dtype = str(lm.dtype).removeprefix("torch.")  # auto, resolved for this CPU: what the lines report
-    # the engine's own decision (workers.precision), without building an engine to learn it
-    prec = precision(lm.dtype, lm.device, lean.applies(lm.model, lm.device, True))
+    # the engine's own decision (workers.platform), without building an engine to learn it
+    prec = for_model(lm, True).precision
     emit(engine_dtype=requested, weights=args.dtype, compute=str(prec.compute).removeprefix("torch."),
          linears=prec.linears, model=args.model)
     prompts, max_tokens = workload(args.n, lm.vocab_size)

@@ -43,9 +43,9 @@ PARAMS = ROOT / "configs" / "soak.yaml"
 
 def cases() -> list[tuple[list[int], dict, list[int]]]:
     """(prompt, params, expected tokens): greedy and seeded sampling, computed in-process."""
-    from routing.openai_requests import sampling_params
     from workers.engine import Engine, EngineConfig
     from workers.models import load_model
+    from workers.request_params import sampling_params
 
     eng = Engine(load_model("tiny:llama", dtype="float32"), EngineConfig(max_batch_size=32))
     rng = random.Random(0)

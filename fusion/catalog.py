@@ -18,6 +18,7 @@ from fusion.plan import DeploymentPlan, WorkerPlan, available_bytes, place_worke
 from routing.lifecycle import Catalog
 from routing.residency import CopySize, Residency, Resident, mib
 from workers.config_keys import parse_size
+from workers.devices import device_kind
 from workers.spec import ModelSpec, WorkerSpec
 
 # with a memory_budget, an `auto` KV pool of a copy is at most this share of its device's budget
@@ -61,8 +62,8 @@ class PlanPlacer:
         share = None if budget is None else int(budget * KV_BUDGET_SHARE)
         w = place_worker([], model, model_id, device, threads=threads, kv_cache_memory=self.kv_cache_memory,
                          kv_share=share, avail=self.avail.get(device), bind=False)
-        if device != "cpu":  # a CUDA copy loaded at run time holds its own weights (no owner process is given it)
-            w.shares_weights = False
+        if device_kind(device).owner_shares_weights:  # a copy loaded at run time there holds its own
+            w.shares_weights = False  # weights (no owner process is given it)
         return w
 
     def size(self, model: ModelSpec, device: str) -> CopySize:
@@ -72,12 +73,13 @@ class PlanPlacer:
                     copies_on_device: int) -> WorkerSpec:
         """Its worker: on the evicted copies' cores where they were bound, else a fair share of the
         device's cores (unbound: the running workers keep theirs)."""
+        kind = device_kind(device)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = (len(cpus) if cpus else max(1, cores // copies_on_device)) if device == "cpu" else None
+        threads = (len(cpus) if cpus else max(1, cores // copies_on_device)) if kind.host else None
         spec = self._plan(model, model_id, device, threads).spec
         if self.ray:
-            return spec.placed(cpus=None, device="cpu" if device == "cpu" else "cuda:0")
-        return spec.placed(cpus=cpus if device == "cpu" else None)
+            return spec.placed(cpus=None, device=kind.actor_device(device))
+        return spec.placed(cpus=cpus if kind.host else None)
 
     def describe(self, specs: dict[str, ModelSpec]) -> list[str]:
         budget = ", ".join(f"{d} {mib(b)}" if b is not None else f"{d} none" for d, b in self.budget.items())

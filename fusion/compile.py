@@ -28,6 +28,7 @@ from fusion.model_info import MultiModelFusion
 from fusion.params import input_value
 from fusion.plan import DeploymentPlan, available_bytes
 from workers.buckets import compile_mode
+from workers.devices import device_kind
 from workers.spec import WorkerSpec
 from workers.weights.sources import check_source, gguf_cache_dir, source_gguf
 
@@ -114,11 +115,11 @@ def _measure(spec: WorkerSpec, prompts: list, max_tokens: int) -> dict:
         out["fits"] = True
     except (RuntimeError, ValueError) as exc:  # out of memory, a prompt longer than the context...
         out["error"] = f"{type(exc).__name__}: {exc}"
-    if dev.type == "cuda":
-        out["measured_bytes"] = torch.cuda.max_memory_allocated(dev)
-    else:
+    if device_kind(dev).host:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         out["measured_bytes"] = max(0, peak - base)
+    else:
+        out["measured_bytes"] = torch.cuda.max_memory_allocated(dev)
     return out
 
 

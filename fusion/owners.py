@@ -17,6 +17,7 @@ from pathlib import Path
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
 from routing import entrypoints
+from workers.devices import device_kind
 from workers.weights.owner_ipc import KEY_ENV, remove_ipc_files
 
 
@@ -24,7 +25,7 @@ def owner_groups(fusion: MultiModelFusion, plan: DeploymentPlan) -> dict[tuple, 
     """(device, source, dtype) -> the planned workers that attach to one owner there."""
     groups: dict[tuple, list[int]] = {}
     for w in plan.workers:
-        if w.shares_weights and w.device != "cpu":
+        if w.shares_weights and device_kind(w.device).owner_shares_weights:
             model = w.spec.model
             groups.setdefault((w.device, model.source, model.dtype), []).append(w.worker_id)
     return groups

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion.model_info import MultiModelFusion
 from workers.config_keys import KV_AUTO_SHARE, parse_size
+from workers.devices import CPU_WORKER_OVERHEAD_BYTES, available_bytes, device_kind, resolve_devices
 from workers.spec import ModelSpec, WorkerSpec
 
 if TYPE_CHECKING:  # torch: imported where a plan is made, not where one is read (fusion.launcher.call_in_server)
@@ -32,14 +31,8 @@ if TYPE_CHECKING:  # torch: imported where a plan is made, not where one is read
 KNOWN = {"smollm2-135m": (134.5e6, 30 * 2 * 3 * 64 * 2), "gemma3-270m": (268e6, 18 * 2 * 1 * 256 * 2)}
 # the context assumed for the KV estimate of a model whose own is unknown before loading
 DEFAULT_CTX = 2048
-# a worker process before its model (interpreter, torch, transformers, zmq), as PSS when several
-# run together: measured by bench/memory.py
-OVERHEAD_BYTES = 280 * 2**20
-# GPU memory of a CUDA worker beyond its weights and KV pool (the CUDA context, cuBLAS workspaces,
-# the step's activations and logits in the caching allocator), and of a weight owner beyond the
-# weights (its context): measured by bench/gpu.py (H100, torch 2.11, SmolLM2 at 512 batch tokens)
-CUDA_WORKER_OVERHEAD_BYTES = 960 * 2**20
-CUDA_OWNER_OVERHEAD_BYTES = 560 * 2**20
+# a CPU worker process before its model (a CUDA worker's and a weight owner's: workers.devices)
+OVERHEAD_BYTES = CPU_WORKER_OVERHEAD_BYTES
 # the KV budget of an `auto` worker where the device's memory is unknown
 KV_UNKNOWN_DEVICE_BYTES = 2**30
 # less than this for an `auto` worker's KV cache: the device is too full for it
@@ -125,77 +118,26 @@ class DeploymentPlan:
             avail = info["available_bytes"]
             lines.append(f"  {d}: estimated {info['estimated_bytes'] / 2**20:.0f} MiB"
                          + (f" of {avail / 2**20:.0f} MiB available" if avail else ""))
+            owner = device_kind(d).owner_overhead
             for g in info.get("shared_weights", []):
                 lines.append(f"    weights of {g['source']} ({g['dtype']}), {g['bytes'] / 2**20:.0f} MiB: counted once, "
                              f"shared by {g['copies']} copies (without sharing: {g['copies'] * g['bytes'] / 2**20:.0f} MiB)"
-                             + ("" if d == "cpu" else f"; held by one owner process, ~{CUDA_OWNER_OVERHEAD_BYTES / 2**20:.0f}"
-                                " MiB more for its CUDA context"))
+                             + (f"; held by one owner process, ~{owner / 2**20:.0f} MiB more for its context"
+                                if device_kind(d).owner_shares_weights else ""))
         return "\n".join(lines)
-
-
-def resolve_devices(devices) -> list[str]:
-    if devices in (None, "auto"):
-        import torch
-
-        n = torch.cuda.device_count()
-        return [f"cuda:{i}" for i in range(n)] or ["cpu"]
-    if isinstance(devices, str):
-        devices = [d.strip() for d in devices.split(",") if d.strip()]
-    if not isinstance(devices, list) or not devices:
-        raise ValueError(f"devices must be 'auto', 'cpu', 'cuda:N' or a list of them, got {devices!r}")
-    for d in devices:
-        if not (d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit()) or d == "cuda"):
-            raise ValueError(f"devices: {d!r} is not 'cpu' or 'cuda:N'")
-    return devices
-
-
-def available_bytes(device: str) -> int | None:
-    if device == "cpu":
-        try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    index = torch.device(device).index or 0
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"devices: {device} does not exist: this machine has {torch.cuda.device_count()} CUDA "
-                         f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    # asked in a child process: a CUDA context here would hold ~500 MiB of the GPU for as long as the
-    # serving process lives (the router and gateway never use the GPU)
-    code = f"import torch; print(torch.cuda.mem_get_info({index})[0])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        raise RuntimeError(f"could not read the free memory of {device}: {out.stderr.strip()[-500:]}")
-    return int(out.stdout.split()[-1])
 
 
 def worker_overhead(device: str) -> int:
     """Memory of a worker beyond its weights, packed linears and KV pool, on the device's memory."""
-    return OVERHEAD_BYTES if device == "cpu" else CUDA_WORKER_OVERHEAD_BYTES
+    return device_kind(device).worker_overhead
 
 
 def planned_precision(source: str, dtype: str, device: str, prepack: bool) -> Precision:
-    """How a worker will hold and compute this model (workers.precision), decided as its load
-    will decide it; a source whose family is unknown before loading counts as the lean forward's
-    (its packed linears are counted: the plan errs high)."""
-    import torch
+    """How a worker will hold and compute this model (workers.precision), decided by its platform as
+    its load will decide it (workers.platform.for_source)."""
+    from workers.platform import for_source
 
-    from workers.config_keys import FLOAT32_LEAN
-    from workers.precision import precision
-    from workers.weights.sources import architecture, lean_source, resolve_dtype
-
-    weights = resolve_dtype(dtype, device, prepack, source)
-    lean = prepack and device == "cpu" and lean_source(source) is not False
-    prec = precision(weights, device, lean)
-    if lean and prec.compute != torch.float32 and architecture(source) in FLOAT32_LEAN:
-        return precision(weights, device, False)  # that family's lean forward is float32 only
-    return prec
+    return for_source(source, dtype, device, prepack).precision
 
 
 def _bytes(dtype) -> int:
@@ -266,7 +208,7 @@ def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
 def device_fixed_bytes(workers: list[WorkerPlan], device: str) -> int:
     """The weights and process overheads of the workers planned on `device` (shared weights once;
     on CUDA each group's owner process adds its context)."""
-    owner = 0 if device == "cpu" else CUDA_OWNER_OVERHEAD_BYTES
+    owner = device_kind(device).owner_overhead
     return (sum(w.fixed_bytes for w in workers if w.device == device)
             + sum(g["bytes"] + owner for g in _shared_groups(workers, device).values()))
 
@@ -321,8 +263,8 @@ def place_worker(existing: list[WorkerPlan], model: ModelSpec, model_id: int, de
                              "weights and process overheads planned there; use fewer workers or more devices, "
                              "or give kv_cache_memory")
     w.kv_tokens = None if per_token is None else budget // per_token
-    w.spec = w.spec.placed(kv_cache_bytes=budget, cpus=_free_cores(existing, threads) if bind and device == "cpu"
-                           else None)
+    w.spec = w.spec.placed(kv_cache_bytes=budget, cpus=_free_cores(existing, threads)
+                           if bind and device_kind(device).host else None)
     return w
 
 
@@ -330,7 +272,7 @@ def _free_cores(existing: list[WorkerPlan], threads: int | None) -> tuple[int, .
     """The next `threads` cores of this process after those the existing CPU workers are bound to,
     or None where they do not fit or an existing worker floats (it would share them)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    cpu = [w for w in existing if w.device == "cpu"]
+    cpu = [w for w in existing if device_kind(w.device).host]
     if not threads or any(w.cpus is None for w in cpu):
         return None
     at = sum(len(w.cpus) for w in cpu)
@@ -367,7 +309,7 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
     for k, mid, dev in assign:
         info = fusion.models[mid]
         peers = by_dev[dev]
-        if dev == "cpu":
+        if device_kind(dev).host:  # the workers of the host split its cores
             threads = threads_per_worker or max(1, cores // len(peers) + (1 if peers.index(k) < cores % len(peers)
                                                                        else 0))
         else:
@@ -386,7 +328,7 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
         elif auto:
             left = int(avail[d] * KV_AUTO_SHARE) - device_fixed_bytes(sized, d) - sum(e or 0 for e in explicit)
             shares[d] = max(0, left // auto)
-    cpu_threads = [p[3] for p in placing if p[2] == "cpu"]
+    cpu_threads = [p[3] for p in placing if device_kind(p[2]).host]
     bind = all(cpu_threads) and sum(cpu_threads) <= len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
                                                          else [])
     workers: list[WorkerPlan] = []

@@ -47,6 +47,7 @@ from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
 from routing import protocol as P
 from routing.security import generate
+from workers.devices import device_kind
 
 RUN_KEYS = "keys"  # under model_dir: the deployment's CurveZMQ keys when runconfig gives none
 
@@ -76,10 +77,7 @@ def bundles(fusion: MultiModelFusion, plan: DeploymentPlan) -> list[dict[str, fl
         per_device[w.device] = per_device.get(w.device, 0) + 1
     out = []
     for w in plan.workers:
-        if w.device.startswith("cuda"):
-            b = {"GPU": round(1.0 / per_device[w.device], 4), "CPU": 1.0}
-        else:
-            b = {"CPU": float(w.threads)}
+        b = device_kind(w.device).ray_bundle(w.threads, round(1.0 / per_device[w.device], 4))
         extra = w.spec.model.resources or {}
         b.update({str(k): float(v) for k, v in extra.items()})
         out.append(b)
@@ -179,7 +177,7 @@ class RayDeployment(LocalDeployment):
         self.config.backend = f"tcp://{host}:{port}"
         # an actor sees only the GPUs Ray gave it (its share is device 0), and Ray places the actors
         # and their CPUs (the plan's cores are this machine's)
-        self._start_router([w.spec.placed(device="cuda:0" if w.device.startswith("cuda") else w.device, cpus=None)
+        self._start_router([w.spec.placed(device=device_kind(w.device).actor_device(w.device), cpus=None)
                             for w in self.plan.workers])
         slots: dict[str, list[int]] = {}  # variant -> its workers (slots), in plan order
         for i, w in enumerate(self.plan.workers):
@@ -223,8 +221,7 @@ class RayDeployment(LocalDeployment):
         slot = msg.get("slot")
         if msg["type"] == P.START_WORKER and isinstance(slot, int) and slot >= len(self.actors):
             gpu = min([b["GPU"] for b in self.bundles if "GPU" in b] or [1.0])
-            bundle = {"CPU": float(msg.get("threads") or 1)} if msg.get("device") == "cpu" else {"CPU": 1.0,
-                                                                                                "GPU": gpu}
+            bundle = device_kind(msg.get("device") or "cpu").ray_bundle(msg.get("threads"), gpu)
             bundle["memory"] = float(msg.get("memory") or 0) or None
             bundle.update({str(k): float(v) for k, v in (msg.get("resources") or {}).items()})
             bundle = {k: v for k, v in bundle.items() if v is not None}

@@ -1,34 +1,17 @@
-"""OpenAI request bodies and parameters, parsed here only: the gateway's bodies (prompts, messages,
-stream options) into router requests, and a request's parameters into the engine's
-SamplingParams (`sampling_params`, on the worker). A bad value is an error that names its parameter."""
+"""OpenAI request bodies, parsed here only: the gateway's bodies (prompts, messages, stream options)
+into router requests. A request's parameters become the engine's SamplingParams on the worker
+(workers.request_params). A bad value is an error that names its parameter."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from workers.validate import ParamError
+from workers.request_params import MAX_LOGPROBS
 
-if TYPE_CHECKING:
-    from workers.engine.params import SamplingParams
-
-MAX_LOGPROBS = 20
 # keys the gateway consumes; every other key goes to the worker, which checks it and names it if unknown
 _COMPLETION_OWN = {"model", "prompt", "stream", "stream_options", "user", "echo"}
 _CHAT_OWN = {"model", "messages", "stream", "stream_options", "user", "logprobs", "top_logprobs",
              "max_completion_tokens"}
-
-# OpenAI parameter -> SamplingParams field (extensions: top_k, stop_token_ids, ignore_eos)
-_DIRECT = {"max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids",
-           "ignore_eos"}
-_HANDLED = _DIRECT | {"logprobs", "echo"}
-# no effect on sampling: routing and bookkeeping fields (return_token_ids is the clients': their
-# OpenAI object then keeps each choice's token_ids)
-_IGNORED = {"user", "stream", "model", "engine", "prompt", "return_token_ids"}
-# OpenAI parameters not implemented: accepted only at their no-op value, refused otherwise, never ignored
-_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
-
-
 
 class OpenAIError(Exception):
     """An error answered as OpenAI's error object with this HTTP status."""
@@ -191,32 +174,3 @@ def unload_args(body: dict) -> dict:
     if copies is not None and (not _is_int(copies) or copies < 1):
         raise bad("copies", f"copies must be an integer >= 1 (how many to unload) or null (all), got {copies!r}")
     return {"model": model, "copies": copies}
-
-
-def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
-    """SamplingParams and `echo` from OpenAI-style parameters (a router request's, over `defaults`).
-    A bad value raises ParamError naming its key."""
-    # here, not at the top: the gateway parses bodies with this module and never loads the engine
-    from workers.engine.params import SamplingParams
-
-    merged = dict(defaults or {})
-    merged.update(req)
-    unknown = sorted(set(merged) - _HANDLED - _IGNORED - set(_UNSUPPORTED))
-    if unknown:
-        raise ParamError(unknown[0], f"unknown parameter {unknown[0]!r}")
-    for key, noop in _UNSUPPORTED.items():
-        if merged.get(key) not in (None, noop):
-            raise ParamError(key, f"{key} is not supported by this server (got {merged[key]!r}); leave it out or "
-                             f"set it to {noop!r}")
-    kw = {k: merged[k] for k in _DIRECT if merged.get(k) is not None}
-    lp = merged.get("logprobs")
-    if lp is not None:
-        if not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS:
-            raise ParamError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
-        kw["logprobs"] = lp
-    echo = merged.get("echo", False)
-    if not isinstance(echo, bool):
-        raise ParamError("echo", f"echo must be true or false, got {echo!r}")
-    if echo and lp is not None:
-        kw["prompt_logprobs"] = lp
-    return SamplingParams(**kw), echo

@@ -16,9 +16,9 @@ from support.cluster import ROOT
 from support.models import plain_logits, tiny
 
 from routing.entrypoints import CLI, command
-from routing.openai_requests import sampling_params
 from workers.completions import completion_result
 from workers.engine import Engine, EngineConfig
+from workers.request_params import sampling_params
 
 
 def check_completion_object(res: dict, with_logprobs: list[bool]) -> None:

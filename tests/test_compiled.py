@@ -173,12 +173,13 @@ def test_artifacts_make_auto_start_compiled_and_bad_ones_compile_again(tmp_path,
 
 def test_cuda_graph_seam_is_inert_on_cpu_and_asks_for_graphs_on_cuda():
     from workers.engine.compiled import GraphReplay
+    from workers.platform import CpuPlatform, CudaPlatform
 
-    cpu = GraphReplay("cpu")
+    cpu = GraphReplay(CpuPlatform.cuda_graphs)
     assert not cpu.enabled and cpu.compile_options() == {}
     cpu.step_begin()  # nothing to mark on CPU
     with torch._inductor.config.patch(graph_partition=False):
-        cuda = GraphReplay("cuda:0")
+        cuda = GraphReplay(CudaPlatform.cuda_graphs)
         assert cuda.enabled and cuda.compile_options() == {"mode": "reduce-overhead"}
         # the partition around the attention op is what lets the rest of a layer replay
         assert torch._inductor.config.graph_partition

@@ -13,9 +13,10 @@ from support.models import hf_greedy, tiny
 from workers.capability import cpu_capability
 from workers.engine import Engine, EngineConfig, attention, cpu_kernels
 from workers.engine.attention_backend import AttentionBackend
-from workers.engine.linears import PACK_ROWS, Linear, can_pack
+from workers.engine.linears import PACK_ROWS, Linear
 from workers.engine.params import SamplingParams
 from workers.models import load_model
+from workers.precision import onednn_packs
 
 ONEDNN_BF16 = pytest.mark.skipif(not cpu_capability().onednn_bf16,
                                  reason=f"oneDNN has no bf16 path at CPU level {cpu_capability().level}")
@@ -31,7 +32,7 @@ def test_packed_linear_matches_f_linear(dtype, kind):
     """Each packing is within its arithmetic's rounding of the exact product: oneDNN in the weight's
     dtype; FBGEMM's fp16 in float32 over the 16-bit weight (a bfloat16 weight converts exactly)."""
     compute = torch.float32 if kind == "fp16" else dtype
-    assert can_pack(dtype, "cpu") or kind == "fp16"
+    assert onednn_packs(dtype) or kind == "fp16"
     g = torch.Generator().manual_seed(0)
     out = PACK_ROWS + 96 if kind == "fp16" else 96  # FBGEMM's: packed in two slices of rows
     w = (0.1 * torch.randn(out, 64, generator=g)).to(dtype)
@@ -333,11 +334,11 @@ def test_blocks_are_left_unzeroed_only_while_the_cpp_kernels_serve(embedded_mode
     eng.runner.cache.keys.fill_(float("nan"))  # stale memory at its worst
     eng.runner.cache.values.fill_(float("nan"))
     out = eng.generate([list(range(100, 190))], greedy)[0]  # 90 tokens: two chunks, then decode
-    assert eng.runner.holder.unzeroed
+    assert eng.runner.unzeroed
     fresh = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=64)).generate([list(range(100, 190))], greedy)
     assert out.outputs[0].token_ids == fresh[0].outputs[0].token_ids  # the NaNs were never read
     # as if the kernel declined a layout
-    eng.runner.holder.backend = replace(eng.attention_backend, prefill=lambda *args: False)
+    eng.runner.backend = replace(eng.attention_backend, prefill=lambda *args: False)
     eng.add_request("x", list(range(300, 340)), greedy)
     with pytest.raises(RuntimeError, match="not zeroed"):
         eng.step()

@@ -10,7 +10,8 @@ from workers.capability import cpu_capability
 from workers.engine import Engine
 from workers.engine.params import SamplingParams
 from workers.models import load_model
-from workers.weights.sources import embedded_gguf, resolve_dtype
+from workers.platform import load_dtype
+from workers.weights.sources import embedded_gguf
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -54,18 +55,18 @@ def test_file_that_is_not_gguf(tmp_path):
 
 def test_dtypes():
     cpu = torch.device("cpu")
-    assert resolve_dtype("float64", cpu) == torch.float64
+    assert load_dtype("float64", cpu, False, None) == torch.float64
     cap = cpu_capability()
     # auto: bfloat16 with bf16 arithmetic; else float16 weights for a lean-forward model (float32
     # math), float32 for others
-    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cap.bf16_arith else torch.float32)
+    assert load_dtype("auto", cpu, False, None) == (torch.bfloat16 if cap.bf16_arith else torch.float32)
     lean_auto = torch.bfloat16 if cap.bf16_arith else torch.float16 if cap.fp16_gemm else torch.float32
-    assert resolve_dtype("auto", cpu, True, "tiny:llama") == lean_auto
-    assert resolve_dtype("auto", cpu, False, "tiny:llama") == resolve_dtype("auto", cpu, True, "tiny:gpt2") == (
+    assert load_dtype("auto", cpu, True, "tiny:llama") == lean_auto
+    assert load_dtype("auto", cpu, False, "tiny:llama") == load_dtype("auto", cpu, True, "tiny:gpt2") == (
         torch.bfloat16 if cap.bf16_arith else torch.float32)
-    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert load_dtype("auto", torch.device("cuda"), False, None) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
-        resolve_dtype("int3", cpu)
+        load_dtype("int3", cpu, False, None)
     assert load_model("tiny:gpt2", dtype="bfloat16").dtype == torch.bfloat16
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from support.models import tiny
 
-from routing.openai_requests import sampling_params
 from workers.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.engine.scheduler import SchedulerConfig
+from workers.request_params import sampling_params
 from workers.validate import ParamError
 
 

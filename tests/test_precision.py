@@ -18,7 +18,8 @@ from workers.capability import AVX2_ENV, ISA_ENV, cpu_capability, decide
 from workers.engine import Engine, EngineConfig, cpu_kernels
 from workers.engine.params import SamplingParams
 from workers.models import load_model
-from workers.precision import FP16, ONEDNN, PLAIN, Precision, precision, weights_dtype
+from workers.platform import CpuPlatform, CudaPlatform, weights_dtype
+from workers.precision import FP16, ONEDNN, PLAIN, Precision
 
 ROOT = Path(__file__).resolve().parents[1]
 ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
@@ -51,18 +52,18 @@ def test_the_dtypes_each_cpu_kind_serves():
     assert weights_dtype("float32", "cpu", lean=True) == torch.float32
     auto_lean = weights_dtype("auto", "cpu", lean=True)
     if cap.bf16_arith:
-        assert auto_lean == torch.bfloat16 and precision(auto_lean, "cpu", True) == Precision(
+        assert auto_lean == torch.bfloat16 and CpuPlatform.compute(auto_lean, True) == Precision(
             torch.bfloat16, torch.bfloat16, ONEDNN)
     else:
         # no bf16 arithmetic: 16-bit weights (half the bytes a decode step reads), float32 math
         assert auto_lean == (torch.float16 if cap.fp16_gemm else torch.float32)
         assert weights_dtype("auto", "cpu", lean=False) == torch.float32
         if not cap.onednn_bf16 and cap.fp16_gemm:
-            assert precision(torch.bfloat16, "cpu", True) == Precision(torch.bfloat16, torch.float32, FP16)
+            assert CpuPlatform.compute(torch.bfloat16, True) == Precision(torch.bfloat16, torch.float32, FP16)
     # transformers' own modules compute in their weights' dtype, wherever they run
-    assert precision(torch.bfloat16, "cpu", False) == Precision(torch.bfloat16, torch.bfloat16, PLAIN)
-    assert precision(torch.float16, "cuda", True) == Precision(torch.float16, torch.float16, PLAIN)
-    assert precision(torch.float32, "cpu", True).linears == ONEDNN
+    assert CpuPlatform.compute(torch.bfloat16, False) == Precision(torch.bfloat16, torch.bfloat16, PLAIN)
+    assert CudaPlatform.compute(torch.float16, True) == Precision(torch.float16, torch.float16, PLAIN)
+    assert CpuPlatform.compute(torch.float32, True).linears == ONEDNN
 
 
 @FP16_GEMM
@@ -116,12 +117,12 @@ def test_the_switch_builds_and_decides_as_an_avx2_cpu():
     code = ("import json, torch\n"
             "from workers.capability import cpu_capability\n"
             "from workers.engine import cpu_kernels\n"
-            "from workers.engine.linears import can_pack\n"
-            "from workers.weights.sources import resolve_dtype\n"
+            "from workers.precision import onednn_packs\n"
+            "from workers.platform import load_dtype\n"
             "c = cpu_capability()\n"
             "print(json.dumps({'level': c.level, 'paths': cpu_kernels.kernel_paths(), 'error': cpu_kernels.build_error(),"
-            " 'pack_bf16': can_pack(torch.bfloat16, 'cpu'), 'cflags': list(c.cflags),"
-            " 'auto': str(resolve_dtype('auto', 'cpu', True, 'tiny:llama'))}))\n")
+            " 'pack_bf16': onednn_packs(torch.bfloat16), 'cflags': list(c.cflags),"
+            " 'auto': str(load_dtype('auto', 'cpu', True, 'tiny:llama'))}))\n")
     env = {**os.environ, **AVX2_ENV, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -167,14 +168,14 @@ def test_the_long_prompt_price_is_measured_on_this_machine():
     measured at load on the attention path that serves; where every layer is windowed there is
     nothing to measure and the model's shapes give it."""
     from workers.engine import calibrate
-    from workers.engine.runner import attention_span
+    from workers.engine.runners.base import estimated_attention_span
 
     lm = tiny("llama", dtype="float32")
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=32))
     measured = eng.runner.measured_attention_span()
     assert measured is not None and calibrate.SPAN_LIMITS[0] <= measured <= calibrate.SPAN_LIMITS[1]
-    assert eng.attention_span == min(measured, attention_span(lm)) and eng.runner.holder.current is None
+    assert eng.attention_span == min(measured, estimated_attention_span(lm)) and eng.runner.holder.current is None
     assert eng.scheduler.config.attention_span == eng.attention_span
     windowed = tiny("mistral", dtype="float32")  # a sliding window on every layer
     eng = Engine(windowed, EngineConfig(max_batch_size=4, max_batch_tokens=32))
-    assert eng.runner.measured_attention_span() is None and eng.attention_span == attention_span(windowed)
+    assert eng.runner.measured_attention_span() is None and eng.attention_span == estimated_attention_span(windowed)

@@ -12,8 +12,8 @@ from support.models import tiny
 
 from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
-from routing.openai_requests import sampling_params
 from workers.engine import Engine, EngineConfig
+from workers.request_params import sampling_params
 
 
 @pytest.fixture(scope="module")

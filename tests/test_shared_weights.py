@@ -17,8 +17,8 @@ from fusion.deploy import build_fusion
 from fusion.local import LocalDeployment
 from fusion.plan import make_plan
 from routing.client import Client
-from routing.openai_requests import sampling_params
 from workers.models import load_engine, load_model
+from workers.request_params import sampling_params
 from workers.weights import shared as S
 
 PROMPTS = [[5, 17, 33, 2, 99, 4], [100, 7, 8], [42] * 12]

@@ -190,7 +190,7 @@ def test_deployment_copies_on_one_gpu_share_an_owner(tmp_path, monkeypatch):
 
     from fusion.local import LocalDeployment
     from routing.client import Client
-    from routing.openai_requests import sampling_params
+    from workers.request_params import sampling_params
 
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "cache"))
     fusion, plan = _plan("cuda:0", 3)
@@ -229,7 +229,8 @@ def test_deployment_copies_on_one_gpu_share_an_owner(tmp_path, monkeypatch):
 
 
 def test_the_plan_counts_cuda_contexts_and_each_owner(monkeypatch):
-    from fusion.plan import CUDA_OWNER_OVERHEAD_BYTES, CUDA_WORKER_OVERHEAD_BYTES, OVERHEAD_BYTES
+    from workers.devices import CPU_WORKER_OVERHEAD_BYTES as OVERHEAD_BYTES
+    from workers.devices import CUDA_OWNER_OVERHEAD_BYTES, CUDA_WORKER_OVERHEAD_BYTES
 
     monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 64 * 2**30)
     fusion, plan = _plan("cuda:0", 3)  # three llama copies share an owner; gpt2 has one of its own

@@ -8,13 +8,15 @@ import os
 
 import torch
 
+from workers.devices import device_kind
 from workers.engine import Engine, EngineConfig
+from workers.platform import load_dtype
 from workers.weights import shared as shared_weights
 from workers.weights.hf_loader import load_private
 from workers.weights.loaded_model import LoadedModel
 from workers.weights.owner import attach_remote
 from workers.weights.owner_ipc import KEY_ENV
-from workers.weights.sources import context_len, resolve_dtype
+from workers.weights.sources import context_len
 
 
 def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
@@ -31,10 +33,10 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
     dev = torch.device(device)
     if not isinstance(source, str) or not source:
         raise ValueError(f"model source must be a non-empty string, got {source!r}")
-    dt = resolve_dtype(dtype, dev, prepack, source)
+    dt = load_dtype(dtype, dev, prepack, source)
     if share_weights and owner:  # CUDA: attach to the weights the device's owner process holds
         model, tok, weights = attach_remote(owner, os.environ.get(KEY_ENV, "").encode())
-    elif share_weights and dev.type == "cpu":
+    elif share_weights and not device_kind(dev).owner_shares_weights:  # one read-only mapping, on the host
         model, tok, weights = shared_weights.load_shared(source, dt, lambda: load_private(source, dt, use_cache))
     else:  # own weights: sharing off, or a device with no owner (a worker started by hand)
         model, tok = load_private(source, dt, use_cache)

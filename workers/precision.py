@@ -1,6 +1,7 @@
 """How a model is held and computed on this machine: the dtype of its weights, the dtype it
-computes in (activations, KV cache, logits), and how its linears run. Decided from the requested
-dtype and the CPU's capability (workers.capability), once at load.
+computes in (activations, KV cache, logits), and how its linears run. The rules for a CPU live here,
+decided from the requested dtype and the CPU's capability (workers.capability); the platform
+(workers.platform) applies them, or a device's own, once at load.
 
 On a CPU without bf16 arithmetic a decode step is bound by the bytes of weights it reads, so the
 lean forward keeps 16-bit weights (half the bytes of float32) and computes in float32 through
@@ -54,23 +55,25 @@ class Precision:
         return f"{name} ({self.linears} linears)"
 
 
-def weights_dtype(dtype: str | torch.dtype, device: torch.device | str, lean: bool = False) -> torch.dtype:
-    """The dtype a model's weights are loaded in. `lean`: the model will run the lean forward
-    (a Llama-family or Gemma 3 model with prepack_weights on CPU), which is what lets `auto` keep float16
-    weights on a CPU without bf16 arithmetic."""
+def named_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
+    """A dtype setting as torch's dtype; None for `auto`, which the platform decides
+    (workers.platform). A name that is neither is a ValueError naming the choices."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    device = torch.device(device)
     if dtype == "auto":
-        if device.type != "cpu":
-            return torch.bfloat16
-        cap = cpu_capability()
-        if cap.bf16_arith:
-            return torch.bfloat16
-        return torch.float16 if lean and cap.fp16_gemm else torch.float32
+        return None
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def cpu_auto_weights(lean: bool) -> torch.dtype:
+    """`auto` on this CPU: bfloat16 with bf16 arithmetic; else float16 for the lean forward
+    (16-bit weights, float32 math) where FBGEMM has its fp16 linear, float32 otherwise."""
+    cap = cpu_capability()
+    if cap.bf16_arith:
+        return torch.bfloat16
+    return torch.float16 if lean and cap.fp16_gemm else torch.float32
 
 
 def onednn_packs(dtype: torch.dtype) -> bool:
@@ -81,10 +84,9 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_capability().onednn_bf16)
 
 
-def precision(weights: torch.dtype, device: torch.device | str, lean: bool) -> Precision:
-    """How a model loaded with `weights` computes; `lean`: it runs the lean forward."""
-    device = torch.device(device)
-    if device.type != "cpu" or not lean:
+def cpu_precision(weights: torch.dtype, lean: bool) -> Precision:
+    """How a model loaded with `weights` computes on this CPU; `lean`: it runs the lean forward."""
+    if not lean:
         return Precision(weights, weights, PLAIN)
     cap = cpu_capability()
     if weights in HALF and cap.fp16_gemm and not (weights == torch.bfloat16 and cap.onednn_bf16):

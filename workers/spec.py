@@ -17,6 +17,7 @@ from typing import Any
 
 from workers.buckets import Buckets, compile_mode
 from workers.config_keys import MODEL, REQUIRED, SAMPLING_DEFAULTS, parse_size
+from workers.devices import check_device
 from workers.validate import check_int, is_int, out_of_range, range_error
 
 
@@ -116,8 +117,7 @@ class WorkerSpec:
         if not isinstance(self.model, ModelSpec):
             raise ValueError(f"WorkerSpec.model must be a ModelSpec, got {type(self.model).__name__}")
         check_int("model_id", self.model_id, 0)
-        if not isinstance(self.device, str) or not (self.device in ("cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        check_device(self.device)
         for name in ("threads", "max_batch_size", "max_batch_tokens", "kv_cache_bytes"):
             value = getattr(self, name)
             if value is not None:

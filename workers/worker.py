@@ -165,7 +165,7 @@ class EngineThread(threading.Thread):
         return tasks.tokenizer_info(e.tokenizer, name, e.lm.max_model_len)
 
     def _add(self, key: str, msg: dict) -> None:
-        from routing.openai_requests import sampling_params
+        from workers.request_params import sampling_params
         from workers.tasks import chat_prompt, end_of_turn_ids
 
         cid = msg.get("id")

@@ -20,10 +20,10 @@ from fusion.params import load_params
 from fusion.plan import make_plan
 from routing import protocol as P
 from routing.client import Client
-from routing.openai_requests import sampling_params
 from routing.router import ModelEntry, Router, RouterConfig
 from support.models import tiny
 from workers.engine import Engine, EngineConfig
+from workers.request_params import sampling_params
 from workers.spec import ModelSpec, WorkerSpec
 from workers.thread_messages import Assign
 from workers.worker import EngineThread

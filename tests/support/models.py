@@ -80,7 +80,7 @@ def engine_with_pool(lm, blocks: int, block_size: int = 4, **kw):
     """An engine whose KV pool holds exactly `blocks` blocks of `block_size` positions."""
     from workers.engine import Engine, EngineConfig
     from workers.engine.kv_cache import bytes_per_block
-    from workers.engine.runner import kv_dims
+    from workers.engine.runners.base import kv_dims
 
     per_block = bytes_per_block(cache_groups(lm), block_size, *kv_dims(lm), lm.dtype)
     eng = Engine(lm, EngineConfig(kv_cache_memory=blocks * per_block, kv_block_size=block_size, **kw))

@@ -9,7 +9,13 @@ The whole step (K/V writes into the cache's blocks, decode and prefill attention
 custom op, `mmfusion::attend`, as vLLM's unified attention is: a compiled forward (workers.engine.compiled)
 calls it as an extern kernel, so the graph holds only tensor math and its shapes depend only on the
 padded token count, never on how the step's tokens split into sequences. Eager runs call the same
-function directly. The op finds the step's context and cache through the holder named by its id.
+function directly.
+
+A step's metadata (StepContext: block tables, write slots, segments) is built by the runner's
+attention backend (workers.engine.attention_backend) and handed to `attend` as an argument: by the
+lean forward directly, and through the model call's keyword arguments (`mmfusion_step`) on
+transformers' modules. A compiled graph's inputs are tensors only, so there the op reads the step
+from the model's holder, named by its id, for the span of that call (ContextHolder.stepping).
 
 Decode reads only the blocks each row holds: every (row, block) pair is scored as one batched
 matmul, and a softmax over each row's pairs (a max and a sum gathered per row, as flash-decoding
@@ -34,6 +40,7 @@ from workers.engine.block_manager import CacheGroups
 
 ATTN_NAME = "mmfusion"
 KV_KWARG = "mmfusion_kv"  # the model call's keyword argument that carries (keys, values) of the paged cache
+STEP_KWARG = "mmfusion_step"  # the model call's keyword argument that carries the step's StepContext
 LAYER_BUFFER = "mmfusion_layer"  # an attention module's layer index, as a buffer (index_layers)
 
 
@@ -100,12 +107,19 @@ class GroupStep:
 
 @dataclass(slots=True)
 class StepContext:
-    """What attention needs to know about the packed batch of one forward pass."""
+    """What attention needs to know about the packed batch of one forward pass, built by the
+    runner's attention backend (AttentionBackend.metadata)."""
 
     num_decode: int
     num_tokens: int  # real packed tokens; a compiled forward pads past them, and their rows stay zero
     groups: list[GroupStep]
     segments: list[Segment]
+    position: dict  # layer -> (cache group, index in its storage): CacheGroups.position_of
+    windows: list  # per cache group, its sliding window (None: full attention)
+    backend: object = None  # the AttentionBackend whose kernels run (None: the PyTorch paths)
+    # new blocks were not zeroed (the backend's kernels never read a position past a row's own):
+    # the PyTorch paths, which read whole blocks under a mask, must not run then
+    unzeroed: bool = False
     masks: dict = field(default_factory=dict)  # built lazily, shared by all layers
     prompt_groups: dict = field(default_factory=dict)  # whole-prompt groupings by window, likewise
 
@@ -251,23 +265,22 @@ def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: t
     return out[0].transpose(0, 1)
 
 
-def layer_cache(holder: ContextHolder, layer: int, key_cache: torch.Tensor,
+def layer_cache(ctx: StepContext, layer: int, key_cache: torch.Tensor,
                 value_cache: torch.Tensor) -> tuple[GroupStep, torch.Tensor, torch.Tensor]:
     """The step's view of layer `layer`'s cache group, and the layer's keys and values in the pool."""
-    g, p = holder.position[layer]
-    return holder.current.groups[g], key_cache[p], value_cache[p]
+    g, p = ctx.position[layer]
+    return ctx.groups[g], key_cache[p], value_cache[p]
 
 
-def attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def attend(ctx: StepContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
            softcap: float | None, written: bool = False) -> torch.Tensor:
     """Write this step's K/V into layer `layer`'s blocks (unless the caller has: `written`), attend.
     Token-major: query [N, H, d]; key/value [N, kvh, d] (N may include padding past
     ctx.num_tokens); key_cache/value_cache: the whole pool (PagedKVCache.keys/values). Returns [N, H, dv]."""
-    ctx = holder.current
     n = ctx.num_tokens
-    g, p = holder.position[layer]
-    planned = holder.windows[g]
+    g, p = ctx.position[layer]
+    planned = ctx.windows[g]
     if planned is not None and (window is None or window > planned):
         raise RuntimeError(f"layer {layer} attends over a window of {window}, but its cache group keeps {planned}")
     gs = ctx.groups[g]
@@ -278,14 +291,15 @@ def attend(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value:
     n_all, heads = query.shape[0], query.shape[1]
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
+    backend = ctx.backend
     if d:
-        kernel = holder.backend.decode if holder.backend is not None else decode_attention
+        kernel = backend.decode if backend is not None else decode_attention
         out[:d] = kernel(gs, query[:d], key_buf, value_buf, scaling, softcap)
-    prefill = holder.backend.prefill if holder.backend is not None else None
+    prefill = backend.prefill if backend is not None else None
     if (ctx.segments and softcap is None and prefill is not None and gs.prefill_table is not None
             and prefill(out, query, key_buf, value_buf, gs, window, scaling)):
         return out
-    if ctx.segments and holder.unzeroed:
+    if ctx.segments and ctx.unzeroed:
         raise RuntimeError("prefill attention would read blocks that were not zeroed")
     alone = range(len(ctx.segments))
     if softcap is None and len(ctx.segments) > 1:
@@ -315,12 +329,12 @@ def _whole_prompts_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     return o.transpose(1, 2).reshape(g * length, heads, v.shape[-1]).to(query.dtype)
 
 
-def _attend_hf(holder: ContextHolder, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _attend_hf(ctx: StepContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
                softcap: float | None) -> torch.Tensor:
     """attend() in transformers' layouts: query [1, H, N, d], key/value [1, kvh, N, d]; returns
     [1, N, H, dv]."""
-    return attend(holder, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache,
+    return attend(ctx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache,
                   value_cache, layer, scaling, window, softcap).unsqueeze(0)
 
 
@@ -331,8 +345,9 @@ def attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_c
               softcap: float | None) -> torch.Tensor:
     # The caches are arguments the op declares it writes, so a compiled graph orders every read
     # and write of them; the pool never changes shape. The layer index is a tensor so that one
-    # compiled graph serves every layer (see index_layers). The step's layout comes from the holder.
-    return _attend_hf(_HOLDERS[holder], query, key, value, key_cache, value_cache, int(layer), scaling, window,
+    # compiled graph serves every layer (see index_layers). The step's layout comes from the holder,
+    # which holds it for the span of the compiled call (ContextHolder.stepping).
+    return _attend_hf(_HOLDERS[holder].current, query, key, value, key_cache, value_cache, int(layer), scaling, window,
                       softcap)
 
 
@@ -347,7 +362,7 @@ def mmfusion_attention(holder: ContextHolder, module, query: torch.Tensor, key: 
     """transformers attention-interface entry point, registered per model with its holder bound
     (install). query: [1, H, N, d]; key/value: this step's new K/V (the model runs without a
     transformers cache; the op writes the paged cache, which the runner passes down the model's
-    keyword arguments as `mmfusion_kv`)."""
+    keyword arguments as `mmfusion_kv`, with the step's metadata as `mmfusion_step`)."""
     key_cache, value_cache = kwargs[KV_KWARG]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -355,7 +370,7 @@ def mmfusion_attention(holder: ContextHolder, module, query: torch.Tensor, key: 
         out = attend_op(query, key, value, key_cache, value_cache, holder.id, module.get_buffer(LAYER_BUFFER),
                         scaling, sliding_window, softcap)
     else:  # eager: skip the custom-op dispatch
-        out = _attend_hf(holder, query, key, value, key_cache, value_cache, module.layer_idx, scaling,
+        out = _attend_hf(kwargs[STEP_KWARG], query, key, value, key_cache, value_cache, module.layer_idx, scaling,
                          sliding_window, softcap)
     return out, None
 
@@ -365,10 +380,12 @@ _HOLDER_IDS = itertools.count(1)
 
 
 class ContextHolder:
-    """Mutable handle shared by the attention modules of one model (and by every engine on it):
-    the runner that steps sets its cache and `current` for each forward."""
+    """What the attention modules of one model share (and every engine on its weights): its cache
+    groups and layers' windows, and its id, which compiled graphs name. `current` is the step a
+    compiled call's op reads, set only for the span of that call (`stepping`); eager calls carry
+    their step as an argument."""
 
-    __slots__ = ("current", "groups", "position", "windows", "id", "backend", "unzeroed", "__weakref__")
+    __slots__ = ("current", "groups", "position", "windows", "id", "__weakref__")
 
     def __init__(self, groups: CacheGroups) -> None:
         self.current: StepContext | None = None
@@ -376,12 +393,16 @@ class ContextHolder:
         self.position = groups.position_of()  # layer -> (cache group, index in its storage)
         self.windows = groups.windows
         self.id = next(_HOLDER_IDS)
-        # the engine's attention_backend.AttentionBackend, chosen at load; None: the PyTorch path
-        self.backend = None
-        # new blocks are not zeroed (the backend's kernels never read a position past a row's own):
-        # the PyTorch paths, which read whole blocks under a mask, must not run then
-        self.unzeroed = False
         _HOLDERS[self.id] = self
+
+    @contextlib.contextmanager
+    def stepping(self, ctx: StepContext):
+        """The step a compiled call's attention op reads, for the span of that call."""
+        self.current = ctx
+        try:
+            yield
+        finally:
+            self.current = None
 
 
 def attention_modules(model) -> list:

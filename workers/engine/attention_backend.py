@@ -1,15 +1,27 @@
-"""The attention kernels an engine runs, chosen once when it loads (select_attention) into one object, which
-attention.attend calls through the model's ContextHolder. A device's own paged kernels (on CUDA,
-e.g. FlashInfer's or vLLM's) would be chosen here; until then CUDA runs the PyTorch path."""
+"""The attention kernels a runner uses, chosen once at load by its platform (workers.platform) into
+one object, and the step metadata they read, which the backend builds.
+
+A backend is its decode kernel, its prefill kernel (or none: the PyTorch paths of
+workers.engine.attention serve), and `metadata`: each step's block tables, write slots and
+segments as its kernels want them, on the runner's device. The runner hands that StepContext to
+attention as an argument. A device's own paged kernels are one more backend here.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.engine import attention, cpu_kernels
+from workers.engine.block_manager import first_block
+
+if TYPE_CHECKING:
+    from workers.engine.scheduler import Chunk
+    from workers.engine.sequence import Sequence
+    from workers.platform import Platform
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,15 +35,103 @@ class AttentionBackend:
     # blocks need no zeroing while they serve (the PyTorch paths would let stale memory through)
     own_positions_only: bool = False
 
+    def metadata(self, holder: attention.ContextHolder, decode: list[Sequence], chunks: list[Chunk],
+                 positions: list[int], block_size: int, device: torch.device, unzeroed: bool) -> attention.StepContext:
+        """The step's layout for attention: decode rows first, then the chunks' tokens at `positions`."""
+        groups = _group_steps(holder.windows, decode, chunks, positions, block_size, device)
+        if chunks and self.prefill is not None:
+            _prefill_tables(holder.windows, groups, chunks, len(decode), block_size)
+        return attention.StepContext(num_decode=len(decode), num_tokens=len(positions), groups=groups,
+                                     segments=_segments(holder.windows, chunks, len(decode), block_size),
+                                     position=holder.position, windows=holder.windows, backend=self,
+                                     unzeroed=unzeroed)
+
+    def empty(self, holder: attention.ContextHolder, device: torch.device) -> attention.StepContext:
+        """A step of no real tokens (a compiled bucket's warm-up: attention writes and reads nothing)."""
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return attention.StepContext(num_decode=0, num_tokens=0,
+                                     groups=[attention.GroupStep(none, none) for _ in holder.windows], segments=[],
+                                     position=holder.position, windows=holder.windows, backend=self)
+
 
 TORCH = AttentionBackend("torch", attention.decode_attention)
 
 
-def select_attention(device: torch.device, compute: torch.dtype, head_dim: int) -> AttentionBackend:
-    """The kernels for a model computing in `compute` with heads of `head_dim` on `device`."""
-    if device.type == "cpu":
-        decode = cpu_kernels.decode_kernel()
-        if decode is not None:
-            prefill = cpu_kernels.prefill_kernel(compute, head_dim)
-            return AttentionBackend("cpu", decode, prefill, own_positions_only=prefill is not None)
-    return TORCH
+def cpu_backend(compute: torch.dtype, head_dim: int) -> AttentionBackend:
+    """The CPU's C++ kernels (workers.engine.cpu_kernels) for a model computing in `compute` with
+    heads of `head_dim`; the PyTorch paths where they could not be built."""
+    decode = cpu_kernels.decode_kernel()
+    if decode is None:
+        return TORCH
+    prefill = cpu_kernels.prefill_kernel(compute, head_dim)
+    return AttentionBackend(CPU_KERNELS, decode, prefill, own_positions_only=prefill is not None)
+
+
+CPU_KERNELS = "cpu"
+# Platform.attention -> the backend for (compute dtype, head dim)
+BACKENDS: dict[str, Callable[[torch.dtype, int], AttentionBackend]] = {
+    TORCH.name: lambda compute, head_dim: TORCH, CPU_KERNELS: cpu_backend}
+
+
+def select(platform: Platform, head_dim: int) -> AttentionBackend:
+    """The kernels the platform names, for its compute dtype and heads of `head_dim`."""
+    return BACKENDS[platform.attention](platform.precision.compute, head_dim)
+
+
+def _group_steps(windows: list, decode: list[Sequence], chunks: list[Chunk], pos: list[int], bs: int,
+                 dev: torch.device) -> list[attention.GroupStep]:
+    offsets = torch.tensor([p % bs for p in pos], device=dev)
+    steps = []
+    for g, window in enumerate(windows):
+        writes = [s.blocks.tables[g][s.num_computed // bs] for s in decode]
+        for c in chunks:
+            t = c.seq.blocks.tables[g]
+            writes.extend(t[p // bs] for p in range(c.start, c.start + c.length))
+        gs = attention.GroupStep(torch.tensor(writes, dtype=torch.long, device=dev), offsets)
+        if decode:
+            blocks, per_row, spans = [], set(), []
+            for s in decode:
+                t = s.blocks.tables[g]
+                first, last = first_block(window, s.num_computed, bs), s.num_computed // bs
+                n = s.num_computed + 1
+                lo = max(0, n - window) if window is not None else 0
+                spans.append((len(blocks), last + 1 - first, lo - first * bs, n - first * bs))
+                per_row.add(last + 1 - first)
+                blocks.extend(t[first: last + 1])
+            gs.pair_blocks = torch.tensor(blocks, device=dev)
+            gs.single = len(blocks) == len(decode)
+            gs.per_row = per_row.pop() if len(per_row) == 1 else 0
+            gs.spans = spans
+        steps.append(gs)
+    return steps
+
+
+def _segments(windows: list, chunks: list[Chunk], first_token: int, bs: int) -> list[attention.Segment]:
+    segments, t0 = [], first_token
+    for c in chunks:
+        seg = attention.Segment(t0, c.length, c.start)
+        for g, window in enumerate(windows):
+            if c.start == 0:
+                seg.blocks.append(None)
+                seg.first_pos.append(0)
+                continue
+            first = first_block(window, c.start, bs)
+            seg.blocks.append(c.seq.blocks.tables[g][first: -(-(c.start + c.length) // bs)])
+            seg.first_pos.append(first * bs)
+        segments.append(seg)
+        t0 += c.length
+    return segments
+
+
+def _prefill_tables(windows: list, steps: list[attention.GroupStep], chunks: list[Chunk], first_token: int,
+                    bs: int) -> None:
+    """The prefill kernel's view of the chunks (GroupStep.prefill_table), per cache group."""
+    for g, (gs, window) in enumerate(zip(steps, windows)):
+        blocks, rows, t0 = [], [], first_token
+        for c in chunks:
+            first = first_block(window, c.start, bs)
+            rows.append((t0, c.length, c.start, len(blocks), first * bs))
+            blocks.extend(c.seq.blocks.tables[g][first: -(-(c.start + c.length) // bs)])
+            t0 += c.length
+        gs.prefill_blocks = torch.tensor(blocks, dtype=torch.long)
+        gs.prefill_table = torch.tensor(rows, dtype=torch.long)

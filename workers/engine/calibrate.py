@@ -38,7 +38,7 @@ def _best(fn, repeats: int = REPEATS) -> float:
     return best
 
 
-def _attention_seconds(holder: attention.ContextHolder, layer: int, q: torch.Tensor, k: torch.Tensor,
+def _attention_seconds(holder: attention.ContextHolder, backend, layer: int, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]], start: int, block_size: int,
                        scaling: float) -> float:
     """Attention for a chunk of len(q) tokens at positions start.. over each scratch cache in turn
@@ -56,21 +56,19 @@ def _attention_seconds(holder: attention.ContextHolder, layer: int, q: torch.Ten
 
     def run() -> None:
         for keys, values in caches:
-            holder.current = attention.StepContext(num_decode=0, num_tokens=n, groups=groups, segments=[seg])
-            attention.attend(holder, q, k, v, keys, values, layer, scaling, None, None)
+            ctx = attention.StepContext(num_decode=0, num_tokens=n, groups=groups, segments=[seg],
+                                        position=holder.position, windows=holder.windows, backend=backend)
+            attention.attend(ctx, q, k, v, keys, values, layer, scaling, None, None)
 
-    try:
-        return _best(run) / len(caches)
-    finally:
-        holder.current = None
+    return _best(run) / len(caches)
 
 
-def attention_span(holder: attention.ContextHolder, linears: list, layers: int, heads: int, kv_heads: int,
+def attention_span(holder: attention.ContextHolder, backend, linears: list, layers: int, heads: int, kv_heads: int,
                    head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device) -> int | None:
     """Positions whose attention costs what a token's linears do, measured here; None where no
     layer attends over its whole context (sliding windows bound every chunk's attention) or the
     linears are not at hand. `linears`: (callable on [tokens, in] rows, in) of every layer, whose
-    count is `layers`."""
+    count is `layers`; `backend`: the attention kernels that serve (workers.engine.attention_backend)."""
     layer = next((i for i, (g, p) in sorted(holder.position.items()) if p == 0 and holder.windows[g] is None), None)
     if layer is None or not linears:
         return None
@@ -87,8 +85,8 @@ def attention_span(holder: attention.ContextHolder, linears: list, layers: int, 
     q, k, v = rand(CHUNK, heads, head_dim), rand(CHUNK, kv_heads, head_dim), rand(CHUNK, kv_heads, head_dim)
     scaling = head_dim ** -0.5
     with torch.inference_mode():
-        near = _attention_seconds(holder, layer, q, k, v, caches, NEAR, block_size, scaling)
-        far = _attention_seconds(holder, layer, q, k, v, caches, FAR, block_size, scaling)
+        near = _attention_seconds(holder, backend, layer, q, k, v, caches, NEAR, block_size, scaling)
+        far = _attention_seconds(holder, backend, layer, q, k, v, caches, FAR, block_size, scaling)
         inputs = [(fn, rand(CHUNK, width)) for fn, width in linears]
         lin = _best(lambda: [fn(x) for fn, x in inputs]) / layers
     del caches

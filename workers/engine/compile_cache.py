@@ -44,8 +44,8 @@ class CompileKey:
     format: int = FORMAT
 
     @classmethod
-    def for_model(cls, source: str, dtype: torch.dtype, device: torch.device, buckets: str) -> CompileKey:
-        isa = cpu_capability().level if torch.device(device).type == "cpu" else ""
+    def for_model(cls, source: str, dtype: torch.dtype, device: torch.device, buckets: str, isa: str) -> CompileKey:
+        """`isa`: what else the graphs depend on on this device (Platform.compile_isa)."""
         return cls(source, source_key(source), str(dtype).removeprefix("torch."), torch.device(device).type, buckets,
                    torch.__version__, isa)
 

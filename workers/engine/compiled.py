@@ -17,12 +17,16 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from workers.buckets import Buckets
 from workers.compile_summary import summary
 from workers.engine import attention, compile_cache
+
+if TYPE_CHECKING:
+    from workers.platform import Platform
 
 log = logging.getLogger("mmfusion.compile")
 
@@ -41,7 +45,7 @@ class CompiledLayers:
     (another engine on the same weights running eagerly, a transformers reference) the layers
     are the plain modules and never trigger a compile."""
 
-    def __init__(self, model, buckets: Buckets, device: torch.device | str = "cpu"):
+    def __init__(self, model, buckets: Buckets, cuda_graphs: bool = False):
         layers = decoder_layers(model)
         if layers is None:
             raise ValueError(f"{type(model).__name__}: no decoder layer stack found to compile")
@@ -57,7 +61,7 @@ class CompiledLayers:
             torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
         self.layers = list(layers)
         # one code object (Module._call_impl) for every layer: the layers share the graphs
-        self.graphs = GraphReplay(device)
+        self.graphs = GraphReplay(cuda_graphs)
         opts = self.graphs.compile_options()
         self._fns = [torch.compile(layer._call_impl, dynamic=False, fullgraph=True, **opts) for layer in self.layers]
 
@@ -78,12 +82,13 @@ class GraphReplay:
     replayed (inductor's CUDA graph trees, mode="reduce-overhead"). The attention op is tagged
     cudagraph_unsafe and inductor's graph partition splits each layer around it, as vLLM's
     piecewise CUDA graphs do: the projections, norms and MLP replay, while attention runs
-    live with the step's own sequence layout. On CPU this is inert.
+    live with the step's own sequence layout. Its platform turns it on (Platform.cuda_graphs); on
+    CPU it is inert.
 
-    Not yet run on a GPU (see README): tests/test_compiled.py has a CUDA-only test for it."""
+    Not yet run on a GPU (docs/architecture.md): tests/test_compiled.py has a CUDA-only test for it."""
 
-    def __init__(self, device: torch.device | str):
-        self.enabled = torch.device(device).type == "cuda"
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
 
     def compile_options(self) -> dict:
         if not self.enabled:
@@ -123,25 +128,29 @@ class CompileInfo:
                 "seconds": round(self.seconds, 3), "cache": self.cache, "buckets": list(self.buckets)}
 
 
-def prepare(runner, lm, mode: str, buckets: Buckets) -> CompileInfo:
+class Compilable(Protocol):
+    """What compiling asks of a runner (workers.engine.runners.base.Runner declares it)."""
+
+    platform: Platform
+
+    def compile_refusal(self) -> str | None: ...
+
+    def enable_compile(self, buckets: Buckets) -> None: ...
+
+    def warm_up(self) -> None: ...
+
+
+def prepare(runner: Compilable, lm, mode: str, buckets: Buckets) -> CompileInfo:
     """Compile `runner`'s forward when `mode` asks for it: `true` always, `auto` when the cache
     has this model's artifacts. Builds every bucket before returning and saves what it built."""
     if mode == "false":
         return CompileInfo(False, "compile is false")
-    if getattr(runner, "lean", None) is not None:
-        # the lean forward is one fused pass per layer on packed weights: eager, it runs about twice
-        # as fast as transformers' modules compiled, so neither auto nor true trades it for them
-        reason = ("the lean forward runs this model (prepack_weights), faster eager than its transformers "
-                  "modules compiled; set prepack_weights: false to compile those")
-        if mode == "true":
-            log.info("compile: true, but %s", reason)
-        return CompileInfo(False, reason)
-    if not hasattr(runner, "enable_compile"):
-        reason = f"{type(lm.model).__name__} does not take the packed slot path (its attention is its own)"
+    reason = runner.compile_refusal()
+    if reason is not None:
         if mode == "true":
             log.warning("compile: true, but %s: running eagerly", reason)
         return CompileInfo(False, reason)
-    key = compile_cache.CompileKey.for_model(lm.source, lm.dtype, lm.device, buckets.key())
+    key = compile_cache.CompileKey.for_model(lm.source, lm.dtype, lm.device, buckets.key(), runner.platform.compile_isa())
     present = compile_cache.has_artifacts(key)
     if mode == "auto" and not present:
         return CompileInfo(False, "no compiled artifacts in the cache for this model, dtype, device and "

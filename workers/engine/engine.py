@@ -16,31 +16,26 @@ import torch
 
 from workers.buckets import Buckets, compile_mode, default_buckets
 from workers.config_keys import MODEL
-from workers.engine import attention, cpu_kernels
-from workers.engine import lean as lean_mod
-from workers.engine.attention_backend import AttentionBackend, select_attention
-from workers.engine.block_manager import BlockManager, CacheGroups, peak_blocks
+from workers.engine import attention
+from workers.engine.attention_backend import AttentionBackend, select
+from workers.engine.block_manager import BlockManager, CacheGroups
 from workers.engine.compiled import prepare
-from workers.engine.kv_cache import bytes_per_block, default_budget
+from workers.engine.kv_cache import CacheLayout
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.params import SamplingParams
-from workers.engine.runner import BaseRunner, CompatRunner, PagedRunner, attention_span, kv_dims, num_layers
+from workers.engine.runners import Runner, make_runner
+from workers.engine.runners.base import kv_dims, num_layers
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
 from workers.engine.step_result import StepResult
 from workers.engine.stops import stop_token_ids
 from workers.engine.text_output import RequestText
-from workers.precision import precision
+from workers.platform import Platform, for_model
 from workers.spec import WorkerSpec
 from workers.validate import ParamError
 from workers.weights.loaded_model import LoadedModel
 
 _SCHEDULING = SchedulerConfig()  # the scheduling limits' defaults are the scheduler's own
-
-
-# on CPU, the prefix cache keeps this share of the pool's blocks (at least one step's) before a
-# never-used block is touched (workers.engine.block_manager)
-CACHE_RESERVE_SHARE = 64
 
 
 @dataclass(slots=True)
@@ -49,7 +44,7 @@ class EngineConfig:
     max_batch_tokens: int = _SCHEDULING.max_batch_tokens
     long_prefill_tokens: int = _SCHEDULING.long_prefill_tokens
     kv_cache_memory: int | None = None  # bytes of KV blocks; None: what max_batch_size x max_model_len can use,
-    # up to a share of the memory available (kv_cache.default_budget)
+    # up to a share of the memory available (Platform.kv_budget)
     kv_block_size: int = MODEL["kv_block_size"].default  # positions per block
     prepack_weights: bool = MODEL["prepack_weights"].default  # CPU: the lean forward on packed weights
     num_threads: int | None = None  # torch threads for this process; None leaves torch's default
@@ -92,23 +87,26 @@ class EngineConfig:
 class Engine:
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None,
                  attention: AttentionBackend | None = None):
-        """`attention`: the attention kernels to run instead of those attention_backend.select
-        chooses for the device (a device's own kernel, a checked one in a test)."""
-        self.config = config or EngineConfig()
-        self.attention_backend = attention  # the one chosen at load, once loaded (None: no paged attention)
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        """`attention`: the attention kernels to run instead of those the platform chooses for the
+        device (a device's own kernel, a checked one in a test)."""
+        self.config = cfg = config or EngineConfig()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
         self.lm = lm
         self.tokenizer = lm.tokenizer
-        self.runner, blocks = self._paged_cache(lm)
-        # what a position of a long prompt's attention costs, measured here on the path that serves;
-        # never priced cheaper than the model's shapes say (the measurement is a 16-token chunk on
-        # scratch keys, and with the shapes' estimate the AVX512-BF16 streams held half their speed)
-        measure = getattr(self.runner, "measured_attention_span", None)
-        measured = measure() if measure is not None else None
-        self.attention_span = min(measured, attention_span(lm)) if measured else attention_span(lm)
-        self.scheduler = Scheduler(self.config.scheduler_config(self.attention_span, self._min_long_chunk(lm)), blocks)
-        self.compile_info = prepare(self.runner, lm, self.config.compile, self.config.buckets())
+        # everything that depends on the device, decided once (workers.platform)
+        self.platform: Platform = for_model(lm, cfg.prepack_weights)
+        self.precision = self.platform.precision
+        self.runner = self._runner(lm, attention)
+        layout = self.runner.layout
+        self.kv_bytes = layout.nbytes
+        self.attention_backend = self.runner.backend  # the one chosen at load (None: no paged attention)
+        blocks = BlockManager(layout.num_blocks, layout.block_size, layout.groups, cfg.max_batch_tokens,
+                              enable_prefix_caching=layout.prefix_caching, cache_reserve=layout.reserve)
+        # what a position of a long prompt's attention costs, measured at load where the runner can
+        self.attention_span = self.runner.attention_span()
+        self.scheduler = Scheduler(cfg.scheduler_config(self.attention_span, self.runner.min_long_chunk()), blocks)
+        self.compile_info = prepare(self.runner, lm, cfg.compile, cfg.buckets())
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
         self._seed_rng = random.Random()
@@ -116,43 +114,19 @@ class Engine:
         self.last_plan: SchedulerOutput | None = None
         self.tokens_generated = 0
 
-    def _paged_cache(self, lm: LoadedModel) -> tuple[BaseRunner, BlockManager]:
-        """Size the pool from the budget: the runner that owns its tensors, and its bookkeeping."""
+    def _runner(self, lm: LoadedModel, backend: AttentionBackend | None) -> Runner:
+        """The platform's runner over a pool sized from the budget. A model on transformers'
+        attention interface gets the paged cache's attention (its holder); another runs the compat
+        runner, whose per-sequence caches count blocks of one group of every layer all the same."""
         cfg = self.config
         holder = attention.install(lm.model)
-        # the per-sequence runner holds a DynamicCache for each sequence: blocks of one group of
-        # every layer count its memory all the same
         groups = holder.groups if holder is not None else CacheGroups.from_windows([None] * num_layers(lm))
-        bs = cfg.kv_block_size
-        # 16-bit weights may compute in float32 (the lean forward on a CPU without bf16 arithmetic)
-        self.precision = precision(lm.dtype, lm.device, holder is not None and lean_mod.applies(
-            lm.model, lm.device, cfg.prepack_weights))
-        compute = self.precision.compute
-        per_block = bytes_per_block(groups, bs, *kv_dims(lm), compute)
-        useful = cfg.max_batch_size * peak_blocks(groups, bs, cfg.max_batch_tokens, lm.max_model_len)
-        budget = cfg.kv_cache_memory or default_budget(useful * per_block, lm.device)
-        num_blocks = min(useful, budget // per_block)
-        # a CPU pool becomes resident as its blocks are first used: reuse touched blocks first
-        reserve = (max(num_blocks // CACHE_RESERVE_SHARE, peak_blocks(groups, bs, cfg.max_batch_tokens, cfg.max_batch_tokens))
-                   if lm.device.type == "cpu" else None)
-        blocks = BlockManager(num_blocks, bs, groups, cfg.max_batch_tokens, enable_prefix_caching=holder is not None,
-                              cache_reserve=reserve)
-        self.kv_bytes = num_blocks * per_block
-        if holder is None:
-            return CompatRunner(lm), blocks
-        self.attention_backend = self.attention_backend or select_attention(lm.device, compute, kv_dims(lm)[1])
-        holder.backend = self.attention_backend
-        lean = lean_mod.lean_forward(lm.model, holder, lm.device, self.precision, cfg.prepack_weights)
-        return PagedRunner(lm, holder, num_blocks, bs, lean, compute), blocks
-
-    def _min_long_chunk(self, lm: LoadedModel) -> int:
-        """The tokens whose query rows fill one pass of the CPU prefill kernel over the context (16
-        rows of one KV head in bfloat16, 8 in float32): a chunk of fewer costs as much."""
-        holder = getattr(self.runner, "holder", None)
-        if holder is None or holder.backend.prefill is None:
-            return 1
-        heads, kv_heads = lm.model.config.get_text_config().num_attention_heads, kv_dims(lm)[0]
-        return max(1, cpu_kernels.PREFILL_LANES[self.precision.compute] // max(1, heads // kv_heads))
+        layout = CacheLayout.sized(self.platform, groups, kv_dims(lm), cfg.kv_block_size, cfg.kv_cache_memory,
+                                   cfg.max_batch_size, cfg.max_batch_tokens, lm.max_model_len,
+                                   prefix_caching=holder is not None)
+        if holder is not None and backend is None:
+            backend = select(self.platform, kv_dims(lm)[1])
+        return make_runner(self.platform, lm, holder, layout, backend)
 
     def stats(self) -> dict:
         """The KV cache as status and /metrics show it."""

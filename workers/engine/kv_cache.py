@@ -8,22 +8,15 @@ engine runs, so a long sequence costs its own blocks and never resizes the cache
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
-from workers.config_keys import KV_AUTO_SHARE
-from workers.engine.block_manager import CacheGroups
+from workers.engine.block_manager import CacheGroups, peak_blocks
 
-
-def default_budget(useful_bytes: int, device: torch.device) -> int:
-    """The pool when no kv_cache_memory is given: what the engine's limits can use, up to a share of
-    the memory available now (a deployment's plan gives each worker its budget instead)."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    return max(1, min(useful_bytes, int(free * KV_AUTO_SHARE)))
+if TYPE_CHECKING:
+    from workers.platform import Platform
 
 
 def bytes_per_block(groups: CacheGroups, block_size: int, kv_heads: int, head_dim: int, v_head_dim: int,
@@ -32,9 +25,40 @@ def bytes_per_block(groups: CacheGroups, block_size: int, kv_heads: int, head_di
     return groups.layers_per_group * kv_heads * block_size * (head_dim + v_head_dim) * itemsize
 
 
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """A pool sized from its budget: what the scheduler's block manager counts and the runner allocates."""
+
+    groups: CacheGroups
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    prefix_caching: bool  # the runner computes a sequence from cached blocks (the compat runner does not)
+    reserve: int | None  # blocks the prefix cache keeps before a never-used one is touched (Platform.cache_reserve)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @classmethod
+    def sized(cls, platform: Platform, groups: CacheGroups, dims: tuple[int, int, int], block_size: int,
+              budget: int | None, max_batch_size: int, max_batch_tokens: int, max_model_len: int,
+              prefix_caching: bool) -> CacheLayout:
+        """The pool for `budget` bytes (None: the platform's default budget), in the compute dtype,
+        never more blocks than max_batch_size sequences of max_model_len tokens can use."""
+        per_block = bytes_per_block(groups, block_size, *dims, platform.precision.compute)
+        useful = max_batch_size * peak_blocks(groups, block_size, max_batch_tokens, max_model_len)
+        budget = budget or platform.kv_budget(useful * per_block)
+        num_blocks = min(useful, budget // per_block)
+        reserve = platform.cache_reserve(num_blocks, peak_blocks(groups, block_size, max_batch_tokens,
+                                                                 max_batch_tokens))
+        return cls(groups, num_blocks, block_size, per_block, prefix_caching, reserve)
+
+
 class PagedKVCache:
-    def __init__(self, groups: CacheGroups, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 v_head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layout: CacheLayout, kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        groups, num_blocks, block_size = layout.groups, layout.num_blocks, layout.block_size
         self.groups, self.num_blocks, self.block_size = groups, num_blocks, block_size
         self.position = groups.position_of()  # layer -> (group, index in the group's storage)
         shape = (groups.layers_per_group, num_blocks, kv_heads, block_size)

@@ -25,59 +25,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.config_keys import FLOAT32_LEAN, LEAN_ARCHITECTURES
-from workers.engine import attention, cpu_kernels
+from workers.config_keys import FLOAT32_LEAN
+from workers.engine import attention
 from workers.engine.linears import Linear, fused
 from workers.precision import Precision
-from workers.precision import precision as decide_precision
 
 
-def unsupported(model) -> str | None:
-    """Why `model` cannot run the lean forward, or None when it can."""
-    name = type(model).__name__
-    if name not in LEAN_ARCHITECTURES:
-        return f"{name} has no lean forward (it has for {', '.join(LEAN_ARCHITECTURES)})"
-    cfg = model.config.get_text_config()
-    if name in FLOAT32_LEAN:
-        return _gemma3_unsupported(model, cfg)
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r} is not silu"
-    if getattr(cfg, "pretraining_tp", 1) != 1:
-        return "pretraining_tp is not 1"
-    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-    if "dynamic" in rope or rope == "longrope":
-        return f"rope_type {rope!r} changes with the sequence length"
-    return None
-
-
-def _gemma3_unsupported(model, cfg) -> str | None:
-    compute = decide_precision(model.dtype, "cpu", True).compute
-    if compute != torch.float32:
-        return f"Gemma 3's lean forward computes in float32, and {model.dtype} weights compute in {compute} here"
-    if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
-        return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r} is not gelu_pytorch_tanh"
-    if getattr(cfg, "use_bidirectional_attention", False):
-        return "use_bidirectional_attention is set"
-    ropes = (getattr(cfg, "rope_parameters", None) or {}).values()
-    if any((r or {}).get("rope_type", "default") != "default" for r in ropes):
-        return "a rope_type other than default"
-    return None
-
-
-def applies(model, device: torch.device, prepack: bool) -> bool:
-    """Whether the lean forward runs this model: `prepack_weights` asks for it, on CPU, and
-    `unsupported` finds no reason against it."""
-    return prepack and device.type == "cpu" and unsupported(model) is None
-
-
-def lean_forward(model, holder: attention.ContextHolder, device: torch.device, precision: Precision,
-                 prepack: bool) -> LeanLlama | None:
-    """The lean forward for this model when it applies, its linears packed as `precision` says
-    and computing in its compute dtype; else None (transformers' modules)."""
-    if not applies(model, device, prepack):
-        return None
+def lean_forward(model, precision: Precision, norms=None) -> LeanLlama:
+    """The lean forward of this model's family, its linears packed as `precision` says and computing
+    in its compute dtype (the platform decided that it applies: workers.platform); `norms`: the C++
+    kernels' module (workers.engine.cpu_kernels), or None for torch's norms."""
     family = LeanGemma3 if type(model).__name__ in FLOAT32_LEAN else LeanLlama
-    return family(model, holder, precision, norms=cpu_kernels.kernel_module())
+    return family(model, precision, norms=norms)
 
 
 @dataclass(slots=True)
@@ -92,14 +51,13 @@ class _Layer:
 
 
 class LeanLlama:
-    """forward(ids, positions, keep, kv) -> logits of the kept rows, over the paged cache."""
+    """forward(ids, positions, keep, kv, ctx) -> logits of the kept rows, over the paged cache."""
 
-    def __init__(self, model, holder: attention.ContextHolder, precision: Precision, norms=None):
+    def __init__(self, model, precision: Precision, norms=None):
         cfg = model.config.get_text_config()
         self.compute = precision.compute
         self.norms = norms  # the C++ norms (cpu_kernels), or None for F.rms_norm
         inner = model.model
-        self.holder = holder
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         first = inner.layers[0].self_attn
@@ -163,27 +121,28 @@ class LeanLlama:
     def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
         return qkv
 
-    def _attention(self, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   kv: tuple[torch.Tensor, torch.Tensor], rope_write) -> torch.Tensor:
+    def _attention(self, ctx: attention.StepContext, i: int, layer: _Layer, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], rope_write) -> torch.Tensor:
         """Layer i's attention over the paged cache, its output projection applied."""
         n, heads, kvh, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         key_cache, value_cache = kv
         qkv = self._qk_norm(layer.qkv(x), layer)
         if rope_write is not None:
-            gs, kb, vb = attention.layer_cache(self.holder, i, key_cache, value_cache)
+            gs, kb, vb = attention.layer_cache(ctx, i, key_cache, value_cache)
             rope_write(qkv, cos, sin, kb, vb, gs.write_blocks, gs.write_offsets, heads, kvh)
             qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
         else:
             qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
             qk = qk * cos[:, None, :] + qk.roll(d // 2, -1) * sin[:, None, :]
         v = qkv[:, (heads + kvh) * d:].view(n, kvh, d)
-        a = attention.attend(self.holder, qk[:, :heads], qk[:, heads:], v, key_cache, value_cache, i,
+        a = attention.attend(ctx, qk[:, :heads], qk[:, heads:], v, key_cache, value_cache, i,
                              self.scaling, layer.window, None, written=rope_write is not None)
         return layer.o(a.reshape(n, heads * d))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """ids, positions: [N]; keep: the rows whose logits are returned. Returns [len(keep), vocab]."""
+                kv: tuple[torch.Tensor, torch.Tensor], ctx: attention.StepContext) -> torch.Tensor:
+        """ids, positions: [N]; keep: the rows whose logits are returned; ctx: the step's attention
+        metadata. Returns [len(keep), vocab]."""
         h = F.embedding(ids, self.embed).to(self.compute)
         cos, sin = self._rotation(*self.rotary(h, positions[None]))
         rope_write = self._rope_write(h, cos)
@@ -192,7 +151,7 @@ class LeanLlama:
         x = self._norm(h, self.layers[0].input_norm)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h, x = self._add_norm(h, self._attention(i, layer, x, cos, sin, kv, rope_write), layer.post_norm)
+            h, x = self._add_norm(h, self._attention(ctx, i, layer, x, cos, sin, kv, rope_write), layer.post_norm)
             gu = layer.gate_up(x)
             if silu_mul is not None:
                 delta = layer.down(silu_mul(gu))
@@ -219,10 +178,10 @@ class _GemmaLayer(_Layer):
 class LeanGemma3(LeanLlama):
     """Gemma 3 (text) on LeanLlama's pass, computing in float32 (see the module's docstring)."""
 
-    def __init__(self, model, holder: attention.ContextHolder, precision: Precision, norms=None):
+    def __init__(self, model, precision: Precision, norms=None):
         cfg = model.config.get_text_config()
         self.layer_types = list(cfg.layer_types)
-        super().__init__(model, holder, precision, norms)
+        super().__init__(model, precision, norms)
         # transformers multiplies by the buffer in the weights' dtype; widened, the same value
         self.embed_scale = model.model.embed_tokens.embed_scale.to(self.compute)
         self.softcap = cfg.final_logit_softcapping
@@ -247,14 +206,14 @@ class LeanGemma3(LeanLlama):
         return torch.cat((q.view(n, hq), k.view(n, hk), qkv[:, hq + hk:]), dim=1)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], ctx: attention.StepContext) -> torch.Tensor:
         h = F.embedding(ids, self.embed).to(self.compute) * self.embed_scale
         tables = {t: self._rotation(*self.rotary(h, positions[None], t)) for t in set(self.layer_types)}
         rope_write = self._rope_write(h, next(iter(tables.values()))[0])
         x = self._norm(h, self.layers[0].input_norm)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            attn = self._attention(i, layer, x, *tables[layer.rope], kv, rope_write)
+            attn = self._attention(ctx, i, layer, x, *tables[layer.rope], kv, rope_write)
             h, x = self._add_norm(h, self._norm(attn, layer.attn_out_norm), layer.post_norm)
             gu = layer.gate_up(x)
             inter = gu.shape[1] // 2

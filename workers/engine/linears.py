@@ -21,18 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.precision import FP16, ONEDNN, PLAIN, onednn_packs
+from workers.precision import FP16, ONEDNN, PLAIN
 
 # FBGEMM packs a float16 weight of a few thousand rows at ~50M values/s on one thread here, and
 # a taller one at ~12M/s (a 262,144-token LM head: 12 s; SmolLM2's: 2.5 s). Slices of PACK_ROWS
 # rows pack at the fast rate, and multiply as fast as the whole (Zen 3, 1 to 8 rows of input).
 PACK_ROWS = 8192
-
-
-def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether oneDNN prepacks weights of this dtype on this device (CPU: float32; bfloat16 where
-    oneDNN has a bf16 path on this CPU, as workers.capability decides)."""
-    return torch.device(device).type == "cpu" and onednn_packs(dtype)
 
 
 def fp16_fits(weight: torch.Tensor) -> bool:

@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 
+from workers.devices import device_kind
+from workers.platform import load_dtype
 from workers.weights import shared as S
 from workers.weights.hf_loader import load_private
 from workers.weights.owner_ipc import KEY_ENV, remove_ipc_files
-from workers.weights.sources import resolve_dtype
 
 # --- the seam ---------------------------------------------------------------------------------------------
 
@@ -41,7 +42,7 @@ def export_tensor(t: torch.Tensor):
     """A picklable handle another process turns back into a tensor over the same memory."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    if t.device.type == "cpu":
+    if device_kind(t.device).host:
         t.share_memory_()
     return reduce_tensor(t)
 
@@ -64,14 +65,15 @@ class WeightOwner:
     def load(self) -> dict:
         """Load once and build the answer every copy gets: the directory and one handle per tensor."""
         dev = torch.device(self.device)
-        dt = resolve_dtype(self.dtype, dev)
-        if dev.type == "cpu":
+        dt = load_dtype(self.dtype, dev, False, None)
+        host = device_kind(dev).host
+        if host:
             torch.multiprocessing.set_sharing_strategy("file_system")  # no fd passing between strangers
         dest = S.shared_dir(self.source, dt)
         model, _, _ = S.load_shared(self.source, dt, lambda: load_private(self.source, dt))
         model.to(dev)  # from the mapping into this device's memory: the one copy there
         tensors, aliases = S.unique_tensors(model)
-        if dev.type == "cpu":  # the read-only file views can't move to shared memory: copy them once
+        if host:  # the read-only file views can't move to shared memory: copy them once
             tensors = {k: t.clone() for k, t in tensors.items()}
         self.model, self.tensors = model, tensors  # kept alive: the copies' tensors are this memory
         return {"dir": str(dest), "dtype": str(dt).removeprefix("torch."), "aliases": aliases,

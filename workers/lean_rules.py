@@ -1,0 +1,40 @@
+"""Which models the lean forward (workers.engine.lean) runs: its families, and the configs of theirs
+it computes exactly. The platform asks this at load (workers.platform.for_model)."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.config_keys import FLOAT32_LEAN, LEAN_ARCHITECTURES
+
+
+def unsupported(model, compute: torch.dtype) -> str | None:
+    """Why `model` cannot run the lean forward computing in `compute` (the dtype its platform would
+    compute its weights in on the lean forward), or None when it can."""
+    name = type(model).__name__
+    if name not in LEAN_ARCHITECTURES:
+        return f"{name} has no lean forward (it has for {', '.join(LEAN_ARCHITECTURES)})"
+    cfg = model.config.get_text_config()
+    if name in FLOAT32_LEAN:
+        return _gemma3_unsupported(model, cfg, compute)
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} is not silu"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp is not 1"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if "dynamic" in rope or rope == "longrope":
+        return f"rope_type {rope!r} changes with the sequence length"
+    return None
+
+
+def _gemma3_unsupported(model, cfg, compute: torch.dtype) -> str | None:
+    if compute != torch.float32:
+        return f"Gemma 3's lean forward computes in float32, and {model.dtype} weights compute in {compute} here"
+    if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
+        return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r} is not gelu_pytorch_tanh"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention is set"
+    ropes = (getattr(cfg, "rope_parameters", None) or {}).values()
+    if any((r or {}).get("rope_type", "default") != "default" for r in ropes):
+        return "a rope_type other than default"
+    return None

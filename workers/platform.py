@@ -1,0 +1,191 @@
+"""The device decided once: one Platform per model and device answers everything that depends on
+the device, so that nothing else works it out again.
+
+A platform is made from (source, dtype, device, prepack_weights): before loading, from the
+source alone (`for_source`: the plan, the weight loader), and at load from the model itself
+(`for_model`: the engine). It says
+- the precision: the weights' dtype, the compute dtype (activations, KV cache, logits), how the
+  linears run (workers.precision);
+- whether the lean forward on packed weights runs (workers.engine.lean);
+- the KV budget where none is given, and the share of the pool the prefix cache keeps touched;
+- the attention kernels (`attention`, a name workers.engine.attention_backend.select resolves) and
+  the runner (its kind's name, which workers.engine.runners.RUNNERS resolves);
+- whether compiled graphs are captured as CUDA graphs, and what else they are keyed by.
+
+A new device is a Platform here, named in PLATFORMS, a runner file of its own
+(workers/engine/runners/) named in RUNNERS, and a DeviceKind (workers.devices) for the deployment.
+
+The platform imports nothing of the engine: the planner decides precision without loading
+transformers, and the engine's modules may all ask it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from workers.config_keys import FLOAT32_LEAN, KV_AUTO_SHARE
+from workers.devices import CPU, CUDA, DeviceKind, device_kind
+from workers.precision import PLAIN, Precision, cpu_auto_weights, cpu_precision, named_dtype
+
+if TYPE_CHECKING:
+    from workers.weights.loaded_model import LoadedModel
+
+# on CPU, the prefix cache keeps this share of the pool's blocks (at least one step's) before a
+# never-used block is touched (workers.engine.block_manager): pages become resident as first used
+CACHE_RESERVE_SHARE = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Platform(ABC):
+    device: torch.device
+    precision: Precision
+    lean: bool  # the lean forward on packed weights runs the model
+    kind: ClassVar[DeviceKind]
+    # the paged attention kernels (workers.engine.attention_backend.select): "torch" is the PyTorch path
+    attention: ClassVar[str] = "torch"
+    # each bucket's compiled layer graph is captured and replayed as a CUDA graph
+    # (workers.engine.compiled.GraphReplay)
+    cuda_graphs: ClassVar[bool] = False
+
+    # --- the rules, before anything loads --------------------------------------------------------
+    @staticmethod
+    @abstractmethod
+    def auto_weights(lean: bool) -> torch.dtype:
+        """The weights' dtype for `dtype: auto`; `lean`: the model will run the lean forward."""
+
+    @staticmethod
+    @abstractmethod
+    def compute(weights: torch.dtype, lean: bool) -> Precision:
+        """How weights of this dtype compute here, on the lean forward or transformers' modules."""
+
+    @staticmethod
+    def has_lean() -> bool:
+        """Whether this device runs the lean forward at all (prepack_weights asks for it)."""
+        return False
+
+    # --- at load ---------------------------------------------------------------------------------
+    @abstractmethod
+    def free_bytes(self) -> int:
+        """The memory available now for an engine without a planned KV budget."""
+
+    def kv_budget(self, useful_bytes: int) -> int:
+        """The pool when no kv_cache_memory is given: what the engine's limits can use, up to a
+        share of the memory available now (a deployment's plan gives each worker its budget)."""
+        return max(1, min(useful_bytes, int(self.free_bytes() * KV_AUTO_SHARE)))
+
+    def cache_reserve(self, num_blocks: int, step_blocks: int) -> int | None:
+        """Blocks the prefix cache keeps before a never-used block is touched; None: no reserve."""
+        return None
+
+    def compile_isa(self) -> str:
+        """What compiled graphs depend on besides the device type and dtype ('' for nothing)."""
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuPlatform(Platform):
+    kind: ClassVar[DeviceKind] = CPU
+    attention: ClassVar[str] = "cpu"  # the C++ kernels (workers.engine.cpu_kernels)
+
+    @staticmethod
+    def auto_weights(lean: bool) -> torch.dtype:
+        return cpu_auto_weights(lean)
+
+    @staticmethod
+    def compute(weights: torch.dtype, lean: bool) -> Precision:
+        return cpu_precision(weights, lean)
+
+    @staticmethod
+    def has_lean() -> bool:
+        return True
+
+    def free_bytes(self) -> int:
+        import psutil
+
+        return psutil.virtual_memory().available
+
+    def cache_reserve(self, num_blocks: int, step_blocks: int) -> int | None:
+        # a CPU pool becomes resident as its blocks are first used: reuse touched blocks first
+        return max(num_blocks // CACHE_RESERVE_SHARE, step_blocks)
+
+    def compile_isa(self) -> str:
+        from workers.capability import cpu_capability
+
+        return cpu_capability().level  # graphs built for one ISA are not another's
+
+
+@dataclass(frozen=True, slots=True)
+class CudaPlatform(Platform):
+    """Not yet run on a GPU in this form (docs/architecture.md): its runner is the packed one with
+    piecewise CUDA graphs, on the PyTorch attention path."""
+
+    kind: ClassVar[DeviceKind] = CUDA
+    cuda_graphs: ClassVar[bool] = True
+
+    @staticmethod
+    def auto_weights(lean: bool) -> torch.dtype:
+        return torch.bfloat16
+
+    @staticmethod
+    def compute(weights: torch.dtype, lean: bool) -> Precision:
+        return Precision(weights, weights, PLAIN)
+
+    def free_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
+
+
+# the one place a device kind picks its platform
+PLATFORMS: dict[str, type[Platform]] = {CPU.name: CpuPlatform, CUDA.name: CudaPlatform}
+
+
+def platform_class(device: torch.device | str) -> type[Platform]:
+    return PLATFORMS[device_kind(device).name]
+
+
+def weights_dtype(dtype: str | torch.dtype, device: torch.device | str, lean: bool = False) -> torch.dtype:
+    """The dtype a model's weights load in on `device`. `lean`: the model will run the lean forward
+    (which is what lets `auto` keep float16 weights on a CPU without bf16 arithmetic)."""
+    named = named_dtype(dtype)
+    if named is not None:
+        return named
+    cls = platform_class(device)
+    return cls.auto_weights(lean and cls.has_lean())
+
+
+def load_dtype(dtype: str | torch.dtype, device: torch.device | str, prepack: bool, source: str | None) -> torch.dtype:
+    """The dtype `source`'s weights load in: `auto` counts the lean forward where the source is
+    known to be of its family."""
+    from workers.weights.sources import lean_source
+
+    return weights_dtype(dtype, device, prepack and source is not None and lean_source(source) is True)
+
+
+def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str, prepack: bool) -> Platform:
+    """The platform a worker of `source` will have, decided before loading it. A source whose
+    family is unknown before loading counts as the lean forward's: the plan errs high (packed
+    linears counted)."""
+    from workers.weights.sources import architecture, lean_source
+
+    cls = platform_class(device)
+    weights = load_dtype(dtype, device, prepack, source)
+    lean = prepack and cls.has_lean() and lean_source(source) is not False
+    prec = cls.compute(weights, lean)
+    if lean and prec.compute != torch.float32 and architecture(source) in FLOAT32_LEAN:
+        lean, prec = False, cls.compute(weights, False)  # that family's lean forward is float32 only
+    return cls(torch.device(device), prec, lean)
+
+
+def for_model(lm: LoadedModel, prepack: bool) -> Platform:
+    """The platform of a loaded model: the lean forward runs where `prepack` asks, the device has
+    it, and the model's own class and config allow it (workers.lean_rules.unsupported)."""
+    cls = platform_class(lm.device)
+    lean = prepack and cls.has_lean() and getattr(lm.model, "_supports_attention_backend", False)
+    if lean:
+        from workers.lean_rules import unsupported
+
+        lean = unsupported(lm.model, cls.compute(lm.dtype, True).compute) is None
+    return cls(lm.device, cls.compute(lm.dtype, lean), lean)

@@ -1,0 +1,52 @@
+"""A request's OpenAI-style parameters as the engine's SamplingParams, parsed on the worker. A bad
+value raises ParamError naming its key (the gateway checks only what it consumes itself:
+routing.openai_requests)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from workers.validate import ParamError, is_int
+
+if TYPE_CHECKING:
+    from workers.engine.params import SamplingParams
+
+MAX_LOGPROBS = 20
+# OpenAI parameter -> SamplingParams field (extensions: top_k, stop_token_ids, ignore_eos)
+DIRECT = {"max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids",
+          "ignore_eos"}
+HANDLED = DIRECT | {"logprobs", "echo"}
+# no effect on sampling: routing and bookkeeping fields (return_token_ids is the clients': their
+# OpenAI object then keeps each choice's token_ids)
+IGNORED = {"user", "stream", "model", "engine", "prompt", "return_token_ids"}
+# OpenAI parameters not implemented: accepted only at their no-op value, refused otherwise, never ignored
+UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
+
+
+def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
+    """SamplingParams and `echo` from OpenAI-style parameters (a router request's, over `defaults`).
+    A bad value raises ParamError naming its key."""
+    # here, not at the top: the gateway imports MAX_LOGPROBS from this module and never loads the engine
+    from workers.engine.params import SamplingParams
+
+    merged = dict(defaults or {})
+    merged.update(req)
+    unknown = sorted(set(merged) - HANDLED - IGNORED - set(UNSUPPORTED))
+    if unknown:
+        raise ParamError(unknown[0], f"unknown parameter {unknown[0]!r}")
+    for key, noop in UNSUPPORTED.items():
+        if merged.get(key) not in (None, noop):
+            raise ParamError(key, f"{key} is not supported by this server (got {merged[key]!r}); leave it out or "
+                             f"set it to {noop!r}")
+    kw = {k: merged[k] for k in DIRECT if merged.get(k) is not None}
+    lp = merged.get("logprobs")
+    if lp is not None:
+        if not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS:
+            raise ParamError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        kw["logprobs"] = lp
+    echo = merged.get("echo", False)
+    if not isinstance(echo, bool):
+        raise ParamError("echo", f"echo must be true or false, got {echo!r}")
+    if echo and lp is not None:
+        kw["prompt_logprobs"] = lp
+    return SamplingParams(**kw), echo
