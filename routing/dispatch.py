@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from routing import protocol as P
-from routing.lifecycle import Catalog, Lifecycle
+from routing.lifecycle import Catalog, Lifecycle, ModelLifecycle, StaticLifecycle
 from routing.registry import ModelEntry, WorkerRegistry, WorkerState
 from workers.spec import WorkerSpec
 
@@ -147,9 +147,8 @@ class Dispatch:
         self.no_worker = 0  # queued requests failed because no worker came for their model
         self.internal_errors = 0
         # load and unload at run time: only with a supervisor to start and stop workers (its catalog)
-        self.lifecycle = None if catalog is None else Lifecycle(
-            catalog, self.config, self.models, self.by_name, self.registry, self.outbox, self.pending, self._fail,
-            self.log, self.wall)
+        self.lifecycle: ModelLifecycle = (StaticLifecycle(self) if catalog is None
+                                          else Lifecycle(catalog, self.config, self))
 
     # --- clients ---------------------------------------------------------------------------------
     def client(self, client: bytes, frame: bytes, now: float) -> None:
@@ -166,10 +165,6 @@ class Dispatch:
                 self.outbox.client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.models_info()})
             elif mtype == P.STATUS:
                 self.outbox.client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.status()})
-            elif self.lifecycle is None:  # load, unload
-                raise P.ProtocolError(f"this router cannot {mtype} models: it has no supervisor to start and stop "
-                                      "workers (a router started alone, or with --router)", P.NOT_SUPPORTED,
-                                      msg.get("id"))
             elif mtype == P.LOAD:
                 self.lifecycle.load(client, msg, now)
             else:
@@ -186,7 +181,7 @@ class Dispatch:
                 raise P.ProtocolError(f"model ID {model} is being unloaded; name the model to reach its other "
                                       "copies (or a reload)", P.UNLOADED, rid)
             return [model]
-        if model not in self.by_name and self.lifecycle is not None:
+        if model not in self.by_name:
             loading = self.lifecycle.autoload(model, rid, now)
             if loading is not None:
                 return loading
@@ -205,8 +200,7 @@ class Dispatch:
                                   "restarted (see the deployment's log)", P.NO_WORKER, req.id)
         model_id = min(candidates, key=self.registry.load)
         self.models[model_id].last_use = now
-        if self.lifecycle is not None:
-            self.lifecycle.touch(model_id, now)
+        self.lifecycle.touch(model_id, now)
         key = f"{self.epoch}-{next(self._keys)}"
         if req.params.get("seed") is None and req.params.get("temperature") != 0:
             # fixed here, once: a resent or retried request then gives the same tokens anywhere
@@ -259,7 +253,7 @@ class Dispatch:
             self._drain_queue(w.model_id)
         return p
 
-    def _fail(self, p: Pending, code: str, message: str) -> None:
+    def fail(self, p: Pending, code: str, message: str) -> None:
         self._finish(p.key)
         self.outbox.client(p.client, P.error(p.client_id, code, message))
 
@@ -306,8 +300,7 @@ class Dispatch:
                 w.weights = {k: v for k, v in msg["weights"].items() if k in ("bytes", "shared", "path")}
             if isinstance(msg.get("compile"), dict):
                 w.compile = dict(msg["compile"])
-            if self.lifecycle is not None:
-                self.lifecycle.loaded(w.model_id, now)
+            self.lifecycle.loaded(w.model_id, now)
             self._drain_queue(w.model_id)
         elif mtype == P.LOAD_FAILED:
             # shown in status; the model's queue waits restart_wait for a worker that can load it
@@ -315,8 +308,7 @@ class Dispatch:
             m = self.models[w.model_id]
             if not self.registry.usable(w.model_id) and m.orphan_since is None:
                 m.orphan_since = now
-            if self.lifecycle is not None:  # a copy loading at run time fails its load at once
-                self.lifecycle.load_failed(w.model_id, w.load_error, now)
+            self.lifecycle.load_failed(w.model_id, w.load_error, now)  # a copy loading at run time fails at once
 
     def worker_data(self, ident: bytes, head: bytes, body: bytes, now: float) -> None:
         w = self.workers.get(ident)
@@ -364,12 +356,11 @@ class Dispatch:
             more = ("; no other live worker serves it" if not live else
                     "; every other copy's queue is full" if not room else
                     f"; it was sent again {p.resends} times already (max_redispatch)")
-            self._fail(p, P.WORKER_LOST, lost + more)
+            self.fail(p, P.WORKER_LOST, lost + more)
         w.inflight.clear()
         for mid in requeued:
             self._drain_queue(mid)
-        if self.lifecycle is not None:
-            self.lifecycle.exited(None, now)
+        self.lifecycle.exited(None, now)
 
     def _resend(self, p: Pending, model_id: int, now: float) -> None:
         p.resends += 1
@@ -399,15 +390,14 @@ class Dispatch:
                 self._drop(w, "its process exited", now)
         if msg.get("restart") is False and model_id in self.models and not self.registry.usable(model_id):
             m = self.models[model_id]
-            if self.lifecycle is not None and m.state == P.STATE_LOADING:
+            if m.state == P.STATE_LOADING:
                 why = msg.get("why") if isinstance(msg.get("why"), str) else None
                 self.lifecycle.load_failed(model_id, why or "its worker process kept exiting (see the deployment's log)",
                                            now)
             elif m.state != P.STATE_UNLOADING:
                 m.abandoned = True
                 self._expire_queue(m, now)
-        if self.lifecycle is not None:
-            self.lifecycle.exited(slot if isinstance(slot, int) else None, now)
+        self.lifecycle.exited(slot if isinstance(slot, int) else None, now)
 
     def tick(self, now: float) -> None:
         """Heartbeats out, silent workers dropped, queued requests of workerless models expired."""
@@ -423,8 +413,7 @@ class Dispatch:
                 m.orphan_since = None
             else:
                 self._expire_queue(m, now)
-        if self.lifecycle is not None:
-            self.lifecycle.tick(now)
+        self.lifecycle.tick(now)
 
     def _expire_queue(self, m: ModelEntry, now: float) -> None:
         loading = m.state == P.STATE_LOADING
@@ -436,7 +425,7 @@ class Dispatch:
             if m.abandoned or now - since >= wait:
                 m.queue.remove(p)
                 self.no_worker += 1
-                self._fail(p, P.NO_WORKER, f"no worker served model {m.name!r} (ID {m.model_id}) within "
+                self.fail(p, P.NO_WORKER, f"no worker served model {m.name!r} (ID {m.model_id}) within "
                                            f"{'load_timeout' if loading else 'restart_wait'} ({wait:g}s){why}")
 
     def shutdown_messages(self) -> None:
@@ -446,10 +435,7 @@ class Dispatch:
     # --- admin -----------------------------------------------------------------------------------
     def models_info(self) -> list[dict]:
         """One entry per model ID; with a supervisor, also one per variant with no copy (`id` None)."""
-        life = self.lifecycle
-        if life is None:
-            return [self.registry.model_info(m, 0, self.wall) for m in self.models.values()]
-        return [*(life.info(m) for m in self.models.values()), *life.catalog.available(self.by_name)]
+        return self.lifecycle.models_info()
 
     def status(self) -> dict:
         return {
@@ -462,5 +448,5 @@ class Dispatch:
             "stray": self.stray,
             "no_worker": self.no_worker,
             "internal_errors": self.internal_errors,
-            **({"models": self.lifecycle.status()} if self.lifecycle is not None else {}),
+            **self.lifecycle.status(),
         }

@@ -13,6 +13,11 @@ the outbox, to a client, a worker or the supervisor.
 - A request naming a variant with no copy loads one (`autoload`): the first request starts the
   load, and it and every later one queue on the new copy until it serves, for up to
   `load_timeout`.
+
+The dispatch calls a lifecycle through ModelLifecycle's methods only, and always has one: a
+deployment without a supervisor to start and stop workers (a router started alone, or with
+--router) has StaticLifecycle, whose models are those it started with. The lifecycle reaches the
+dispatch's model table, workers and requests through LifecycleHost.
 """
 
 from __future__ import annotations
@@ -26,6 +31,91 @@ from routing.registry import ModelEntry, WorkerRegistry
 from routing.residency import CopySize, NoMemory, Placement, Residency, Resident
 from workers.spec import ModelSpec, WorkerSpec
 from workers.validate import is_int
+
+
+class LifecycleHost(Protocol):
+    """What a lifecycle shares with the dispatch that owns it (routing.dispatch.Dispatch)."""
+
+    models: dict[int, ModelEntry]  # by model ID: a load adds its copies, a copy that is gone leaves
+    by_name: dict[str, list[int]]  # the copies that serve each name (an unloading copy has left it)
+    registry: WorkerRegistry
+    outbox: object  # routing.dispatch.Outbox
+    pending: dict  # the requests in flight by key (routing.dispatch.Pending)
+    wall: float  # monotonic times + wall = Unix times
+
+    def log(self, line: str) -> None: ...
+
+    def fail(self, p, code: str, message: str) -> None:
+        """Answer a pending request with an error and forget it."""
+
+
+class ModelLifecycle(Protocol):
+    """What the dispatch asks of a lifecycle: client loads and unloads, a request naming a model with
+    no copy, and what it hears of workers and the clock."""
+
+    def load(self, client: bytes, msg: dict, now: float) -> None: ...
+
+    def unload(self, client: bytes, msg: dict, now: float) -> None: ...
+
+    def autoload(self, name, rid, now: float) -> list[int] | None: ...
+
+    def touch(self, model_id: int, now: float) -> None: ...
+
+    def loaded(self, model_id: int, now: float) -> None: ...
+
+    def load_failed(self, model_id: int, why: str, now: float) -> None: ...
+
+    def exited(self, slot: int | None, now: float) -> None: ...
+
+    def tick(self, now: float) -> None: ...
+
+    def models_info(self) -> list[dict]: ...
+
+    def status(self) -> dict: ...
+
+
+class StaticLifecycle:
+    """The lifecycle of a deployment whose models are fixed: with no supervisor to start and stop
+    workers, loads and unloads are refused, and the models are those it started with."""
+
+    def __init__(self, host: LifecycleHost):
+        self.host = host
+
+    def load(self, client: bytes, msg: dict, now: float) -> None:
+        self._refuse("load", msg)
+
+    def unload(self, client: bytes, msg: dict, now: float) -> None:
+        self._refuse("unload", msg)
+
+    @staticmethod
+    def _refuse(what: str, msg: dict) -> None:
+        raise P.ProtocolError(f"this router cannot {what} models: it has no supervisor to start and stop "
+                              "workers (a router started alone, or with --router)", P.NOT_SUPPORTED, msg.get("id"))
+
+    def autoload(self, name, rid, now: float) -> list[int] | None:
+        return None
+
+    def touch(self, model_id: int, now: float) -> None:
+        pass
+
+    def loaded(self, model_id: int, now: float) -> None:
+        pass
+
+    def load_failed(self, model_id: int, why: str, now: float) -> None:
+        pass  # never loading: its models serve from the start or wait restart_wait for a worker
+
+    def exited(self, slot: int | None, now: float) -> None:
+        pass
+
+    def tick(self, now: float) -> None:
+        pass
+
+    def models_info(self) -> list[dict]:
+        h = self.host
+        return [h.registry.model_info(m, 0, h.wall) for m in h.models.values()]
+
+    def status(self) -> dict:
+        return {}
 
 
 class Placer(Protocol):
@@ -114,25 +204,27 @@ class Stats:
 
 
 class Lifecycle:
-    def __init__(self, catalog: Catalog, config, models: dict[int, ModelEntry], by_name: dict[str, list[int]],
-                 registry: WorkerRegistry, outbox, pending: dict, fail, log, wall: float):
+    """Models at run time within the catalog's budgets (ModelLifecycle's methods)."""
+
+    def __init__(self, catalog: Catalog, config, host: LifecycleHost):
         self.catalog, self.config = catalog, config
-        self.models, self.by_name, self.registry, self.outbox = models, by_name, registry, outbox
-        self.pending = pending  # the dispatch's requests by key
-        self.fail = fail  # the dispatch's: answer a pending request with an error and forget it
-        self.log = log
+        # the dispatch's model table, workers and requests, which loads and unloads change
+        self.models, self.by_name, self.registry, self.outbox = host.models, host.by_name, host.registry, host.outbox
+        self.pending = host.pending
+        self.fail = host.fail
+        self.log = host.log
         self.residency = Residency(dict(catalog.budgets))
-        for mid, m in models.items():
+        for mid, m in self.models.items():
             m.pinned = m.spec.pin
             if mid in catalog.sizes:
                 self.residency.add(Resident(mid, catalog.sizes[mid], m.pinned))
-        self.next_id = max(models, default=-1) + 1
-        self.waiters = Waiters(outbox)
+        self.next_id = max(self.models, default=-1) + 1
+        self.waiters = Waiters(self.outbox)
         self.deferred: list[int] = []  # loading copies waiting for room (model IDs, in order)
         self.blocked: dict[int, set[int]] = {}  # slot -> the leaving copies it starts after
         self.stopping: dict[int, set[int]] = {}  # model ID -> its slots told to stop, not yet exited
         self.stats = Stats()
-        self.wall = wall  # the dispatch's: monotonic times + wall = Unix times
+        self.wall = host.wall
 
     # --- requests from clients -------------------------------------------------------------------
     def load(self, client: bytes, msg: dict, now: float) -> None:
@@ -388,10 +480,14 @@ class Lifecycle:
     def info(self, m: ModelEntry) -> dict:
         return self.registry.model_info(m, self.residency.resident_bytes(m.model_id), self.wall)
 
+    def models_info(self) -> list[dict]:
+        """One entry per model ID, and one per variant with no copy (`id` None)."""
+        return [*(self.info(m) for m in self.models.values()), *self.catalog.available(self.by_name)]
+
     def status(self) -> dict:
         res = self.residency
-        return {**self.stats.as_dict(), "budgets": res.budgets, "resident_bytes": res.by_device(),
-                "models": {str(mid): res.resident_bytes(mid) for mid in sorted(res.copies)}}
+        return {"models": {**self.stats.as_dict(), "budgets": res.budgets, "resident_bytes": res.by_device(),
+                           "models": {str(mid): res.resident_bytes(mid) for mid in sorted(res.copies)}}}
 
     # --- helpers -----------------------------------------------------------------------------------
     def _known(self, name, rid) -> ModelSpec:

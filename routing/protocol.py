@@ -49,10 +49,9 @@ requests in flight), refused (the router refused the CurveZMQ handshake).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
-
-from workers.validate import out_of_range, range_error
 
 VERSION = 1
 # where a router listens when nothing else is said: clients connect to the frontend, workers to the backend
@@ -120,6 +119,29 @@ class ProtocolError(ValueError):
         self.code = code
         self.request_id = request_id
         self.param = param
+
+
+# the integers a message carries (msgpack's int64 and uint64); JSON and YAML have no such limit
+INT_MIN, INT_MAX = -2**63, 2**64 - 1
+
+
+def out_of_range(value: Any) -> list | None:
+    """The key path to the first integer outside [INT_MIN, INT_MAX] in a value of maps and lists,
+    or None where there is none."""
+    if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
+        return []
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        path = out_of_range(item)
+        if path is not None:
+            return [key, *path]
+    return None
+
+
+def range_error(path: list) -> str:
+    """The message for out_of_range's path: `params.seed is out of range: ...`, `prompt[0] ...`."""
+    where = str(path[0]) + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path[1:])
+    return f"{where} is out of range: integers must be within [{INT_MIN}, {INT_MAX}]"
 
 
 def pack(msg: dict) -> bytes:

@@ -83,3 +83,26 @@ def test_the_command_line_gateway_and_clients_start_without_torch():
              "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# what the worker takes from routing/: the wire protocol and the CurveZMQ helpers, which are the
+# bottom layer both sides share and import nothing of either
+WIRE = {"routing.protocol", "routing.security"}
+
+
+def _package_edges() -> list[tuple[str, str]]:
+    known = modules()
+    return [(m, dep) for m, path in known.items() for dep, _ in imports(path, known)]
+
+
+def test_workers_take_only_the_wire_from_routing():
+    edges = _package_edges()
+    taken = sorted({f"{m} -> {dep}" for m, dep in edges
+                    if m.startswith("workers") and dep.split(".")[0] == "routing" and dep not in WIRE | {"routing"}})
+    assert not taken, taken
+    wire_deps = sorted({f"{m} -> {dep}" for m, dep in edges if m in WIRE and dep.split(".")[0] in ("workers", "fusion")})
+    assert not wire_deps, wire_deps
+    # the rest of routing/ may use workers/ (the specs it assigns, the checks it shares); never the reverse
+    both = {(m, dep) for m, dep in edges if m.split(".")[0] != dep.split(".")[0]
+            and (dep, m) in set(edges)}
+    assert not both, sorted(both)

@@ -105,7 +105,7 @@ def test_equal_length_prompts_attend_as_one_batch(arch):
 
     segs = [Segment(0, 5, 0), Segment(5, 5, 0), Segment(10, 2, 0), Segment(12, 5, 0),
             Segment(17, 5, 9)]  # the last is a later chunk of a prompt: attended alone
-    ctx = StepContext(0, 22, [], segs)
+    ctx = StepContext(0, 22, [], segs, position={}, windows=[None])
     groups, alone = ctx.whole_prompt_groups(None, "cpu")
     assert [(t.tolist(), n) for t, n in groups] == [([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 14, 15, 16], 5)]
     assert alone == [2, 4]

@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from routing.protocol import out_of_range, range_error
 from workers.buckets import Buckets, compile_mode
 from workers.config_keys import MODEL, REQUIRED, SAMPLING_DEFAULTS, parse_size
 from workers.devices import check_device
-from workers.validate import check_int, is_int, out_of_range, range_error
+from workers.validate import check_int, is_int
 
 
 def _default(name: str) -> Any:

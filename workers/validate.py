@@ -20,29 +20,6 @@ class ParamError(ValueError):
         self.param = param
 
 
-# the integers a message carries (msgpack's int64 and uint64); JSON and YAML have no such limit
-INT_MIN, INT_MAX = -2**63, 2**64 - 1
-
-
-def out_of_range(value: Any) -> list | None:
-    """The key path to the first integer outside [INT_MIN, INT_MAX] in a value of maps and lists,
-    or None where there is none."""
-    if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
-        return []
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
-    for key, item in items:
-        path = out_of_range(item)
-        if path is not None:
-            return [key, *path]
-    return None
-
-
-def range_error(path: list) -> str:
-    """The message for out_of_range's path: `params.seed is out of range: ...`, `prompt[0] ...`."""
-    where = str(path[0]) + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path[1:])
-    return f"{where} is out of range: integers must be within [{INT_MIN}, {INT_MAX}]"
-
-
 def is_int(x: Any, low: int | None = None) -> bool:
     """An int (not a bool), at least `low` when given."""
     return isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)
