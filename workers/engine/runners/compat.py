@@ -4,15 +4,22 @@ LM, at batch-1 speed. The scheduler still counts its blocks, so the budget holds
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from workers.engine.runners.base import Runner, chunk_tokens, kept_rows
 from workers.engine.scheduler import Chunk
 from workers.engine.sequence import Sequence
+from workers.weights.loaded_model import LoadedModel
+
+if TYPE_CHECKING:
+    from workers.engine.kv_cache import CacheLayout
+    from workers.platform import Platform
 
 
 class CompatRunner(Runner):
-    def __init__(self, lm, platform, layout):
+    def __init__(self, lm: LoadedModel, platform: Platform, layout: CacheLayout):
         super().__init__(lm, platform, layout)
         self.caches: dict[int, object] = {}  # by sequence id
 
