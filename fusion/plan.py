@@ -184,9 +184,12 @@ def weight_bytes(source: str, wbytes: int) -> int:
 
 def packed_bytes(weights: int, prec: Precision) -> int:
     """A lean worker's own packed linears (every linear, the LM head included: about all the
-    weights), from the weights' bytes: oneDNN's in the compute dtype, FBGEMM's in float16."""
-    from workers.precision import FP16, ONEDNN
+    weights), from the weights' bytes: oneDNN's in the compute dtype, FBGEMM's in float16, a GPU's
+    fused copies in the weights' dtype."""
+    from workers.precision import FP16, FUSED, ONEDNN
 
+    if prec.linears == FUSED:  # a GPU's fused q/k/v and gate/up copies: most of the weights (errs high)
+        return weights
     if prec.linears == ONEDNN:
         return weights * _bytes(prec.compute) // _bytes(prec.weights)
     if prec.linears == FP16:

@@ -235,9 +235,12 @@ def test_the_plan_counts_cuda_contexts_and_each_owner(monkeypatch):
     monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 64 * 2**30)
     fusion, plan = _plan("cuda:0", 3)  # three llama copies share an owner; gpt2 has one of its own
     ws = plan.workers
-    assert all(w.est_bytes == w.weight_bytes + w.kv_cache_bytes + CUDA_WORKER_OVERHEAD_BYTES for w in ws)
+    assert all(w.est_bytes == w.weight_bytes + w.packed_bytes + w.kv_cache_bytes + CUDA_WORKER_OVERHEAD_BYTES
+               for w in ws)
+    # the llama copies' lean forward holds fused q/k/v and gate/up copies of its own; gpt2 none
+    assert ws[0].packed_bytes == ws[0].weight_bytes and ws[1].packed_bytes == ws[0].weight_bytes
     weights = ws[0].weight_bytes + ws[3].weight_bytes  # once per owner
-    assert plan.devices["cuda:0"]["estimated_bytes"] == (sum(w.kv_cache_bytes for w in ws) + weights
+    assert plan.devices["cuda:0"]["estimated_bytes"] == (sum(w.kv_cache_bytes + w.packed_bytes for w in ws) + weights
                                                          + 4 * CUDA_WORKER_OVERHEAD_BYTES + 2 * CUDA_OWNER_OVERHEAD_BYTES)
     _, cpu = _plan("cpu", 3)
     assert all(w.est_bytes == w.weight_bytes + w.packed_bytes + w.kv_cache_bytes + OVERHEAD_BYTES for w in cpu.workers)

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from workers.config_keys import FLOAT32_LEAN, KV_AUTO_SHARE
+from workers.config_keys import FLOAT32_LEAN, KV_AUTO_SHARE, LEAN_ARCHITECTURES
 from workers.devices import CPU, CUDA, DeviceKind, device_kind
-from workers.precision import PLAIN, Precision, cpu_auto_weights, cpu_precision, named_dtype
+from workers.precision import FUSED, PLAIN, Precision, cpu_auto_weights, cpu_precision, named_dtype
 
 if TYPE_CHECKING:
     from workers.weights.loaded_model import LoadedModel
@@ -50,6 +50,8 @@ class Platform(ABC):
     # each bucket's compiled layer graph is captured and replayed as a CUDA graph
     # (workers.engine.compiled.GraphReplay)
     cuda_graphs: ClassVar[bool] = False
+    # the model classes whose lean forward this device runs (prepack_weights)
+    lean_architectures: ClassVar[tuple[str, ...]] = ()
 
     # --- the rules, before anything loads --------------------------------------------------------
     @staticmethod
@@ -61,11 +63,6 @@ class Platform(ABC):
     @abstractmethod
     def compute(weights: torch.dtype, lean: bool) -> Precision:
         """How weights of this dtype compute here, on the lean forward or transformers' modules."""
-
-    @staticmethod
-    def has_lean() -> bool:
-        """Whether this device runs the lean forward at all (prepack_weights asks for it)."""
-        return False
 
     # --- at load ---------------------------------------------------------------------------------
     @abstractmethod
@@ -90,6 +87,7 @@ class Platform(ABC):
 class CpuPlatform(Platform):
     kind: ClassVar[DeviceKind] = CPU
     attention: ClassVar[str] = "cpu"  # the C++ kernels (workers.engine.cpu_kernels)
+    lean_architectures: ClassVar[tuple[str, ...]] = LEAN_ARCHITECTURES
 
     @staticmethod
     def auto_weights(lean: bool) -> torch.dtype:
@@ -98,10 +96,6 @@ class CpuPlatform(Platform):
     @staticmethod
     def compute(weights: torch.dtype, lean: bool) -> Precision:
         return cpu_precision(weights, lean)
-
-    @staticmethod
-    def has_lean() -> bool:
-        return True
 
     def free_bytes(self) -> int:
         import psutil
@@ -120,11 +114,14 @@ class CpuPlatform(Platform):
 
 @dataclass(frozen=True, slots=True)
 class CudaPlatform(Platform):
-    """Not yet run on a GPU in this form (docs/architecture.md): its runner is the packed one with
-    piecewise CUDA graphs, on the PyTorch attention path."""
+    """Not yet run on a GPU in this form (docs/operations.md): the Llama family runs the device's
+    lean forward with each decode step one CUDA graph (workers.engine.runners.cuda); other models
+    run transformers' modules with piecewise CUDA graphs, on the PyTorch attention path."""
 
     kind: ClassVar[DeviceKind] = CUDA
     cuda_graphs: ClassVar[bool] = True
+    # the Llama family (workers.engine.device_lean); Gemma 3 keeps transformers' modules here
+    lean_architectures: ClassVar[tuple[str, ...]] = tuple(a for a in LEAN_ARCHITECTURES if a not in FLOAT32_LEAN)
 
     @staticmethod
     def auto_weights(lean: bool) -> torch.dtype:
@@ -132,7 +129,7 @@ class CudaPlatform(Platform):
 
     @staticmethod
     def compute(weights: torch.dtype, lean: bool) -> Precision:
-        return Precision(weights, weights, PLAIN)
+        return Precision(weights, weights, FUSED if lean else PLAIN)
 
     def free_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.device)[0]
@@ -153,28 +150,30 @@ def weights_dtype(dtype: str | torch.dtype, device: torch.device | str, lean: bo
     if named is not None:
         return named
     cls = platform_class(device)
-    return cls.auto_weights(lean and cls.has_lean())
+    return cls.auto_weights(lean and bool(cls.lean_architectures))
 
 
 def load_dtype(dtype: str | torch.dtype, device: torch.device | str, prepack: bool, source: str | None) -> torch.dtype:
     """The dtype `source`'s weights load in: `auto` counts the lean forward where the source is
     known to be of its family."""
-    from workers.weights.sources import lean_source
+    from workers.weights.sources import architecture
 
-    return weights_dtype(dtype, device, prepack and source is not None and lean_source(source) is True)
+    lean = prepack and source is not None and architecture(source) in platform_class(device).lean_architectures
+    return weights_dtype(dtype, device, lean)
 
 
 def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str, prepack: bool) -> Platform:
     """The platform a worker of `source` will have, decided before loading it. A source whose
     family is unknown before loading counts as the lean forward's: the plan errs high (packed
     linears counted)."""
-    from workers.weights.sources import architecture, lean_source
+    from workers.weights.sources import architecture
 
     cls = platform_class(device)
     weights = load_dtype(dtype, device, prepack, source)
-    lean = prepack and cls.has_lean() and lean_source(source) is not False
+    arch = architecture(source)
+    lean = prepack and bool(cls.lean_architectures) and (arch is None or arch in cls.lean_architectures)
     prec = cls.compute(weights, lean)
-    if lean and prec.compute != torch.float32 and architecture(source) in FLOAT32_LEAN:
+    if lean and prec.compute != torch.float32 and arch in FLOAT32_LEAN:
         lean, prec = False, cls.compute(weights, False)  # that family's lean forward is float32 only
     return cls(torch.device(device), prec, lean)
 
@@ -183,7 +182,8 @@ def for_model(lm: LoadedModel, prepack: bool) -> Platform:
     """The platform of a loaded model: the lean forward runs where `prepack` asks, the device has
     it, and the model's own class and config allow it (workers.lean_rules.unsupported)."""
     cls = platform_class(lm.device)
-    lean = prepack and cls.has_lean() and getattr(lm.model, "_supports_attention_backend", False)
+    lean = (prepack and type(lm.model).__name__ in cls.lean_architectures
+            and getattr(lm.model, "_supports_attention_backend", False))
     if lean:
         from workers.lean_rules import unsupported
 

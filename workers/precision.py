@@ -34,6 +34,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
           "float16": torch.float16}
 HALF = (torch.bfloat16, torch.float16)
 ONEDNN, FP16, PLAIN = "onednn", "fp16", "plain"  # how the lean forward's linears run
+FUSED = "fused"  # on a GPU: fused copies of the q/k/v and gate/up weights, in the weights' dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,8 @@ class Precision:
     weights: torch.dtype  # the parameters as loaded (shared between copies)
     compute: torch.dtype  # activations, the KV cache and logits
     # the lean forward's linears: "onednn" prepacked for oneDNN in the compute dtype; "fp16" FBGEMM's
-    # packed float16 weights with float32 math; "plain" F.linear on the weights
+    # packed float16 weights with float32 math; "fused" (GPU) F.linear on fused copies; "plain"
+    # F.linear on the weights
     linears: str
 
     @property

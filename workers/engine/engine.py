@@ -86,16 +86,17 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None,
-                 attention: AttentionBackend | None = None):
+                 attention: AttentionBackend | None = None, platform: Platform | None = None):
         """`attention`: the attention kernels to run instead of those the platform chooses for the
-        device (a device's own kernel, a checked one in a test)."""
+        device (a device's own kernel, a checked one in a test); `platform`: the device's decisions,
+        made here from the model when not given (workers.platform.for_model)."""
         self.config = cfg = config or EngineConfig()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.lm = lm
         self.tokenizer = lm.tokenizer
         # everything that depends on the device, decided once (workers.platform)
-        self.platform: Platform = for_model(lm, cfg.prepack_weights)
+        self.platform: Platform = platform or for_model(lm, cfg.prepack_weights)
         self.precision = self.platform.precision
         self.runner = self._runner(lm, attention)
         layout = self.runner.layout
@@ -107,6 +108,7 @@ class Engine:
         self.attention_span = self.runner.attention_span()
         self.scheduler = Scheduler(cfg.scheduler_config(self.attention_span, self.runner.min_long_chunk()), blocks)
         self.compile_info = prepare(self.runner, lm, cfg.compile, cfg.buckets())
+        self.runner.capture_graphs()
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
         self._seed_rng = random.Random()
@@ -126,7 +128,7 @@ class Engine:
                                    prefix_caching=holder is not None)
         if holder is not None and backend is None:
             backend = select(self.platform, kv_dims(lm)[1])
-        return make_runner(self.platform, lm, holder, layout, backend)
+        return make_runner(self.platform, lm, holder, layout, backend, cfg.max_batch_size)
 
     def stats(self) -> dict:
         """The KV cache as status and /metrics show it."""

@@ -57,8 +57,10 @@ class CacheLayout:
 
 class PagedKVCache:
     def __init__(self, layout: CacheLayout, kv_heads: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        groups, num_blocks, block_size = layout.groups, layout.num_blocks, layout.block_size
+                 device: torch.device, extra_blocks: int = 0):
+        """`extra_blocks`: blocks past the layout's, which the scheduler never hands out (a runner's
+        dummy block for padded rows)."""
+        groups, num_blocks, block_size = layout.groups, layout.num_blocks + extra_blocks, layout.block_size
         self.groups, self.num_blocks, self.block_size = groups, num_blocks, block_size
         self.position = groups.position_of()  # layer -> (group, index in the group's storage)
         shape = (groups.layers_per_group, num_blocks, kv_heads, block_size)

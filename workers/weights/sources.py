@@ -16,7 +16,6 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers.config_keys import LEAN_ARCHITECTURES
 from workers.files import cache_root
 
 if TYPE_CHECKING:
@@ -60,12 +59,6 @@ def architecture(source: str) -> str | None:
         archs = json.loads(config.read_text()).get("architectures") or []
         return archs[0] if archs else None
     return None
-
-
-def lean_source(source: str) -> bool | None:
-    """Whether a source's model is of the lean forward's family; None when unknown before loading."""
-    arch = architecture(source)
-    return None if arch is None else arch in LEAN_ARCHITECTURES
 
 
 def gguf_architecture(path: Path) -> str | None:

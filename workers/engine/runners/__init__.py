@@ -25,9 +25,9 @@ RUNNERS: dict[str, type[PagedRunner]] = {CPU.name: CpuRunner, CUDA.name: CudaRun
 
 
 def make_runner(platform: Platform, lm: LoadedModel, holder: ContextHolder | None, layout: CacheLayout,
-                backend: AttentionBackend | None) -> Runner:
+                backend: AttentionBackend | None, max_batch_size: int) -> Runner:
     """The runner of `lm` on `platform`: its device's packed runner, or the compat runner where the
     model's attention is its own (`holder` None)."""
     if holder is None:
         return CompatRunner(lm, platform, layout)
-    return RUNNERS[platform.kind.name](lm, platform, holder, layout, backend)
+    return RUNNERS[platform.kind.name](lm, platform, holder, layout, backend, max_batch_size)

@@ -103,6 +103,9 @@ class Runner(ABC):
     def warm_up(self) -> None:  # noqa: B027 - nothing to build ahead for an eager runner
         """Build what the first steps would otherwise build (compiled graphs of every bucket)."""
 
+    def capture_graphs(self) -> None:  # noqa: B027 - a device without graphs captures nothing
+        """Capture the device graphs its steps replay, before the first request."""
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
         for seq in plan.preempted:

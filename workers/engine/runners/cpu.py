@@ -27,8 +27,8 @@ LEAN_NOT_COMPILED = ("the lean forward runs this model (prepack_weights), faster
 
 class CpuRunner(PagedRunner):
     def __init__(self, lm: LoadedModel, platform: Platform, holder: attention.ContextHolder, layout: CacheLayout,
-                 backend: AttentionBackend):
-        super().__init__(lm, platform, holder, layout, backend)
+                 backend: AttentionBackend, max_batch_size: int = 64):
+        super().__init__(lm, platform, holder, layout, backend, max_batch_size)
         # the lean forward on packed weights, where the platform runs it (the model's family has one)
         self.lean: LeanLlama | None = (lean_forward(lm.model, platform.precision, cpu_kernels.kernel_module())
                                        if platform.lean else None)

@@ -31,8 +31,11 @@ if TYPE_CHECKING:
 
 class PagedRunner(Runner):
     def __init__(self, lm: LoadedModel, platform: Platform, holder: attention.ContextHolder, layout: CacheLayout,
-                 backend: AttentionBackend):
+                 backend: AttentionBackend, max_batch_size: int = 64, extra_blocks: int = 0):
+        """`max_batch_size`: the most sequences a step holds; `extra_blocks`: pool blocks of the
+        runner's own, past the layout's."""
         super().__init__(lm, platform, layout)
+        self.max_batch_size = max_batch_size
         self.holder = holder
         self._backend = backend
         self.compiled: CompiledLayers | None = None
@@ -40,7 +43,7 @@ class PagedRunner(Runner):
         # new blocks are left unzeroed where every kernel that serves reads only a row's own positions
         self.unzeroed = False
         # the KV cache in the compute dtype (float32 where 16-bit weights compute in float32)
-        self.cache = PagedKVCache(layout, *kv_dims(lm), platform.precision.compute, lm.device)
+        self.cache = PagedKVCache(layout, *kv_dims(lm), platform.precision.compute, lm.device, extra_blocks)
 
     @property
     def backend(self) -> AttentionBackend:

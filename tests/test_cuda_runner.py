@@ -1,0 +1,147 @@
+"""The CUDA runner's decode step, run on the CPU: the same step function its graphs capture, eagerly,
+with the reference paged ops (workers.engine.paged_ops). Its buckets and padding, its persistent
+buffers, the device sampler against the host's, and greedy tokens against transformers. On a GPU
+the last test captures the graphs for real."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from support.models import hf_greedy, tiny
+
+from workers.engine import Engine, EngineConfig
+from workers.engine.device_sampler import SamplingRows, sample_tokens, uniforms
+from workers.engine.params import SamplingParams
+from workers.engine.runners.cuda import CudaRunner, decode_buckets
+from workers.engine.sampler import SampleSpec, sample, uniform
+from workers.platform import CudaPlatform
+
+
+def _greedy(m: int) -> SamplingParams:
+    return SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+
+
+def _engine(lm, device: str = "cpu", **cfg) -> Engine:
+    """An engine whose platform is CUDA's, on `device` (the CPU: reference ops, no graphs)."""
+    platform = CudaPlatform(torch.device(device), CudaPlatform.compute(lm.dtype, True), lean=True)
+    cfg = {"max_batch_size": 6, "max_batch_tokens": 64, "kv_block_size": 4, "kv_cache_memory": 4 << 20, **cfg}
+    return Engine(lm, EngineConfig(**cfg), platform=platform)
+
+
+def test_buckets_cover_every_batch_up_to_the_largest():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(6) == [1, 2, 4, 6]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    eng = _engine(tiny("llama", dtype="float32"))
+    runner = eng.runner
+    assert isinstance(runner, CudaRunner) and runner.device_lean is not None
+    assert [runner.bucket(n) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
+    assert runner.cache.keys.shape[1] == eng.scheduler.blocks.num_blocks + 1  # the dummy block
+    assert eng.compile_info.reason.startswith("its decode steps run as captured CUDA graphs")
+
+
+def test_greedy_tokens_equal_transformers_and_buffers_stay_put():
+    """A mixed batch (prefill chunks, then decode steps of 1 to 6 rows, padded up to buckets of 2,
+    4 and 6) gives transformers' greedy tokens, and the decode buffers never move."""
+    lm = tiny("llama", dtype="float32")
+    eng = _engine(lm)
+    buf = eng.runner.buffers
+    addresses = [t.data_ptr() for t in (buf.device_inputs, buf.tokens, buf.logits, eng.runner.cache.keys)]
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (3, 9, 1, 17, 5)]
+    max_tokens = [7, 3, 12, 5, 9]
+    decode_rows: list[int] = []
+    step = eng.runner._decode_step
+    eng.runner._decode_step = lambda seqs: decode_rows.append(len(seqs)) or step(seqs)
+    outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
+    for p, m, o in zip(prompts, max_tokens, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, m)
+    assert {3, 5} & set(decode_rows)  # rows padded up to a bucket served
+    assert addresses == [t.data_ptr() for t in (buf.device_inputs, buf.tokens, buf.logits, eng.runner.cache.keys)]
+
+
+def test_padding_changes_no_output():
+    """The same three sequences decoded in a bucket of 4 and of 6 rows: the padded rows (the dummy
+    block, length 0) change neither their tokens nor their logits."""
+    lm = tiny("llama", dtype="float32")
+    results = []
+    for largest in (4, 6):
+        eng = _engine(lm, max_batch_size=largest)
+        eng.runner.buckets = [largest]  # every decode step in one bucket
+        for i, p in enumerate(([5, 6, 7], [9] * 6, [11, 3])):
+            eng.add_request(f"r{i}", p, _greedy(6))
+        logits = []
+        step = eng.runner._decode_step
+
+        def keep(seqs, step=step, logits=logits):
+            out, tokens = step(seqs)
+            logits.append(out.clone())
+            return out, tokens
+
+        eng.runner._decode_step = keep
+        tokens = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        results.append((tokens, logits))
+    (tok4, log4), (tok6, log6) = results
+    assert tok4 == tok6
+    assert len(log4) == len(log6) and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(log4, log6))
+
+
+def test_the_device_sampler_equals_the_host_sampler():
+    """Greedy, temperature, top_k and top_p rows together, one tensor op each: the host sampler's
+    tokens, row for row, and its uniform numbers bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    seeds = [0, 1, 2**63 - 1, 12345678901234, 7, 99]
+    got = uniforms(torch.tensor(seeds), torch.tensor([0, 3, 1, 0, 2, 5]), torch.tensor([0, 1, 7, 1000, 3, 2]))
+    want = [uniform(s, i, t) for s, i, t in zip(seeds, [0, 3, 1, 0, 2, 5], [0, 1, 7, 1000, 3, 2])]
+    assert got.tolist() == want
+    vocab = 50
+    settings = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 3, 0.5), (2.0, vocab, 1.0)]
+    for trial in range(20):
+        logits = torch.randn(len(settings), vocab, generator=gen) * 3
+        specs = [SampleSpec(i, t, k, p, 1000 + trial, i, trial, None, False) for i, (t, k, p) in enumerate(settings)]
+        want, _, _ = sample(logits, specs)
+        rows = SamplingRows.empty(len(settings), torch.device("cpu"))
+        rows.fill({"temperature": [s[0] for s in settings], "top_k": [s[1] for s in settings],
+                   "top_p": [s[2] for s in settings], "seed": [1000 + trial] * len(settings),
+                   "sample_index": list(range(len(settings))), "token_index": [trial] * len(settings)})
+        assert sample_tokens(logits, rows).tolist() == want, trial
+
+
+def test_seeded_sampling_and_logprobs_through_the_runner():
+    """Seeded random requests give the host engine's tokens (the same rule on the same logits);
+    a request for log-probabilities takes the host sampler, with its values."""
+    lm = tiny("llama", dtype="float32")
+    params = [SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)]
+    prompts = [[4, 5, 6], [7, 8], [9, 10, 11, 12]]
+    got = _engine(lm).generate(prompts, params)
+    want = Engine(lm, EngineConfig(max_batch_size=6, max_batch_tokens=64, kv_block_size=4)).generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert got[2].outputs[0].logprobs == pytest.approx(want[2].outputs[0].logprobs, abs=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_graphs_on_cuda_equal_eager_and_transformers():
+    """On a GPU: every bucket captured, the replayed steps' greedy tokens equal the same runner's
+    eager steps and transformers' generate."""
+    from workers.models import load_model
+
+    lm = load_model("tiny:llama", dtype="float32", device="cuda")
+    eng = _engine(lm, device="cuda")
+    assert set(eng.runner.graphs) == set(eng.runner.buckets)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (3, 9, 1, 17, 5)]
+    outs = eng.generate(prompts, [_greedy(10)] * len(prompts))
+    eager = _engine(lm, device="cuda")
+    eager.runner.graphs.clear()
+    again = eager.generate(prompts, [_greedy(10)] * len(prompts))
+    for p, o, a in zip(prompts, outs, again):
+        assert o.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(lm.model, p, 10)

@@ -1,0 +1,134 @@
+"""The Triton kernels of the paged ops against their PyTorch reference: block boundaries, sequences
+of length 1, windows, grouped query heads and padded rows (length 0, a skipped slot). Without a
+GPU they run on the CPU in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET before
+Triton is imported); on a GPU, compiled, on CUDA tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from workers.engine import paged_ops, triton_kernels  # noqa: E402
+
+BS = 4  # positions a block: small, so that sequences cross several block boundaries
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("Triton runs its kernels on a GPU, or on the CPU with TRITON_INTERPRET=1", allow_module_level=True)
+DEV = "cpu" if INTERPRETED else "cuda"
+
+
+def _kernel(fn, *args):
+    """The kernel on this machine's device, its tensor results back on the CPU."""
+    moved = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+    out = fn(*moved)
+    for a, m in zip(args, moved):  # the caches it wrote
+        if isinstance(a, torch.Tensor) and m is not a:
+            a.copy_(m.cpu())
+    return out.cpu() if isinstance(out, torch.Tensor) else out
+
+
+def _pool(blocks: int, kvh: int, d: int, dtype, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(blocks, kvh, BS, d, generator=gen).to(dtype),
+            torch.randn(blocks, kvh, BS, d, generator=gen).to(dtype))
+
+
+def _tables(lengths: list[int], width: int, blocks: int, gen) -> torch.Tensor:
+    """Each sequence's blocks, scattered over the pool (no two sequences share one)."""
+    order = torch.randperm(blocks, generator=gen).tolist()
+    rows = []
+    for n in lengths:
+        need = -(-n // BS)
+        rows.append(order[:need] + [0] * (width - need))
+        order = order[need:]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kvh,d", [(4, 2, 16), (3, 1, 24), (2, 2, 8)])
+def test_decode_attention_matches_the_reference(dtype, tol, heads, kvh, d):
+    """Decode: one row a sequence, lengths across block boundaries (1, BS, BS + 1, ...) and a
+    padded row of length 0, which gives zeros; the query heads of a KV head packed together
+    (3 heads over 1 KV head: a group that is not a power of two)."""
+    gen = torch.Generator().manual_seed(heads * 100 + d)
+    lengths = [1, BS, BS + 1, 3 * BS - 1, 0, 2 * BS]
+    width = 4
+    kc, vc = _pool(32, kvh, d, dtype, gen)
+    tables = _tables(lengths, width, 32, gen)
+    q = torch.randn(len(lengths), heads, d, generator=gen).to(dtype)
+    rows = torch.arange(len(lengths), dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    for window in (0, 3, BS + 2):
+        want = paged_ops.reference_attention(q, kc, vc, tables, rows, lens, d ** -0.5, window)
+        got = _kernel(triton_kernels.paged_attention, q, kc, vc, tables, rows, lens, d ** -0.5, window)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        assert not got[4].any()  # the padded row
+    # a row of length 1 sees only its own position: its output is that position's value
+    one = paged_ops.reference_attention(q, kc, vc, tables, rows, lens, d ** -0.5, 0)[0]
+    own = vc[tables[0, 0], :, 0].float().repeat_interleave(heads // kvh, 0)
+    torch.testing.assert_close(one.float(), own, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_extend_attention_matches_the_reference(dtype, tol):
+    """Prefill and extend: one row a token, each over its own sequence's prefix (causal by its
+    length), for a whole prompt from position 0 and a later chunk of another sequence, with a
+    padded token."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kvh, d = 4, 2, 16
+    kc, vc = _pool(24, kvh, d, dtype, gen)
+    seq_lengths = [7, 11]
+    tables = _tables(seq_lengths, 3, 24, gen)
+    # sequence 0 computes positions 0..6 (a whole prompt), sequence 1 a chunk at positions 5..10
+    rows = torch.tensor([0] * 7 + [1] * 6 + [0], dtype=torch.int32)
+    lens = torch.tensor([p + 1 for p in range(7)] + [p + 1 for p in range(5, 11)] + [0], dtype=torch.int32)
+    q = torch.randn(len(rows), heads, d, generator=gen).to(dtype)
+    for window in (0, 5):
+        want = paged_ops.reference_attention(q, kc, vc, tables, rows, lens, 0.3, window)
+        got = _kernel(triton_kernels.paged_attention, q, kc, vc, tables, rows, lens, 0.3, window)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        assert not got[-1].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_matches_the_reference(dtype):
+    """The write through a slot mapping, across block boundaries, with a skipped slot (< 0) that
+    writes nothing."""
+    gen = torch.Generator().manual_seed(9)
+    kvh, d = 2, 8
+    kc, vc = _pool(6, kvh, d, dtype, gen)
+    key = torch.randn(5, kvh, d, generator=gen).to(dtype)
+    value = torch.randn(5, kvh, d, generator=gen).to(dtype)
+    slots = torch.tensor([BS - 1, BS, 2 * BS + 1, -1, 5 * BS + 3])
+    want_k, want_v = kc.clone(), vc.clone()
+    paged_ops.reference_kv_write(key, value, want_k, want_v, slots)
+    _kernel(triton_kernels.kv_write, key, value, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert torch.equal(kc[1, :, 0], key[1]) and torch.equal(vc[5, :, 3], value[4])
+
+
+def test_the_ops_are_custom_ops_that_compile_and_check():
+    """The registered ops (the reference off CUDA) pass torch's op checks and compile whole."""
+    gen = torch.Generator().manual_seed(1)
+    kc, vc = _pool(8, 2, 8, torch.float32, gen)
+    tables = _tables([5, 2], 2, 8, gen)
+    q = torch.randn(2, 4, 8, generator=gen)
+    args = (q, kc, vc, tables, torch.arange(2, dtype=torch.int32), torch.tensor([5, 2], dtype=torch.int32), 0.5, 0)
+    torch.library.opcheck(torch.ops.mmfusion.paged_attention.default, args)
+    key, value = torch.randn(2, 2, 8, generator=gen), torch.randn(2, 2, 8, generator=gen)
+    torch.library.opcheck(torch.ops.mmfusion.kv_write.default, (key, value, kc.clone(), vc.clone(),
+                                                                 torch.tensor([3, 9])))
+
+    def step(q, k, v, kc, vc, tables, rows, lens, slots):
+        torch.ops.mmfusion.kv_write(k, v, kc, vc, slots)
+        return torch.ops.mmfusion.paged_attention(q, kc, vc, tables, rows, lens, 0.5, 0)
+
+    slots = torch.tensor([tables[0, 1].item() * BS, tables[1, 0].item() * BS + 1])
+    eager_kc, eager_vc = kc.clone(), vc.clone()
+    want = step(q, key, value, eager_kc, eager_vc, *args[3:6], slots)
+    got = torch.compile(step, fullgraph=True)(q, key, value, kc, vc, *args[3:6], slots)
+    assert torch.equal(got, want) and torch.equal(kc, eager_kc)

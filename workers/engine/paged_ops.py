@@ -1,0 +1,116 @@
+"""Paged attention and the KV write as tensor ops whose shapes never depend on the step's layout,
+for the CUDA runner's captured decode graph (workers.engine.runners.cuda) and its eager steps.
+
+Every argument is a tensor of a fixed shape: the step's layout is data (block tables, lengths,
+slots), never Python lists or branches, so one graph serves every step of a bucket.
+- `kv_write`: this step's keys and values into the pool through a slot mapping (block x
+  block_size + offset); a slot < 0 is skipped.
+- `paged_attention`: each query row attends over the cache positions [max(0, len - window), len)
+  of the sequence its block-table row names (`len` counts the row's own position, whose key is
+  already written). Decode is one row a sequence; prefill and extend are one row a token (its
+  position + 1 as `len`). A row of length 0 (a padded row) gives zeros.
+
+Two implementations, chosen once into a PagedOps object: the Triton kernels
+(workers.engine.triton_kernels: the query heads of a KV head packed together, float32
+accumulation, an online softmax over the row's blocks), and the PyTorch reference below, which
+the kernels are tested against (on the CPU under TRITON_INTERPRET=1) and which serves where Triton
+is not installed. Both are registered as torch custom ops (`mmfusion::paged_attention`,
+`mmfusion::kv_write`) that run the kernels on CUDA tensors and the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def reference_kv_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+    """key/value: [N, kvh, d]; key_cache/value_cache: one layer's pool [blocks, kvh, block_size, d];
+    slots: [N] (block x block_size + offset; < 0: skipped)."""
+    bs = key_cache.shape[2]
+    valid = slots >= 0
+    slots = slots[valid].long()
+    key_cache[slots // bs, :, slots % bs] = key[valid].to(key_cache.dtype)
+    value_cache[slots // bs, :, slots % bs] = value[valid].to(value_cache.dtype)
+
+
+def reference_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, scale: float,
+                        window: int) -> torch.Tensor:
+    """query: [T, H, d]; block_tables: [S, M]; rows: [T] (each query row's block-table row);
+    lengths: [T]; window: 0 for none. Returns [T, H, dv] in the query's dtype, float32 inside."""
+    t, heads, _ = query.shape
+    bs, kvh = key_cache.shape[2], key_cache.shape[1]
+    span = block_tables.shape[1] * bs  # every position a table can name: a static shape
+    pos = torch.arange(span, device=query.device)
+    blocks = block_tables.long()[rows.long()][:, pos // bs]  # [T, span]
+    k = key_cache[blocks, :, pos % bs].float()  # [T, span, kvh, d]
+    v = value_cache[blocks, :, pos % bs].float()
+    lengths = lengths.long()[:, None]
+    visible = pos[None, :] < lengths
+    if window > 0:
+        visible &= pos[None, :] >= lengths - window
+    q = query.float().view(t, kvh, heads // kvh, -1)
+    scores = torch.einsum("tkgd,tskd->tkgs", q, k) * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row of length 0: every score -inf
+    out = torch.einsum("tkgs,tskd->tkgd", probs, v)
+    return out.reshape(t, heads, v.shape[-1]).to(query.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedOps:
+    """The paged ops a runner calls, chosen once at load."""
+
+    name: str
+    kv_write: Callable[..., None]
+    attention: Callable[..., torch.Tensor]
+
+
+REFERENCE = PagedOps("reference", reference_kv_write, reference_attention)
+
+
+def have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def triton_ops() -> PagedOps:
+    """The Triton kernels (imported here, once: TRITON_INTERPRET is read when they are defined)."""
+    from workers.engine import triton_kernels
+
+    return PagedOps("triton", triton_kernels.kv_write, triton_kernels.paged_attention)
+
+
+def select_ops(device: torch.device) -> PagedOps:
+    """The kernels on a CUDA device where Triton is installed; the reference elsewhere."""
+    return triton_ops() if device.type == "cuda" and have_triton() else REFERENCE
+
+
+@torch.library.custom_op("mmfusion::kv_write", mutates_args=("key_cache", "value_cache"))
+def kv_write_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    select_ops(key.device).kv_write(key, value, key_cache, value_cache, slots)
+
+
+@kv_write_op.register_fake
+def _(key, value, key_cache, value_cache, slots):
+    return None
+
+
+@torch.library.custom_op("mmfusion::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, scale: float,
+                       window: int) -> torch.Tensor:
+    return select_ops(query.device).attention(query, key_cache, value_cache, block_tables, rows, lengths, scale,
+                                              window)
+
+
+@paged_attention_op.register_fake
+def _(query, key_cache, value_cache, block_tables, rows, lengths, scale, window):
+    return query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
