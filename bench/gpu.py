@@ -5,13 +5,20 @@
                  token for token, and the first differing position of the others);
   workload:      bench/engine.py's workload (64 requests, greedy, no early stop) in bf16: the engine
                  eager and compiled (CUDA graphs), and transformers' static batches of 32;
-  single_stream: one 64-token prompt, 128 new tokens, ms/token: engine eager, compiled, `generate`;
+  single_stream: one 64-token prompt, 128 new tokens, ms/token: engine eager, compiled, `generate`, and
+                 `generate` with a static cache (transformers compiles its forward as full CUDA
+                 graphs); the engine's decode graphs' capture time, and a decode step's host share
+                 (filling the inputs) against its device share (the copy in, the replay, the tokens out);
   deployment:    `run_mm.py --mode serve` with the HTTP gateway, --copies copies of the model in bf16
                  on one GPU sharing one weight owner: the plan (`validate_only`), the workload as
                  concurrent streaming HTTP requests (tokens/s), each copy's greedy answer to one
                  prompt (all equal?), and the GPU memory of every process (nvidia-smi) against the plan.
 
-    python bench/gpu.py [--model smollm2-135m] [--device cuda:0] [--copies 3] [--parts ...]
+    python bench/gpu.py [--model smollm2-135m] [--device cuda:0] [--copies 3] [--parts ...] [--random-weights]
+
+--random-weights builds a model of the source's shape with random weights (they run at the speed
+of the real ones), for a machine where the model's files are not at hand; parity then compares
+the engine with transformers on those weights.
 """
 
 from __future__ import annotations
@@ -41,6 +48,34 @@ from workers.engine.attention import hf_attention  # noqa: E402
 from workers.engine.params import SamplingParams  # noqa: E402
 from workers.models import load_model  # noqa: E402
 
+# the shapes --random-weights builds (transformers config keys)
+SHAPES = {"smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                               num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                               max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                               rope_parameters={"rope_type": "default", "rope_theta": 100000.0})}
+
+
+def random_weights(name: str, dest: Path) -> str:
+    """A model directory of `name`'s shape with random weights and the byte-level tiny tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workers.weights.tiny_tokenizer import tiny_tokenizer
+
+    if name not in SHAPES:
+        sys.exit(f"--random-weights knows the shapes of {sorted(SHAPES)}, not {name!r}")
+    kw = dict(SHAPES[name])
+    tok = tiny_tokenizer("llama")
+    config = AutoConfig.for_model(kw.pop("model_type"), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # the scale of trained weights: activations stay in range
+            p.mul_(0.5)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    return str(dest)
+
 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -51,11 +86,12 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
 
 
-def hf_greedy(model, prompt: list[int], new: int, device: str) -> list[int]:
+def hf_greedy(model, prompt: list[int], new: int, device: str, cache: str | None = None) -> list[int]:
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt], device=device),
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
-                             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                             cache_implementation=cache)
     return out[0, len(prompt):].tolist()
 
 
@@ -120,18 +156,42 @@ def speed(args) -> None:
             ms[compile] = min(timed_engine(lm, [prompt], [new], compile, args.device, batch=1, tokens=128)
                               for _ in range(args.repeats)) / new * 1e3
         with hf_attention(lm.model, "sdpa"):
-            hf_greedy(lm.model, prompt[:8], 2, args.device)
-            hf_ms = []
-            for _ in range(args.repeats):
-                sync(args.device)
-                t = time.perf_counter()
-                hf_greedy(lm.model, prompt, new, args.device)
-                sync(args.device)
-                hf_ms.append((time.perf_counter() - t) / new * 1e3)
+            hf_ms = {}
+            for cache in (None, "static"):  # static: transformers compiles the forward as CUDA graphs
+                hf_greedy(lm.model, prompt, new, args.device, cache)  # warm-up (the static one compiles)
+                hf_greedy(lm.model, prompt, new, args.device, cache)
+                times = []
+                for _ in range(args.repeats):
+                    sync(args.device)
+                    t = time.perf_counter()
+                    hf_greedy(lm.model, prompt, new, args.device, cache)
+                    sync(args.device)
+                    times.append((time.perf_counter() - t) / new * 1e3)
+                hf_ms[cache] = min(times)
+        split = decode_split(lm, prompt, new)
         emit(part="single_stream", engine_eager_ms_per_token=round(ms["false"], 2),
-             engine_compiled_ms_per_token=round(ms["true"], 2), transformers_generate_ms_per_token=round(min(hf_ms), 2),
+             engine_compiled_ms_per_token=round(ms["true"], 2), transformers_generate_ms_per_token=round(hf_ms[None], 2),
+             transformers_static_compiled_ms_per_token=round(hf_ms["static"], 2),
+             engine_vs_static_compiled=round(ms["false"] / hf_ms["static"], 3), **split,
              stream_prompt_tokens=len(prompt), stream_new_tokens=new, repeats=args.repeats,
              model=args.model, dtype="bfloat16", device=device_name(args.device))
+
+
+def decode_split(lm, prompt: list[int], new: int) -> dict:
+    """One stream on a fresh engine: its decode graphs' capture time, and per decode step the host's
+    share (filling the inputs) and the device's (copy in, replay, tokens out), in ms."""
+    t = time.perf_counter()
+    eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512))
+    start_s = time.perf_counter() - t
+    runner = eng.runner
+    if getattr(runner, "decode_steps", None) is None:  # a model without the device's lean forward
+        return {"decode_graphs": False}
+    eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    steps = max(1, runner.decode_steps)
+    return {"decode_graphs": bool(runner.graphs), "engine_start_s": round(start_s, 2),
+            "capture_s": round(runner.capture_seconds, 2), "decode_buckets": runner.buckets,
+            "decode_step_host_ms": round(runner.fill_seconds / steps * 1e3, 3),
+            "decode_step_device_ms": round(runner.replay_seconds / steps * 1e3, 3)}
 
 
 def gpu_memory_by_pid() -> dict[int, int]:
@@ -239,11 +299,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=49152, help="deployment: token ids of the workload below this")
     ap.add_argument("--parts", default="parity,workload,single_stream,deployment")
+    ap.add_argument("--random-weights", action="store_true", help="a model of --model's shape, random weights")
     args = ap.parse_args()
     args.parts = args.parts.split(",")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA device (--device cpu runs its parts on the CPU)")
     emit(**describe("gpu", sys.argv), gpu=device_name(args.device))
+    if args.random_weights:
+        import tempfile
+
+        tmp = tempfile.TemporaryDirectory(prefix="mmfusion-random-")
+        args.shape, args.model = args.model, random_weights(args.model, Path(tmp.name))
+        emit(random_weights=True, shape=args.shape)
     if "parity" in args.parts:
         parity(args)
     if {"workload", "single_stream"} & set(args.parts):

@@ -19,7 +19,7 @@ from workers.engine import Engine, EngineConfig, cpu_kernels
 from workers.engine.params import SamplingParams
 from workers.models import load_model
 from workers.platform import CpuPlatform, CudaPlatform, weights_dtype
-from workers.precision import FP16, ONEDNN, PLAIN, Precision
+from workers.precision import FP16, FUSED, ONEDNN, PLAIN, Precision
 
 ROOT = Path(__file__).resolve().parents[1]
 ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
@@ -62,7 +62,9 @@ def test_the_dtypes_each_cpu_kind_serves():
             assert CpuPlatform.compute(torch.bfloat16, True) == Precision(torch.bfloat16, torch.float32, FP16)
     # transformers' own modules compute in their weights' dtype, wherever they run
     assert CpuPlatform.compute(torch.bfloat16, False) == Precision(torch.bfloat16, torch.bfloat16, PLAIN)
-    assert CudaPlatform.compute(torch.float16, True) == Precision(torch.float16, torch.float16, PLAIN)
+    assert CudaPlatform.compute(torch.float16, False) == Precision(torch.float16, torch.float16, PLAIN)
+    # a GPU's lean forward: fused copies of q/k/v and gate/up in the weights' dtype
+    assert CudaPlatform.compute(torch.float16, True) == Precision(torch.float16, torch.float16, FUSED)
     assert CpuPlatform.compute(torch.float32, True).linears == ONEDNN
 
 

@@ -78,6 +78,14 @@ class EngineThread(threading.Thread):
         return self.output
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            engine, self.engine = self.engine, None
+            if engine is not None:
+                engine.close()
+
+    def _loop(self) -> None:
         while not self.stop.is_set():
             busy = self.engine is not None and self.engine.has_unfinished()
             try:

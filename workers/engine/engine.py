@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 from collections.abc import Iterable
@@ -129,6 +130,14 @@ class Engine:
         if holder is not None and backend is None:
             backend = select(self.platform, kv_dims(lm)[1])
         return make_runner(self.platform, lm, holder, layout, backend, cfg.max_batch_size)
+
+    def close(self) -> None:
+        """Let go of the model's tensors now, not at the interpreter's exit: weights attached from a
+        weight owner (CUDA IPC) go back to it while it still runs (workers.weights.owner)."""
+        self.runner = self.scheduler = None
+        self.lm = self.tokenizer = None
+        gc.collect()
+        self.platform.release()
 
     def stats(self) -> dict:
         """The KV cache as status and /metrics show it."""

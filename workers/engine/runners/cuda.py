@@ -111,6 +111,9 @@ class CudaRunner(PagedRunner):
         self.graphs_on = lm.device.type == "cuda" if graphs is None else graphs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
+        # decode steps, and their time filling the inputs (the host) and from the copy in to the
+        # tokens out (the device, with the launch): bench/gpu.py reports the shares
+        self.decode_steps, self.fill_seconds, self.replay_seconds = 0, 0.0, 0.0
 
     def compile_refusal(self) -> str | None:
         return GRAPHS_NOT_COMPILED if self.device_lean is not None else None
@@ -181,7 +184,9 @@ class CudaRunner(PagedRunner):
         """Run a decode step of `seqs` as its bucket's graph (or the same body eagerly): the logits
         of its rows (a view of the output buffer) and the sampled tokens."""
         n = self.bucket(len(seqs))
+        t0 = time.perf_counter()
         self._fill(seqs, n)
+        t1 = time.perf_counter()
         buf = self.buffers
         buf.device_inputs.copy_(buf.host_inputs, non_blocking=True)  # the step's one copy in
         if n in self.graphs:
@@ -191,6 +196,9 @@ class CudaRunner(PagedRunner):
         buf.host_tokens[:n].copy_(buf.tokens[:n], non_blocking=True)  # and its one copy out
         if self.graphs_on:
             torch.cuda.current_stream().synchronize()
+        self.decode_steps += 1
+        self.fill_seconds += t1 - t0
+        self.replay_seconds += time.perf_counter() - t1
         return buf.logits[: len(seqs)], buf.host_tokens[: len(seqs)].tolist()
 
     # --- a step ---------------------------------------------------------------------------------
