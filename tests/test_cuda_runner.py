@@ -62,6 +62,33 @@ def test_greedy_tokens_equal_transformers_and_buffers_stay_put():
     assert addresses == [t.data_ptr() for t in (buf.device_inputs, buf.tokens, buf.logits, eng.runner.cache.keys)]
 
 
+@pytest.mark.parametrize("arch,blocks", [("llama", 32), ("mistral", 31)])
+def test_preemption_windows_and_samples_on_the_runner(arch, blocks):
+    """A pool too small for the batch (preempted sequences come back from the prefix cache),
+    Mistral's sliding window (48) crossed by long prompts, and n=2 samples sharing a prompt's
+    blocks: transformers' greedy tokens throughout."""
+    from workers.engine.kv_cache import bytes_per_block
+    from workers.engine.runners.base import kv_dims
+
+    lm = tiny(arch, dtype="float32")
+    per_block = bytes_per_block(eng_groups(lm), 4, *kv_dims(lm), torch.float32)
+    eng = _engine(lm, max_batch_size=4, kv_cache_memory=blocks * per_block)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (3, 17, 60, 100)]
+    outs = eng.generate(prompts, _greedy(20))
+    assert eng.stats()["preemptions"] > 0 or arch == "mistral"  # its window keeps each sequence small
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 20)
+    two = eng.generate([prompts[1]], SamplingParams(max_tokens=6, n=2, temperature=0.0, ignore_eos=True))[0]
+    assert [c.token_ids for c in two.outputs] == [hf_greedy(lm.model, prompts[1], 6)] * 2
+
+
+def eng_groups(lm):
+    from support.models import cache_groups
+
+    return cache_groups(lm)
+
+
 def test_padding_changes_no_output():
     """The same three sequences decoded in a bucket of 4 and of 6 rows: the padded rows (the dummy
     block, length 0) change neither their tokens nor their logits."""

@@ -54,7 +54,10 @@ def reference_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     lengths = lengths.long()[:, None]
     visible = pos[None, :] < lengths
     if window > 0:
-        visible &= pos[None, :] >= lengths - window
+        visible = visible & (pos[None, :] >= lengths - window)
+    # positions a row does not see may hold anything (a block's stale memory, NaN among it): never read
+    k = torch.where(visible[:, :, None, None], k, 0.0)
+    v = torch.where(visible[:, :, None, None], v, 0.0)
     q = query.float().view(t, kvh, heads // kvh, -1)
     scores = torch.einsum("tkgd,tskd->tkgs", q, k) * scale
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
