@@ -236,8 +236,10 @@ def start_times(args) -> dict:
         out = subprocess.run(cmd, cwd=sys.path[0], capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    child("true")  # makes sure the artifacts exist (cold compile, or a warm one if they do)
+    made = child("true")  # makes sure the artifacts exist (cold compile, or a warm one if they do)
     eager = min(child("false")["start_s"] for _ in range(args.repeats))
+    if not made["compile"]["compiled"]:  # the lean forward serves this model: compile never applies
+        return {"eager_start_s": round(eager, 2), "compiled": False, "reason": made["compile"]["reason"]}
     warm = [child("auto") for _ in range(args.repeats)]
     assert all(w["compile"]["warm"] for w in warm), "auto did not start from the artifacts"
     best = min(w["start_s"] for w in warm)
