@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU checks as one prepared run of a few minutes, for a machine with a CUDA GPU: the CUDA
+# tests (the Triton kernels compiled, the decode graphs, the weight owner), then bench/gpu.py on a
+# model of SmolLM2's shape with random weights (no model files needed). Everything it prints goes
+# to $OUT (default ./gpu-out): versions.txt, cuda_tests.txt, gpu_bench.jsonl.
+#
+#   PYTHON=python3 bash bench/gpu_check.sh
+#
+# It needs the project's packages beside torch with CUDA and triton (requirements/lock.txt).
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+$py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee "$out/versions.txt"
+# one process, no xdist: the CUDA tests and the Triton kernels' tests (compiled on the GPU there)
+timeout 240 $py -m pytest -q -o addopts="" -p no:cacheprovider tests/test_triton_kernels.py tests/test_cuda_runner.py \
+    tests/test_compiled.py tests/test_scheduler.py tests/test_sampling.py tests/test_weight_owner.py \
+    -k "cuda or kernel or triton or custom_op" 2>&1 | tail -60 | tee "$out/cuda_tests.txt"
+timeout 330 $py bench/gpu.py --random-weights --repeats 2 2>"$out/gpu_bench.err" | tee "$out/gpu_bench.jsonl"
+tail -20 "$out/gpu_bench.err"
