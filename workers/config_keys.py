@@ -109,11 +109,14 @@ MODEL_KEYS: tuple[Key, ...] = (
         "weight fused and prepacked once at load, for oneDNN or, for 16-bit weights with float32 math, FBGEMM "
         "(decoding about 1.5x faster); each worker then holds its own packed copy of the linear weights, "
         "which `share_weights` cannot share. It is preferred to `compile`, which then applies only with "
-        "`false`: transformers' modules on the (shared) weights", lambda x: isinstance(x, bool)),
+        "`false`: transformers' modules on the (shared) weights. On CUDA, the Llama family runs the device's "
+        "lean forward on fused q/k/v and gate/up copies (also the worker's own), each decode step one CUDA "
+        "graph", lambda x: isinstance(x, bool)),
     Key("compile", "auto", "`auto`, `true`, `false`",
         "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "
         "`true` compiling now if needed, `false` eager. Where the lean forward runs (`prepack_weights`, Llama "
-        "family or Gemma 3, CPU) it is kept: eager, it is about twice as fast as the compiled modules"),
+        "family or Gemma 3, CPU) it is kept: eager, it is about twice as fast as the compiled modules; on CUDA "
+        "the Llama family's decode steps run as captured CUDA graphs instead"),
     Key("compile_buckets", None, "a strictly increasing list of positive token counts, or null",
         "the padded step sizes graphs are built for; null: powers of two up to 64, then multiples of 64 "
         "up to `max_batch_tokens`"),
