@@ -162,10 +162,12 @@ BF16_PATHS = ("MMFUSION_BF16_DOT", "MMFUSION_PREFILL_BF16", "MMFUSION_NORM_BF16"
               "MMFUSION_SILU_BF16")
 
 
-def test_the_avx512_bf16_paths_compile_on_any_cpu(tmp_path):
+@pytest.mark.parametrize("march", ["sapphirerapids", "cooperlake"])
+def test_the_avx512_bf16_paths_compile_on_any_cpu(tmp_path, march):
     """A CPU below AVX512-BF16 builds the kernels without those paths, so a change made on one could
-    break them unseen: they are compiled here for a target that has them (Sapphire Rapids), with
-    the build's own flags; syntax and types only, nothing runs."""
+    break them unseen: they are compiled here for targets that have them (Sapphire Rapids, with AMX;
+    Cooper Lake, the avx512_bf16 level's target where an AMX CPU is capped below AMX), with the
+    build's own flags; syntax and types only, nothing runs."""
     import subprocess
     import sysconfig
 
@@ -176,7 +178,7 @@ def test_the_avx512_bf16_paths_compile_on_any_cpu(tmp_path):
     check.write_text(f'#include "{cpu_kernels.KERNELS / "kernels.cpp"}"\n#if {missing}\n'
                      '#error "an AVX512-BF16 path was left out"\n#endif\n')
     includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
-    cmd = [cpp_extension.get_cxx_compiler(), "-std=c++20", "-fsyntax-only", "-march=sapphirerapids",
+    cmd = [cpp_extension.get_cxx_compiler(), "-std=c++20", "-fsyntax-only", f"-march={march}",
            *cpu_kernels.CFLAGS, *includes, str(check)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ZEN3 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2".split())
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
 SKYLAKE = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
 FP16_GEMM = pytest.mark.skipif(not cpu_capability().fp16_gemm, reason="FBGEMM's fp16 linear is not available")
 
 
@@ -42,6 +43,12 @@ def test_levels_follow_the_flags_and_the_switch_caps_them():
     assert decide(ZEN3, "avx512_bf16", "x86_64").level == "avx2"  # a cap never raises the level
     assert decide(ZEN4, "native", "x86_64").level == "avx512_bf16"
     assert decide(frozenset({"sse2"}), None, "x86_64").level == "baseline"
+    # AMX is a level above AVX512-BF16, and capped to it an AMX CPU builds for one without AMX
+    spr = decide(SAPPHIRE_RAPIDS, None, "x86_64")
+    assert spr.level == "amx" and spr.bf16_arith and spr.at_least("avx512_bf16")
+    no_amx = decide(SAPPHIRE_RAPIDS, "avx512_bf16", "x86_64")
+    assert (no_amx.level, no_amx.capped, no_amx.bf16_arith) == ("avx512_bf16", True, True)
+    assert no_amx.cflags[0] == "-march=cooperlake" and no_amx.tag() != spr.tag()
     with pytest.raises(ValueError, match=ISA_ENV):
         decide(ZEN4, "avx3", "x86_64")
 

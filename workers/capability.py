@@ -4,15 +4,17 @@ the serving dtype of `auto`, which linears are prepacked and how, and how the C+
 CPUs of one machine type differ: some have AVX512-BF16 (native bf16 dot products) or AMX, some
 AVX-512 without bf16, and some only AVX2/FMA/F16C (AMD Zen 3). The level is the highest of
 
-    baseline < avx2 < avx512 < avx512_bf16
+    baseline < avx2 < avx512 < avx512_bf16 < amx
 
-that the CPU's flags allow. `MMFUSION_CPU_ISA=avx2` (or `avx512`, `avx512_bf16`) caps it, so that an
-AVX-512 machine decides and builds its kernels as an AVX2 one would. Run it together with torch's
-and its libraries' own switches, which they read when they start:
+that the CPU's flags allow (amx: AMX tiles with bf16, as on Intel Sapphire Rapids). `MMFUSION_CPU_ISA=avx2`
+(or `avx512`, `avx512_bf16`) caps it, so that an AVX-512 machine decides and builds its kernels as
+an AVX2 one would, and an AMX machine as one with AVX512-BF16 and no AMX. Run it together with
+torch's and its libraries' own switches, which they read when they start:
 
     MMFUSION_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
+    MMFUSION_CPU_ISA=avx512_bf16 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
 
-(`AVX2_ENV` below). Some of torch's checks read the CPU's flags, not those variables: oneDNN's
+(`AVX2_ENV` and `AVX512_BF16_ENV` below). Some of torch's checks read the CPU's flags, not those variables: oneDNN's
 bf16 support is therefore asked of oneDNN and capped by the level here.
 """
 
@@ -27,12 +29,15 @@ from pathlib import Path
 import torch
 
 ISA_ENV = "MMFUSION_CPU_ISA"
-LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
+LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 # the environment that makes torch, oneDNN, FBGEMM and this project behave as on an AVX2-only CPU
 AVX2_ENV = {ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
-# the compiler's target for the kernels at a capped level (native: the CPU's own, -march=native)
-MARCH = {"baseline": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
+# and as on a CPU with AVX512-BF16 but no AMX (an AMX machine testing the paths without it)
+AVX512_BF16_ENV = {ISA_ENV: "avx512_bf16", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+# the compiler's target for the kernels at a capped level (native: the CPU's own, -march=native);
+# Cooper Lake is AVX512-BF16 without AMX
+MARCH = {"baseline": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4", "avx512_bf16": "cooperlake"}
 
 
 def cpu_flags() -> frozenset[str]:
@@ -49,7 +54,9 @@ def cpu_flags() -> frozenset[str]:
 def native_level(flags: frozenset[str]) -> str:
     """The highest level these flags support."""
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx512_bf16" if flags & {"avx512_bf16", "amx_bf16"} else "avx512"
+        if {"amx_tile", "amx_bf16"} <= flags:
+            return "amx"
+        return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
     if {"avx2", "fma", "f16c"} <= flags:
         return "avx2"
     return "baseline"
