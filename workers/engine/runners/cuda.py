@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from workers.engine import attention
@@ -69,9 +70,14 @@ class DecodeBuffers:
         pinned = device.type != "cpu" and torch.cuda.is_available()
         self.host_inputs = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
         self.fields = {name: self.device_inputs[i * rows:(i + 1) * rows] for i, name in enumerate(_FIELDS)}
-        self.host_fields = {name: self.host_inputs[i * rows:(i + 1) * rows] for i, name in enumerate(_FIELDS)}
         self.tables = self.device_inputs[len(_FIELDS) * rows:].view(rows, table_width)
-        self.host_tables = self.host_inputs[len(_FIELDS) * rows:].view(rows, table_width)
+        # the host side as numpy views of the pinned buffer: a step writes Python lists into them
+        # with no tensor made per field (the host's share of a decode step)
+        host = self.host_inputs.numpy()
+        self.host_fields = {name: host[i * rows:(i + 1) * rows] for i, name in enumerate(_FIELDS)}
+        for name in ("temperature", "top_p"):
+            self.host_fields[name] = self.host_fields[name].view(np.float64)
+        self.host_tables = host[len(_FIELDS) * rows:].reshape(rows, table_width)
         self.row_index = torch.arange(rows, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.host_tokens = torch.zeros(rows, dtype=torch.long, pin_memory=pinned)
@@ -159,26 +165,30 @@ class CudaRunner(PagedRunner):
         buf, bs = self.buffers, self.block_size
         f = buf.host_fields
         n = len(seqs)
-        ids = [s.token_at(s.num_computed) for s in seqs]
         pos = [s.num_computed for s in seqs]
-        tables = [[b if b != NO_BLOCK else self.dummy for b in s.blocks.tables[0]] for s in seqs]
-        pad = rows - n
         params = [s.group.params for s in seqs]
-        f["ids"][:rows] = torch.tensor(ids + [0] * pad)
-        f["positions"][:rows] = torch.tensor(pos + [0] * pad)
-        f["slots"][:rows] = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)] + [self.dummy * bs] * pad)
-        f["lengths"][:rows] = torch.tensor([p + 1 for p in pos] + [0] * pad)
-        f["top_k"][:rows] = torch.tensor([p.top_k for p in params] + [0] * pad)
-        f["seed"][:rows] = torch.tensor([s.group.seed for s in seqs] + [0] * pad)
-        f["sample_index"][:rows] = torch.tensor([s.sample_index for s in seqs] + [0] * pad)
-        f["token_index"][:rows] = torch.tensor([len(s.output) for s in seqs] + [0] * pad)
-        f["temperature"][:rows] = torch.tensor([float(p.temperature) for p in params] + [0.0] * pad,
-                                               dtype=torch.float64).view(torch.long)
-        f["top_p"][:rows] = torch.tensor([float(p.top_p) for p in params] + [1.0] * pad,
-                                         dtype=torch.float64).view(torch.long)
-        buf.host_tables[:rows].fill_(self.dummy)
-        for r, t in enumerate(tables):
-            buf.host_tables[r, : len(t)] = torch.tensor(t)
+        tab = buf.host_tables
+        tab[:rows] = self.dummy
+        for r, s in enumerate(seqs):
+            t = s.blocks.tables[0]
+            tab[r, : len(t)] = t
+        real = tab[:n]
+        real[real == NO_BLOCK] = self.dummy  # blocks a window dropped: never read
+        f["ids"][:n] = [s.token_at(p) for s, p in zip(seqs, pos)]
+        f["positions"][:n] = pos
+        f["slots"][:n] = [int(tab[r, p // bs]) * bs + p % bs for r, p in enumerate(pos)]
+        f["lengths"][:n] = [p + 1 for p in pos]
+        f["top_k"][:n] = [p.top_k for p in params]
+        f["seed"][:n] = [s.group.seed for s in seqs]
+        f["sample_index"][:n] = [s.sample_index for s in seqs]
+        f["token_index"][:n] = [len(s.output) for s in seqs]
+        f["temperature"][:n] = [p.temperature for p in params]
+        f["top_p"][:n] = [p.top_p for p in params]
+        # padded rows: token 0 at position 0 into the dummy block, attending nothing, greedy
+        for name, value in (("ids", 0), ("positions", 0), ("slots", self.dummy * bs), ("lengths", 0), ("top_k", 0),
+                            ("seed", 0), ("sample_index", 0), ("token_index", 0), ("temperature", 0.0),
+                            ("top_p", 1.0)):
+            f[name][n:rows] = value
 
     def _decode_step(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
         """Run a decode step of `seqs` as its bucket's graph (or the same body eagerly): the logits
