@@ -8,7 +8,7 @@ Kernels (each where this torch build and CPU have it; a line says why not otherw
   bf16_onednn:  today's bfloat16 path (oneDNN-prepacked; workers.engine.linears, CPUs with bf16)
   fp16_fbgemm:  today's float16-weights, float32-math path (FBGEMM; CPUs without bf16 arithmetic)
   int8_pack:    torch.ops.aten._weight_int8pack_mm (int8 weights per output channel, bf16/fp32 rows)
-  int4_pack:    torch.ops.aten._weight_int4pack_mm_for_cpu (int4 in groups of 32, bf16 scales)
+  int4_pack:    torch.ops.aten._weight_int4pack_mm_for_cpu (int4 in groups of 32; bf16 or fp32 rows)
   int8_dynamic: FBGEMM's dynamic int8 linear (quantized.linear_dynamic: rows quantized per call)
 
     python bench/quant_linears.py [--threads 2] [--repeats 20]
@@ -94,10 +94,12 @@ def kernels(weights: dict[str, torch.Tensor]):
             s = scale.to(act)
             return (lambda x: torch.ops.aten._weight_int8pack_mm(x, q, s)), deq, w.numel()
         out[f"int8_pack_{str(act).removeprefix('torch.')}"] = (i8, act)
-    def i4(w):
-        packed, sz, deq = _int4(w)
-        return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)), deq, w.numel() // 2
-    out["int4_pack_bfloat16"] = (i4, torch.bfloat16)
+    for act in (torch.bfloat16, torch.float32):
+        def i4(w, act=act):
+            packed, sz, deq = _int4(w)
+            sz = sz.to(act)
+            return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, sz)), deq, w.numel() // 2
+        out[f"int4_pack_{str(act).removeprefix('torch.')}"] = (i4, act)
     return out
 
 
