@@ -16,7 +16,8 @@ worker process that died.
 - The router binds `ray_router_host` (runconfig) or this node's IP as Ray sees it. The connection
   is always CurveZMQ: the driver uses `curve_keys`, or else keeps a keypair set under
   `<model_dir>/keys` (made on the first run, reused after), and hands each actor the router's
-  public key and the workers' keypair through Ray. Clients of the deployment connect with that
+  public key and the workers' keypair through Ray; an actor keeps them in memory (it writes no key
+  file, so one killed outright leaves none behind). Clients of the deployment connect with that
   directory (`--curve-keys`); serve prints it.
 - On exit (Ctrl-C included) every actor is killed without restart and the placement group is
   removed: nothing of the deployment stays on the cluster.
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,7 +46,7 @@ from fusion.local import LocalDeployment, SupervisorConfig
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
 from routing import protocol as P
-from routing.security import generate
+from routing.security import ClientKeys, generate
 from workers.devices import device_kind
 
 RUN_KEYS = "keys"  # under model_dir: the deployment's CurveZMQ keys when runconfig gives none
@@ -95,17 +95,13 @@ class WorkerActor:
         from workers.worker import Worker, WorkerConfig
 
         os.environ.update(env)
-        keys_dir = Path(tempfile.mkdtemp(prefix="mmfusion-keys-"))
-        for name, text in keys.items():
-            path = keys_dir / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            path.chmod(0o600)
+        # the keys stay in this process's memory: an actor killed outright leaves no private key behind
+        client_keys = ClientKeys.from_texts(*(keys[name] for name in KEY_FILES))
         ctx = ray.get_runtime_context()
         self.where = {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                       "host": socket.gethostname(), "pid": os.getpid(), "resources": resources,
                       "actor_id": ctx.get_actor_id()}
-        config = WorkerConfig(backend=backend, num_threads=threads, curve_keys=str(keys_dir), slot=slot,
+        config = WorkerConfig(backend=backend, num_threads=threads, curve_keys=client_keys, slot=slot,
                               placement=dict(self.where))
         if threads:
             import torch

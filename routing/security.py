@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import re
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -74,10 +76,38 @@ def serve_curve(ctx: zmq.Context, sockets: list[zmq.Socket], keys_dir: str | Pat
     return auth
 
 
-def connect_curve(sock: zmq.Socket, keys_dir: str | Path, name: str) -> None:
-    """Make `sock` a CURVE client with DIR/clients/NAME.key_secret, trusting DIR/server.key. Call
-    before connecting."""
-    d = Path(keys_dir)
+@dataclass(frozen=True, slots=True)
+class ClientKeys:
+    """A CURVE client's keys in memory (z85): the server's public key and the client's pair. A
+    process handed these never writes a private key to a file (a Ray actor's worker)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_texts(cls, server_key: str, client_secret_key: str) -> ClientKeys:
+        """From the texts of DIR/server.key and DIR/clients/NAME.key_secret (zmq.auth's format)."""
+        server = _certificate_fields(server_key)
+        client = _certificate_fields(client_secret_key)
+        if "public-key" not in server or not {"public-key", "secret-key"} <= client.keys():
+            raise SecurityError("a CurveZMQ certificate text lacks its public-key or secret-key line")
+        return cls(server["public-key"], client["public-key"], client["secret-key"])
+
+
+def _certificate_fields(text: str) -> dict[str, bytes]:
+    """`public-key = "..."` and `secret-key = "..."` of a zmq.auth certificate."""
+    found = re.findall(r'^\s*(public-key|secret-key)\s*=\s*"(.*)"\s*$', text, re.MULTILINE)
+    return {k: v.encode() for k, v in found}
+
+
+def connect_curve(sock: zmq.Socket, keys: str | Path | ClientKeys, name: str) -> None:
+    """Make `sock` a CURVE client with DIR/clients/NAME.key_secret, trusting DIR/server.key (or with
+    keys held in memory). Call before connecting."""
+    if isinstance(keys, ClientKeys):
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys.server_public, keys.public, keys.secret
+        return
+    d = Path(keys)
     server_public, _ = zmq.auth.load_certificate(str(d / "server.key"))
     secret_file = d / "clients" / f"{name}.key_secret"
     if not secret_file.exists():

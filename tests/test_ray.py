@@ -12,6 +12,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -93,8 +94,14 @@ def test_bundles_ask_for_threads_gpu_shares_and_custom_resources(tmp_path):
         load_params(bad)
 
 
+def _tmp_leftovers() -> set[str]:
+    """What a deployment may have put in the temporary directory (its keys, its owners' sockets)."""
+    return {p.name for p in Path(tempfile.gettempdir()).glob("mmfusion-*")}
+
+
 def test_workers_on_both_nodes_answer_as_locally_survive_sigkill_and_leave_nothing(cluster, tmp_path):
     c, node = cluster
+    before = _tmp_leftovers()
     params = _params(tmp_path, {"llama": ("llama", {}), "gpt2": ("gpt2", {"resources": {"node_b": 1}})})
     dep = _deployment(params, c.address, [("llama", 2), ("gpt2", 2)])
     with dep:
@@ -157,6 +164,8 @@ def test_workers_on_both_nodes_answer_as_locally_survive_sigkill_and_leave_nothi
         with pytest.raises(ValueError):
             ray.get_actor(name, namespace="mmfusion")
     assert len(pgs) == 2 and all(ray.util.placement_group_table(pg)["state"] == "REMOVED" for pg in pgs)
+    # no private key left behind, the SIGKILLed actor's included: the actors hold them in memory
+    assert _tmp_leftovers() <= before, _tmp_leftovers() - before
 
 
 def test_run_mm_serve_with_ray_names_its_keys_and_stops_every_actor_on_sigint(cluster, tmp_path):

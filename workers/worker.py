@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import zmq
 
 from routing import protocol as P
-from routing.security import connect_curve
+from routing.security import ClientKeys, connect_curve
 from workers.output_thread import OutputThread
 from workers.thread_messages import Assign, Cancel, EngineMessage, FinishSample, Submit
 
@@ -45,7 +45,8 @@ class WorkerConfig:
     num_threads: int | None = None
     parent_pid: int | None = None  # exit when this process is gone (no orphans)
     echo: bool = False  # answer without a model: for router benchmarks and tests
-    curve_keys: str | None = None  # CurveZMQ keys directory, when the router requires it
+    # CurveZMQ keys, when the router requires them: a keys directory, or the keys in memory
+    curve_keys: str | ClientKeys | None = None
     curve_name: str = "worker"  # this worker's keypair: <curve_keys>/clients/<name>.key_secret
     slot: int | None = None  # the deployment plan's worker this process is: the router assigns its planned model
     join_timeout: float = 30.0  # how long exit waits for the engine thread to finish its step
