@@ -22,7 +22,7 @@ dispatch's model table, workers and requests through LifecycleHost.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,6 +31,8 @@ from routing.registry import ModelEntry, WorkerRegistry
 from routing.residency import CopySize, NoMemory, Placement, Residency, Resident
 from workers.spec import ModelSpec, WorkerSpec
 from workers.validate import is_int
+
+LAST_EVICTIONS = 20  # unloads `status` lists, each with its reason
 
 
 class LifecycleHost(Protocol):
@@ -192,6 +194,8 @@ class Stats:
     load_seconds: list = field(default_factory=list)  # per loaded copy, the last 100
     queue_wait_seconds: list = field(default_factory=list)  # requests that waited for a load, the last 1000
     unloaded_requests: int = 0  # failed with `unloaded` when their copy's unload_timeout passed
+    # the last unloads, newest last: {model_id, model, reason, at (Unix time)}
+    last_evictions: deque = field(default_factory=lambda: deque(maxlen=LAST_EVICTIONS))
 
     def as_dict(self) -> dict:
         def summary(xs):
@@ -200,7 +204,8 @@ class Stats:
 
         return {"loads": self.loads, "load_failures": self.load_failures, "autoloads": self.autoloads,
                 "evictions": dict(self.evictions), "load_seconds": summary(self.load_seconds),
-                "queue_wait_seconds": summary(self.queue_wait_seconds), "unloaded_requests": self.unloaded_requests}
+                "queue_wait_seconds": summary(self.queue_wait_seconds), "unloaded_requests": self.unloaded_requests,
+                "last_evictions": list(self.last_evictions)}
 
 
 class Lifecycle:
@@ -400,6 +405,8 @@ class Lifecycle:
         if r is not None:
             r.leaving = True
         self.stats.evictions[reason] += 1
+        self.stats.last_evictions.append({"model_id": model_id, "model": m.name, "reason": reason,
+                                          "at": round(now + self.wall, 3)})
         self.log(f"router: unloading model ID {model_id} ({m.name!r}): {reason}")
         self._check_drain(m, now)
 

@@ -123,6 +123,9 @@ def test_a_load_past_the_budget_evicts_the_least_recently_used_idle_copy_first()
     assert d.status()["models"]["autoloads"] == 1 and by_id(d)[1]["state"] == P.STATE_UNLOADING
     assert orders(out) == []  # b drains r first; `a` starts once b has exited
     assert d.status()["models"]["evictions"] == {"evicted": 2}
+    last = d.status()["models"]["last_evictions"]  # each unload with its reason, newest last
+    assert [(e["model_id"], e["model"], e["reason"]) for e in last] == [(0, "a", "evicted"), (1, "b", "evicted")]
+    assert last[0]["at"] == pytest.approx(6.0 + d.wall, abs=1e-3)
 
 
 def test_pinned_copies_are_never_evicted_and_a_load_that_cannot_fit_changes_nothing():
