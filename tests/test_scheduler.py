@@ -403,3 +403,19 @@ def test_paged_cache_on_cuda_matches_transformers(arch):
     outs = eng.generate(prompts, _greedy(20))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 20)
+
+
+def test_a_sliding_window_pool_holds_sequences_longer_than_itself():
+    """Mistral's layers all slide (window 48): a pool of 18 blocks of 4 positions (72) holds a
+    sequence of 120 tokens, since it keeps only its window and a chunk (17 blocks); a model of
+    full attention is refused."""
+    lm = tiny("mistral", dtype="float32")
+    eng = engine_with_pool(lm, blocks=18, block_size=4, max_batch_size=2, max_batch_tokens=16)
+    prompt = [(7 * i) % 250 + 1 for i in range(100)]
+    out = eng.generate([prompt], _greedy(20))[0]
+    assert out.outputs[0].token_ids == hf_greedy(lm.model, prompt, 20)
+    assert eng.stats()["tokens_capacity"] == lm.max_model_len
+    full = engine_with_pool(tiny("llama", dtype="float32"), blocks=18, block_size=4, max_batch_size=2,
+                            max_batch_tokens=16)
+    with pytest.raises(ValueError, match="holds 72 tokens of one sequence"):
+        full.add_request("r", prompt, _greedy(20))

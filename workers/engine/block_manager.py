@@ -137,7 +137,7 @@ class BlockManager:
         self.cached: list[dict[bytes, int]] = [{} for _ in groups.windows]
         self.stats = BlockStats()
         self.new_blocks: list[int] = []  # allocated since the runner last took them (it zeroes them)
-        self._max_tokens: int | None = None
+        self._max_tokens: dict[int, int] = {}  # cap -> max_tokens(cap)
 
     # --- capacity ------------------------------------------------------------------------------
     @property
@@ -151,18 +151,20 @@ class BlockManager:
     def peak_blocks(self, length: int) -> int:
         return peak_blocks(self.groups, self.block_size, self.max_chunk, length)
 
-    def max_tokens(self) -> int:
-        """The longest sequence the pool can ever hold alone."""
-        if self._max_tokens is None:
-            lo, hi = 0, self.num_blocks * self.block_size
+    def max_tokens(self, cap: int) -> int:
+        """The longest sequence, of at most `cap` tokens (the model's context), the pool can ever
+        hold alone. Sliding-window groups hold only their window: where every group slides, a pool
+        of a few windows holds a sequence of any length."""
+        if self._max_tokens.get(cap) is None:
+            lo, hi = 0, cap
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 if self.peak_blocks(mid) <= self.num_blocks:
                     lo = mid
                 else:
                     hi = mid - 1
-            self._max_tokens = lo
-        return self._max_tokens
+            self._max_tokens[cap] = lo
+        return self._max_tokens[cap]
 
     def first_needed(self, g: int, start: int) -> int:
         """First block of group g that a query at position `start` (or later) can see."""

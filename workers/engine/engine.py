@@ -143,7 +143,7 @@ class Engine:
         """The KV cache as status and /metrics show it."""
         b = self.scheduler.blocks
         return {"kv_cache_bytes": self.kv_bytes, "block_size": b.block_size, "blocks_total": b.num_blocks,
-                "blocks_used": b.num_used, "blocks_free": b.num_free, "tokens_capacity": b.max_tokens(),
+                "blocks_used": b.num_used, "blocks_free": b.num_free, "tokens_capacity": b.max_tokens(self.lm.max_model_len),
                 "preemptions": b.stats.preemptions, "prefix_cache_queries": b.stats.prefix_queries,
                 "prefix_cache_hits": b.stats.prefix_hits, "prefix_cache_hit_rate": round(b.stats.prefix_hit_rate, 4)}
 
@@ -179,7 +179,7 @@ class Engine:
         if len(ids) >= ctx or len(ids) + params.max_tokens > ctx:
             raise ParamError("max_tokens", f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, but the model's "
                              f"context (max_model_len) is {ctx} tokens: shorten the prompt or lower max_tokens")
-        fits = self.scheduler.blocks.max_tokens()
+        fits = self.scheduler.blocks.max_tokens(ctx)
         if len(ids) + params.max_tokens > fits:
             raise ParamError("max_tokens", f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, but this worker's "
                              f"KV cache (kv_cache_memory {self.kv_bytes / 2**20:.1f} MiB) holds {fits} tokens of one "
