@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -27,21 +26,12 @@ import torch  # noqa: E402
 
 from bench.engine import emit  # noqa: E402
 from bench.machine import describe  # noqa: E402
+from workers.engine.calibrate import best_seconds  # noqa: E402
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads and 3 KV heads of 64, vocabulary 49,152
 LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 HEAD = {"lm_head": (49152, 576)}
 GROUP = 32  # int4 group size
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _int8(w: torch.Tensor):
@@ -122,8 +112,8 @@ def main() -> None:
             x = {name: torch.randn(rows, w.shape[1], generator=gen) for name, w in weights.items()}
             xa = {name: v.to(act) for name, v in x.items()}
             with torch.inference_mode():
-                layer = _best(lambda built=built, xa=xa: [built[n][0](xa[n]) for n in LAYER], args.repeats)
-                head = _best(lambda built=built, xa=xa: built["lm_head"][0](xa["lm_head"]), args.repeats)
+                layer = best_seconds(lambda built=built, xa=xa: [built[n][0](xa[n]) for n in LAYER], args.repeats)
+                head = best_seconds(lambda built=built, xa=xa: built["lm_head"][0](xa["lm_head"]), args.repeats)
                 err = max(float((built[n][0](xa[n]).float() - xa[n].float() @ built[n][1].T).abs().max()
                                 / (xa[n].float() @ built[n][1].T).abs().max()) for n in weights)
             emit(kernel=kname, rows=rows, activations=str(act).removeprefix("torch."),

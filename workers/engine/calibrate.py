@@ -28,7 +28,8 @@ COLD_BYTES = 96 << 20  # more than a CPU's last-level cache: the scratch layers'
 SPAN_LIMITS = (16, 1 << 20)
 
 
-def _best(fn, repeats: int = REPEATS) -> float:
+def best_seconds(fn, repeats: int = REPEATS) -> float:
+    """The fastest of `repeats` calls of fn, after a warm-up call."""
     fn()  # warm-up: first-touch of the scratch memory, one-off set-up in the kernels
     best = float("inf")
     for _ in range(repeats):
@@ -60,7 +61,7 @@ def _attention_seconds(holder: attention.ContextHolder, backend, layer: int, q: 
                                         position=holder.position, windows=holder.windows, backend=backend)
             attention.attend(ctx, q, k, v, keys, values, layer, scaling, None, None)
 
-    return _best(run) / len(caches)
+    return best_seconds(run) / len(caches)
 
 
 def attention_span(holder: attention.ContextHolder, backend, linears: list, layers: int, heads: int, kv_heads: int,
@@ -88,7 +89,7 @@ def attention_span(holder: attention.ContextHolder, backend, linears: list, laye
         near = _attention_seconds(holder, backend, layer, q, k, v, caches, NEAR, block_size, scaling)
         far = _attention_seconds(holder, backend, layer, q, k, v, caches, FAR, block_size, scaling)
         inputs = [(fn, rand(CHUNK, width)) for fn, width in linears]
-        lin = _best(lambda: [fn(x) for fn, x in inputs]) / layers
+        lin = best_seconds(lambda: [fn(x) for fn, x in inputs]) / layers
     del caches
     per_position = (far - near) / (CHUNK * (FAR - NEAR))
     if per_position <= 0:  # noise larger than the difference: attention is cheap here

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.engine.lean import AttentionShape, rotation
 from workers.engine.paged_ops import PagedOps
 
 
@@ -46,15 +47,11 @@ class DeviceLean:
     """forward(step, kv) -> logits of every row (or of `keep`)."""
 
     def __init__(self, model, ops: PagedOps, cache_index: dict[int, int], window: int | None, max_positions: int):
-        cfg = model.config.get_text_config()
         inner = model.model
         self.ops = ops
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        first = inner.layers[0].self_attn
-        self.head_dim = first.head_dim
-        self.scaling = first.scaling
-        self.eps = cfg.rms_norm_eps
+        shape = AttentionShape.of(model)
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        self.scaling, self.eps = shape.scaling, shape.eps
         self.window = window or 0
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
@@ -62,10 +59,7 @@ class DeviceLean:
         with torch.inference_mode():
             # transformers' rotary embedding of every position once: a step looks its rows up
             positions = torch.arange(max_positions, device=self.embed.device)[None]
-            cos, sin = inner.rotary_emb(self.embed[:1][None], positions)
-        half = self.head_dim // 2
-        self.cos = cos[0]
-        self.sin = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)  # rotate_half as a roll
+            self.cos, self.sin = rotation(*inner.rotary_emb(self.embed[:1][None], positions))
         self.layers = [_Layer(layer.input_layernorm.weight.detach(),
                               torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
                                          layer.self_attn.v_proj.weight]).detach(),

@@ -32,6 +32,7 @@ from workers.engine.step_result import StepResult
 from workers.engine.stops import stop_token_ids
 from workers.engine.text_output import RequestText
 from workers.platform import Platform, for_model
+from workers.precision import Precision
 from workers.spec import WorkerSpec
 from workers.validate import ParamError
 from workers.weights.loaded_model import LoadedModel
@@ -98,11 +99,8 @@ class Engine:
         self.tokenizer = lm.tokenizer
         # everything that depends on the device, decided once (workers.platform)
         self.platform: Platform = platform or for_model(lm, cfg.prepack_weights)
-        self.precision = self.platform.precision
         self.runner = self._runner(lm, attention)
         layout = self.runner.layout
-        self.kv_bytes = layout.nbytes
-        self.attention_backend = self.runner.backend  # the one chosen at load (None: no paged attention)
         blocks = BlockManager(layout.num_blocks, layout.block_size, layout.groups, cfg.max_batch_tokens,
                               enable_prefix_caching=layout.prefix_caching, cache_reserve=layout.reserve)
         # what a position of a long prompt's attention costs, measured at load where the runner can
@@ -130,6 +128,19 @@ class Engine:
         if holder is not None and backend is None:
             backend = select(self.platform, kv_dims(lm)[1])
         return make_runner(self.platform, lm, holder, layout, backend, cfg.max_batch_size)
+
+    @property
+    def precision(self) -> Precision:
+        return self.platform.precision
+
+    @property
+    def attention_backend(self) -> AttentionBackend | None:
+        """The paged attention kernels chosen at load (None: the model's own attention)."""
+        return self.runner.backend
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.runner.layout.nbytes
 
     def close(self) -> None:
         """Let go of the model's tensors now, not at the interpreter's exit: weights attached from a

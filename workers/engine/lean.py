@@ -39,6 +39,32 @@ def lean_forward(model, precision: Precision, norms=None) -> LeanLlama:
     return family(model, precision, norms=norms)
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """The Llama family's attention as its config and first layer give it."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    eps: float  # the RMS norms'
+
+    @classmethod
+    def of(cls, model) -> AttentionShape:
+        cfg = model.config.get_text_config()
+        first = model.model.layers[0].self_attn
+        heads = cfg.num_attention_heads
+        return cls(heads, getattr(cfg, "num_key_value_heads", None) or heads, first.head_dim, first.scaling,
+                   cfg.rms_norm_eps)
+
+
+def rotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of rows [N, head_dim] as the rotation takes them: rotate_half(x) * sin ==
+    roll(x, half) * [-sin_low, sin_high], one roll and no cat of halves."""
+    half = cos.shape[-1] // 2
+    return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
@@ -58,12 +84,9 @@ class LeanLlama:
         self.compute = precision.compute
         self.norms = norms  # the C++ norms (cpu_kernels), or None for F.rms_norm
         inner = model.model
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        first = inner.layers[0].self_attn
-        self.head_dim = first.head_dim
-        self.scaling = first.scaling
-        self.eps = cfg.rms_norm_eps
+        shape = AttentionShape.of(model)
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        self.scaling, self.eps = shape.scaling, shape.eps
         self.hidden = cfg.hidden_size
         # 16-bit weights under float32 math: the embedding stays 16-bit (a row is widened when
         # looked up); the norms' small weights are widened once
@@ -87,12 +110,6 @@ class LeanLlama:
                       fused([mlp.gate_proj, mlp.up_proj], kind, compute),
                       fused([mlp.down_proj], kind, compute),
                       window)
-
-    def _rotation(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of rows [N, head_dim] as the rotation below takes them: rotate_half(x) * sin
-        == roll(x, half) * [-sin_low, sin_high], one roll and no cat of halves."""
-        half = self.head_dim // 2
-        return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
     @property
     def own_bytes(self) -> int:
@@ -144,7 +161,7 @@ class LeanLlama:
         """ids, positions: [N]; keep: the rows whose logits are returned; ctx: the step's attention
         metadata. Returns [len(keep), vocab]."""
         h = F.embedding(ids, self.embed).to(self.compute)
-        cos, sin = self._rotation(*self.rotary(h, positions[None]))
+        cos, sin = rotation(*self.rotary(h, positions[None]))
         rope_write = self._rope_write(h, cos)
         # C++ silu * up in one pass, where it rounds as torch does (float32 keeps torch's exp)
         silu_mul = getattr(self.norms, "silu_mul", None) if h.dtype in (torch.bfloat16, torch.float16) else None
@@ -208,7 +225,7 @@ class LeanGemma3(LeanLlama):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], ctx: attention.StepContext) -> torch.Tensor:
         h = F.embedding(ids, self.embed).to(self.compute) * self.embed_scale
-        tables = {t: self._rotation(*self.rotary(h, positions[None], t)) for t in set(self.layer_types)}
+        tables = {t: rotation(*self.rotary(h, positions[None], t)) for t in set(self.layer_types)}
         rope_write = self._rope_write(h, next(iter(tables.values()))[0])
         x = self._norm(h, self.layers[0].input_norm)
         last = len(self.layers) - 1

@@ -98,7 +98,8 @@ class Runner(ABC):
         return f"{type(self.model).__name__} does not take the packed slot path (its attention is its own)"
 
     def enable_compile(self, buckets: Buckets) -> None:
-        raise NotImplementedError(self.compile_refusal())
+        """Run compiled from now on (only where compile_refusal gives no reason against it)."""
+        raise RuntimeError(f"{type(self).__name__} does not run compiled: {self.compile_refusal()}")
 
     def warm_up(self) -> None:  # noqa: B027 - nothing to build ahead for an eager runner
         """Build what the first steps would otherwise build (compiled graphs of every bucket)."""
