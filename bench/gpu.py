@@ -178,20 +178,35 @@ def speed(args) -> None:
 
 
 def decode_split(lm, prompt: list[int], new: int) -> dict:
-    """One stream on a fresh engine: its decode graphs' capture time, and per decode step the host's
-    share (filling the inputs) and the device's (copy in, replay, tokens out), in ms."""
+    """One stream on a fresh engine: its decode graphs' capture time; per decode step the host's
+    share (filling the inputs), the launch (copy in, replay, copy out queued) and the wait for the
+    tokens, in ms; and ms/token with the host's step n+1 overlapping the device's step n and without."""
     t = time.perf_counter()
     eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512))
     start_s = time.perf_counter() - t
     runner = eng.runner
     if getattr(runner, "decode_steps", None) is None:  # a model without the device's lean forward
         return {"decode_graphs": False}
-    eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-    steps = max(1, runner.decode_steps)
-    return {"decode_graphs": bool(runner.graphs), "engine_start_s": round(start_s, 2),
-            "capture_s": round(runner.capture_seconds, 2), "decode_buckets": runner.buckets,
-            "decode_step_host_ms": round(runner.fill_seconds / steps * 1e3, 3),
-            "decode_step_device_ms": round(runner.replay_seconds / steps * 1e3, 3)}
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    out = {"decode_graphs": bool(runner.graphs), "engine_start_s": round(start_s, 2),
+           "capture_s": round(runner.capture_seconds, 2), "decode_buckets": runner.buckets}
+    for overlap in (False, True):
+        runner.overlap = overlap
+        eng.generate([prompt], params)  # warm
+        runner.decode_steps, runner.fill_seconds, runner.launch_seconds, runner.wait_seconds = 0, 0.0, 0.0, 0.0
+        sync(str(lm.device))
+        t = time.perf_counter()
+        eng.generate([prompt], params)
+        sync(str(lm.device))
+        ms = (time.perf_counter() - t) / new * 1e3
+        steps = max(1, runner.decode_steps)
+        tag = "overlap" if overlap else "sync"
+        out |= {f"{tag}_ms_per_token": round(ms, 3),
+                f"{tag}_host_fill_ms": round(runner.fill_seconds / steps * 1e3, 3),
+                f"{tag}_launch_ms": round(runner.launch_seconds / steps * 1e3, 3),
+                f"{tag}_wait_ms": round(runner.wait_seconds / steps * 1e3, 3)}
+    out["steps_ahead"] = eng.steps_ahead
+    return out
 
 
 def gpu_memory_by_pid() -> dict[int, int]:

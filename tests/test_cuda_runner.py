@@ -155,10 +155,68 @@ def test_seeded_sampling_and_logprobs_through_the_runner():
     assert got[2].outputs[0].logprobs == pytest.approx(want[2].outputs[0].logprobs, abs=1e-4)
 
 
+def _run(eng: Engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]], abort: dict[int, str]):
+    """Step an engine to the end: requests added and aborted before given steps; each request's tokens."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while eng.has_unfinished() or any(k >= step for k in arrivals):
+        for rid, prompt, params in arrivals.get(step, []):
+            eng.add_request(rid, prompt, params)
+        if step in abort:
+            eng.abort(abort[step])
+        for out in eng.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    return tokens
+
+
+@pytest.mark.parametrize("arch,blocks", [("llama", 200), ("llama", 24), ("mistral", 60)])
+def test_steps_started_ahead_give_the_same_tokens(arch, blocks):
+    """Host/device overlap: a decode step started before the last one's tokens reach the host
+    (its inputs are those tokens, on the device) gives the tokens of steps run one after the
+    other, with greedy, seeded and log-probability requests, arrivals and an abort mid-run, a pool
+    too short to plan ahead at times (24 blocks) and a sliding window (Mistral's 48) crossed."""
+    from workers.engine.kv_cache import bytes_per_block
+    from workers.engine.runners.base import kv_dims
+
+    lm = tiny(arch, dtype="float32")
+    per_block = bytes_per_block(eng_groups(lm), 4, *kv_dims(lm), torch.float32)
+    rng = random.Random(11)
+    arrivals: dict[int, list] = {}
+    for i, (at, n, m) in enumerate([(0, 5, 30), (0, 11, 40), (0, 2, 70), (3, 7, 12), (20, 40, 25), (21, 3, 1)]):
+        prompt = [rng.randrange(1, 250) for _ in range(n)]
+        params = (SamplingParams(max_tokens=m, temperature=0.9, top_k=30, seed=i, ignore_eos=True) if i % 2
+                  else _greedy(m))
+        arrivals.setdefault(at, []).append((f"r{i}", prompt, params))
+    arrivals[30] = [("lp", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True))]
+    abort = {15: "r1"}
+    runs = []
+    for overlap in (False, True):
+        eng = _engine(lm, max_batch_size=4, kv_cache_memory=blocks * per_block)
+        eng.runner.overlap = overlap
+        runs.append((_run(eng, arrivals, abort), eng.steps_ahead))
+    (sync, none_ahead), (ahead, steps_ahead) = runs
+    assert none_ahead == 0 and steps_ahead > 10
+    assert ahead == sync
+    assert len(sync["r2"]) == 70 and len(sync["r1"]) < 40  # r1 aborted part-way
+
+
+def test_a_step_started_ahead_whose_rows_all_end_is_dropped():
+    """Every sequence of a step ends on its tokens: the step started ahead of them is waited for and
+    dropped, the engine has nothing left, and the next request runs as usual."""
+    lm = tiny("llama", dtype="float32")
+    eng = _engine(lm)
+    eng.runner.overlap = True
+    first = eng.generate([[4, 5, 6], [7, 8]], [_greedy(5), _greedy(5)])
+    assert eng.steps_ahead > 0 and eng._ahead is None and not eng.has_unfinished()
+    again = eng.generate([[4, 5, 6]], _greedy(5))[0]
+    assert again.outputs[0].token_ids == first[0].outputs[0].token_ids == hf_greedy(lm.model, [4, 5, 6], 5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_graphs_on_cuda_equal_eager_and_transformers():
-    """On a GPU: every bucket captured, the replayed steps' greedy tokens equal the same runner's
-    eager steps and transformers' generate."""
+    """On a GPU: every bucket captured, the replayed steps' greedy tokens (steps started ahead of
+    the last one's tokens) equal the same runner's eager steps and transformers' generate."""
     from workers.models import load_model
 
     lm = load_model("tiny:llama", dtype="float32", device="cuda")
@@ -172,3 +230,4 @@ def test_decode_graphs_on_cuda_equal_eager_and_transformers():
     again = eager.generate(prompts, [_greedy(10)] * len(prompts))
     for p, o, a in zip(prompts, outs, again):
         assert o.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(lm.model, p, 10)
+    assert eng.runner.overlap and eng.steps_ahead > 0  # the host overlapped the device

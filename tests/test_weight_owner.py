@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ PROMPT = [5, 17, 33, 2, 99, 4]
 COPY = """
 import json, sys, torch
 from workers.weights.owner import attach_remote
-model, tok, info = attach_remote(sys.argv[1], sys.argv[2].encode(), timeout=120)
+model, tok, info, link = attach_remote(sys.argv[1], sys.argv[2].encode(), timeout=120)
 dev = next(model.parameters()).device
 before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
 with torch.inference_mode():
@@ -70,6 +71,7 @@ def _check_owner(tmp_path: Path, device: str) -> None:
     with torch.inference_mode():
         want = ref.model(torch.tensor([PROMPT], device=device)).logits[0].float().cpu()
     owner, addr, key, env = _owner(tmp_path, device)
+    stopped = False
     copies = _start_copies(addr, key, env, 2)  # they start while the owner loads
     try:
         assert "weight owner:" in owner.stdout.readline()
@@ -92,12 +94,21 @@ def _check_owner(tmp_path: Path, device: str) -> None:
             attach_remote(addr, b"wrong", timeout=10)
         time.sleep(0.5)
         assert owner.poll() is None
+        # told to stop while copies hold its tensors (Ctrl-C to the group, then SIGTERM), the owner
+        # waits for them to let go, and then exits cleanly
+        owner.send_signal(signal.SIGINT)
+        owner.terminate()
+        stopped = True
+        time.sleep(1.5)
+        assert owner.poll() is None
     finally:
         for p in copies:
             if p.poll() is None:
                 p.communicate("\n", timeout=60)
-        owner.terminate()
-        owner.wait(30)
+        if not stopped:
+            owner.terminate()
+        code = owner.wait(30)
+    assert code == 0
     remove_ipc_files(owner.pid)  # what the deployment does once an owner has exited (fusion.owners)
     pids = [owner.pid, *(p.pid for p in copies)]
     deadline = time.monotonic() + 10

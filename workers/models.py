@@ -34,8 +34,9 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
     if not isinstance(source, str) or not source:
         raise ValueError(f"model source must be a non-empty string, got {source!r}")
     dt = load_dtype(dtype, dev, prepack, source)
+    link = None
     if share_weights and owner:  # CUDA: attach to the weights the device's owner process holds
-        model, tok, weights = attach_remote(owner, os.environ.get(KEY_ENV, "").encode())
+        model, tok, weights, link = attach_remote(owner, os.environ.get(KEY_ENV, "").encode())
     elif share_weights and not device_kind(dev).owner_shares_weights:  # one read-only mapping, on the host
         model, tok, weights = shared_weights.load_shared(source, dt, lambda: load_private(source, dt, use_cache))
     else:  # own weights: sharing off, or a device with no owner (a worker started by hand)
@@ -52,7 +53,7 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
         eos = tok.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     return LoadedModel(model=model, tokenizer=tok, source=source, dtype=dt, device=dev,
-                       max_model_len=ctx, eos_token_ids=eos_ids, weights=weights)
+                       max_model_len=ctx, eos_token_ids=eos_ids, weights=weights, owner_link=link)
 
 
 def load_engine(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",

@@ -25,7 +25,7 @@ from workers.engine.kv_cache import CacheLayout
 from workers.engine.outputs import CompletionOutput, RequestOutput
 from workers.engine.params import SamplingParams
 from workers.engine.runners import Runner, make_runner
-from workers.engine.runners.base import kv_dims, num_layers
+from workers.engine.runners.base import Launched, kv_dims, num_layers
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.engine.sequence import Sequence, SequenceGroup
 from workers.engine.step_result import StepResult
@@ -112,6 +112,8 @@ class Engine:
         self._generate_ids = itertools.count()
         self._seed_rng = random.Random()
         self.steps = 0
+        self.steps_ahead = 0  # steps started before the previous step's tokens were read
+        self._ahead: Launched | None = None
         self.last_plan: SchedulerOutput | None = None
         self.tokens_generated = 0
 
@@ -145,10 +147,14 @@ class Engine:
     def close(self) -> None:
         """Let go of the model's tensors now, not at the interpreter's exit: weights attached from a
         weight owner (CUDA IPC) go back to it while it still runs (workers.weights.owner)."""
+        self._drop_ahead()
+        link = self.lm.owner_link if self.lm is not None else None
         self.runner = self.scheduler = None
         self.lm = self.tokenizer = None
         gc.collect()
         self.platform.release()
+        if link is not None:
+            link.close()  # the owner may stop now
 
     def stats(self) -> dict:
         """The KV cache as status and /metrics show it."""
@@ -215,7 +221,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._ahead is not None
 
     def request_ids(self) -> list[str]:
         """The requests added and not yet finished or aborted."""
@@ -229,15 +235,44 @@ class Engine:
 
     # --- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.last_plan = None  # None after a failed schedule(): the caller can't tell what it touched
-        plan = self.scheduler.schedule()
-        self.last_plan = plan  # kept for inspection (tests, metrics) and to fail only this step's requests
-        if plan.empty:
-            return []
-        forward = self.runner.forward_seconds
-        result = self.runner.execute(plan)
+        """One step's outputs. Where the runner can run ahead (a device that computes while the host
+        goes on), the next step is planned and started before this one's tokens are read, so the
+        host's bookkeeping of step n overlaps the device's step n+1 (Scheduler.schedule_ahead)."""
+        running, self._ahead = self._ahead, None
+        self.last_plan = running.plan if running is not None else None  # None: a failed schedule() touched all
+        try:
+            if running is None:
+                plan = self.scheduler.schedule()
+                self.last_plan = plan  # kept for inspection (tests, metrics) and to fail only this step's requests
+                if plan.empty:
+                    return []
+                running = self.runner.launch(plan)
+            plan = running.plan
+            forward = self.runner.forward_seconds
+            if self.runner.can_run_ahead(plan):
+                ahead = self.scheduler.schedule_ahead(plan, self.lm.max_model_len)
+                if ahead is not None:
+                    self._ahead = self.runner.launch(ahead, ahead_of=plan)
+                    self.steps_ahead += 1
+            result = running.finish()
+        except BaseException:
+            self._drop_ahead()
+            raise
         self.scheduler.observe(plan, self.runner.forward_seconds - forward)  # what the step's model call took
-        return self._update(plan, result)
+        outputs = self._update(plan, result)
+        if self._ahead is not None and all(s.finished for s in self._ahead.plan.decode):
+            self._drop_ahead()  # every row of it ended on this step's tokens
+        return outputs
+
+    def _drop_ahead(self) -> None:
+        """Wait for a step started ahead and drop its tokens (their sequences ended or failed):
+        its host buffers are free again when this returns."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            try:
+                ahead.finish()
+            except Exception:  # noqa: BLE001 - the step that failed is reported; this one's rows are gone
+                pass
 
     def _update(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         self.steps += 1

@@ -165,6 +165,8 @@ class Scheduler:
         their other samples, new tokens are appended, and samples that reached a stop end."""
         update = StepUpdate()
         for seq in out.decode:
+            if seq.finished:
+                continue  # ended while a step planned ahead of its tokens ran (its row was wasted)
             seq.num_computed += 1
             self.computed(seq)
         for chunk in out.prefill:
@@ -228,6 +230,23 @@ class Scheduler:
             budget -= self._add_chunk(out, self.running[-1], budget)
         out.new_blocks = self.blocks.take_new_blocks()
         return out
+
+    def schedule_ahead(self, out: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
+        """The next step's plan while the step `out` planned still runs, before its tokens are
+        known: where `out` decodes every running sequence and nothing waits, the next step decodes
+        the same sequences, in the same order, one position further (a sequence that ends on the
+        token still running wastes its row). None where that does not hold or a block is short:
+        the next step is planned after this one's tokens, by schedule()."""
+        if out.prefill or out.preempted or self.waiting or self.resume or len(out.decode) != len(self.running):
+            return None
+        ahead = SchedulerOutput()
+        for seq in out.decode:
+            p = seq.num_computed + 1  # the position of the token that `out` samples
+            if seq.finished or p + 1 > max_model_len or not self.blocks.allocate(seq.blocks, p, p + 1):
+                return None  # blocks taken stay with their sequences; schedule() zeroes them
+            ahead.decode.append(seq)
+        ahead.new_blocks = self.blocks.take_new_blocks()
+        return ahead
 
     def _preempt_newest(self, out: SchedulerOutput) -> Sequence:
         victim = self.running.pop()

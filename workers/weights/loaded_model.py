@@ -18,6 +18,9 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
     weights: Any = None  # weights.shared.WeightsInfo: bytes, and whether shared with other copies
+    # weights.owner.OwnerLink: open while the model holds a weight owner's tensors (closed once
+    # they are let go, so the owner can stop: Engine.close)
+    owner_link: Any = None
     # read once: the config lookup behind it costs microseconds, and every request checks its prompt
     vocab_size: int = field(init=False, default=0)
 

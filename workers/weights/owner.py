@@ -8,6 +8,13 @@ handle per tensor. A copy builds its model on the `meta` device and binds the te
 open. The owner exits with its parent (the deployment), which frees the weights when the last
 user is gone.
 
+A copy keeps its connection open while it holds the tensors (OwnerLink) and closes it once it has
+let them go (Engine.close), or the kernel closes it when the copy's process ends. Told to stop
+(SIGTERM), the owner waits, for a bounded time, until every copy's connection is closed: torch's
+producer then exits without "Producer process has been terminated before all shared CUDA tensors
+released". It ignores SIGINT, which a terminal's Ctrl-C sends to the whole process group: the
+deployment stops it after its copies.
+
 The one seam is `export_tensor` / `import_tensor`: torch.multiprocessing's reductions, which use
 CUDA IPC for CUDA tensors. CPU tensors take the same path through torch's `file_system` sharing
 (shared memory that torch's manager removes when its last user goes), which is how the owner's
@@ -47,6 +54,12 @@ def export_tensor(t: torch.Tensor):
     return reduce_tensor(t)
 
 
+def collect_exported(device: str) -> None:
+    """Free what exported device tensors the copies have released (host memory: torch's manager does)."""
+    if not device_kind(device).host:
+        torch.cuda.ipc_collect()
+
+
 def import_tensor(handle) -> torch.Tensor:
     rebuild, args = handle
     return rebuild(*args)
@@ -54,13 +67,33 @@ def import_tensor(handle) -> torch.Tensor:
 
 # --- the owner ----------------------------------------------------------------------------------------------
 
+# how long a stopping owner waits for its copies to let go of its tensors (the deployment stops the
+# owners after the workers, so they are gone already; a signal to the whole group is the case)
+DETACH_WAIT_S = 20.0
+
+
+class OwnerLink:
+    """A copy's open connection to its owner: open while the copy holds the owner's tensors."""
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def close(self) -> None:
+        """The copy has let go of the tensors (or is going): the owner may stop."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
 class WeightOwner:
     def __init__(self, source: str, dtype: str, device: str, address: str, authkey: bytes,
                  parent_pid: int | None = None):
         self.source, self.device, self.address, self.authkey = source, device, address, authkey
         self.dtype = dtype
         self.parent_pid = parent_pid
-        self.attached = 0
+        self.attached = 0  # copies answered
+        self.holding = 0  # copies whose connection is open: they may hold the tensors
+        self._changed = threading.Condition()
 
     def load(self) -> dict:
         """Load once and build the answer every copy gets: the directory and one handle per tensor."""
@@ -88,10 +121,31 @@ class WeightOwner:
         # a clean exit on SIGTERM: torch and the CUDA driver then remove their IPC bookkeeping
         # files from /dev/shm, which a process killed outright would leave behind
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             self._serve()
         finally:  # its parent may be gone (SIGKILLed): nobody else would remove these
+            self.wait_detached(DETACH_WAIT_S)
+            collect_exported(self.device)
             remove_ipc_files(os.getpid())
+
+    def wait_detached(self, timeout: float) -> bool:
+        """Wait until no copy holds a connection (True), or `timeout` seconds (False)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.holding == 0, timeout)
+
+    def _hold(self, conn) -> None:
+        """A copy's connection, open until it closes it or its process ends."""
+        try:
+            while True:
+                conn.recv()  # a copy sends nothing more: this returns only with EOF
+        except (OSError, EOFError):
+            pass
+        finally:
+            conn.close()
+            with self._changed:
+                self.holding -= 1
+                self._changed.notify_all()
 
     def _serve(self) -> None:
         answer = self.load()
@@ -103,17 +157,29 @@ class WeightOwner:
                     conn = listener.accept()
                 except Exception:  # noqa: BLE001 - a bad key, a peer gone: the next one may be fine
                     continue
-                with conn:
-                    try:
-                        if conn.recv() == "attach":
-                            conn.send(answer)
-                            self.attached += 1
-                    except (OSError, EOFError):
-                        pass
+                counted = False
+                try:
+                    if conn.recv() != "attach":
+                        conn.close()
+                        continue
+                    with self._changed:
+                        self.holding += 1  # before the handles go: a stop from now on waits for it
+                    counted = True
+                    conn.send(answer)
+                except (OSError, EOFError):
+                    conn.close()
+                    if counted:
+                        with self._changed:
+                            self.holding -= 1
+                            self._changed.notify_all()
+                    continue
+                self.attached += 1
+                threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
 
 
 def attach_remote(address: str, authkey: bytes, timeout: float = 300.0):
-    """(model, tokenizer, WeightsInfo) for a copy whose weights live in the owner at `address`."""
+    """(model, tokenizer, WeightsInfo, OwnerLink) for a copy whose weights live in the owner at
+    `address`. Keep the link while the model is in use; close it once its tensors are let go."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -123,14 +189,18 @@ def attach_remote(address: str, authkey: bytes, timeout: float = 300.0):
             if time.monotonic() > deadline:
                 raise S.SharedWeightsError(f"no weight owner answered at {address} within {timeout:g}s") from None
             time.sleep(0.1)  # the owner is still loading
-    with conn:
+    try:
         conn.send("attach")
         answer = conn.recv()
+    except BaseException:
+        conn.close()
+        raise
+    link = OwnerLink(conn)
     dt = getattr(torch, answer["dtype"])
     model, tok = S.build_meta(Path(answer["dir"]), dt)
     tensors = {name: import_tensor(handle) for name, handle in answer["handles"].items()}
     nbytes = S.bind_all(model, tensors, answer["aliases"], address)
-    return model.eval(), tok, S.WeightsInfo(nbytes, True, f"owner:{address}")
+    return model.eval(), tok, S.WeightsInfo(nbytes, True, f"owner:{address}"), link
 
 
 def main(argv: list[str] | None = None) -> None:

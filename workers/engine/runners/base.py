@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +51,15 @@ def chunk_tokens(chunk: Chunk) -> list[int]:
     if end <= p:
         return seq.prompt[chunk.start:end]
     return (seq.prompt + seq.output)[chunk.start:end]
+
+
+@dataclass(slots=True, frozen=True, eq=False)
+class Launched:
+    """A step started on the device: `finish()` waits for it and gives its result (at once for a
+    runner whose steps end where they start)."""
+
+    plan: SchedulerOutput
+    finish: Callable[[], StepResult]
 
 
 class Runner(ABC):
@@ -106,6 +117,17 @@ class Runner(ABC):
 
     def capture_graphs(self) -> None:  # noqa: B027 - a device without graphs captures nothing
         """Capture the device graphs its steps replay, before the first request."""
+
+    def launch(self, plan: SchedulerOutput, ahead_of: SchedulerOutput | None = None) -> Launched:
+        """Start the step `plan` planned. `ahead_of`: the plan of the step still running, whose
+        sampled tokens are this step's inputs (only where can_run_ahead said so)."""
+        result = self.execute(plan)
+        return Launched(plan, lambda: result)
+
+    def can_run_ahead(self, plan: SchedulerOutput) -> bool:
+        """Whether the next step may start before this one's tokens reach the host: where the
+        device runs asynchronously, the host then plans and fills step n+1 while step n runs."""
+        return False
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:

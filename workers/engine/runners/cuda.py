@@ -9,6 +9,12 @@ host-to-device copy of every input (one pinned buffer), a replay, and one device
 the sampled tokens. Rows past the batch are padding: token 0 at position 0, its KV written to a
 reserved dummy block past the pool's, attending nothing (length 0), sampled greedily and dropped.
 
+Where graphs run, the host overlaps the device: while step n runs, the engine plans step n+1
+(Scheduler.schedule_ahead: the same sequences one position further) and the runner launches it,
+its input tokens taken on the device from step n's sampled tokens (the `source` field); step n's
+tokens are then read and applied while step n+1 runs. Two pinned host twins of the inputs take
+turns, so filling one never races the copies of the other.
+
 Prefill and mixed steps, and decode rows that ask for log-probabilities, run the same forward
 eagerly (the latter replay the graph and sample on the host from its logits). Models without the
 lean forward keep transformers' modules, compiled with piecewise CUDA graphs (PagedRunner).
@@ -21,6 +27,7 @@ Off a GPU the same step function runs eagerly with the reference paged ops
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +38,7 @@ from workers.engine.block_manager import NO_BLOCK
 from workers.engine.device_lean import DeviceLean, DeviceStep
 from workers.engine.device_sampler import SamplingRows, sample_tokens
 from workers.engine.paged_ops import PagedOps, select_ops
-from workers.engine.runners.base import chunk_tokens, kept_rows
+from workers.engine.runners.base import Launched, chunk_tokens, kept_rows
 from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence
@@ -45,9 +52,12 @@ if TYPE_CHECKING:
 
 GRAPHS_NOT_COMPILED = "its decode steps run as captured CUDA graphs of the lean forward"
 # int64 rows of the input buffer before the block tables: ids, positions, slots, lengths, top_k, seed,
-# sample index, token index, and temperature and top_p as float64 bits
-_FIELDS = ("ids", "positions", "slots", "lengths", "top_k", "seed", "sample_index", "token_index", "temperature",
-           "top_p")
+# sample index, token index, source (the row of the previous step's sampled tokens that is this
+# row's input, -1: `ids`), and temperature and top_p as float64 bits
+_FIELDS = ("ids", "positions", "slots", "lengths", "top_k", "seed", "sample_index", "token_index", "source",
+           "temperature", "top_p")
+_PADDING = (("ids", 0), ("positions", 0), ("lengths", 0), ("top_k", 0), ("seed", 0), ("sample_index", 0),
+            ("token_index", 0), ("source", -1), ("temperature", 0.0), ("top_p", 1.0))
 
 
 def decode_buckets(max_batch_size: int) -> list[int]:
@@ -59,34 +69,52 @@ def decode_buckets(max_batch_size: int) -> list[int]:
     return [*sizes, max_batch_size]
 
 
+class HostInputs:
+    """One pinned host twin of the decode inputs, with the sampled tokens' landing place. The
+    fields are numpy views: a step writes Python lists into them with no tensor made per field
+    (the host's share of a decode step)."""
+
+    def __init__(self, rows: int, table_width: int, size: int, pinned: bool):
+        self.inputs = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
+        host = self.inputs.numpy()
+        self.fields = {name: host[i * rows:(i + 1) * rows] for i, name in enumerate(_FIELDS)}
+        for name in ("temperature", "top_p"):
+            self.fields[name] = self.fields[name].view(np.float64)
+        self.tables = host[len(_FIELDS) * rows:].reshape(rows, table_width)
+        self.tokens = torch.zeros(rows, dtype=torch.long, pin_memory=pinned)
+
+
 class DecodeBuffers:
     """The decode graphs' inputs and outputs, allocated once: their addresses never change. The
-    inputs are one int64 buffer (one copy a step from its pinned host twin), viewed as fields."""
+    inputs are one int64 buffer (one copy a step from a pinned host twin), viewed as fields. There
+    are two host twins, used in turn: a step started ahead fills one while the copies of the step
+    still running read and write the other."""
 
     def __init__(self, rows: int, table_width: int, vocab: int, logits_dtype: torch.dtype, device: torch.device):
         self.rows, self.width = rows, table_width
         size = len(_FIELDS) * rows + rows * table_width
         self.device_inputs = torch.zeros(size, dtype=torch.long, device=device)
         pinned = device.type != "cpu" and torch.cuda.is_available()
-        self.host_inputs = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
+        self.hosts = (HostInputs(rows, table_width, size, pinned), HostInputs(rows, table_width, size, pinned))
+        self.turn = 0
         self.fields = {name: self.device_inputs[i * rows:(i + 1) * rows] for i, name in enumerate(_FIELDS)}
         self.tables = self.device_inputs[len(_FIELDS) * rows:].view(rows, table_width)
-        # the host side as numpy views of the pinned buffer: a step writes Python lists into them
-        # with no tensor made per field (the host's share of a decode step)
-        host = self.host_inputs.numpy()
-        self.host_fields = {name: host[i * rows:(i + 1) * rows] for i, name in enumerate(_FIELDS)}
-        for name in ("temperature", "top_p"):
-            self.host_fields[name] = self.host_fields[name].view(np.float64)
-        self.host_tables = host[len(_FIELDS) * rows:].reshape(rows, table_width)
         self.row_index = torch.arange(rows, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.host_tokens = torch.zeros(rows, dtype=torch.long, pin_memory=pinned)
         self.logits = torch.zeros(rows, vocab, dtype=logits_dtype, device=device)
 
+    def next_host(self) -> HostInputs:
+        self.turn ^= 1
+        return self.hosts[self.turn]
+
     def step(self, n: int) -> DeviceStep:
+        """The first n rows' layout; a row whose source is a row of the last step's tokens takes
+        that token as its input (a step started ahead of the last one's tokens reaching the host)."""
         f = self.fields
-        return DeviceStep(f["ids"][:n], f["positions"][:n], f["slots"][:n], self.row_index[:n],
-                          f["lengths"][:n], self.tables[:n])
+        source = f["source"][:n]
+        ids = torch.where(source >= 0, self.tokens.index_select(0, source.clamp(min=0)), f["ids"][:n])
+        return DeviceStep(ids, f["positions"][:n], f["slots"][:n], self.row_index[:n], f["lengths"][:n],
+                          self.tables[:n])
 
     def sampling(self, n: int) -> SamplingRows:
         f = self.fields
@@ -95,17 +123,29 @@ class DecodeBuffers:
                             f["token_index"][:n])
 
 
+@dataclass(slots=True, frozen=True)
+class InFlight:
+    """A decode step launched on the device: its real rows, the host twin its tokens land in, and
+    the event after that copy (None off a GPU, where the step is done at launch)."""
+
+    rows: int
+    host: HostInputs
+    event: torch.cuda.Event | None
+
+
 class CudaRunner(PagedRunner):
     def __init__(self, lm: LoadedModel, platform: Platform, holder: attention.ContextHolder, layout: CacheLayout,
                  backend: AttentionBackend, max_batch_size: int = 64, ops: PagedOps | None = None,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, overlap: bool | None = None):
         """`ops`: the paged kernels (None: the device's, paged_ops.select_ops); `graphs`: capture
-        the decode steps (None: on a CUDA device)."""
+        the decode steps (None: on a CUDA device); `overlap`: start a decode step before the last
+        one's tokens reach the host (None: where graphs run, since a replay returns at once)."""
         lean = platform.lean and len(holder.windows) == 1
         # the dummy block that padded rows write to lies past the pool the scheduler counts
         super().__init__(lm, platform, holder, layout, backend, max_batch_size, extra_blocks=1 if lean else 0)
         self.ops = ops or select_ops(lm.device)
         self.device_lean: DeviceLean | None = None
+        self.overlap = False
         if not lean:
             return
         self.dummy = layout.num_blocks
@@ -115,11 +155,13 @@ class CudaRunner(PagedRunner):
         self.buckets = decode_buckets(max_batch_size)
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, lm.vocab_size, lm.dtype, lm.device)
         self.graphs_on = lm.device.type == "cuda" if graphs is None else graphs
+        self.overlap = self.graphs_on if overlap is None else overlap
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
-        # decode steps, and their time filling the inputs (the host) and from the copy in to the
-        # tokens out (the device, with the launch): bench/gpu.py reports the shares
-        self.decode_steps, self.fill_seconds, self.replay_seconds = 0, 0.0, 0.0
+        # decode steps; their time filling the inputs (the host), launching them, and waiting for
+        # their tokens (what the device took past the host's work in the meantime): bench/gpu.py
+        # reports the shares
+        self.decode_steps, self.fill_seconds, self.launch_seconds, self.wait_seconds = 0, 0.0, 0.0, 0.0
 
     def compile_refusal(self) -> str | None:
         return GRAPHS_NOT_COMPILED if self.device_lean is not None else None
@@ -142,8 +184,9 @@ class CudaRunner(PagedRunner):
         if self.device_lean is None or not self.graphs_on:
             return
         t = time.perf_counter()
-        self._fill([], self.buckets[-1])
-        self.buffers.device_inputs.copy_(self.buffers.host_inputs)
+        host = self.buffers.next_host()
+        self._fill(host, [], self.buckets[-1])
+        self.buffers.device_inputs.copy_(host.inputs)
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -160,56 +203,112 @@ class CudaRunner(PagedRunner):
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t
 
-    def _fill(self, seqs: list[Sequence], rows: int) -> None:
-        """The host buffer for a decode step of `seqs`, padded to `rows`."""
-        buf, bs = self.buffers, self.block_size
-        f = buf.host_fields
+    def _fill(self, host: HostInputs, seqs: list[Sequence], rows: int, ahead: bool = False) -> None:
+        """The host buffer for a decode step of `seqs`, padded to `rows`. `ahead`: the step runs
+        before the last one's tokens are known; each sequence is one position further and row r
+        takes row r of the last step's tokens as its input (Scheduler.schedule_ahead keeps the order)."""
+        bs = self.block_size
+        f = host.fields
         n = len(seqs)
-        pos = [s.num_computed for s in seqs]
+        step = 1 if ahead else 0
+        pos = [s.num_computed + step for s in seqs]
         params = [s.group.params for s in seqs]
-        tab = buf.host_tables
+        tab = host.tables
         tab[:rows] = self.dummy
         for r, s in enumerate(seqs):
             t = s.blocks.tables[0]
             tab[r, : len(t)] = t
         real = tab[:n]
         real[real == NO_BLOCK] = self.dummy  # blocks a window dropped: never read
-        f["ids"][:n] = [s.token_at(p) for s, p in zip(seqs, pos)]
+        if ahead:
+            f["ids"][:n] = 0
+            f["source"][:n] = range(n)
+        else:
+            f["ids"][:n] = [s.token_at(p) for s, p in zip(seqs, pos)]
+            f["source"][:n] = -1
         f["positions"][:n] = pos
         f["slots"][:n] = [int(tab[r, p // bs]) * bs + p % bs for r, p in enumerate(pos)]
         f["lengths"][:n] = [p + 1 for p in pos]
         f["top_k"][:n] = [p.top_k for p in params]
         f["seed"][:n] = [s.group.seed for s in seqs]
         f["sample_index"][:n] = [s.sample_index for s in seqs]
-        f["token_index"][:n] = [len(s.output) for s in seqs]
+        f["token_index"][:n] = [len(s.output) + step for s in seqs]
         f["temperature"][:n] = [p.temperature for p in params]
         f["top_p"][:n] = [p.top_p for p in params]
         # padded rows: token 0 at position 0 into the dummy block, attending nothing, greedy
-        for name, value in (("ids", 0), ("positions", 0), ("slots", self.dummy * bs), ("lengths", 0), ("top_k", 0),
-                            ("seed", 0), ("sample_index", 0), ("token_index", 0), ("temperature", 0.0),
-                            ("top_p", 1.0)):
+        for name, value in _PADDING:
             f[name][n:rows] = value
+        f["slots"][n:rows] = self.dummy * bs
 
-    def _decode_step(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
-        """Run a decode step of `seqs` as its bucket's graph (or the same body eagerly): the logits
-        of its rows (a view of the output buffer) and the sampled tokens."""
+    def _start_decode(self, seqs: list[Sequence], ahead: bool = False) -> InFlight:
+        """Launch a decode step of `seqs` as its bucket's graph (or the same body eagerly): one copy
+        in, the replay, one copy of the sampled tokens out, and an event after it."""
         n = self.bucket(len(seqs))
         t0 = time.perf_counter()
-        self._fill(seqs, n)
-        t1 = time.perf_counter()
         buf = self.buffers
-        buf.device_inputs.copy_(buf.host_inputs, non_blocking=True)  # the step's one copy in
+        host = buf.next_host()
+        self._fill(host, seqs, n, ahead)
+        t1 = time.perf_counter()
+        buf.device_inputs.copy_(host.inputs, non_blocking=True)  # the step's one copy in
         if n in self.graphs:
             self.graphs[n].replay()
         else:
             self._decode_body(n)
-        buf.host_tokens[:n].copy_(buf.tokens[:n], non_blocking=True)  # and its one copy out
+        host.tokens[:n].copy_(buf.tokens[:n], non_blocking=True)  # and its one copy out
+        event = None
         if self.graphs_on:
-            torch.cuda.current_stream().synchronize()
+            event = torch.cuda.Event()
+            event.record()
         self.decode_steps += 1
         self.fill_seconds += t1 - t0
-        self.replay_seconds += time.perf_counter() - t1
-        return buf.logits[: len(seqs)], buf.host_tokens[: len(seqs)].tolist()
+        self.launch_seconds += time.perf_counter() - t1
+        return InFlight(len(seqs), host, event)
+
+    def _end_decode(self, step: InFlight) -> list[int]:
+        """Wait for a launched decode step: its sampled tokens."""
+        t = time.perf_counter()
+        if step.event is not None:
+            step.event.synchronize()
+        self.wait_seconds += time.perf_counter() - t
+        return step.host.tokens[: step.rows].tolist()
+
+    def _decode_step(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
+        """A decode step of `seqs` to its end: the logits of its rows (a view of the output buffer)
+        and the sampled tokens."""
+        tokens = self._end_decode(self._start_decode(seqs))
+        return self.buffers.logits[: len(seqs)], tokens
+
+    def _graph_decode(self, plan: SchedulerOutput) -> bool:
+        """A step the decode graph serves by itself: decoding only, within a bucket, every token
+        sampled on the device (no log-probabilities to compute on the host)."""
+        decode = plan.decode
+        return (self.device_lean is not None and not plan.prefill and bool(decode)
+                and self.bucket(len(decode)) is not None
+                and not any(s.group.params.wants_logprobs or s.group.params.logprobs is not None for s in decode))
+
+    def can_run_ahead(self, plan: SchedulerOutput) -> bool:
+        return self.overlap and self._graph_decode(plan)
+
+    def launch(self, plan: SchedulerOutput, ahead_of: SchedulerOutput | None = None) -> Launched:
+        if not (self.overlap and self._graph_decode(plan)):
+            return super().launch(plan)
+        for seq in plan.preempted:
+            self.release(seq)
+        self.new_blocks(plan.new_blocks)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            step = self._start_decode(plan.decode, ahead=ahead_of is not None)
+        self.forward_seconds += time.perf_counter() - t0
+
+        def finish() -> StepResult:
+            t = time.perf_counter()
+            tokens = self._end_decode(step)
+            self.forward_seconds += time.perf_counter() - t
+            result = StepResult()
+            result.samples = [(seq, tok, None, None) for seq, tok in zip(plan.decode, tokens)]
+            return result
+
+        return Launched(plan, finish)
 
     # --- a step ---------------------------------------------------------------------------------
     @torch.inference_mode()
