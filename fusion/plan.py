@@ -132,12 +132,12 @@ def worker_overhead(device: str) -> int:
     return device_kind(device).worker_overhead
 
 
-def planned_precision(source: str, dtype: str, device: str, prepack: bool) -> Precision:
+def planned_precision(source: str, dtype: str, device: str, prepack: bool, quantization: str = "none") -> Precision:
     """How a worker will hold and compute this model (workers.precision), decided by its platform as
     its load will decide it (workers.platform.for_source)."""
     from workers.platform import for_source
 
-    return for_source(source, dtype, device, prepack).precision
+    return for_source(source, dtype, device, prepack, quantization).precision
 
 
 def _bytes(dtype) -> int:
@@ -185,9 +185,11 @@ def weight_bytes(source: str, wbytes: int) -> int:
 def packed_bytes(weights: int, prec: Precision) -> int:
     """A lean worker's own packed linears (every linear, the LM head included: about all the
     weights), from the weights' bytes: oneDNN's in the compute dtype, FBGEMM's in float16, a GPU's
-    fused copies in the weights' dtype."""
+    fused copies in the weights' dtype, weight-only quantized blocks."""
     from workers.precision import FP16, FUSED, ONEDNN
 
+    if prec.quantized:  # blocks of 32: int8 34 bytes, int4 20 (24 counted: a GGUF file's Q8_0 LM head)
+        return weights // _bytes(prec.weights) * (34 if prec.quantization == "int8" else 24) // 32
     if prec.linears == FUSED:  # a GPU's fused q/k/v and gate/up copies: most of the weights (errs high)
         return weights
     if prec.linears == ONEDNN:
@@ -221,7 +223,7 @@ def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads
     """A worker before its KV budget and cores: its batch limits, precision and weight bytes."""
     batch = max(1, round(model.max_batch_size * batch_share))
     tokens = max(batch, round(model.max_batch_tokens * batch_share))
-    prec = planned_precision(model.source, model.dtype, device, model.prepack_weights)
+    prec = planned_precision(model.source, model.dtype, device, model.prepack_weights, model.quantization)
     spec = WorkerSpec(model, model_id, device, threads, max_batch_size=batch, max_batch_tokens=tokens)
     w = WorkerPlan(worker_id, spec, weight_bytes(model.source, _bytes(prec.weights)), model.share_weights,
                    precision=prec)

@@ -38,3 +38,15 @@ def _gemma3_unsupported(model, cfg, compute: torch.dtype) -> str | None:
     if any((r or {}).get("rope_type", "default") != "default" for r in ropes):
         return "a rope_type other than default"
     return None
+
+
+def unquantizable(model) -> str | None:
+    """Why the lean forward's linears of `model` cannot be weight-only quantized (blocks of 32
+    values of a row: every linear's input size a multiple of 32), or None."""
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    sizes = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+             "num_attention_heads x head_dim": heads * head_dim}
+    bad = [f"{name} {size}" for name, size in sizes.items() if size % 32]
+    return f"its linears' input sizes are not multiples of 32 ({', '.join(bad)})" if bad else None

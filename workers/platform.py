@@ -22,14 +22,23 @@ transformers, and the engine's modules may all ask it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from workers.config_keys import FLOAT32_LEAN, KV_AUTO_SHARE, LEAN_ARCHITECTURES
 from workers.devices import CPU, CUDA, DeviceKind, device_kind
-from workers.precision import FUSED, PLAIN, Precision, cpu_auto_weights, cpu_precision, named_dtype
+from workers.precision import (
+    FUSED,
+    NO_QUANTIZATION,
+    PLAIN,
+    QUANTIZATIONS,
+    Precision,
+    cpu_auto_weights,
+    cpu_precision,
+    named_dtype,
+)
 
 if TYPE_CHECKING:
     from workers.weights.loaded_model import LoadedModel
@@ -52,6 +61,8 @@ class Platform(ABC):
     cuda_graphs: ClassVar[bool] = False
     # the model classes whose lean forward this device runs (prepack_weights)
     lean_architectures: ClassVar[tuple[str, ...]] = ()
+    # the lean forward's linears can read weight-only int8/int4 blocks here (`quantization`)
+    quantizes: ClassVar[bool] = False
 
     # --- the rules, before anything loads --------------------------------------------------------
     @staticmethod
@@ -63,6 +74,24 @@ class Platform(ABC):
     @abstractmethod
     def compute(weights: torch.dtype, lean: bool) -> Precision:
         """How weights of this dtype compute here, on the lean forward or transformers' modules."""
+
+    @classmethod
+    def quantized(cls, prec: Precision, quantization: str, lean: bool, model: str) -> Precision:
+        """`prec` with the `quantization` setting applied: `auto` is none (the weight-only kernels
+        serve one stream faster, not yet a batch); int8 and int4 need this device's kernels and the
+        lean forward, and a model that cannot have them is refused here, by name."""
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        if quantization in ("auto", NO_QUANTIZATION):
+            return prec
+        if not cls.quantizes:
+            raise ValueError(f"quantization {quantization!r} is not available on {cls.kind.name} yet: "
+                             "set quantization: none (or auto)")
+        if not lean:
+            raise ValueError(f"quantization {quantization!r} runs on the lean forward, which {model} does not run here "
+                             "(the Llama family, or Gemma 3 computing in float32, with prepack_weights: true): "
+                             "set quantization: none (or auto)")
+        return replace(prec, quantization=quantization)
 
     # --- at load ---------------------------------------------------------------------------------
     @abstractmethod
@@ -89,6 +118,7 @@ class Platform(ABC):
 @dataclass(frozen=True, slots=True)
 class CpuPlatform(Platform):
     kind: ClassVar[DeviceKind] = CPU
+    quantizes: ClassVar[bool] = True
     attention: ClassVar[str] = "cpu"  # the C++ kernels (workers.engine.cpu_kernels)
     lean_architectures: ClassVar[tuple[str, ...]] = LEAN_ARCHITECTURES
 
@@ -172,7 +202,8 @@ def load_dtype(dtype: str | torch.dtype, device: torch.device | str, prepack: bo
     return weights_dtype(dtype, device, lean)
 
 
-def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str, prepack: bool) -> Platform:
+def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str, prepack: bool,
+               quantization: str = NO_QUANTIZATION) -> Platform:
     """The platform a worker of `source` will have, decided before loading it. A source whose
     family is unknown before loading counts as the lean forward's: the plan errs high (packed
     linears counted)."""
@@ -185,10 +216,10 @@ def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str
     prec = cls.compute(weights, lean)
     if lean and prec.compute != torch.float32 and arch in FLOAT32_LEAN:
         lean, prec = False, cls.compute(weights, False)  # that family's lean forward is float32 only
-    return cls(torch.device(device), prec, lean)
+    return cls(torch.device(device), cls.quantized(prec, quantization, lean, source), lean)
 
 
-def for_model(lm: LoadedModel, prepack: bool) -> Platform:
+def for_model(lm: LoadedModel, prepack: bool, quantization: str = NO_QUANTIZATION) -> Platform:
     """The platform of a loaded model: the lean forward runs where `prepack` asks, the device has
     it, and the model's own class and config allow it (workers.lean_rules.unsupported)."""
     cls = platform_class(lm.device)
@@ -198,4 +229,11 @@ def for_model(lm: LoadedModel, prepack: bool) -> Platform:
         from workers.lean_rules import unsupported
 
         lean = unsupported(lm.model, cls.compute(lm.dtype, True).compute) is None
-    return cls(lm.device, cls.compute(lm.dtype, lean), lean)
+    name = f"{lm.source} ({type(lm.model).__name__})"
+    prec = cls.quantized(cls.compute(lm.dtype, lean), quantization, lean, name)
+    if prec.quantized:
+        from workers.lean_rules import unquantizable
+
+        if (why := unquantizable(lm.model)) is not None:
+            raise ValueError(f"quantization {quantization!r} cannot run {name}: {why}; set quantization: none")
+    return cls(lm.device, prec, lean)

@@ -35,6 +35,9 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 HALF = (torch.bfloat16, torch.float16)
 ONEDNN, FP16, PLAIN = "onednn", "fp16", "plain"  # how the lean forward's linears run
 FUSED = "fused"  # on a GPU: fused copies of the q/k/v and gate/up weights, in the weights' dtype
+# the lean forward's linears as weight-only quantized blocks (workers.quantized), or not
+NO_QUANTIZATION = "none"
+QUANTIZATIONS = ("auto", NO_QUANTIZATION, "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +48,24 @@ class Precision:
     # packed float16 weights with float32 math; "fused" (GPU) F.linear on fused copies; "plain"
     # F.linear on the weights
     linears: str
+    # "int8" or "int4": the lean forward's linears read weight-only quantized blocks (a GGUF file's
+    # own where it has them) and multiply them in float32, whatever `linears` says; "none": not
+    quantization: str = NO_QUANTIZATION
 
     @property
     def mixed(self) -> bool:
         return self.weights != self.compute
 
+    @property
+    def quantized(self) -> bool:
+        return self.quantization != NO_QUANTIZATION
+
     def describe(self) -> str:
         name = str(self.weights).removeprefix("torch.")
+        linears = f"{self.quantization} weight-only linears" if self.quantized else f"{self.linears} linears"
         if self.mixed:
-            return f"{name} weights, {str(self.compute).removeprefix('torch.')} math ({self.linears} linears)"
-        return f"{name} ({self.linears} linears)"
+            return f"{name} weights, {str(self.compute).removeprefix('torch.')} math ({linears})"
+        return f"{name} ({linears})"
 
 
 def named_dtype(dtype: str | torch.dtype) -> torch.dtype | None:

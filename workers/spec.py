@@ -42,6 +42,7 @@ class ModelSpec:
     deltat_scaling_factor: float = _default("deltat_scaling_factor")
     share_weights: bool = _default("share_weights")
     prepack_weights: bool = _default("prepack_weights")
+    quantization: str = _default("quantization")
     compile: str | bool = _default("compile")
     compile_buckets: tuple[int, ...] | None = _default("compile_buckets")
     pin: bool = _default("pin")

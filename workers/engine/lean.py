@@ -27,16 +27,18 @@ import torch.nn.functional as F
 
 from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
-from workers.engine.linears import Linear, fused
+from workers.engine.linears import Linear, fused, quantized
 from workers.precision import Precision
+from workers.quantized import QuantizedWeight
 
 
-def lean_forward(model, precision: Precision, norms=None) -> LeanLlama:
-    """The lean forward of this model's family, its linears packed as `precision` says and computing
-    in its compute dtype (the platform decided that it applies: workers.platform); `norms`: the C++
-    kernels' module (workers.engine.cpu_kernels), or None for torch's norms."""
+def lean_forward(model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None) -> LeanLlama:
+    """The lean forward of this model's family, its linears packed (or quantized) as `precision` says
+    and computing in its compute dtype (the platform decided that it applies: workers.platform);
+    `norms`: the C++ kernels' module (workers.engine.cpu_kernels), or None for torch's norms;
+    `blocks`: a GGUF file's own quantized blocks by module name (workers.weights.gguf_blocks)."""
     family = LeanGemma3 if type(model).__name__ in FLOAT32_LEAN else LeanLlama
-    return family(model, precision, norms=norms)
+    return family(model, precision, norms=norms, blocks=blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +81,12 @@ class _Layer:
 class LeanLlama:
     """forward(ids, positions, keep, kv, ctx) -> logits of the kept rows, over the paged cache."""
 
-    def __init__(self, model, precision: Precision, norms=None):
+    def __init__(self, model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None):
         cfg = model.config.get_text_config()
         self.compute = precision.compute
+        self.precision = precision
+        modules = dict(model.named_modules())
+        self._blocks = {id(modules[name]): qw for name, qw in (blocks or {}).items() if name in modules}
         self.norms = norms  # the C++ norms (cpu_kernels), or None for F.rms_norm
         inner = model.model
         shape = AttentionShape.of(model)
@@ -93,23 +98,29 @@ class LeanLlama:
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
         self.final_norm = self._norm_weight(inner.norm)
-        self.lm_head = Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), precision.linears,
-                              compute=self.compute)
+        self.lm_head = self._linear([model.lm_head])
         windows = attention.layer_windows(model, [layer.self_attn for layer in inner.layers])
-        self.layers = [self._layer(layer, windows[i], precision.linears) for i, layer in enumerate(inner.layers)]
+        self.layers = [self._layer(layer, windows[i]) for i, layer in enumerate(inner.layers)]
 
     def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
         return norm.weight.detach().to(self.compute)
 
-    def _layer(self, layer, window: int | None, kind: str) -> _Layer:
-        attn, mlp, compute = layer.self_attn, layer.mlp, self.compute
+    def _layer(self, layer, window: int | None) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
         return _Layer(self._norm_weight(layer.input_layernorm),
-                      fused([attn.q_proj, attn.k_proj, attn.v_proj], kind, compute),
-                      fused([attn.o_proj], kind, compute),
+                      self._linear([attn.q_proj, attn.k_proj, attn.v_proj]),
+                      self._linear([attn.o_proj]),
                       self._norm_weight(layer.post_attention_layernorm),
-                      fused([mlp.gate_proj, mlp.up_proj], kind, compute),
-                      fused([mlp.down_proj], kind, compute),
+                      self._linear([mlp.gate_proj, mlp.up_proj]),
+                      self._linear([mlp.down_proj]),
                       window)
+
+    def _linear(self, modules: list[torch.nn.Module]) -> Linear:
+        """The outputs of `modules` as one linear: packed, or weight-only quantized."""
+        prec = self.precision
+        if prec.quantized:
+            return quantized(modules, prec.quantization, self._blocks, self.compute, self.norms, prec.linears)
+        return fused(modules, prec.linears, self.compute)
 
     @property
     def own_bytes(self) -> int:
@@ -195,10 +206,10 @@ class _GemmaLayer(_Layer):
 class LeanGemma3(LeanLlama):
     """Gemma 3 (text) on LeanLlama's pass, computing in float32 (see the module's docstring)."""
 
-    def __init__(self, model, precision: Precision, norms=None):
+    def __init__(self, model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None):
         cfg = model.config.get_text_config()
         self.layer_types = list(cfg.layer_types)
-        super().__init__(model, precision, norms)
+        super().__init__(model, precision, norms, blocks)
         # transformers multiplies by the buffer in the weights' dtype; widened, the same value
         self.embed_scale = model.model.embed_tokens.embed_scale.to(self.compute)
         self.softcap = cfg.final_logit_softcapping
@@ -207,8 +218,8 @@ class LeanGemma3(LeanLlama):
         # Gemma3RMSNorm scales by (1 + w) computed in float32, as is everything here
         return 1.0 + norm.weight.detach().float()
 
-    def _layer(self, layer, window: int | None, kind: str) -> _GemmaLayer:
-        base = super()._layer(layer, window, kind)
+    def _layer(self, layer, window: int | None) -> _GemmaLayer:
+        base = super()._layer(layer, window)
         return _GemmaLayer(base.input_norm, base.qkv, base.o, self._norm_weight(layer.pre_feedforward_layernorm),
                            base.gate_up, base.down, window, self._norm_weight(layer.self_attn.q_norm),
                            self._norm_weight(layer.self_attn.k_norm), self._norm_weight(layer.post_attention_layernorm),

@@ -11,6 +11,11 @@ Two packings, chosen per model at load (workers.precision):
   goes in as float16 when every value converts exactly (7 mantissa bits fit in 10 over float16's
   range); one that does not is multiplied in float32 through oneDNN instead.
 
+- weight-only int8 or int4 blocks (workers.quantized, `quantization`): the C++ kernels
+  (kernels/qlinear.cpp) widen each block to float32 in registers and multiply the activations in
+  float32, reading a third (int4) or a half (int8) of bfloat16's bytes. Where the kernels could not
+  be built, the blocks' float32 values are multiplied as a dense weight (`linears`' way).
+
 Packed weights are tensors of this process (an opaque layout, not a plain buffer), so they cannot
 live in the shared-weights file: each process that packs holds its own copy, which the plan counts
 (`own_bytes`). Other devices and dtypes (CUDA, float64) keep `F.linear`.
@@ -22,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.precision import FP16, ONEDNN, PLAIN
+from workers.quantized import INT4, QuantizedWeight, concat, quantize
 
 # FBGEMM packs a float16 weight of a few thousand rows at ~50M values/s on one thread here, and
 # a taller one at ~12M/s (a 262,144-token LM head: 12 s; SmolLM2's: 2.5 s). Slices of PACK_ROWS
@@ -43,7 +49,7 @@ class Linear:
     """y = x @ weight.T + bias over rows x [M, in], in the way `kind` names ("onednn", "fp16",
     "plain"); the result is in the compute dtype (float32 for "fp16")."""
 
-    __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes")
+    __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | bool, own: bool = False,
                  compute: torch.dtype | None = None):
@@ -54,7 +60,7 @@ class Linear:
         weight = weight.detach()
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
-        self.packed = self.fp16 = None
+        self.packed = self.fp16 = self.quant = self.kernels = None
         self.weight = None
         if kind == FP16 and fp16_fits(weight):
             self.fp16 = tuple(torch.ops.quantized.linear_prepack_fp16(
@@ -72,7 +78,25 @@ class Linear:
             self.weight = weight if weight.dtype == compute else weight.to(compute)
             self.own_bytes = self.weight.numel() * self.weight.element_size() if own or weight.dtype != compute else 0
 
+    @classmethod
+    def quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None, compute: torch.dtype, kernels,
+                  dense: str) -> Linear:
+        """A linear over weight-only quantized blocks, through the C++ kernels' module `kernels`;
+        None there: the blocks' values as a dense weight run the `dense` way (a kind above)."""
+        if kernels is None:
+            return cls(qw.dequantize().to(compute), bias, dense, own=True, compute=compute)
+        lin = cls.__new__(cls)
+        lin.weight = lin.packed = lin.fp16 = None
+        lin.bias = None if bias is None else bias.detach().to(compute)
+        lin.quant, lin.kernels, lin.own_bytes = qw, kernels, qw.nbytes
+        return lin
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            q = self.quant
+            if q.kind == INT4:
+                return self.kernels.qlinear_int4(x, q.qs, q.scales, q.offsets, self.bias)
+            return self.kernels.qlinear_int8(x, q.qs, q.scales, self.bias)
         if self.fp16 is not None:
             if len(self.fp16) == 1:
                 return torch.ops.quantized.linear_dynamic_fp16(x, self.fp16[0])
@@ -94,3 +118,21 @@ def fused(modules: list[torch.nn.Linear], kind: str | bool, compute: torch.dtype
         bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
                           for m, b in zip(modules, biases)])
     return Linear(weight, bias, kind, own, compute)
+
+
+def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, QuantizedWeight], compute: torch.dtype,
+              kernels, dense: str) -> Linear:
+    """One weight-only quantized Linear computing the outputs of `modules` side by side. `blocks`:
+    a GGUF file's own blocks by id(module), used where every module has them, of one kind;
+    otherwise the modules' weights are quantized afresh to `kind`."""
+    kept = [blocks.get(id(m)) for m in modules]
+    if all(k is not None for k in kept) and len({k.kind for k in kept}) == 1:
+        qw = concat(kept) if len(kept) > 1 else kept[0]
+    else:
+        qw = quantize(torch.cat([m.weight.detach() for m in modules]), kind)
+    biases = [m.bias for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                          for m, b in zip(modules, biases)])
+    return Linear.quantized(qw, bias, compute, kernels, dense)

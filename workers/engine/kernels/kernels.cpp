@@ -6,3 +6,4 @@
 #include "rms_norm.cpp"
 #include "rope_write.cpp"
 #include "silu_mul.cpp"
+#include "qlinear.cpp"

@@ -14,7 +14,9 @@ from workers.engine import attention, calibrate, cpu_kernels
 from workers.engine.lean import LeanLlama, lean_forward
 from workers.engine.runners.base import kv_dims, num_layers
 from workers.engine.runners.paged import PagedRunner
+from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
+from workers.weights.sources import source_gguf
 
 if TYPE_CHECKING:
     from workers.engine.attention_backend import AttentionBackend
@@ -29,9 +31,14 @@ class CpuRunner(PagedRunner):
     def __init__(self, lm: LoadedModel, platform: Platform, holder: attention.ContextHolder, layout: CacheLayout,
                  backend: AttentionBackend, max_batch_size: int = 64):
         super().__init__(lm, platform, holder, layout, backend, max_batch_size)
-        # the lean forward on packed weights, where the platform runs it (the model's family has one)
-        self.lean: LeanLlama | None = (lean_forward(lm.model, platform.precision, cpu_kernels.kernel_module())
-                                       if platform.lean else None)
+        # the lean forward on packed (or quantized) weights, where the platform runs it (the model's
+        # family has one); quantized, it keeps a GGUF file's own blocks
+        self.lean: LeanLlama | None = None
+        if platform.lean:
+            blocks = None
+            if platform.precision.quantized and (path := source_gguf(lm.source)) is not None:
+                blocks = gguf_blocks(path, lm.model)
+            self.lean = lean_forward(lm.model, platform.precision, cpu_kernels.kernel_module(), blocks)
 
     def min_long_chunk(self) -> int:
         """The tokens whose query rows fill one pass of the C++ prefill kernel over the context (16

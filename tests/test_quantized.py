@@ -1,0 +1,153 @@
+"""Weight-only quantized linears (workers.quantized, kernels/qlinear.cpp, `quantization`): the C++
+kernels against their float32 reference on every row count and dtype, a GGUF file's blocks kept bit
+for bit, fresh quantization's error bound, and the engine's greedy tokens against transformers on
+the same (dequantized) weights. Run again on the AVX2 path by `make test`."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from support.models import hf_greedy, tiny
+
+from workers.engine import Engine, EngineConfig, cpu_kernels
+from workers.engine.params import SamplingParams
+from workers.platform import for_source
+from workers.quantized import BLOCK, INT4, INT8, QuantizedWeight, concat, from_gguf_blocks, quantize
+from workers.weights.gguf_blocks import _rows_order
+
+KERNELS = cpu_kernels.kernel_module()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"no C++ kernels: {cpu_kernels.build_error()}")
+
+
+def _call(qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if qw.kind == INT4:
+        return KERNELS.qlinear_int4(x, qw.qs, qw.scales, qw.offsets, bias)
+    return KERNELS.qlinear_int8(x, qw.qs, qw.scales, bias)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", [INT4, INT8])
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_kernel_equals_its_float32_reference(kind, k):
+    """Rows 1 to 9 (the four-row passes and their remainders), an output count that is no multiple
+    of anything, a bias, and float32, bfloat16 and float16 activations: the float32 product of the
+    activations with the blocks' values, rounded once to the activations' dtype."""
+    gen = torch.Generator().manual_seed(k)
+    qw = quantize(torch.randn(37, k, generator=gen) * 0.1, kind)
+    w = qw.dequantize()
+    bias = torch.randn(37, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 8, 9):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            for b in (None, bias):
+                want = x.float() @ w.T + (0 if b is None else b)
+                got = _call(qw, x, b)
+                assert got.dtype == dtype and got.shape == (rows, 37)
+                scale = want.abs().max().item()
+                tol = 1e-5 if dtype == torch.float32 else 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+                assert (got.float() - want).abs().max().item() <= tol * scale + 1e-6, (rows, dtype)
+
+
+@needs_kernels
+def test_kernel_refuses_what_it_cannot_take():
+    qw = quantize(torch.randn(8, 64), INT4)
+    with pytest.raises(RuntimeError, match="x must be"):
+        _call(qw, torch.randn(2, 32), None)
+    with pytest.raises(RuntimeError, match="bias must have 8"):
+        _call(qw, torch.randn(2, 64), torch.randn(7))
+
+
+def test_fresh_quantization_error_is_bounded():
+    """Round to nearest on the float16-rounded scale: int8 within half a step of max|w|/127 a block,
+    int4 within half a step of its range/15 (the scales' float16 rounding adds a little)."""
+    w = torch.randn(64, 256) * 0.02
+    blocks = w.view(64, -1, BLOCK)
+    err8 = (quantize(w, INT8).dequantize() - w).abs().view(64, -1, BLOCK).amax(-1)
+    assert bool((err8 <= blocks.abs().amax(-1) / 127 * 0.51 + 1e-7).all())
+    err4 = (quantize(w, INT4).dequantize() - w).abs().view(64, -1, BLOCK).amax(-1)
+    span = blocks.amax(-1) - blocks.amin(-1)
+    assert bool((err4 <= span / 15 * 0.51 + span * 2e-3).all())
+    zeros = quantize(torch.zeros(4, 32), INT4).dequantize()
+    assert torch.equal(zeros, torch.zeros(4, 32))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_are_kept_bit_for_bit(type_name):
+    """A GGUF tensor's blocks, read as they are, dequantize to gguf's own values exactly (what
+    transformers loads); a row reordering moves whole rows."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gq
+
+    t = getattr(GGMLQuantizationType, type_name)
+    w = (np.random.default_rng(0).standard_normal((12, 96)) * 0.05).astype(np.float32)
+    raw = gq.quantize(w, t)
+    qw = from_gguf_blocks(type_name, raw, (12, 96))
+    assert qw.kind == (INT8 if type_name == "Q8_0" else INT4)
+    want = torch.from_numpy(gq.dequantize(raw, t).astype(np.float32))
+    assert torch.equal(qw.dequantize(), want)
+    order = torch.tensor([3, 0, 11, 5, 1, 2, 4, 6, 7, 8, 9, 10])
+    assert torch.equal(qw.rows(order).dequantize(), want[order])
+    both = concat([qw, qw.rows(order)])
+    assert torch.equal(both.dequantize(), torch.cat([want, want[order]]))
+    with pytest.raises(ValueError, match="not kept"):
+        from_gguf_blocks("Q6_K", raw, (12, 96))
+
+
+def test_rows_order_is_transformers_reverse_permutation():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    n, heads = 48, 3
+    want = LlamaTensorProcessor()._reverse_permute_weights(np.arange(n)[:, None], heads, heads)[:, 0]
+    assert _rows_order(n, heads).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("kind", [INT8, INT4])
+def test_greedy_equals_transformers_on_the_dequantized_weights(kind):
+    """The engine with `quantization` in float32 gives transformers' greedy tokens on a model whose
+    linears hold the same quantized values (fresh quantization of the tiny model's weights)."""
+    lm = tiny("llama", dtype="float32")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=4, quantization=kind))
+    assert eng.precision.quantization == kind
+    ref = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        for module in ref.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize(module.weight, kind).dequantize())
+    prompts = [[5, 6, 7, 8], [9] * 13, [3, 100, 42]]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(ref, p, 12)
+    assert eng.runner.lean.own_bytes < sum(m.weight.numel() for m in ref.modules()
+                                           if isinstance(m, torch.nn.Linear)) * 4 / 3
+
+
+def test_quantization_is_refused_where_it_cannot_run():
+    lm = tiny("gpt2", dtype="float32")
+    with pytest.raises(ValueError, match="runs on the lean forward.*set quantization: none"):
+        Engine(lm, EngineConfig(quantization="int4"))
+    with pytest.raises(ValueError, match="not available on cuda"):
+        for_source("tiny:llama", "bfloat16", "cuda:0", True, "int8")
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="int3")
+    assert for_source("tiny:llama", "float32", "cpu", True, "auto").precision.quantized is False
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_blocks_kept_and_greedy_equals_transformers_float32():
+    """SmolLM2's Q4_1 file: every linear (and the Q8_0 LM head) kept as the file's blocks, and in
+    float32 the engine's greedy tokens equal transformers' on the file (which dequantizes it)."""
+    from workers.models import load_model
+    from workers.weights.gguf_blocks import gguf_blocks
+    from workers.weights.sources import source_gguf
+
+    lm = load_model("smollm2-135m", dtype="float32")
+    blocks = gguf_blocks(source_gguf("smollm2-135m"), lm.model)
+    assert len(blocks) == 30 * 7 + 1 and blocks["lm_head"].kind == INT8
+    assert {b.kind for name, b in blocks.items() if name != "lm_head"} == {INT4}
+    eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=128, quantization="int4"))
+    prompt = lm.tokenizer("The quick brown fox jumps over the lazy dog. Once upon a time").input_ids
+    out = eng.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(lm.model, prompt, 24)
