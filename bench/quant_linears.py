@@ -12,6 +12,12 @@ Kernels (each where this torch build and CPU have it; a line says why not otherw
   int8_dynamic: FBGEMM's dynamic int8 linear (quantized.linear_dynamic: rows quantized per call)
 
     python bench/quant_linears.py [--threads 2] [--repeats 20]
+
+--model: instead, every linear of SmolLM2 (30 layers and the LM head, about 135M weights: they
+stream from memory as in a decode step, not from cache) for --rows rows, one JSON line per
+(kernel, rows) with the ms of one pass: today's bf16 and fp16 linears against the engine's
+weight-only int4 and int8 kernels (workers/engine/kernels/qlinear.cpp, `quantization`), with
+bfloat16 and float32 activations.
 """
 
 from __future__ import annotations
@@ -93,13 +99,54 @@ def kernels(weights: dict[str, torch.Tensor]):
     return out
 
 
+def model_pass(args) -> None:
+    """Every SmolLM2 linear once per pass, for each kernel and row count (see the module)."""
+    from workers.engine import cpu_kernels
+    from workers.engine.linears import Linear, quantized
+    from workers.precision import FP16, ONEDNN, onednn_packs
+    from workers.quantized import INT4, INT8
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [shape for _ in range(30) for shape in LAYER.values()] + list(HEAD.values())
+    modules = []
+    for n, k in shapes:
+        m = torch.nn.Linear(k, n, bias=False)
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
+        modules.append(m)
+    module = cpu_kernels.kernel_module()
+    systems = {}
+    if onednn_packs(torch.bfloat16):
+        systems["bf16_onednn"] = (lambda m: Linear(m.weight.bfloat16(), None, ONEDNN), torch.bfloat16)
+    systems["fp16_fbgemm"] = (lambda m: Linear(m.weight.half(), None, FP16, compute=torch.float32), torch.float32)
+    for kind in (INT4, INT8):
+        for act in (torch.bfloat16, torch.float32):
+            systems[f"{kind}_{str(act).removeprefix('torch.')}"] = (
+                lambda m, kind=kind, act=act: quantized([m], kind, {}, act, module, ONEDNN), act)
+    for name, (build, act) in systems.items():
+        linears = [build(m) for m in modules]
+        for rows in args.rows:
+            xs = {k: torch.randn(rows, k, generator=gen).to(act) for k in {k for _, k in shapes}}
+            with torch.inference_mode():
+                ms = best_seconds(lambda: [f(xs[k]) for f, (_, k) in zip(linears, shapes)], args.repeats) * 1e3
+            emit(kernel=name, rows=rows, model_linears_ms=round(ms, 2), activations=str(act).removeprefix("torch."),
+                 weight_bytes=sum(f.own_bytes for f in linears), threads=args.threads,
+                 quantized_kernels=module is not None)
+        del linears
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--model", action="store_true", help="every SmolLM2 linear, streaming from memory")
+    ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16, 64])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     emit(**describe("quant_linears", sys.argv))
+    if args.model:
+        model_pass(args)
+        return
     gen = torch.Generator().manual_seed(0)
     weights = {name: torch.randn(*shape, generator=gen) * 0.05 for name, shape in {**LAYER, **HEAD}.items()}
     for kname, (build, act) in kernels(weights).items():

@@ -3,16 +3,21 @@
 //   int4: 16 bytes a block, value j in the low nibble of byte j and value j + 16 in its high
 //         nibble; a float16 scale and a float16 offset a block: w = scale * q + offset;
 //   int8: 32 signed bytes a block and a float16 scale: w = scale * q.
-// The activations stay in the compute dtype's values (bfloat16 or float32) and the math is
+// The activations stay in the compute dtype's values (bfloat16 or float32) and the sums are
 // float32: each block is widened to float32 exactly as GGUF's dequantization computes it (scale * q
-// is exact in float32; the offset is added once), then multiplied in float32. A decode step is
-// bound by the bytes of weights it reads; these read 5 (int4) or 8.5 (int8) bits a weight against
-// bfloat16's 16.
+// is exact in float32; the offset is added once). A decode step is bound by the bytes of weights it
+// reads; these read 5 (int4) or 8.5 (int8) bits a weight against bfloat16's 16.
 //
-// On x86 each output row's blocks are widened in registers and multiplied into up to four input
-// rows at once (AVX-512: 16 lanes, two accumulators a row; AVX2 with FMA and F16C: 8 lanes), so a
-// decode step reads each weight byte once. Elsewhere four output rows at a time are widened into a
-// small buffer that stays in L1 and the compiler vectorizes the dot products from there.
+// Paths, chosen by the build's target (the CPU level, workers.capability):
+// - bfloat16 activations on AVX512-BF16: each block's float32 values are rounded to bfloat16 (the
+//   dense bfloat16 model's weights, as transformers loads them) and multiplied in pairs into float32
+//   by vdpbf16ps;
+// - float32 activations (and float16) on AVX-512, or on AVX2 with FMA and F16C: float32 values,
+//   float32 products;
+// - elsewhere, plain loops the compiler vectorizes.
+// Up to four input rows (a decode step of a few streams) widen each block in registers as they
+// read it, so each weight byte is read once; more rows (a batch, a prompt) widen four output rows
+// at a time into a buffer that stays in L1 and multiply tiles of input rows by them in registers.
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
 
@@ -25,6 +30,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define MMFUSION_QLINEAR_AVX512 1
+#if defined(__AVX512BF16__)
+#define MMFUSION_QLINEAR_BF16 1
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MMFUSION_QLINEAR_AVX2 1
@@ -166,6 +174,226 @@ inline void int8_dot(const float* x, int64_t k, const int8_t* q, const uint16_t*
 }
 #endif
 
+// Steps of more rows (a batch of streams, a prompt): four output rows at a time are widened once
+// into a buffer that stays in L1, and tiles of input rows x those four rows accumulate from it in
+// registers, so each widened value feeds every input row (the fused pass above widens a block once
+// per four input rows). The same float32 values, the same float32 math.
+#if defined(MMFUSION_QLINEAR_AVX512)
+struct F32Vec {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kTile = 4;  // input rows a tile: 16 accumulators, 4 weights, 1 input in 32 registers
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(MMFUSION_QLINEAR_AVX2)
+struct F32Vec {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr int kTile = 2;  // 8 accumulators, 4 weights, 1 input in 16 registers
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) { return hsum8(v); }
+};
+#endif
+
+#if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
+// y[m, n0 .. n0 + 4) for R input rows from m, four widened rows w (float32, [4][k])
+template <int R, typename T>
+inline void tile_f32(const float* x, int64_t k, const float* w, const float* bias, int64_t n0, int64_t n, T* y) {
+  using F = F32Vec;
+  typename F::V acc[R][kRows];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kRows; ++c) acc[r][c] = F::zero();
+  for (int64_t i = 0; i < k; i += F::kLanes) {
+    const typename F::V w0 = F::load(w + i), w1 = F::load(w + k + i), w2 = F::load(w + 2 * k + i),
+                        w3 = F::load(w + 3 * k + i);
+    for (int r = 0; r < R; ++r) {
+      const typename F::V xv = F::load(x + r * k + i);
+      acc[r][0] = F::fma(xv, w0, acc[r][0]);
+      acc[r][1] = F::fma(xv, w1, acc[r][1]);
+      acc[r][2] = F::fma(xv, w2, acc[r][2]);
+      acc[r][3] = F::fma(xv, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kRows; ++c)
+      y[r * n + n0 + c] = static_cast<T>(F::sum(acc[r][c]) + (bias != nullptr ? bias[n0 + c] : 0.f));
+}
+
+template <typename T, typename Widen>
+void tiled_rows_f32(const float* x, int64_t m_count, int64_t k, int64_t n, const float* bias, T* y, Widen widen) {
+  constexpr int R = F32Vec::kTile;
+  at::parallel_for(0, (n + kRows - 1) / kRows, 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(kRows * k, 0.f);
+    float part[kRows];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kRows;
+      const int64_t rows = std::min(kRows, n - n0);
+      for (int64_t r = 0; r < rows; ++r) widen(n0 + r, w.data() + r * k);
+      if (rows < kRows) {  // the last group of an output count that is no multiple of 4
+        for (int64_t m = 0; m < m_count; ++m) {
+          for (int64_t r = 0; r < rows; ++r) {
+            float a = 0.f;
+            for (int64_t i = 0; i < k; ++i) a += x[m * k + i] * w[r * k + i];
+            part[r] = a;
+          }
+          for (int64_t r = 0; r < rows; ++r) y[m * n + n0 + r] = static_cast<T>(part[r] + (bias ? bias[n0 + r] : 0.f));
+        }
+        continue;
+      }
+      int64_t m = 0;
+      for (; m + R <= m_count; m += R) tile_f32<R>(x + m * k, k, w.data(), bias, n0, n, y + m * n);
+      for (; m < m_count; ++m) tile_f32<1>(x + m * k, k, w.data(), bias, n0, n, y + m * n);
+    }
+  });
+}
+#endif
+
+#ifdef MMFUSION_QLINEAR_BF16
+// bfloat16 activations where the CPU has bf16 dot products: each block's float32 values are rounded
+// to bfloat16 (the dense bfloat16 model's weights: what transformers loads) and multiplied in pairs
+// into float32 (vdpbf16ps), 32 products an instruction. Every row count takes the same values.
+inline __m512bh widen_block_bf16_int4(const uint8_t* q, float d, float m) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+  const __m512 lo = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))), mv);
+  const __m512 hi =
+      _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))), mv);
+  return _mm512_cvtne2ps_pbh(hi, lo);  // values 0..15 in the low half, 16..31 in the high
+}
+
+inline __m512bh widen_block_bf16_int8(const int8_t* q, float d) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m512 dv = _mm512_set1_ps(d);
+  const __m512 lo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))));
+  const __m512 hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// the sums of four vectors' lanes, as four floats
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512 t = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // each 128-bit lane: a b c d
+  t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, _MM_SHUFFLE(1, 0, 3, 2)));
+  t = _mm512_add_ps(t, _mm512_shuffle_f32x4(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(t);
+}
+
+inline __m512bh load_bf16x32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// one output row's blocks widened to bfloat16 (32 a block) into w
+template <typename Q>
+inline void widen_row_bf16(const Q* q, const uint16_t* s, const uint16_t* o, int64_t k, c10::BFloat16* w) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m512bh v;
+    if constexpr (std::is_same_v<Q, uint8_t>) {
+      v = widen_block_bf16_int4(q + b * (kBlock / 2), half_bits(s[b]), half_bits(o[b]));
+    } else {
+      v = widen_block_bf16_int8(q + b * kBlock, half_bits(s[b]));
+    }
+    _mm512_storeu_si512(w + b * kBlock, (__m512i)v);
+  }
+}
+
+// up to four input rows against one output row, its blocks widened in registers
+template <int R, typename Q>
+inline void bf16_dot(const c10::BFloat16* x, int64_t k, const Q* q, const uint16_t* s, const uint16_t* o, float* y) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m512bh w;
+    if constexpr (std::is_same_v<Q, uint8_t>) {
+      w = widen_block_bf16_int4(q + b * (kBlock / 2), half_bits(s[b]), half_bits(o[b]));
+    } else {
+      w = widen_block_bf16_int8(q + b * kBlock, half_bits(s[b]));
+    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(x + r * k + b * kBlock), w);
+  }
+  for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// R input rows x four widened output rows (bfloat16, [4][k])
+template <int R>
+inline void tile_bf16(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w, const float* bias, int64_t n0,
+                      int64_t n, c10::BFloat16* y) {
+  __m512 acc[R][kRows];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kRows; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += kBlock) {
+    const __m512bh w0 = load_bf16x32(w + i), w1 = load_bf16x32(w + k + i), w2 = load_bf16x32(w + 2 * k + i),
+                   w3 = load_bf16x32(w + 3 * k + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_bf16x32(x + r * k + i);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float sums[kRows];
+    _mm_store_ps(sums, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    for (int c = 0; c < kRows; ++c) y[r * n + n0 + c] = static_cast<c10::BFloat16>(sums[c] + (bias ? bias[n0 + c] : 0.f));
+  }
+}
+
+template <typename Q>
+void bf16_rows(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, const Q* qs, int64_t row_len,
+               const uint16_t* scales, const uint16_t* offsets, const float* bias, c10::BFloat16* y) {
+  const int64_t blocks = k / kBlock;
+  if (m_count <= kMaxRows) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      float acc[kMaxRows];
+      for (int64_t row = begin; row < end; ++row) {
+        const Q* q = qs + row * row_len;
+        const uint16_t* s = scales + row * blocks;
+        const uint16_t* o = offsets != nullptr ? offsets + row * blocks : nullptr;
+        switch (m_count) {
+          case 4: bf16_dot<4>(x, k, q, s, o, acc); break;
+          case 3: bf16_dot<3>(x, k, q, s, o, acc); break;
+          case 2: bf16_dot<2>(x, k, q, s, o, acc); break;
+          default: bf16_dot<1>(x, k, q, s, o, acc); break;
+        }
+        for (int64_t r = 0; r < m_count; ++r)
+          y[r * n + row] = static_cast<c10::BFloat16>(acc[r] + (bias != nullptr ? bias[row] : 0.f));
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, (n + kRows - 1) / kRows, 2, [&](int64_t begin, int64_t end) {
+    std::vector<c10::BFloat16> w(kRows * k);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kRows;
+      const int64_t rows = std::min(kRows, n - n0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = n0 + r;
+        widen_row_bf16(qs + row * row_len, scales + row * blocks, offsets ? offsets + row * blocks : nullptr, k,
+                       w.data() + r * k);
+      }
+      if (rows < kRows) {  // the last group of an output count that is no multiple of 4
+        for (int64_t m = 0; m < m_count; ++m)
+          for (int64_t r = 0; r < rows; ++r) {
+            float a = 0.f;
+            for (int64_t i = 0; i < k; ++i) a += static_cast<float>(x[m * k + i]) * static_cast<float>(w[r * k + i]);
+            y[m * n + n0 + r] = static_cast<c10::BFloat16>(a + (bias ? bias[n0 + r] : 0.f));
+          }
+        continue;
+      }
+      int64_t m = 0;
+      for (; m + 4 <= m_count; m += 4) tile_bf16<4>(x + m * k, k, w.data(), bias, n0, n, y + m * n);
+      for (; m < m_count; ++m) tile_bf16<1>(x + m * k, k, w.data(), bias, n0, n, y + m * n);
+    }
+  });
+}
+#endif
+
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
 // every output row against the input rows, four input rows a pass
 template <typename T, typename Q, typename Dot4, typename Dot3, typename Dot2, typename Dot1>
@@ -280,6 +508,23 @@ at::Tensor run(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& 
 
 }  // namespace
 
+#ifdef MMFUSION_QLINEAR_BF16
+template <typename Q>
+at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias, const Q* q, int64_t row_len,
+                     const uint16_t* s, const uint16_t* o) {
+  const at::Tensor xc = x.contiguous();
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    bf = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bf.numel() == n, "qlinear: bias must have ", n, " values");
+  }
+  at::Tensor y = at::empty({xc.size(0), n}, xc.options());
+  bf16_rows(xc.data_ptr<c10::BFloat16>(), xc.size(0), xc.size(1), n, q, row_len, s, o,
+            bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<c10::BFloat16>());
+  return y;
+}
+#endif
+
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
 #define MMFUSION_DOTS(f) \
   [](auto... a) { f<4>(a...); }, [](auto... a) { f<3>(a...); }, [](auto... a) { f<2>(a...); }, \
@@ -298,10 +543,20 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>());
+#ifdef MMFUSION_QLINEAR_BF16
+  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k / 2, s, o);
+#endif
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
-    simd_rows_with<T, uint8_t>(MMFUSION_DOTS(int4_dot), xf, m, kk, n, q, kk / 2, s, o, b, y);
+    if (m > kMaxRows) {
+      const int64_t blocks = kk / kBlock;
+      tiled_rows_f32<T>(xf, m, kk, n, b, y, [=](int64_t row, float* w) {
+        widen_int4(q + row * (kk / 2), s + row * blocks, o + row * blocks, kk, w);
+      });
+    } else {
+      simd_rows_with<T, uint8_t>(MMFUSION_DOTS(int4_dot), xf, m, kk, n, q, kk / 2, s, o, b, y);
+    }
 #else
     const int64_t blocks = kk / kBlock;
     qlinear_rows<T>(xf, m, kk, n, b, y, [=](int64_t row, float* w) {
@@ -318,10 +573,20 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
   TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous(), "qlinear_int8: qs must be contiguous int8");
   const int8_t* q = qs.data_ptr<int8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+#ifdef MMFUSION_QLINEAR_BF16
+  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k, s, nullptr);
+#endif
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
-    simd_rows_with<T, int8_t>(MMFUSION_DOTS(int8_dot), xf, m, kk, n, q, kk, s, nullptr, b, y);
+    if (m > kMaxRows) {
+      const int64_t blocks = kk / kBlock;
+      tiled_rows_f32<T>(xf, m, kk, n, b, y, [=](int64_t row, float* w) {
+        widen_int8(q + row * kk, s + row * blocks, kk, w);
+      });
+    } else {
+      simd_rows_with<T, int8_t>(MMFUSION_DOTS(int8_dot), xf, m, kk, n, q, kk, s, nullptr, b, y);
+    }
 #else
     const int64_t blocks = kk / kBlock;
     qlinear_rows<T>(xf, m, kk, n, b, y, [=](int64_t row, float* w) { widen_int8(q + row * kk, s + row * blocks, kk, w); });
