@@ -128,7 +128,8 @@ def model_pass(args) -> None:
         for rows in args.rows:
             xs = {k: torch.randn(rows, k, generator=gen).to(act) for k in {k for _, k in shapes}}
             with torch.inference_mode():
-                ms = best_seconds(lambda: [f(xs[k]) for f, (_, k) in zip(linears, shapes)], args.repeats) * 1e3
+                ms = best_seconds(lambda xs=xs, linears=linears: [f(xs[k]) for f, (_, k) in zip(linears, shapes)],
+                                  args.repeats) * 1e3
             emit(kernel=name, rows=rows, model_linears_ms=round(ms, 2), activations=str(act).removeprefix("torch."),
                  weight_bytes=sum(f.own_bytes for f in linears), threads=args.threads,
                  quantized_kernels=module is not None)
