@@ -209,10 +209,14 @@ inline void tile_f32(const float* x, int64_t k, const float* w, const float* bia
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kRows; ++c) acc[r][c] = F::zero();
   for (int64_t i = 0; i < k; i += F::kLanes) {
-    const typename F::V w0 = F::load(w + i), w1 = F::load(w + k + i), w2 = F::load(w + 2 * k + i),
-                        w3 = F::load(w + 3 * k + i);
+    typename F::V w0 = F::load(w + i), w1 = F::load(w + k + i), w2 = F::load(w + 2 * k + i),
+                  w3 = F::load(w + 3 * k + i);
+    // in registers, as the inputs below: the compiler would fold each load into every FMA that uses
+    // it (16 loads for 16 FMAs instead of 8), which left the tile bound by loads at half the FMA rate
+    __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
     for (int r = 0; r < R; ++r) {
-      const typename F::V xv = F::load(x + r * k + i);
+      typename F::V xv = F::load(x + r * k + i);
+      __asm__("" : "+v"(xv));
       acc[r][0] = F::fma(xv, w0, acc[r][0]);
       acc[r][1] = F::fma(xv, w1, acc[r][1]);
       acc[r][2] = F::fma(xv, w2, acc[r][2]);
@@ -327,10 +331,12 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w,
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kRows; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; i += kBlock) {
-    const __m512bh w0 = load_bf16x32(w + i), w1 = load_bf16x32(w + k + i), w2 = load_bf16x32(w + 2 * k + i),
-                   w3 = load_bf16x32(w + 3 * k + i);
+    __m512bh w0 = load_bf16x32(w + i), w1 = load_bf16x32(w + k + i), w2 = load_bf16x32(w + 2 * k + i),
+             w3 = load_bf16x32(w + 3 * k + i);
+    __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));  // in registers (see tile_f32)
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = load_bf16x32(x + r * k + i);
+      __m512bh xv = load_bf16x32(x + r * k + i);
+      __asm__("" : "+v"(xv));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
