@@ -1,5 +1,6 @@
 """Weight-only quantized linear weights: blocks of 32 values of one output row, as GGUF's Q4_0,
-Q4_1 and Q8_0 lay them out, so a GGUF file's blocks are kept as they are (the values it computes
+Q4_1 and Q8_0 lay them out (Q5_0's values, d x (q - 16), fit int8 with its scale), so a GGUF
+file's blocks are kept as they are (the values it computes
 with are the file's own dequantized values, bit for bit) and a 16-bit weight can be quantized
 afresh into the same layout.
 
@@ -22,7 +23,7 @@ BLOCK = 32
 INT4, INT8 = "int4", "int8"
 KINDS = (INT4, INT8)
 # GGUF's block types kept as they are, and what each becomes (gguf.GGMLQuantizationType's names)
-GGUF_KEPT = {"Q4_0": INT4, "Q4_1": INT4, "Q8_0": INT8}
+GGUF_KEPT = {"Q4_0": INT4, "Q4_1": INT4, "Q5_0": INT8, "Q8_0": INT8}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -116,6 +117,14 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) ->
         d = blocks[..., :2].copy().view(np.float16)[..., 0]
         q = blocks[..., 2:].copy().view(np.int8)
         return QuantizedWeight(INT8, torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d.copy()), None)
+    if type_name == "Q5_0":  # d (f16), 32 fifth bits (u32), 16 bytes of nibbles: d * (q - 16), q - 16 in int8
+        d = blocks[..., :2].copy().view(np.float16)[..., 0]
+        high = blocks[..., 2:6].copy().view("<u4")[..., 0]
+        nib = blocks[..., 6:]
+        low = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.int16)
+        fifth = ((high[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        q = (low | fifth) - 16
+        return QuantizedWeight(INT8, torch.from_numpy(q.astype(np.int8).reshape(n, k)), torch.from_numpy(d.copy()), None)
     if type_name == "Q4_1":  # d (f16), m (f16), 16 bytes of nibbles
         d = blocks[..., :2].copy().view(np.float16)[..., 0]
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0]

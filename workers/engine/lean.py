@@ -29,7 +29,7 @@ from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
 from workers.engine.linears import Linear, fused, quantized
 from workers.precision import Precision
-from workers.quantized import QuantizedWeight
+from workers.quantized import INT8, QuantizedWeight
 
 
 def lean_forward(model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None) -> LeanLlama:
@@ -98,7 +98,9 @@ class LeanLlama:
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
         self.final_norm = self._norm_weight(inner.norm)
-        self.lm_head = self._linear([model.lm_head])
+        # quantized afresh, the LM head stays 8-bit even for int4, as llama.cpp's 4-bit mixes keep it:
+        # in 4 bits it alone raised SmolLM2's perplexity by 8% (tests/test_quantized.py)
+        self.lm_head = self._linear([model.lm_head], head=True)
         windows = attention.layer_windows(model, [layer.self_attn for layer in inner.layers])
         self.layers = [self._layer(layer, windows[i]) for i, layer in enumerate(inner.layers)]
 
@@ -115,11 +117,12 @@ class LeanLlama:
                       self._linear([mlp.down_proj]),
                       window)
 
-    def _linear(self, modules: list[torch.nn.Module]) -> Linear:
+    def _linear(self, modules: list[torch.nn.Module], head: bool = False) -> Linear:
         """The outputs of `modules` as one linear: packed, or weight-only quantized."""
         prec = self.precision
         if prec.quantized:
-            return quantized(modules, prec.quantization, self._blocks, self.compute, self.norms, prec.linears)
+            kind = INT8 if head else prec.quantization
+            return quantized(modules, kind, self._blocks, self.compute, self.norms, prec.linears)
         return fused(modules, prec.linears, self.compute)
 
     @property
