@@ -44,7 +44,9 @@ def copy_size(workers: list[WorkerPlan]) -> CopySize:
     if not w0.shares_weights:
         return CopySize(w0.device, own)
     key = f"{w0.spec.model.source}|{str(w0.precision.weights).removeprefix('torch.')}"
-    return CopySize(w0.device, own, key, w0.weight_bytes)
+    if w0.shared_packed_bytes:  # its quantized linears' file too (a variant without them counts the weights again: errs high)
+        key += f"|{w0.precision.quantization}"
+    return CopySize(w0.device, own, key, w0.weight_bytes + w0.shared_packed_bytes)
 
 
 class PlanPlacer:
@@ -89,7 +91,7 @@ class PlanPlacer:
                 w = self._plan(spec, 0, d)
                 shared = " (shared by the copies on the device)" if w.shares_weights else ""
                 lines.append(f"  {name} on {d}: ~{mib(w.est_bytes)}: weights {mib(w.weight_bytes)}{shared}, "
-                             f"packed linears {mib(w.packed_bytes)}, KV cache {mib(w.kv_cache_bytes)}, process "
+                             f"packed linears {mib(w.packed_bytes + w.shared_packed_bytes)}, KV cache {mib(w.kv_cache_bytes)}, process "
                              f"{mib(worker_overhead(d))}")
         return lines
 

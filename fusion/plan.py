@@ -48,6 +48,9 @@ class WorkerPlan:
     weight_bytes: int = 0
     shares_weights: bool = False  # its weights are one mapping with the other copies on its device
     packed_bytes: int = 0  # its own prepacked copy of the linear weights (prepack_weights, CPU)
+    # weight-only quantized linears mapped from one file that its sharing copies on the device hold
+    # once (workers.weights.quantized_cache), counted per (source, dtype) group like the weights
+    shared_packed_bytes: int = 0
     kv_tokens: int | None = None  # the tokens its KV budget holds (None: the model's shape is known at load)
     precision: Precision | None = None  # the dtypes its weights, math and KV cache use (workers.precision)
 
@@ -91,7 +94,8 @@ class WorkerPlan:
     @property
     def est_bytes(self) -> int:
         """This worker alone: weights + its packed linears + KV cache + overhead."""
-        return self.weight_bytes + self.packed_bytes + self.kv_cache_bytes + worker_overhead(self.device)
+        return (self.weight_bytes + self.packed_bytes + self.shared_packed_bytes + self.kv_cache_bytes
+                + worker_overhead(self.device))
 
 
 @dataclass(slots=True)
@@ -123,7 +127,9 @@ class DeploymentPlan:
                 lines.append(f"    weights of {g['source']} ({g['dtype']}), {g['bytes'] / 2**20:.0f} MiB: counted once, "
                              f"shared by {g['copies']} copies (without sharing: {g['copies'] * g['bytes'] / 2**20:.0f} MiB)"
                              + (f"; held by one owner process, ~{owner / 2**20:.0f} MiB more for its context"
-                                if device_kind(d).owner_shares_weights else ""))
+                                if device_kind(d).owner_shares_weights else "")
+                             + "".join(f"; its {kind} linears, {b / 2**20:.0f} MiB, counted once"
+                                       for kind, b in g.get("quantized_bytes", {}).items()))
         return "\n".join(lines)
 
 
@@ -205,8 +211,11 @@ def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
     for w in workers:
         if w.device == device and w.shares_weights:
             key = (w.spec.model.source, str(w.precision.weights).removeprefix("torch."))
-            g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0})
+            g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0,
+                                        "quantized_bytes": {}})
             g["copies"] += 1
+            if w.shared_packed_bytes:  # one file per quantization kind beside the weights
+                g["quantized_bytes"][w.precision.quantization] = w.shared_packed_bytes
     return groups
 
 
@@ -215,7 +224,8 @@ def device_fixed_bytes(workers: list[WorkerPlan], device: str) -> int:
     on CUDA each group's owner process adds its context)."""
     owner = device_kind(device).owner_overhead
     return (sum(w.fixed_bytes for w in workers if w.device == device)
-            + sum(g["bytes"] + owner for g in _shared_groups(workers, device).values()))
+            + sum(g["bytes"] + sum(g["quantized_bytes"].values()) + owner
+                  for g in _shared_groups(workers, device).values()))
 
 
 def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads: int | None,
@@ -227,7 +237,11 @@ def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads
     spec = WorkerSpec(model, model_id, device, threads, max_batch_size=batch, max_batch_tokens=tokens)
     w = WorkerPlan(worker_id, spec, weight_bytes(model.source, _bytes(prec.weights)), model.share_weights,
                    precision=prec)
-    w.packed_bytes = packed_bytes(w.weight_bytes, prec)
+    packed = packed_bytes(w.weight_bytes, prec)
+    if prec.quantized and w.shares_weights and device_kind(device).host:  # one mapped file on the device
+        w.shared_packed_bytes = packed
+    else:
+        w.packed_bytes = packed
     return w
 
 

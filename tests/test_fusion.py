@@ -141,6 +141,25 @@ def test_plan_round_robin_devices_and_threads():
         make_plan(fusion, 2, ["tpu"])
 
 
+def test_plan_counts_shared_quantized_linears_once(monkeypatch):
+    """int4 copies that share their weights map one file of quantized linears: the plan counts it
+    once on the device (about 0.36x the bfloat16 packed linears a copy holds otherwise)."""
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 8 * 2**30)
+    packed = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16")]), 3, "cpu",
+                       kv_cache_memory="64MiB")
+    quant = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="int4")]), 3,
+                      "cpu", kv_cache_memory="64MiB")
+    w = quant.workers[0]
+    assert w.precision.quantization == "int4" and w.packed_bytes == 0
+    assert 0 < w.shared_packed_bytes < 0.4 * packed.workers[0].packed_bytes
+    saved = packed.devices["cpu"]["estimated_bytes"] - quant.devices["cpu"]["estimated_bytes"]
+    assert saved == 3 * packed.workers[0].packed_bytes - w.shared_packed_bytes
+    assert "int4 linears" in quant.describe()
+    private = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="int4",
+                                               share_weights=False)]), 2, "cpu", kv_cache_memory="64MiB")
+    assert private.workers[0].packed_bytes == w.shared_packed_bytes  # each copy its own
+
+
 def test_deltat_scaling_factor_shares_batch_capacity():
     fusion = MultiModelFusion([
         info("big", "tiny:llama", max_batch_size=30, max_batch_tokens=300, deltat_scaling_factor=2.0),

@@ -189,3 +189,44 @@ def test_fresh_quantization_keeps_perplexity(tmp_path):
         ppl[kind] = math.exp(-sum(scores) / len(scores))
     assert ppl[INT8] <= ppl["none"] * 1.01, ppl
     assert ppl[INT4] <= ppl["none"] * 1.04, ppl  # the LM head stays int8 (lean.LeanLlama)
+
+
+def _mapped(path) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps `path` (/proc/self/maps)."""
+    spans = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            a, b = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((a, b))
+    return spans
+
+
+def test_sharing_copies_map_one_file_of_quantized_linears():
+    """Copies that share their weights build the quantized linears once, into the cache, and map
+    that file (read-only views, none of their own bytes); their tokens are a private copy's."""
+    from workers.models import load_model
+    from workers.weights.quantized_cache import cache_path
+
+    cfg = EngineConfig(max_batch_size=2, max_batch_tokens=64, kv_block_size=4, quantization=INT4)
+    shared = load_model("tiny:llama", dtype="float32", share_weights=True)
+    path = cache_path("tiny:llama", torch.float32, INT4)
+    path.unlink(missing_ok=True)
+    first = Engine(shared, cfg)
+    assert path.exists()
+    stamp = path.stat().st_mtime_ns
+    second = Engine(load_model("tiny:llama", dtype="float32", share_weights=True), cfg)
+    assert path.stat().st_mtime_ns == stamp  # mapped, not written again
+    spans = _mapped(path)
+    assert spans  # the file is mapped into this process
+    for eng in (first, second):
+        lean = eng.runner.lean
+        assert lean.own_bytes == 0
+        for q in lean.quantized_weights().values():  # views of that mapping, not copies
+            assert any(a <= q.qs.data_ptr() < b for a, b in spans)
+    private = Engine(tiny("llama", dtype="float32"), cfg)
+    assert private.runner.lean.own_bytes > 0
+    p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = private.generate([[4, 5, 6, 7]], p)[0].outputs[0].token_ids
+    assert first.generate([[4, 5, 6, 7]], p)[0].outputs[0].token_ids == want
+    assert second.generate([[4, 5, 6, 7]], p)[0].outputs[0].token_ids == want

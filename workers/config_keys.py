@@ -113,13 +113,14 @@ MODEL_KEYS: tuple[Key, ...] = (
         "lean forward on fused q/k/v and gate/up copies (also the worker's own), each decode step one CUDA "
         "graph", lambda x: isinstance(x, bool)),
     Key("quantization", "auto", "`auto`, `none`, `int8`, `int4`",
-        "CPU, the lean forward: its linears (the LM head included) read weight-only quantized blocks of 32 "
-        "values of a row and multiply them in float32, the activations and the KV cache staying in the compute "
-        "dtype. A GGUF file's Q4_0, Q4_1 and Q8_0 tensors are kept as they are (int4 with a scale and an offset "
-        "a block, int8 with a scale: the file's own values, as transformers dequantizes them); other tensors "
-        "are quantized afresh to the kind named (int8: Q8_0's rule, int4: Q4_1's). About 2.3x faster linears "
-        "on one stream and 0.36x (int4) the bytes of bfloat16; slower than 16-bit linears on batches of more "
-        "than a few rows. `auto`: `none` for now", lambda x: x in ("auto", "none", "int8", "int4")),
+        "CPU, the lean forward: its linears read weight-only quantized blocks of 32 values of a row, "
+        "the activations, the KV cache and the norms staying in the compute dtype. A GGUF file's Q4_0, "
+        "Q4_1, Q5_0 and Q8_0 tensors are kept as they are (the file's own values, as transformers "
+        "dequantizes them); other weights are quantized afresh to the kind named (int8 as Q8_0, int4 as "
+        "Q4_1; the LM head stays int8). Copies that share their weights map one file of them. SmolLM2's "
+        "Q4_1 file: one stream about 2x faster than bfloat16, 0.36x its linears' bytes; batches of many "
+        "rows run slower than 16-bit linears (docs/benchmarks.md). `auto`: `none` for now",
+        lambda x: x in ("auto", "none", "int8", "int4")),
     Key("compile", "auto", "`auto`, `true`, `false`",
         "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "
         "`true` compiling now if needed, `false` eager. Where the lean forward runs (`prepack_weights`, Llama "

@@ -272,6 +272,17 @@ def layer_cache(ctx: StepContext, layer: int, key_cache: torch.Tensor,
     return ctx.groups[g], key_cache[p], value_cache[p]
 
 
+def attend_decode(ctx: StepContext, gs: GroupStep, query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor,
+                  scaling: float) -> torch.Tensor | None:
+    """A step of decode rows only, whose K/V the caller has written (the lean forward's rotary
+    write): the backend's decode kernel on the query as it is, [N, H, d] -> [N, H, dv], without
+    attend's output buffer and checks (one step of one stream runs this 30 times). None where the
+    step holds prompt chunks, padding or no backend: attend serves."""
+    if ctx.segments or ctx.backend is None or ctx.num_decode != query.shape[0] or ctx.num_tokens != query.shape[0]:
+        return None
+    return ctx.backend.decode(gs, query, key_buf, value_buf, scaling, None)
+
+
 def attend(ctx: StepContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
            softcap: float | None, written: bool = False) -> torch.Tensor:

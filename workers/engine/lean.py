@@ -32,13 +32,15 @@ from workers.precision import Precision
 from workers.quantized import INT8, QuantizedWeight
 
 
-def lean_forward(model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None) -> LeanLlama:
+def lean_forward(model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None,
+                 fused: dict[str, QuantizedWeight] | None = None) -> LeanLlama:
     """The lean forward of this model's family, its linears packed (or quantized) as `precision` says
     and computing in its compute dtype (the platform decided that it applies: workers.platform);
     `norms`: the C++ kernels' module (workers.engine.cpu_kernels), or None for torch's norms;
-    `blocks`: a GGUF file's own quantized blocks by module name (workers.weights.gguf_blocks)."""
+    `blocks`: a GGUF file's own quantized blocks by module name (workers.weights.gguf_blocks);
+    `fused`: its quantized linears as built before (LeanLlama.quantized_weights), by their keys."""
     family = LeanGemma3 if type(model).__name__ in FLOAT32_LEAN else LeanLlama
-    return family(model, precision, norms=norms, blocks=blocks)
+    return family(model, precision, norms=norms, blocks=blocks, fused=fused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +83,16 @@ class _Layer:
 class LeanLlama:
     """forward(ids, positions, keep, kv, ctx) -> logits of the kept rows, over the paged cache."""
 
-    def __init__(self, model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None):
+    def __init__(self, model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None,
+                 fused: dict[str, QuantizedWeight] | None = None):
         cfg = model.config.get_text_config()
         self.compute = precision.compute
         self.precision = precision
         modules = dict(model.named_modules())
+        self._names = {id(m): name for name, m in modules.items()}
         self._blocks = {id(modules[name]): qw for name, qw in (blocks or {}).items() if name in modules}
+        self._fused = fused or {}
+        self._keyed: dict[str, Linear] = {}  # every linear by its modules' names
         self.norms = norms  # the C++ norms (cpu_kernels), or None for F.rms_norm
         inner = model.model
         shape = AttentionShape.of(model)
@@ -120,10 +126,18 @@ class LeanLlama:
     def _linear(self, modules: list[torch.nn.Module], head: bool = False) -> Linear:
         """The outputs of `modules` as one linear: packed, or weight-only quantized."""
         prec = self.precision
+        key = "+".join(self._names[id(m)] for m in modules)
         if prec.quantized:
             kind = INT8 if head else prec.quantization
-            return quantized(modules, kind, self._blocks, self.compute, self.norms, prec.linears)
-        return fused(modules, prec.linears, self.compute)
+            lin = quantized(modules, kind, self._blocks, self.compute, self.norms, prec.linears, self._fused.get(key))
+        else:
+            lin = fused(modules, prec.linears, self.compute)
+        self._keyed[key] = lin
+        return lin
+
+    def quantized_weights(self) -> dict[str, QuantizedWeight]:
+        """Its weight-only quantized linears by key (the modules' names they fuse), as `fused` takes them."""
+        return {key: lin.quant for key, lin in self._keyed.items() if lin.quant is not None}
 
     @property
     def own_bytes(self) -> int:
@@ -162,6 +176,9 @@ class LeanLlama:
             gs, kb, vb = attention.layer_cache(ctx, i, key_cache, value_cache)
             rope_write(qkv, cos, sin, kb, vb, gs.write_blocks, gs.write_offsets, heads, kvh)
             qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
+            a = attention.attend_decode(ctx, gs, qk[:, :heads], kb, vb, self.scaling)
+            if a is not None:
+                return layer.o(a.reshape(n, heads * d))
         else:
             qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
             qk = qk * cos[:, None, :] + qk.roll(d // 2, -1) * sin[:, None, :]
@@ -209,10 +226,11 @@ class _GemmaLayer(_Layer):
 class LeanGemma3(LeanLlama):
     """Gemma 3 (text) on LeanLlama's pass, computing in float32 (see the module's docstring)."""
 
-    def __init__(self, model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None):
+    def __init__(self, model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None,
+                 fused: dict[str, QuantizedWeight] | None = None):
         cfg = model.config.get_text_config()
         self.layer_types = list(cfg.layer_types)
-        super().__init__(model, precision, norms, blocks)
+        super().__init__(model, precision, norms, blocks, fused)
         # transformers multiplies by the buffer in the weights' dtype; widened, the same value
         self.embed_scale = model.model.embed_tokens.embed_scale.to(self.compute)
         self.softcap = cfg.final_logit_softcapping

@@ -121,12 +121,15 @@ def fused(modules: list[torch.nn.Linear], kind: str | bool, compute: torch.dtype
 
 
 def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, QuantizedWeight], compute: torch.dtype,
-              kernels, dense: str) -> Linear:
-    """One weight-only quantized Linear computing the outputs of `modules` side by side. `blocks`:
-    a GGUF file's own blocks by id(module), used where every module has them, of one kind;
-    otherwise the modules' weights are quantized afresh to `kind`."""
+              kernels, dense: str, built: QuantizedWeight | None = None) -> Linear:
+    """One weight-only quantized Linear computing the outputs of `modules` side by side. `built`:
+    its blocks as made before (a shared file's views); else `blocks`: a GGUF file's own blocks by
+    id(module), used where every module has them, of one kind; otherwise the modules' weights are
+    quantized afresh to `kind`."""
     kept = [blocks.get(id(m)) for m in modules]
-    if all(k is not None for k in kept) and len({k.kind for k in kept}) == 1:
+    if built is not None:
+        qw = built
+    elif all(k is not None for k in kept) and len({k.kind for k in kept}) == 1:
         qw = concat(kept) if len(kept) > 1 else kept[0]
     else:
         qw = quantize(torch.cat([m.weight.detach() for m in modules]), kind)
@@ -135,4 +138,7 @@ def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, Quant
     if any(b is not None for b in biases):
         bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
                           for m, b in zip(modules, biases)])
-    return Linear.quantized(qw, bias, compute, kernels, dense)
+    lin = Linear.quantized(qw, bias, compute, kernels, dense)
+    if built is not None and lin.quant is not None:
+        lin.own_bytes = 0  # a shared file's views: the copies hold them once (the plan counts them so)
+    return lin

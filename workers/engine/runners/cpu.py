@@ -16,6 +16,7 @@ from workers.engine.runners.base import kv_dims, num_layers
 from workers.engine.runners.paged import PagedRunner
 from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
+from workers.weights.quantized_cache import shared_quantized
 from workers.weights.sources import source_gguf
 
 if TYPE_CHECKING:
@@ -35,10 +36,24 @@ class CpuRunner(PagedRunner):
         # family has one); quantized, it keeps a GGUF file's own blocks
         self.lean: LeanLlama | None = None
         if platform.lean:
-            blocks = None
-            if platform.precision.quantized and (path := source_gguf(lm.source)) is not None:
-                blocks = gguf_blocks(path, lm.model)
-            self.lean = lean_forward(lm.model, platform.precision, cpu_kernels.kernel_module(), blocks)
+            self.lean = self._lean(lm, platform.precision)
+
+    @staticmethod
+    def _lean(lm: LoadedModel, precision) -> LeanLlama:
+        """The lean forward. Quantized, it keeps a GGUF file's own blocks, and copies that share
+        their weights map one file of the quantized linears (workers.weights.quantized_cache)."""
+        kernels = cpu_kernels.kernel_module()
+        if not precision.quantized:
+            return lean_forward(lm.model, precision, kernels)
+
+        def build() -> LeanLlama:
+            path = source_gguf(lm.source)
+            return lean_forward(lm.model, precision, kernels, gguf_blocks(path, lm.model) if path else None)
+
+        if not (lm.weights is not None and lm.weights.shared):
+            return build()
+        fused = shared_quantized(lm.source, lm.dtype, precision.quantization, lambda: build().quantized_weights())
+        return lean_forward(lm.model, precision, kernels, fused=fused)
 
     def min_long_chunk(self) -> int:
         """The tokens whose query rows fill one pass of the C++ prefill kernel over the context (16

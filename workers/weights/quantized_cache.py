@@ -1,0 +1,72 @@
+"""Copies of a model on one CPU share one set of weight-only quantized linears: the first copy to
+build them (a GGUF file's own blocks, or weights quantized afresh, fused as the lean forward runs
+them) writes them to `$MMFUSION_CACHE/quantized/<key>-<dtype>-<kind>.safetensors`, renamed into
+place only when complete; every copy then maps that file read-only (workers.weights.shared's
+mapping). The page cache holds the blocks once, a copy that starts later skips building them, and
+the file lives on in the cache beside the shared weights, keyed by the source's size and time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from workers.files import atomic_replace, cache_root
+from workers.quantized import QuantizedWeight
+from workers.weights.shared import map_tensors
+from workers.weights.sources import source_key
+
+log = logging.getLogger("mmfusion.quantized_cache")
+FORMAT = "mmfusion-quantized-1"  # bump when the layout or a quantization rule changes
+
+
+def cache_path(source: str, dtype: torch.dtype, kind: str) -> Path:
+    return cache_root() / "quantized" / f"{source_key(source)}-{str(dtype).removeprefix('torch.')}-{kind}.safetensors"
+
+
+def _write(path: Path, weights: dict[str, QuantizedWeight]) -> None:
+    from safetensors.torch import save_file
+
+    tensors, kinds = {}, {}
+    for name, w in weights.items():
+        kinds[name] = w.kind
+        tensors[f"{name}.qs"] = w.qs.contiguous()
+        tensors[f"{name}.scales"] = w.scales.contiguous()
+        if w.offsets is not None:
+            tensors[f"{name}.offsets"] = w.offsets.contiguous()
+    atomic_replace(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT,
+                                                                             "kinds": json.dumps(kinds)}))
+
+
+def _read(path: Path) -> dict[str, QuantizedWeight]:
+    tensors, meta = map_tensors(path)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    kinds = json.loads(meta["kinds"])
+    return {name: QuantizedWeight(kind, tensors[f"{name}.qs"], tensors[f"{name}.scales"], tensors.get(f"{name}.offsets"))
+            for name, kind in kinds.items()}
+
+
+def shared_quantized(source: str, dtype: torch.dtype, kind: str,
+                     build: Callable[[], dict[str, QuantizedWeight]]) -> dict[str, QuantizedWeight]:
+    """The quantized linears of (source, dtype, kind) as read-only views of the shared file;
+    `build()` makes them when the file does not exist yet (one copy at a time: a file lock)."""
+    path = cache_path(source, dtype, kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if path.exists():
+                try:
+                    return _read(path)
+                except (ValueError, KeyError, OSError) as exc:
+                    log.warning("quantized linears %s unusable (%s): writing them again", path, exc)
+            _write(path, build())
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return _read(path)
