@@ -262,13 +262,15 @@ void tiled_rows_f32(const float* x, int64_t m_count, int64_t k, int64_t n, const
 // to bfloat16 (the dense bfloat16 model's weights: what transformers loads) and multiplied in pairs
 // into float32 (vdpbf16ps), 32 products an instruction. Every row count takes the same values.
 inline __m512bh widen_block_bf16_int4(const uint8_t* q, float d, float m) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-  const __m512 lo = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))), mv);
-  const __m512 hi =
-      _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))), mv);
-  return _mm512_cvtne2ps_pbh(hi, lo);  // values 0..15 in the low half, 16..31 in the high
+  // the block's 16 possible values (scale * q + offset for q = 0..15, rounded to bfloat16), then
+  // each nibble picks its own: one fma, one rounding and one permute for 32 values
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256bh table = _mm512_cvtneps_pbh(_mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(m)));
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m256i nib = _mm256_set1_epi16(0x0F);
+  const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, nib)),
+                                         _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib), 1);
+  return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_castsi256_si512((__m256i)table));
 }
 
 inline __m512bh widen_block_bf16_int8(const int8_t* q, float d) {
