@@ -10,7 +10,10 @@ Each line also gives an extra shared copy's cost over an allowance of its KV cac
 overhead and 15% of the weight bytes (`extra_copy_vs_allowance`). The process overhead is measured in the same run, as the cost of an extra copy of a model with
 next to no weights (tiny:llama); the KV cache is the copy's full budget as the plan counts it.
 
-    python bench/memory.py [--copies 1 2 4] [--model smollm2-135m] [--dtype auto]
+    python bench/memory.py [--copies 1 2 4] [--model smollm2-135m] [--dtype auto] [--quantization auto int4]
+
+--quantization: the model's `quantization` key; with several, each runs in turn (shared and
+unshared), and every line names its own.
 """
 
 from __future__ import annotations
@@ -42,14 +45,15 @@ def pss_tree(pid: int) -> int:
     return sum(p.memory_full_info().pss for p in procs)
 
 
-def run(model: str, dtype: str, copies: int, share: bool, batch: int, ctx: int) -> dict:
+def run(model: str, dtype: str, copies: int, share: bool, batch: int, ctx: int, quantization: str = "auto") -> dict:
     from fusion.deploy import build_fusion
     from fusion.params import load_params
     from fusion.plan import make_plan
     from routing.client import Client
 
     params = {"variants": {"m": {"model": {"source": model, "dtype": dtype, "share_weights": share,
-                                           "max_batch_size": batch, "max_model_len": ctx}}},
+                                           "max_batch_size": batch, "max_model_len": ctx,
+                                           "quantization": quantization}}},
               "runconfig": {"threads_per_worker": 1}}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=ROOT / "bench", delete=False) as f:
         json.dump(params, f)
@@ -88,6 +92,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-batch-size", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--quantization", nargs="+", default=["auto"])
     args = ap.parse_args()
     print(json.dumps(describe("memory", sys.argv)), flush=True)
     one, most = min(args.copies), max(args.copies)
@@ -98,10 +103,15 @@ def main() -> None:
     emit(bench="memory_overhead", model="tiny:llama", copies=[one, most],
          pss_mib=[round(t["pss_bytes"] / 2**20, 1) for t in tiny], overhead_per_worker_mib=round(overhead / 2**20, 1),
          plan_overhead_mib=round(OVERHEAD_BYTES / 2**20, 1))
+    for quant in args.quantization:
+        report(args, quant, overhead, one)
+
+
+def report(args, quant: str, overhead: float, one: int) -> None:
     rows = {}
     for share in (False, True):
         for n in args.copies:
-            rows[share, n] = run(args.model, args.dtype, n, share, args.max_batch_size, args.max_model_len)
+            rows[share, n] = run(args.model, args.dtype, n, share, args.max_batch_size, args.max_model_len, quant)
     base_answers = rows[False, args.copies[0]]["answers"][0]
     for (share, n), r in rows.items():
         w = r["weights"][0]
@@ -110,7 +120,7 @@ def main() -> None:
         # overhead, plus 15% of the weights
         kv = r["kv_bytes"]
         allowance = kv + overhead + 0.15 * w["bytes"]
-        emit(bench="memory", model=args.model, dtype=args.dtype, copies=n, share_weights=share,
+        emit(bench="memory", model=args.model, dtype=args.dtype, quantization=quant, copies=n, share_weights=share,
              pss_mib=round(r["pss_bytes"] / 2**20, 1),
              extra_copy_mib=None if extra is None else round(extra / 2**20, 1),
              weight_mib=round(w["bytes"] / 2**20, 1), weights_shared=all(x["shared"] for x in r["weights"]),

@@ -202,6 +202,37 @@ def _mapped(path) -> list[tuple[int, int]]:
     return spans
 
 
+def _resident_kib(path) -> int:
+    """This process's resident KiB of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[5] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_a_quantized_copy_lets_its_16_bit_linears_go():
+    """A sharing copy that runs quantized linears drops its view of the shared file's 16-bit linears
+    (they stay in the page cache; a read brings them back, unchanged)."""
+    from workers.models import load_model
+    from workers.weights.shared import WEIGHTS_FILE, shared_dir
+
+    lm = load_model("tiny:llama", dtype="float32", share_weights=True)
+    path = shared_dir("tiny:llama", torch.float32) / WEIGHTS_FILE
+    linears = [m.weight for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
+    before = [w.clone() for w in linears]
+    full = _resident_kib(path)
+    assert full > 0
+    Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=64, kv_block_size=4, quantization=INT8))
+    after = _resident_kib(path)
+    linear_kib = sum(w.numel() * w.element_size() for w in linears) // 1024
+    assert after <= full - linear_kib // 2, (full, after, linear_kib)
+    assert all(torch.equal(a, b) for a, b in zip(linears, before))  # read again from the page cache
+
+
 def test_sharing_copies_map_one_file_of_quantized_linears():
     """Copies that share their weights build the quantized linears once, into the cache, and map
     that file (read-only views, none of their own bytes); their tokens are a private copy's."""

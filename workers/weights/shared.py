@@ -177,6 +177,25 @@ def bind_all(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: 
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def drop_pages(tensors: list[torch.Tensor]) -> int:
+    """Let this process's view of mapped weights it will not read again go (madvise DONTNEED on the
+    pages wholly inside them): the pages stay in the page cache for the other copies and come back
+    on a read, but no longer count in this process's resident memory. Returns the bytes let go."""
+    page = mmap.PAGESIZE
+    try:
+        madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+    except OSError:
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dropped = 0
+    for t in tensors:
+        start = -(-t.data_ptr() // page) * page
+        end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+        if end > start and madvise(start, end - start, 4) == 0:  # 4: MADV_DONTNEED
+            dropped += end - start
+    return dropped
+
+
 def _trim() -> None:
     """Give freed private weights back to the OS (glibc keeps small freed blocks otherwise)."""
     with contextlib.suppress(OSError, AttributeError):

@@ -17,6 +17,7 @@ from workers.engine.runners.paged import PagedRunner
 from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
 from workers.weights.quantized_cache import shared_quantized
+from workers.weights.shared import drop_pages
 from workers.weights.sources import source_gguf
 
 if TYPE_CHECKING:
@@ -53,7 +54,13 @@ class CpuRunner(PagedRunner):
         if not (lm.weights is not None and lm.weights.shared):
             return build()
         fused = shared_quantized(lm.source, lm.dtype, precision.quantization, lambda: build().quantized_weights())
-        return lean_forward(lm.model, precision, kernels, fused=fused)
+        lean = lean_forward(lm.model, precision, kernels, fused=fused)
+        # the 16-bit linears of the shared mapping are not read from now on (the embedding is, also
+        # where the LM head is tied to it): their pages leave this process's resident memory
+        embed = lm.model.get_input_embeddings().weight.data_ptr()
+        drop_pages([m.weight for m in lm.model.modules()
+                    if isinstance(m, torch.nn.Linear) and m.weight.data_ptr() != embed])
+        return lean
 
     def min_long_chunk(self) -> int:
         """The tokens whose query rows fill one pass of the C++ prefill kernel over the context (16
