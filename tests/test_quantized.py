@@ -261,3 +261,17 @@ def test_sharing_copies_map_one_file_of_quantized_linears():
     want = private.generate([[4, 5, 6, 7]], p)[0].outputs[0].token_ids
     assert first.generate([[4, 5, 6, 7]], p)[0].outputs[0].token_ids == want
     assert second.generate([[4, 5, 6, 7]], p)[0].outputs[0].token_ids == want
+
+
+def test_without_the_kernels_the_blocks_run_as_a_dense_weight():
+    """Where the C++ kernels could not be built, a quantized linear multiplies its blocks' values as
+    a dense weight, the precision's way: the same outputs as the blocks' float32 reference."""
+    from workers.engine.linears import quantized
+    from workers.precision import PLAIN
+
+    m = torch.nn.Linear(64, 10, bias=True)
+    lin = quantized([m], INT4, {}, torch.float32, None, PLAIN)
+    assert lin.quant is None and lin.weight is not None
+    x = torch.randn(3, 64)
+    want = x @ quantize(m.weight, INT4).dequantize().T + m.bias
+    assert torch.allclose(lin(x), want, atol=1e-5)
