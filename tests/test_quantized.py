@@ -275,3 +275,40 @@ def test_without_the_kernels_the_blocks_run_as_a_dense_weight():
     x = torch.randn(3, 64)
     want = x @ quantize(m.weight, INT4).dequantize().T + m.bias
     assert torch.allclose(lin(x), want, atol=1e-5)
+
+
+def test_the_gguf_tensor_table_is_read_as_gguf_reads_it(tmp_path):
+    """The light reader (the metadata walked, not decoded) finds the architecture and every
+    tensor's name, type, shape and data offset as gguf's own reader does, past string arrays and a
+    custom alignment; its blocks are the file's."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader, GGUFWriter
+    from gguf import quants as gq
+
+    from workers.weights.gguf_blocks import read_tensors
+
+    path = tmp_path / "t.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc", "dddd"])
+    w.add_array("tokenizer.ggml.scores", [0.5, 0.25, 0.125, 0.0])
+    w.add_string("general.name", "tiny")
+    rng = np.random.default_rng(1)
+    raws = {}
+    for name, t in (("blk.0.attn_q.weight", T.Q4_1), ("blk.0.attn_v.weight", T.Q8_0), ("blk.0.ffn_up.weight", T.Q5_0)):
+        raws[name] = gq.quantize((rng.standard_normal((8, 64)) * 0.1).astype(np.float32), t)
+        w.add_tensor(name, raws[name], raw_dtype=t)
+    w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    arch, tensors, mm = read_tensors(path)
+    ref = GGUFReader(str(path))
+    assert arch == "llama"
+    assert [(t.name, t.type_id, t.dims, t.offset) for t in tensors] == [
+        (r.name, int(r.tensor_type), tuple(int(x) for x in r.shape), int(r.data_offset)) for r in ref.tensors]
+    for t in tensors:
+        if t.name in raws:
+            raw = raws[t.name]
+            assert mm[t.offset: t.offset + raw.nbytes] == raw.tobytes()

@@ -12,12 +12,16 @@ caller quantizes that linear afresh).
 from __future__ import annotations
 
 import logging
+import mmap
 import re
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from workers.quantized import GGUF_KEPT, QuantizedWeight, from_gguf_blocks
+from workers.quantized import QuantizedWeight, from_gguf_blocks
 
 log = logging.getLogger("mmfusion.gguf")
 
@@ -26,6 +30,73 @@ LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "at
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+# GGUF metadata value types -> bytes (8: string, 9: array); tensor types kept -> (name, bytes a block of 32)
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_KEPT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 6: ("Q5_0", 22), 8: ("Q8_0", 34)}
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    name: str
+    type_id: int
+    dims: tuple[int, ...]  # GGUF's order: the row length first
+    offset: int  # of its data, from the start of the file
+
+
+def read_tensors(path: Path) -> tuple[str, list[GGUFTensor], mmap.mmap]:
+    """(general.architecture, the tensor table, the file mapped read-only). The metadata is walked,
+    not decoded: gguf's reader builds an object for every token of the vocabulary (a few seconds
+    for SmolLM2's file), and only the architecture and the alignment are wanted here."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if mm[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
+    pos = 24
+    arch, alignment = "", 32
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", mm, at)
+        return mm[at + 8: at + 8 + n].decode("utf-8", "replace"), at + 8 + n
+
+    def skip(vtype: int, at: int) -> int:
+        if vtype in _SCALARS:
+            return at + _SCALARS[vtype]
+        if vtype == 8:
+            return at + 8 + struct.unpack_from("<Q", mm, at)[0]
+        if vtype == 9:
+            item, count = struct.unpack_from("<IQ", mm, at)
+            at += 12
+            if item in _SCALARS:
+                return at + count * _SCALARS[item]
+            for _ in range(count):
+                at = skip(item, at)
+            return at
+        raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+
+    for _ in range(n_kv):
+        key, pos = string(pos)
+        (vtype,) = struct.unpack_from("<I", mm, pos)
+        pos += 4
+        if key == "general.architecture" and vtype == 8:
+            arch, pos = string(pos)
+        elif key == "general.alignment" and vtype == 4:
+            (alignment,) = struct.unpack_from("<I", mm, pos)
+            pos += 4
+        else:
+            pos = skip(vtype, pos)
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (n_dims,) = struct.unpack_from("<I", mm, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", mm, pos + 4)
+        type_id, offset = struct.unpack_from("<IQ", mm, pos + 4 + 8 * n_dims)
+        pos += 4 + 8 * n_dims + 12
+        infos.append((name, type_id, tuple(dims), offset))
+    start = -(-pos // alignment) * alignment
+    return arch, [GGUFTensor(n, t, d, start + o) for n, t, d, o in infos], mm
 
 
 def _rows_order(n: int, heads: int) -> torch.Tensor:
@@ -46,24 +117,24 @@ def _module_name(gguf_name: str, tied: bool) -> str | None:
 
 def gguf_blocks(path: Path, model) -> dict[str, QuantizedWeight]:
     """Module name -> the file's blocks of that linear, for every linear whose GGUF type is kept
-    (Q4_0, Q4_1, Q8_0) and whose values equal the model's weight."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    (Q4_0, Q4_1, Q5_0, Q8_0) and whose values equal the model's weight."""
+    arch, tensors, mm = read_tensors(path)
     cfg = model.config.get_text_config()
     tied = bool(getattr(model.config, "tie_word_embeddings", False)) and not any(
-        t.name == "output.weight" for t in reader.tensors)
+        t.name == "output.weight" for t in tensors)
     modules = dict(model.named_modules())
     out: dict[str, QuantizedWeight] = {}
-    for t in reader.tensors:
+    for t in tensors:
         name = _module_name(t.name, tied)
-        type_name = t.tensor_type.name
-        if name is None or type_name not in GGUF_KEPT or name not in modules:
+        if name is None or t.type_id not in _KEPT_TYPES or name not in modules or len(t.dims) != 2:
             continue
+        type_name, block_bytes = _KEPT_TYPES[t.type_id]
         weight = modules[name].weight
-        qw = from_gguf_blocks(type_name, t.data, tuple(weight.shape))
+        k, n = t.dims
+        if (n, k) != tuple(weight.shape) or k % 32:
+            continue
+        raw = np.frombuffer(mm, dtype=np.uint8, count=n * k // 32 * block_bytes, offset=t.offset)
+        qw = from_gguf_blocks(type_name, raw.reshape(n, -1), (n, k))
         if arch == "llama" and name.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if name.endswith("q_proj") else (cfg.num_key_value_heads or cfg.num_attention_heads)
             qw = qw.rows(_rows_order(qw.out_features, heads))
