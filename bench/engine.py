@@ -449,9 +449,7 @@ def main() -> None:
         emit(system=f"{name}_forward_only", wall_s=round(fwd, 2), tokens_per_s=round(useful / fwd, 2),
              bookkeeping_fraction=round(1 - fwd / wall, 4), **common)
     for name in [n for n in rates if n.startswith("engine")]:
-        if name in rates:
-            emit(summary=name,
-                 **{f"{name}_vs_{k}": round(rates[name] / v, 2) for k, v in rates.items() if k != name})
+        emit(summary=name, **{f"{name}_vs_{k}": round(rates[name] / v, 2) for k, v in rates.items() if k != name})
     single = None
     singles: dict[str, dict] = {}
     if "single_stream" in systems:

@@ -272,17 +272,6 @@ def layer_cache(ctx: StepContext, layer: int, key_cache: torch.Tensor,
     return ctx.groups[g], key_cache[p], value_cache[p]
 
 
-def attend_decode(ctx: StepContext, gs: GroupStep, query: torch.Tensor, key_buf: torch.Tensor, value_buf: torch.Tensor,
-                  scaling: float) -> torch.Tensor | None:
-    """A step of decode rows only, whose K/V the caller has written (the lean forward's rotary
-    write): the backend's decode kernel on the query as it is, [N, H, d] -> [N, H, dv], without
-    attend's output buffer and checks (one step of one stream runs this 30 times). None where the
-    step holds prompt chunks, padding or no backend: attend serves."""
-    if ctx.segments or ctx.backend is None or ctx.num_decode != query.shape[0] or ctx.num_tokens != query.shape[0]:
-        return None
-    return ctx.backend.decode(gs, query, key_buf, value_buf, scaling, None)
-
-
 def attend(ctx: StepContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, scaling: float, window: int | None,
            softcap: float | None, written: bool = False) -> torch.Tensor:
@@ -296,13 +285,17 @@ def attend(ctx: StepContext, query: torch.Tensor, key: torch.Tensor, value: torc
         raise RuntimeError(f"layer {layer} attends over a window of {window}, but its cache group keeps {planned}")
     gs = ctx.groups[g]
     key_buf, value_buf = key_cache[p], value_cache[p]
+    backend = ctx.backend
+    if written and not ctx.segments and backend is not None and ctx.num_decode == n == query.shape[0]:
+        # decode rows only, their K/V written by the caller: the kernel's result as it is, without
+        # an output buffer to fill (one stream's step runs this for every layer)
+        return backend.decode(gs, query, key_buf, value_buf, scaling, softcap)
     if not written:
         key_buf[gs.write_blocks, :, gs.write_offsets] = key[:n].to(key_buf.dtype)
         value_buf[gs.write_blocks, :, gs.write_offsets] = value[:n].to(value_buf.dtype)
     n_all, heads = query.shape[0], query.shape[1]
     out = (query.new_zeros if n_all > n else query.new_empty)(n_all, heads, value_buf.shape[-1])
     d = ctx.num_decode
-    backend = ctx.backend
     if d:
         kernel = backend.decode if backend is not None else decode_attention
         out[:d] = kernel(gs, query[:d], key_buf, value_buf, scaling, softcap)

@@ -176,9 +176,6 @@ class LeanLlama:
             gs, kb, vb = attention.layer_cache(ctx, i, key_cache, value_cache)
             rope_write(qkv, cos, sin, kb, vb, gs.write_blocks, gs.write_offsets, heads, kvh)
             qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
-            a = attention.attend_decode(ctx, gs, qk[:, :heads], kb, vb, self.scaling)
-            if a is not None:
-                return layer.o(a.reshape(n, heads * d))
         else:
             qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
             qk = qk * cos[:, None, :] + qk.roll(d // 2, -1) * sin[:, None, :]

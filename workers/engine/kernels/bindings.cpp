@@ -19,7 +19,6 @@ torch::Tensor silu_mul(torch::Tensor gu);
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
                         c10::optional<at::Tensor> bias);
 at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> bias);
-at::Tensor qdequantize(at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets, at::ScalarType dtype);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
@@ -31,5 +30,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate/up rows");
   m.def("qlinear_int4", &qlinear_int4, "x @ W.T over int4 blocks of 32 (scale, offset), float32 math");
   m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math");
-  m.def("qdequantize", &qdequantize, "int4 (with offsets) or int8 blocks as a dense weight in a dtype");
 }

@@ -601,38 +601,3 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
 #endif
   });
 }
-
-template <typename T>
-void narrow(const float* x, T* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(x[i]);
-}
-
-// the dense weight [N, K] in `dtype` (float32 values rounded once to it): for steps of many rows,
-// which a GEMM library multiplies faster than the blocks above
-at::Tensor qdequantize(at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets, at::ScalarType dtype) {
-  const bool int4 = offsets.has_value() && offsets->defined();
-  const int64_t n = qs.size(0), k = int4 ? qs.size(1) * 2 : qs.size(1);
-  TORCH_CHECK(qs.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
-                  scales.numel() == n * (k / kBlock),
-              "qdequantize: contiguous blocks and float16 scales [N, K / 32]");
-  at::Tensor w = at::empty({n, k}, qs.options().dtype(dtype));
-  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const auto* o = int4 ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr;
-  const int64_t blocks = k / kBlock;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "qdequantize", [&] {
-    scalar_t* out = w.data_ptr<scalar_t>();
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(k);
-      for (int64_t r = begin; r < end; ++r) {
-        if (int4) {
-          widen_int4(qs.data_ptr<uint8_t>() + r * (k / 2), s + r * blocks, o + r * blocks, k, row.data());
-        } else {
-          widen_int8(qs.data_ptr<int8_t>() + r * k, s + r * blocks, k, row.data());
-        }
-        narrow(row.data(), out + r * k, k);
-      }
-    });
-  });
-  return w;
-}
