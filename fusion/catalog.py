@@ -45,7 +45,7 @@ def copy_size(workers: list[WorkerPlan]) -> CopySize:
         return CopySize(w0.device, own)
     key = f"{w0.spec.model.source}|{str(w0.precision.weights).removeprefix('torch.')}"
     if w0.shared_packed_bytes:  # its quantized linears' file too (a variant without them counts the weights again: errs high)
-        key += f"|{w0.precision.quantization}"
+        key += f"|{w0.precision.quantized_key}"
     return CopySize(w0.device, own, key, w0.weight_bytes + w0.shared_packed_bytes)
 
 

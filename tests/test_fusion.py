@@ -145,8 +145,8 @@ def test_plan_counts_shared_quantized_linears_once(monkeypatch):
     """int4 copies that share their weights map one file of quantized linears: the plan counts it
     once on the device (about 0.36x the bfloat16 packed linears a copy holds otherwise)."""
     monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 8 * 2**30)
-    packed = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16")]), 3, "cpu",
-                       kv_cache_memory="64MiB")
+    packed = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="none")]), 3,
+                       "cpu", kv_cache_memory="64MiB")
     quant = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="int4")]), 3,
                       "cpu", kv_cache_memory="64MiB")
     w = quant.workers[0]
@@ -158,6 +158,11 @@ def test_plan_counts_shared_quantized_linears_once(monkeypatch):
     private = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="int4",
                                                share_weights=False)]), 2, "cpu", kv_cache_memory="64MiB")
     assert private.workers[0].packed_bytes == w.shared_packed_bytes  # each copy its own
+    # auto: SmolLM2's Q4_1 file keeps its class, and is counted as int4
+    auto = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16")]), 3, "cpu",
+                     kv_cache_memory="64MiB").workers[0]
+    assert auto.precision.quantization == "int4" and auto.precision.file_classes
+    assert auto.shared_packed_bytes == w.shared_packed_bytes and auto.packed_bytes == 0
 
 
 def test_deltat_scaling_factor_shares_batch_capacity():
@@ -176,7 +181,8 @@ def test_deltat_scaling_factor_shares_batch_capacity():
 
 def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
     monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 8 * 2**30)
-    fusion = MultiModelFusion([info("m", "smollm2-135m", max_batch_size=100000, dtype="bfloat16")])
+    fusion = MultiModelFusion([info("m", "smollm2-135m", max_batch_size=100000, dtype="bfloat16",
+                                    quantization="none")])
     plan = make_plan(fusion, 2, "cpu")  # auto: half of 8 GiB, less weights and overheads, shared by the two
     w = plan.workers[0]
     # the two copies share their weights, and each holds its own prepacked linears (about as many bytes)
@@ -194,7 +200,7 @@ def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
     gpt2 = MultiModelFusion([info("m", "tiny:gpt2", dtype="bfloat16")])
     assert make_plan(gpt2, 1, "cpu").workers[0].packed_bytes == 0  # transformers' modules: nothing packed
     small = MultiModelFusion([info("m", "smollm2-135m", max_batch_size=2, max_model_len=1000,
-                                           dtype="bfloat16")])
+                                   dtype="bfloat16", quantization="none")])
     assert make_plan(small, 1, "cpu").workers[0].kv_tokens == 2 * 1000  # never more than its limits use
     assert make_plan(fusion, 1, "cpu", kv_cache_memory="1GiB").workers[0].kv_cache_bytes == 2**30
     with pytest.raises(ValueError, match="device cpu: .* GiB"):

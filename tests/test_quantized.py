@@ -32,23 +32,44 @@ def _call(qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> to
 @pytest.mark.parametrize("kind", [INT4, INT8])
 @pytest.mark.parametrize("k", [32, 96, 576])
 def test_kernel_equals_its_float32_reference(kind, k):
-    """Rows 1 to 9 (the four-row passes and their remainders), an output count that is no multiple
-    of anything, a bias, and float32, bfloat16 and float16 activations: the float32 product of the
-    activations with the blocks' values, rounded once to the activations' dtype."""
+    """No rows (a prompt's chunk that keeps no logits), rows 1 to 9 (the four-row passes and their remainders) and 96 and 101 (a prompt's chunk, through
+    the GEMM on widened weights), an output count that is no multiple of anything, a bias, and float32, bfloat16
+    and float16 activations: the float32 product of the activations with the blocks' values, rounded
+    once to the activations' dtype."""
     gen = torch.Generator().manual_seed(k)
     qw = quantize(torch.randn(37, k, generator=gen) * 0.1, kind)
     w = qw.dequantize()
     bias = torch.randn(37, generator=gen)
-    for rows in (1, 2, 3, 4, 5, 8, 9):
+    for rows in (0, 1, 2, 3, 4, 5, 8, 9, 96, 101):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.randn(rows, k, generator=gen).to(dtype)
             for b in (None, bias):
                 want = x.float() @ w.T + (0 if b is None else b)
                 got = _call(qw, x, b)
                 assert got.dtype == dtype and got.shape == (rows, 37)
+                if not rows:
+                    continue
                 scale = want.abs().max().item()
                 tol = 1e-5 if dtype == torch.float32 else 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
                 assert (got.float() - want).abs().max().item() <= tol * scale + 1e-6, (rows, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", [INT4, INT8])
+def test_kernel_panels_cover_every_output_row(kind):
+    """A chunk's rows against more output rows than one widened panel holds (16 MiB: 2,048 rows of
+    4,096 values in bfloat16, 1,024 in float32): every panel, the last one short, lands in its own
+    columns with its own bias."""
+    gen = torch.Generator().manual_seed(7)
+    qw = quantize(torch.randn(4001, 4096, generator=gen) * 0.1, kind)
+    w = qw.dequantize()
+    bias = torch.randn(4001, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(100, 4096, generator=gen).to(dtype)
+        want = x.float() @ w.T + bias
+        got = _call(qw, x, bias)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item(), dtype
 
 
 @needs_kernels

@@ -118,7 +118,10 @@ def test_plan_counts_shared_weights_once_per_device(monkeypatch):
     full = make_plan(_fusion(False, 8), None, "cpu", 1)
     w = shared.workers[0]
     assert all(x.shares_weights for x in shared.workers) and not any(x.shares_weights for x in full.workers)
-    assert full.devices["cpu"]["estimated_bytes"] - shared.devices["cpu"]["estimated_bytes"] == 7 * w.weight_bytes
+    # the weights and (quantization: auto, SmolLM2's Q4_1 file) the file of quantized linears, once
+    assert w.shared_packed_bytes > 0 and full.workers[0].packed_bytes == w.shared_packed_bytes
+    saved = full.devices["cpu"]["estimated_bytes"] - shared.devices["cpu"]["estimated_bytes"]
+    assert saved == 7 * (w.weight_bytes + w.shared_packed_bytes)
     assert "counted once, shared by 8 copies" in shared.describe()
     # a device with room for the shared plan but not for 8 full copies: one fits, the other is refused
     room = (shared.devices["cpu"]["estimated_bytes"] + full.devices["cpu"]["estimated_bytes"]) // 2

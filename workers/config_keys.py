@@ -117,9 +117,11 @@ MODEL_KEYS: tuple[Key, ...] = (
         "the activations, the KV cache and the norms staying in the compute dtype. A GGUF file's Q4_0, "
         "Q4_1, Q5_0 and Q8_0 tensors are kept as they are (the file's own values, as transformers "
         "dequantizes them); other weights are quantized afresh to the kind named (int8 as Q8_0, int4 as "
-        "Q4_1; the LM head stays int8). Copies that share their weights map one file of them. SmolLM2's "
-        "Q4_1 file: one stream about 2x faster than bfloat16, 0.36x its linears' bytes; batches of many "
-        "rows run slower than 16-bit linears (docs/benchmarks.md). `auto`: `none` for now",
+        "Q4_1; the LM head stays int8). Copies that share their weights map one file of them. `auto`: "
+        "a quantized GGUF file keeps its classes (each linear as its tensor: 4 bits or fewer as int4, "
+        "5 to 8 bits as int8), where the lean forward runs it; any other source is `none`. SmolLM2's "
+        "Q4_1 file: one stream about 2x faster than bfloat16, 0.36x its linears' bytes, batches within "
+        "a few percent of bfloat16's (docs/benchmarks.md)",
         lambda x: x in ("auto", "none", "int8", "int4")),
     Key("compile", "auto", "`auto`, `true`, `false`",
         "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "

@@ -41,6 +41,8 @@ from workers.precision import (
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from workers.weights.loaded_model import LoadedModel
 
 # on CPU, the prefix cache keeps this share of the pool's blocks (at least one step's) before a
@@ -76,13 +78,22 @@ class Platform(ABC):
         """How weights of this dtype compute here, on the lean forward or transformers' modules."""
 
     @classmethod
-    def quantized(cls, prec: Precision, quantization: str, lean: bool, model: str) -> Precision:
-        """`prec` with the `quantization` setting applied: `auto` is none (the weight-only kernels
-        serve one stream faster, not yet a batch); int8 and int4 need this device's kernels and the
-        lean forward, and a model that cannot have them is refused here, by name."""
+    def quantized(cls, prec: Precision, quantization: str, lean: bool, model: str, gguf: Path | None = None) -> Precision:
+        """`prec` with the `quantization` setting applied. `auto`: a quantized GGUF file (`gguf`)
+        keeps its classes where this device quantizes and the lean forward runs (each linear as its
+        tensor's class, most of them naming the setting); anything else is none. int8 and int4 need
+        this device's kernels and the lean forward, and a model that cannot have them is refused
+        here, by name."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-        if quantization in ("auto", NO_QUANTIZATION):
+        if quantization == "auto":
+            if not (cls.quantizes and lean and gguf is not None):
+                return prec
+            from workers.weights.gguf_blocks import file_class
+
+            kind = file_class(gguf)
+            return prec if kind is None else replace(prec, quantization=kind, file_classes=True)
+        if quantization == NO_QUANTIZATION:
             return prec
         if not cls.quantizes:
             raise ValueError(f"quantization {quantization!r} is not available on {cls.kind.name} yet: "
@@ -207,7 +218,7 @@ def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str
     """The platform a worker of `source` will have, decided before loading it. A source whose
     family is unknown before loading counts as the lean forward's: the plan errs high (packed
     linears counted)."""
-    from workers.weights.sources import architecture
+    from workers.weights.sources import architecture, source_gguf
 
     cls = platform_class(device)
     weights = load_dtype(dtype, device, prepack, source)
@@ -216,7 +227,7 @@ def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str
     prec = cls.compute(weights, lean)
     if lean and prec.compute != torch.float32 and arch in FLOAT32_LEAN:
         lean, prec = False, cls.compute(weights, False)  # that family's lean forward is float32 only
-    return cls(torch.device(device), cls.quantized(prec, quantization, lean, source), lean)
+    return cls(torch.device(device), cls.quantized(prec, quantization, lean, source, source_gguf(source)), lean)
 
 
 def for_model(lm: LoadedModel, prepack: bool, quantization: str = NO_QUANTIZATION) -> Platform:
@@ -229,11 +240,16 @@ def for_model(lm: LoadedModel, prepack: bool, quantization: str = NO_QUANTIZATIO
         from workers.lean_rules import unsupported
 
         lean = unsupported(lm.model, cls.compute(lm.dtype, True).compute) is None
+    from workers.weights.sources import source_gguf
+
     name = f"{lm.source} ({type(lm.model).__name__})"
-    prec = cls.quantized(cls.compute(lm.dtype, lean), quantization, lean, name)
+    base = cls.compute(lm.dtype, lean)
+    prec = cls.quantized(base, quantization, lean, name, source_gguf(lm.source))
     if prec.quantized:
         from workers.lean_rules import unquantizable
 
         if (why := unquantizable(lm.model)) is not None:
+            if prec.file_classes:  # auto: what cannot be quantized runs as it loaded
+                return cls(lm.device, base, lean)
             raise ValueError(f"quantization {quantization!r} cannot run {name}: {why}; set quantization: none")
     return cls(lm.device, prec, lean)

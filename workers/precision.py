@@ -51,6 +51,9 @@ class Precision:
     # "int8" or "int4": the lean forward's linears read weight-only quantized blocks (a GGUF file's
     # own where it has them) and multiply them in float32, whatever `linears` says; "none": not
     quantization: str = NO_QUANTIZATION
+    # `quantization: auto` on a quantized GGUF file: each linear runs as its own tensor's class
+    # (workers.weights.gguf_blocks.type_class); `quantization` is then the class of most of them
+    file_classes: bool = False
 
     @property
     def mixed(self) -> bool:
@@ -60,9 +63,16 @@ class Precision:
     def quantized(self) -> bool:
         return self.quantization != NO_QUANTIZATION
 
+    @property
+    def quantized_key(self) -> str:
+        """What names a set of quantized linears apart (the shared file of them, the catalog)."""
+        return "auto" if self.file_classes else self.quantization
+
     def describe(self) -> str:
         name = str(self.weights).removeprefix("torch.")
         linears = f"{self.quantization} weight-only linears" if self.quantized else f"{self.linears} linears"
+        if self.file_classes:
+            linears = f"weight-only linears of the GGUF file's classes (mostly {self.quantization})"
         if self.mixed:
             return f"{name} weights, {str(self.compute).removeprefix('torch.')} math ({linears})"
         return f"{name} ({linears})"

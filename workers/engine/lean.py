@@ -127,7 +127,11 @@ class LeanLlama:
         """The outputs of `modules` as one linear: packed, or weight-only quantized."""
         prec = self.precision
         key = "+".join(self._names[id(m)] for m in modules)
-        if prec.quantized:
+        # `quantization: auto` quantizes only what the file holds as kept blocks, of one kind: the
+        # file's own values; the rest runs as loaded
+        exact = not prec.file_classes or key in self._fused or (
+            all(id(m) in self._blocks for m in modules) and len({self._blocks[id(m)].kind for m in modules}) == 1)
+        if prec.quantized and exact:
             kind = INT8 if head else prec.quantization
             lin = quantized(modules, kind, self._blocks, self.compute, self.norms, prec.linears, self._fused.get(key))
         else:

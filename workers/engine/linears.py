@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.precision import FP16, ONEDNN, PLAIN
-from workers.quantized import INT4, QuantizedWeight, concat, quantize
+from workers.quantized import INT4, INT8, QuantizedWeight, concat, quantize
 
 # FBGEMM packs a float16 weight of a few thousand rows at ~50M values/s on one thread here, and
 # a taller one at ~12M/s (a 262,144-token LM head: 12 s; SmolLM2's: 2.5 s). Slices of PACK_ROWS
@@ -125,14 +125,16 @@ def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, Quant
     """One weight-only quantized Linear computing the outputs of `modules` side by side. `built`:
     its blocks as made before (a shared file's views); else `blocks`: a GGUF file's own blocks by
     id(module), used where every module has them, of one kind; otherwise the modules' weights are
-    quantized afresh to `kind`."""
+    quantized afresh to `kind`, or to int8 where a part's blocks are int8 (the wider of its parts':
+    a Q4_K file's q and k beside its Q6_K v)."""
     kept = [blocks.get(id(m)) for m in modules]
+    kinds = {k.kind for k in kept if k is not None}
     if built is not None:
         qw = built
-    elif all(k is not None for k in kept) and len({k.kind for k in kept}) == 1:
+    elif all(k is not None for k in kept) and len(kinds) == 1:
         qw = concat(kept) if len(kept) > 1 else kept[0]
     else:
-        qw = quantize(torch.cat([m.weight.detach() for m in modules]), kind)
+        qw = quantize(torch.cat([m.weight.detach() for m in modules]), INT8 if INT8 in kinds else kind)
     biases = [m.bias for m in modules]
     bias = None
     if any(b is not None for b in biases):

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.quantized import QuantizedWeight, from_gguf_blocks
+from workers.quantized import GGUF_KEPT, QuantizedWeight, from_gguf_blocks
 
 log = logging.getLogger("mmfusion.gguf")
 
@@ -113,6 +113,22 @@ def _module_name(gguf_name: str, tied: bool) -> str | None:
     if gguf_name == "output.weight" or (gguf_name == "token_embd.weight" and tied):
         return "lm_head"
     return None
+
+
+def file_class(path: Path) -> str | None:
+    """The class of a GGUF file's layers for `quantization: auto`: the kind (int4 or int8) of the
+    kept types (Q4_0, Q4_1 as int4; Q5_0, Q8_0 as int8) that holds most of its layers' linear
+    weights, or None where most are of other types (16/32-bit, or the K-quants, whose block scales
+    do not fit the kernels' float16 ones exactly)."""
+    _, tensors, mm = read_tensors(path)
+    mm.close()
+    counts: dict[str | None, int] = {}
+    for t in tensors:
+        m = _LAYER.fullmatch(t.name)
+        if m is not None and m.group(2) in LAYER_MODULES and len(t.dims) == 2:
+            kind = GGUF_KEPT[_KEPT_TYPES[t.type_id][0]] if t.type_id in _KEPT_TYPES else None
+            counts[kind] = counts.get(kind, 0) + t.dims[0] * t.dims[1]
+    return max(counts, key=counts.get) if counts else None
 
 
 def gguf_blocks(path: Path, model) -> dict[str, QuantizedWeight]:

@@ -20,6 +20,8 @@
 // at a time into a buffer that stays in L1 and multiply tiles of input rows by them in registers.
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
 
 #include <c10/util/Half.h>
 
@@ -68,6 +70,44 @@ inline void widen_int8(const int8_t* qs, const uint16_t* scales, int64_t k, floa
 #pragma omp simd
     for (int j = 0; j < kBlock; ++j) o[j] = d * static_cast<float>(q[j]);
   }
+}
+
+// Steps of many rows (a prompt's chunk, a large batch) are bound by arithmetic, not by the bytes of
+// weights. There the weights are widened into the compute dtype, a whole linear at a time (a panel
+// of output rows for an LM head), and multiplied by ATen's GEMM (oneDNN), which runs such shapes near
+// the CPU's peak: 512 rows of SmolLM2's linears take 2-5% longer than the prepacked bfloat16 GEMM,
+// where the tiles below take 15-40% longer (they spend a share of every step on the widening and on
+// the sums across lanes). One GEMM a linear, not a GEMM a slice of it: oneDNN runs smaller ones
+// slower. The widened values are those of the other paths.
+constexpr int64_t kPanelRows = 96;         // input rows from which the GEMM serves
+constexpr int64_t kPanelBytes = 16 << 20;  // the most widened bytes at once
+
+// y = x @ W.T (+ bias) for x [M, K] in the dtype W of the widened weights; widen(row, W*) widens one
+// output row. The widened weights go to a buffer that the calling thread keeps: allocating them anew
+// each call costs page faults that took longer than the GEMM (glibc returns such blocks at free).
+template <typename W, typename Widen>
+at::Tensor panels(const at::Tensor& x, int64_t n, const at::Tensor& bias, Widen widen) {
+  const int64_t k = x.size(1);
+  const int64_t p = std::min(n, std::max<int64_t>(64, kPanelBytes / (k * static_cast<int64_t>(sizeof(W)))));
+  thread_local at::Tensor scratch;
+  if (!scratch.defined() || scratch.numel() < p * k || scratch.scalar_type() != x.scalar_type()) {
+    scratch = at::Tensor();  // the old buffer goes before the new one comes
+    scratch = at::empty({p * k}, x.options());
+  }
+  at::Tensor y;
+  for (int64_t n0 = 0; n0 < n; n0 += p) {
+    const int64_t rows = std::min(p, n - n0);
+    at::Tensor w = scratch.narrow(0, 0, rows * k).view({rows, k});
+    W* wp = w.data_ptr<W>();
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) widen(n0 + r, wp + r * k);
+    });
+    at::Tensor part = bias.defined() ? at::addmm(bias.narrow(0, n0, rows), x, w.t()) : at::mm(x, w.t());
+    if (rows == n) return part;
+    if (!y.defined()) y = at::empty({x.size(0), n}, x.options());
+    y.narrow(1, n0, rows).copy_(part);
+  }
+  return y;
 }
 
 
@@ -514,6 +554,15 @@ at::Tensor run(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& 
   return y;
 }
 
+// panels in float32 math, the output in x's dtype
+template <typename Widen>
+at::Tensor float_panels(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias, Widen widen) {
+  const at::Tensor b = bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == n, "qlinear: bias must have ", n, " values");
+  const at::Tensor y = panels<float>(float_rows(x), n, b, widen);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
 }  // namespace
 
 #ifdef MMFUSION_QLINEAR_BF16
@@ -525,6 +574,12 @@ at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Ten
   if (bias.has_value() && bias->defined()) {
     bf = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bf.numel() == n, "qlinear: bias must have ", n, " values");
+  }
+  if (xc.size(0) >= kPanelRows) {
+    const int64_t k = xc.size(1), blocks = k / kBlock;
+    return panels<c10::BFloat16>(xc, n, bf.defined() ? bf.to(at::kBFloat16) : bf, [=](int64_t row, c10::BFloat16* w) {
+      widen_row_bf16(q + row * row_len, s + row * blocks, o != nullptr ? o + row * blocks : nullptr, k, w);
+    });
   }
   at::Tensor y = at::empty({xc.size(0), n}, xc.options());
   bf16_rows(xc.data_ptr<c10::BFloat16>(), xc.size(0), xc.size(1), n, q, row_len, s, o,
@@ -548,12 +603,19 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qlinear_int4: qs must be contiguous uint8");
   TORCH_CHECK(offsets.scalar_type() == at::kHalf && offsets.is_contiguous() && offsets.numel() == scales.numel(),
               "qlinear_int4: offsets must be float16 like scales");
+  if (x.size(0) == 0) return at::empty({0, n}, x.options());  // a chunk that keeps no row's logits
   const uint8_t* q = qs.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>());
 #ifdef MMFUSION_QLINEAR_BF16
   if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k / 2, s, o);
 #endif
+  if (x.size(0) >= kPanelRows) {
+    const int64_t blocks = k / kBlock;
+    return float_panels(x, n, bias, [=](int64_t row, float* w) {
+      widen_int4(q + row * (k / 2), s + row * blocks, o + row * blocks, k, w);
+    });
+  }
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
@@ -579,11 +641,16 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
   const int64_t n = qs.size(0), k = qs.size(1);
   check(x, scales, n, k, "qlinear_int8");
   TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous(), "qlinear_int8: qs must be contiguous int8");
+  if (x.size(0) == 0) return at::empty({0, n}, x.options());
   const int8_t* q = qs.data_ptr<int8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
 #ifdef MMFUSION_QLINEAR_BF16
   if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k, s, nullptr);
 #endif
+  if (x.size(0) >= kPanelRows) {
+    const int64_t blocks = k / kBlock;
+    return float_panels(x, n, bias, [=](int64_t row, float* w) { widen_int8(q + row * k, s + row * blocks, k, w); });
+  }
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)

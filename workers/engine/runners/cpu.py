@@ -53,7 +53,7 @@ class CpuRunner(PagedRunner):
 
         if not (lm.weights is not None and lm.weights.shared):
             return build()
-        fused = shared_quantized(lm.source, lm.dtype, precision.quantization, lambda: build().quantized_weights())
+        fused = shared_quantized(lm.source, lm.dtype, precision.quantized_key, lambda: build().quantized_weights())
         lean = lean_forward(lm.model, precision, kernels, fused=fused)
         # the 16-bit linears of the shared mapping are not read from now on (the embedding is, also
         # where the LM head is tied to it): their pages leave this process's resident memory
