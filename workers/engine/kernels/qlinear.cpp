@@ -358,11 +358,110 @@ inline void bf16_dot(const c10::BFloat16* x, int64_t k, const Q* q, const uint16
     if constexpr (std::is_same_v<Q, uint8_t>) {
       w = widen_block_bf16_int4(q + b * (kBlock / 2), half_bits(s[b]), half_bits(o[b]));
     } else {
+      // a few rows ahead, where the stream of rows has not reached yet (see bf16_dot_int4)
+      _mm_prefetch(reinterpret_cast<const char*>(q + 4 * k + b * kBlock), _MM_HINT_T0);
       w = widen_block_bf16_int8(q + b * kBlock, half_bits(s[b]));
     }
     for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(x + r * k + b * kBlock), w);
   }
   for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// int4 blocks against up to four input rows without widening them to their values: the nibbles
+// become the bfloat16 integers 0-15 (exact) through one constant table, vdpbf16ps sums their
+// products with x in float32, and each block's sum is scaled by its float32 scale; the offsets
+// multiply each block's sum of x, taken once per call (xsum). About half the instructions a block
+// of widening the values (a table per block, two broadcasts, a rounding), and the products are the
+// exact values' (scale * q + offset in float32, not rounded to bfloat16).
+inline __m256i nibble_table() {
+  // the bfloat16 bits of 0..15: vpermw on 16 lanes reads the low 4 bits of an index, so a byte
+  // widened to 16 bits indexes its low nibble as it is
+  alignas(32) static const uint16_t v[16] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                             0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(v));
+}
+
+// the sums of four vectors' lanes, as four floats
+inline __m128 reduce4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// R input rows against C output rows of int4 blocks (row r's of q, s, o at r * row_bytes, r * blocks):
+// y[r * C + c]. C rows at a time share the loads of x and the work of a row's end (the offsets'
+// term, the sums across lanes), which cost as much as a third of a row of SmolLM2's 18 blocks.
+template <int R, int C>
+inline void bf16_dot_int4(const c10::BFloat16* x, int64_t k, const uint8_t* q, const uint16_t* s, const uint16_t* o,
+                          const float* xsum, const __m256i table, float* y) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  alignas(64) float scale[C][16];
+  for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+    const int64_t count = std::min<int64_t>(16, blocks - b0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
+    for (int c = 0; c < C; ++c) {
+      _mm512_store_ps(scale[c], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, s + c * blocks + b0)));
+      // the offsets' term: offset x the block's sum of x, summed in any lane (all are summed at the end)
+      for (int64_t h = 0; h < count; h += 8) {
+        const __mmask8 m8 = static_cast<__mmask8>(mask >> h);
+        const __m256 ov = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(m8, o + c * blocks + b0 + h));
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm256_fmadd_ps(ov, _mm256_maskz_loadu_ps(m8, xsum + r * blocks + b0 + h), acc[r][c]);
+      }
+    }
+    if constexpr (C == 4) {  // the next group's scales and offsets (4 rows' worth: 8 bytes a block)
+      _mm_prefetch(reinterpret_cast<const char*>(s + 4 * blocks + 4 * b0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(o + 4 * blocks + 4 * b0), _MM_HINT_T0);
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t b = b0 + j;
+      // the next group's blocks, a cache line a block: four rows of k / 2 bytes over k / 32 blocks
+      if constexpr (C == 4) _mm_prefetch(reinterpret_cast<const char*>(q + 2 * k + b * 64), _MM_HINT_T0);
+      __m256bh xv[R][2];
+      for (int r = 0; r < R; ++r) {
+        const c10::BFloat16* xb = x + r * k + b * kBlock;
+        xv[r][0] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+        xv[r][1] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
+      }
+      for (int c = 0; c < C; ++c) {
+        const __m256i bytes =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * (k / 2) + b * (kBlock / 2))));
+        const __m256bh lo = (__m256bh)_mm256_permutexvar_epi16(bytes, table);
+        const __m256bh hi = (__m256bh)_mm256_permutexvar_epi16(_mm256_srli_epi16(bytes, 4), table);
+        const __m256 d = _mm256_broadcast_ss(&scale[c][j]);
+        for (int r = 0; r < R; ++r) {
+          const __m256 part = _mm256_dpbf16_ps(_mm256_dpbf16_ps(_mm256_setzero_ps(), xv[r][0], lo), xv[r][1], hi);
+          acc[r][c] = _mm256_fmadd_ps(d, part, acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (C == 4) {
+      _mm_storeu_ps(y + r * C, reduce4_256(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      for (int c = 0; c < C; ++c) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+        const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[r * C + c] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+      }
+    }
+  }
+}
+
+// each block's sum of each input row, [m][k / 32], in float32
+inline std::vector<float> block_sums(const c10::BFloat16* x, int64_t m, int64_t k) {
+  std::vector<float> out(m * (k / kBlock));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      const __m512i raw = _mm512_loadu_si512(x + r * k + b * kBlock);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+      out[r * (k / kBlock) + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  return out;
 }
 
 // R input rows x four widened output rows (bfloat16, [4][k])
@@ -392,10 +491,54 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w,
   }
 }
 
+// up to four input rows against int4 blocks (bf16_dot_int4), every output row
+inline void bf16_decode_int4(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, const uint8_t* qs,
+                             const uint16_t* scales, const uint16_t* offsets, const float* bias, c10::BFloat16* y) {
+  const int64_t blocks = k / kBlock;
+  const std::vector<float> xsum = block_sums(x, m_count, k);
+  const __m256i table = nibble_table();
+  // groups of four output rows (the last group of an output count that is no multiple of 4: one by one)
+  at::parallel_for(0, (n + 3) / 4, 4, [&](int64_t begin, int64_t end) {
+    float acc[kMaxRows * 4];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t row0 = g * 4, rows = std::min<int64_t>(4, n - row0);
+      for (int64_t i = 0; i < rows; i += (rows == 4 ? 4 : 1)) {
+        const int64_t row = row0 + i;
+        const uint8_t* q = qs + row * (k / 2);
+        const uint16_t* s = scales + row * blocks;
+        const uint16_t* o = offsets + row * blocks;
+        const float* xs = xsum.data();
+        const int c = rows == 4 ? 4 : 1;
+        if (c == 4) {
+          switch (m_count) {
+            case 4: bf16_dot_int4<4, 4>(x, k, q, s, o, xs, table, acc); break;
+            case 3: bf16_dot_int4<3, 4>(x, k, q, s, o, xs, table, acc); break;
+            case 2: bf16_dot_int4<2, 4>(x, k, q, s, o, xs, table, acc); break;
+            default: bf16_dot_int4<1, 4>(x, k, q, s, o, xs, table, acc); break;
+          }
+        } else {
+          switch (m_count) {
+            case 4: bf16_dot_int4<4, 1>(x, k, q, s, o, xs, table, acc); break;
+            case 3: bf16_dot_int4<3, 1>(x, k, q, s, o, xs, table, acc); break;
+            case 2: bf16_dot_int4<2, 1>(x, k, q, s, o, xs, table, acc); break;
+            default: bf16_dot_int4<1, 1>(x, k, q, s, o, xs, table, acc); break;
+          }
+        }
+        for (int64_t r = 0; r < m_count; ++r)
+          for (int cc = 0; cc < c; ++cc)
+            y[r * n + row + cc] = static_cast<c10::BFloat16>(acc[r * c + cc] + (bias != nullptr ? bias[row + cc] : 0.f));
+      }
+    }
+  });
+}
+
 template <typename Q>
 void bf16_rows(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, const Q* qs, int64_t row_len,
                const uint16_t* scales, const uint16_t* offsets, const float* bias, c10::BFloat16* y) {
   const int64_t blocks = k / kBlock;
+  if constexpr (std::is_same_v<Q, uint8_t>) {
+    if (m_count <= kMaxRows) return bf16_decode_int4(x, m_count, k, n, qs, scales, offsets, bias, y);
+  }
   if (m_count <= kMaxRows) {
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       float acc[kMaxRows];
