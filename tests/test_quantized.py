@@ -156,10 +156,36 @@ def test_quantization_is_refused_where_it_cannot_run():
     assert for_source("tiny:llama", "float32", "cpu", True, "auto").precision.quantized is False
 
 
+def test_auto_keeps_a_gguf_files_class_where_it_can():
+    """`auto`: SmolLM2's Q4_1 file runs int4 (its class); Gemma 3's "Q4_K_M" file int8 in float32
+    (640 wide rows take no K-quant: most of its linears are Q5_0, its LM head Q8_0); a source that
+    is not GGUF, a CUDA device and transformers' modules stay as they load; no `auto` is refused."""
+    from workers.weights.gguf_blocks import file_class
+    from workers.weights.sources import source_gguf
+
+    assert file_class(source_gguf("smollm2-135m")) == INT4
+    assert file_class(source_gguf("gemma3-270m")) == INT8
+    gemma = for_source("gemma3-270m", "float32", "cpu", True, "auto").precision
+    assert (gemma.quantization, gemma.file_classes) == (INT8, True)
+    auto = for_source("smollm2-135m", "bfloat16", "cpu", True, "auto").precision
+    assert (auto.quantization, auto.file_classes, auto.quantized_key) == (INT4, True, "auto")
+    assert "GGUF file's classes" in auto.describe()
+    explicit = for_source("smollm2-135m", "bfloat16", "cpu", True, "int4").precision
+    assert (explicit.file_classes, explicit.quantized_key) == (False, INT4)
+    # bfloat16 weights: Gemma 3's lean forward runs where they compute in float32 (CPUs without bf16)
+    g16 = for_source("gemma3-270m", "bfloat16", "cpu", True, "auto")
+    assert g16.precision.quantized == g16.lean == (g16.precision.compute == torch.float32)
+    for source, dtype, device, prepack in [("tiny:llama", "float32", "cpu", True),
+                                           ("smollm2-135m", "bfloat16", "cpu", False),
+                                           ("smollm2-135m", "bfloat16", "cuda:0", True)]:
+        assert not for_source(source, dtype, device, prepack, "auto").precision.quantized, source
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_blocks_kept_and_greedy_equals_transformers_float32():
     """SmolLM2's Q4_1 file: every linear (and the Q8_0 LM head) kept as the file's blocks, and in
-    float32 the engine's greedy tokens equal transformers' on the file (which dequantizes it)."""
+    float32 the engine's greedy tokens equal transformers' on the file (which dequantizes it), with
+    `quantization: auto` (the default) as with int4."""
     from workers.models import load_model
     from workers.weights.gguf_blocks import gguf_blocks
     from workers.weights.sources import source_gguf
@@ -168,10 +194,15 @@ def test_smollm2_gguf_blocks_kept_and_greedy_equals_transformers_float32():
     blocks = gguf_blocks(source_gguf("smollm2-135m"), lm.model)
     assert len(blocks) == 30 * 7 + 1 and blocks["lm_head"].kind == INT8
     assert {b.kind for name, b in blocks.items() if name != "lm_head"} == {INT4}
-    eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=128, quantization="int4"))
     prompt = lm.tokenizer("The quick brown fox jumps over the lazy dog. Once upon a time").input_ids
-    out = eng.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
-    assert out.outputs[0].token_ids == hf_greedy(lm.model, prompt, 24)
+    want = hf_greedy(lm.model, prompt, 24)
+    for quantization in ("auto", "int4"):
+        eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=128, quantization=quantization))
+        assert eng.platform.precision.quantization == INT4
+        assert all(lin.quant is not None for lin in eng.runner.lean._keyed.values())
+        out = eng.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+        assert out.outputs[0].token_ids == want, quantization
+        eng.close()
 
 
 TEXT = ("The history of the city begins with a small settlement on the river, where traders stopped to "
