@@ -118,10 +118,11 @@ MODEL_KEYS: tuple[Key, ...] = (
         "Q4_1, Q5_0 and Q8_0 tensors are kept as they are (the file's own values, as transformers "
         "dequantizes them); other weights are quantized afresh to the kind named (int8 as Q8_0, int4 as "
         "Q4_1; the LM head stays int8). Copies that share their weights map one file of them. `auto`: "
-        "a quantized GGUF file keeps its classes (each linear as its tensor: 4 bits or fewer as int4, "
-        "5 to 8 bits as int8), where the lean forward runs it; any other source is `none`. SmolLM2's "
-        "Q4_1 file: one stream about 2x faster than bfloat16, 0.36x its linears' bytes, batches within "
-        "a few percent of bfloat16's (docs/benchmarks.md)",
+        "a GGUF file keeps its class where the lean forward runs it: the linears whose tensors are "
+        "Q4_0, Q4_1 (int4), Q5_0 or Q8_0 (int8) run as the file's own blocks, the rest (K-quants, "
+        "16-bit) as loaded; any other source is `none`. SmolLM2's Q4_1 file: one stream about 2.5x "
+        "faster than bfloat16, 0.36x its linears' bytes, a batched workload about 0.92-0.96x "
+        "bfloat16's (docs/benchmarks.md)",
         lambda x: x in ("auto", "none", "int8", "int4")),
     Key("compile", "auto", "`auto`, `true`, `false`",
         "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "
