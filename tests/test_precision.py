@@ -160,7 +160,8 @@ def test_smollm2_in_bfloat16_without_bf16_arithmetic_equals_transformers_on_its_
     if cpu_capability().onednn_bf16:
         pytest.skip("oneDNN has a bf16 path here: bfloat16 computes in bfloat16 (tests/test_lean.py's bf16 tests)")
     lm = load_model("smollm2-135m", dtype="bfloat16")
-    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96))
+    # the 16-bit linears (`quantization: auto` would run the file's int4 blocks: tests/test_quantized.py)
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=96, quantization="none"))
     assert eng.precision == Precision(torch.bfloat16, torch.float32, FP16)
     reference = copy.deepcopy(lm.model).float()
     for m in reference.modules():
