@@ -51,8 +51,9 @@ class Precision:
     # "int8" or "int4": the lean forward's linears read weight-only quantized blocks (a GGUF file's
     # own where it has them) and multiply them in float32, whatever `linears` says; "none": not
     quantization: str = NO_QUANTIZATION
-    # `quantization: auto` on a quantized GGUF file: each linear runs as its own tensor's class
-    # (workers.weights.gguf_blocks.type_class); `quantization` is then the class of most of them
+    # `quantization: auto` on a GGUF file of kept blocks: only linears whose every part is one of the
+    # file's kept blocks run quantized, the rest as loaded; `quantization` is the kind of most of
+    # the layers' linears (workers.weights.gguf_blocks.file_class)
     file_classes: bool = False
 
     @property

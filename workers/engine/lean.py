@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
-from workers.engine.linears import Linear, fused, quantized
+from workers.engine.linears import Linear, all_kept, fused, quantized
 from workers.precision import Precision
 from workers.quantized import INT8, QuantizedWeight
 
@@ -129,8 +129,7 @@ class LeanLlama:
         key = "+".join(self._names[id(m)] for m in modules)
         # `quantization: auto` quantizes only what the file holds as kept blocks, of one kind: the
         # file's own values; the rest runs as loaded
-        exact = not prec.file_classes or key in self._fused or (
-            all(id(m) in self._blocks for m in modules) and len({self._blocks[id(m)].kind for m in modules}) == 1)
+        exact = not prec.file_classes or key in self._fused or all_kept(modules, self._blocks)
         if prec.quantized and exact:
             kind = INT8 if head else prec.quantization
             lin = quantized(modules, kind, self._blocks, self.compute, self.norms, prec.linears, self._fused.get(key))

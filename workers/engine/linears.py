@@ -120,6 +120,13 @@ def fused(modules: list[torch.nn.Linear], kind: str | bool, compute: torch.dtype
     return Linear(weight, bias, kind, own, compute)
 
 
+def all_kept(modules: list[torch.nn.Linear], blocks: dict[int, QuantizedWeight]) -> bool:
+    """Every module has a GGUF file's own blocks in `blocks` (by id), all of one kind: they fuse as
+    they are."""
+    kept = [blocks.get(id(m)) for m in modules]
+    return all(k is not None for k in kept) and len({k.kind for k in kept}) == 1
+
+
 def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, QuantizedWeight], compute: torch.dtype,
               kernels, dense: str, built: QuantizedWeight | None = None) -> Linear:
     """One weight-only quantized Linear computing the outputs of `modules` side by side. `built`:
@@ -128,13 +135,13 @@ def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, Quant
     quantized afresh to `kind`, or to int8 where a part's blocks are int8 (the wider of its parts':
     a Q4_K file's q and k beside its Q6_K v)."""
     kept = [blocks.get(id(m)) for m in modules]
-    kinds = {k.kind for k in kept if k is not None}
     if built is not None:
         qw = built
-    elif all(k is not None for k in kept) and len(kinds) == 1:
+    elif all_kept(modules, blocks):
         qw = concat(kept) if len(kept) > 1 else kept[0]
     else:
-        qw = quantize(torch.cat([m.weight.detach() for m in modules]), INT8 if INT8 in kinds else kind)
+        wider = any(k is not None and k.kind == INT8 for k in kept)
+        qw = quantize(torch.cat([m.weight.detach() for m in modules]), INT8 if wider else kind)
     biases = [m.bias for m in modules]
     bias = None
     if any(b is not None for b in biases):

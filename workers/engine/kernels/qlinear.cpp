@@ -11,13 +11,14 @@
 // Paths, chosen by the build's target (the CPU level, workers.capability):
 // - bfloat16 activations on AVX512-BF16: each block's float32 values are rounded to bfloat16 (the
 //   dense bfloat16 model's weights, as transformers loads them) and multiplied in pairs into float32
-//   by vdpbf16ps;
+//   by vdpbf16ps (int4 at up to four rows: the exact values, bf16_dot_int4);
 // - float32 activations (and float16) on AVX-512, or on AVX2 with FMA and F16C: float32 values,
 //   float32 products;
 // - elsewhere, plain loops the compiler vectorizes.
-// Up to four input rows (a decode step of a few streams) widen each block in registers as they
-// read it, so each weight byte is read once; more rows (a batch, a prompt) widen four output rows
-// at a time into a buffer that stays in L1 and multiply tiles of input rows by them in registers.
+// Up to four input rows (a decode step of a few streams) read each weight byte once, in registers;
+// more rows (a batch) widen four output rows at a time into a buffer that stays in L1 and multiply
+// tiles of input rows by them in registers; from 96 rows (a prompt's chunk) ATen's GEMM multiplies
+// the widened weights (panels).
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
@@ -354,18 +355,13 @@ inline void widen_row_bf16(const Q* q, const uint16_t* s, const uint16_t* o, int
   }
 }
 
-// up to four input rows against one output row, its blocks widened in registers
-template <int R, typename Q>
-inline void bf16_dot(const c10::BFloat16* x, int64_t k, const Q* q, const uint16_t* s, const uint16_t* o, float* y) {
+// up to four input rows against one output row of int8 blocks, widened in registers
+template <int R>
+inline void bf16_dot_int8(const c10::BFloat16* x, int64_t k, const int8_t* q, const uint16_t* s, float* y) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    __m512bh w;
-    if constexpr (std::is_same_v<Q, uint8_t>) {
-      w = widen_block_bf16_int4(q + b * (kBlock / 2), half_bits(s[b]), half_bits(o[b]));
-    } else {
-      w = widen_block_bf16_int8(q + b * kBlock, half_bits(s[b]));
-    }
+    const __m512bh w = widen_block_bf16_int8(q + b * kBlock, half_bits(s[b]));
     for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load_bf16x32(x + r * k + b * kBlock), w);
   }
   for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
@@ -495,42 +491,39 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t k, const c10::BFloat16* w,
   }
 }
 
-// up to four input rows against int4 blocks (bf16_dot_int4), every output row
+// bf16_dot_int4 for C output rows from `row`, with the step's m_count input rows (1 to 4)
+template <int C>
+inline void int4_rows(int64_t m_count, const c10::BFloat16* x, int64_t k, const uint8_t* q, const uint16_t* s,
+                      const uint16_t* o, const float* xsum, const __m256i table, float* acc) {
+  switch (m_count) {
+    case 4: bf16_dot_int4<4, C>(x, k, q, s, o, xsum, table, acc); break;
+    case 3: bf16_dot_int4<3, C>(x, k, q, s, o, xsum, table, acc); break;
+    case 2: bf16_dot_int4<2, C>(x, k, q, s, o, xsum, table, acc); break;
+    default: bf16_dot_int4<1, C>(x, k, q, s, o, xsum, table, acc); break;
+  }
+}
+
+// up to four input rows against int4 blocks, every output row: four a pass, the rest of an output
+// count that is no multiple of 4 one by one
 inline void bf16_decode_int4(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, const uint8_t* qs,
                              const uint16_t* scales, const uint16_t* offsets, const float* bias, c10::BFloat16* y) {
   const int64_t blocks = k / kBlock;
   const std::vector<float> xsum = block_sums(x, m_count, k);
   const __m256i table = nibble_table();
-  // groups of four output rows (the last group of an output count that is no multiple of 4: one by one)
   at::parallel_for(0, (n + 3) / 4, 4, [&](int64_t begin, int64_t end) {
     float acc[kMaxRows * 4];
     for (int64_t g = begin; g < end; ++g) {
-      const int64_t row0 = g * 4, rows = std::min<int64_t>(4, n - row0);
-      for (int64_t i = 0; i < rows; i += (rows == 4 ? 4 : 1)) {
-        const int64_t row = row0 + i;
+      const int64_t row0 = g * 4, c = std::min<int64_t>(4, n - row0) == 4 ? 4 : 1;
+      for (int64_t row = row0; row < std::min(row0 + 4, n); row += c) {
         const uint8_t* q = qs + row * (k / 2);
-        const uint16_t* s = scales + row * blocks;
-        const uint16_t* o = offsets + row * blocks;
-        const float* xs = xsum.data();
-        const int c = rows == 4 ? 4 : 1;
         if (c == 4) {
-          switch (m_count) {
-            case 4: bf16_dot_int4<4, 4>(x, k, q, s, o, xs, table, acc); break;
-            case 3: bf16_dot_int4<3, 4>(x, k, q, s, o, xs, table, acc); break;
-            case 2: bf16_dot_int4<2, 4>(x, k, q, s, o, xs, table, acc); break;
-            default: bf16_dot_int4<1, 4>(x, k, q, s, o, xs, table, acc); break;
-          }
+          int4_rows<4>(m_count, x, k, q, scales + row * blocks, offsets + row * blocks, xsum.data(), table, acc);
         } else {
-          switch (m_count) {
-            case 4: bf16_dot_int4<4, 1>(x, k, q, s, o, xs, table, acc); break;
-            case 3: bf16_dot_int4<3, 1>(x, k, q, s, o, xs, table, acc); break;
-            case 2: bf16_dot_int4<2, 1>(x, k, q, s, o, xs, table, acc); break;
-            default: bf16_dot_int4<1, 1>(x, k, q, s, o, xs, table, acc); break;
-          }
+          int4_rows<1>(m_count, x, k, q, scales + row * blocks, offsets + row * blocks, xsum.data(), table, acc);
         }
         for (int64_t r = 0; r < m_count; ++r)
-          for (int cc = 0; cc < c; ++cc)
-            y[r * n + row + cc] = static_cast<c10::BFloat16>(acc[r * c + cc] + (bias != nullptr ? bias[row + cc] : 0.f));
+          for (int64_t i = 0; i < c; ++i)
+            y[r * n + row + i] = static_cast<c10::BFloat16>(acc[r * c + i] + (bias != nullptr ? bias[row + i] : 0.f));
       }
     }
   });
@@ -540,26 +533,26 @@ template <typename Q>
 void bf16_rows(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, const Q* qs, int64_t row_len,
                const uint16_t* scales, const uint16_t* offsets, const float* bias, c10::BFloat16* y) {
   const int64_t blocks = k / kBlock;
-  if constexpr (std::is_same_v<Q, uint8_t>) {
-    if (m_count <= kMaxRows) return bf16_decode_int4(x, m_count, k, n, qs, scales, offsets, bias, y);
-  }
   if (m_count <= kMaxRows) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      float acc[kMaxRows];
-      for (int64_t row = begin; row < end; ++row) {
-        const Q* q = qs + row * row_len;
-        const uint16_t* s = scales + row * blocks;
-        const uint16_t* o = offsets != nullptr ? offsets + row * blocks : nullptr;
-        switch (m_count) {
-          case 4: bf16_dot<4>(x, k, q, s, o, acc); break;
-          case 3: bf16_dot<3>(x, k, q, s, o, acc); break;
-          case 2: bf16_dot<2>(x, k, q, s, o, acc); break;
-          default: bf16_dot<1>(x, k, q, s, o, acc); break;
+    if constexpr (std::is_same_v<Q, uint8_t>) {
+      bf16_decode_int4(x, m_count, k, n, qs, scales, offsets, bias, y);
+    } else {
+      at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+        float acc[kMaxRows];
+        for (int64_t row = begin; row < end; ++row) {
+          const Q* q = qs + row * row_len;
+          const uint16_t* s = scales + row * blocks;
+          switch (m_count) {
+            case 4: bf16_dot_int8<4>(x, k, q, s, acc); break;
+            case 3: bf16_dot_int8<3>(x, k, q, s, acc); break;
+            case 2: bf16_dot_int8<2>(x, k, q, s, acc); break;
+            default: bf16_dot_int8<1>(x, k, q, s, acc); break;
+          }
+          for (int64_t r = 0; r < m_count; ++r)
+            y[r * n + row] = static_cast<c10::BFloat16>(acc[r] + (bias != nullptr ? bias[row] : 0.f));
         }
-        for (int64_t r = 0; r < m_count; ++r)
-          y[r * n + row] = static_cast<c10::BFloat16>(acc[r] + (bias != nullptr ? bias[row] : 0.f));
-      }
-    });
+      });
+    }
     return;
   }
   at::parallel_for(0, (n + kRows - 1) / kRows, 2, [&](int64_t begin, int64_t end) {
@@ -717,17 +710,15 @@ template <typename Q>
 at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias, const Q* q, int64_t row_len,
                      const uint16_t* s, const uint16_t* o) {
   const at::Tensor xc = x.contiguous();
-  at::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    bf = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bf.numel() == n, "qlinear: bias must have ", n, " values");
-  }
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == n, "qlinear: bias must have ", n, " values");
   if (xc.size(0) >= kPanelRows) {
     const int64_t k = xc.size(1), blocks = k / kBlock;
-    return panels<c10::BFloat16>(xc, n, bf.defined() ? bf.to(at::kBFloat16) : bf, [=](int64_t row, c10::BFloat16* w) {
+    return panels<c10::BFloat16>(xc, n, has_bias ? bias->to(at::kBFloat16) : at::Tensor(), [=](int64_t row, c10::BFloat16* w) {
       widen_row_bf16(q + row * row_len, s + row * blocks, o != nullptr ? o + row * blocks : nullptr, k, w);
     });
   }
+  const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y = at::empty({xc.size(0), n}, xc.options());
   bf16_rows(xc.data_ptr<c10::BFloat16>(), xc.size(0), xc.size(1), n, q, row_len, s, o,
             bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<c10::BFloat16>());
