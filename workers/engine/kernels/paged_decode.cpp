@@ -100,26 +100,41 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* blocks, const i
 }
 
 #if defined(MMFUSION_BF16_DOT) || defined(MMFUSION_F32_AVX2)
-// The blocks are anywhere in the pool, so the hardware prefetcher cannot follow them: the vector
-// paths ask for the keys and values `ahead` blocks past block b of work item `item` while they
-// compute it. That is the row's own block, or past its last one the next item's first ones.
-// Returns its element offset in the caches, or -1 when there is none.
+// A work item is a row's KV heads [kh0, kh0 + span): all of them when the step has rows enough to
+// keep every thread busy, so each block's keys (and values) are read as one contiguous run, which
+// the hardware prefetcher follows; one each when it has few rows, so a long single stream's
+// attention still spreads over the threads.
+inline int64_t heads_per_item(int64_t rows, int64_t kvh) {
+  return rows >= 2 * static_cast<int64_t>(at::get_num_threads()) ? kvh : 1;
+}
+
+// The blocks are anywhere in the pool, so the hardware prefetcher cannot follow them from one to
+// the next: the vector paths ask for the keys and values `ahead` blocks past block b of work item
+// `item` while they compute it. That is the row's own block, or past its last one the next item's
+// first ones. Returns the element offset in the caches of the item's heads in that block, or -1
+// when there is none.
 inline int64_t prefetch_offset(const int64_t* blocks, const int64_t* spans, int64_t item, int64_t end, int64_t b,
-                               int64_t ahead, int64_t kvh, int64_t bs, int64_t d) {
-  const int64_t r = item / kvh, kh = item % kvh;
+                               int64_t ahead, int64_t kvh, int64_t span, int64_t bs, int64_t d) {
+  const int64_t per_row = kvh / span;
+  const int64_t r = item / per_row, kh = item % per_row * span;
   const int64_t first = spans[r * 4], hi = spans[r * 4 + 3];
   if ((b + ahead) * bs < hi) return (blocks[first + b + ahead] * kvh + kh) * bs * d;
   if (item + 1 >= end) return -1;
-  const int64_t r2 = (item + 1) / kvh, kh2 = (item + 1) % kvh;
+  const int64_t r2 = (item + 1) / per_row, kh2 = (item + 1) % per_row * span;
   const int64_t b2 = spans[r2 * 4 + 2] / bs + (b + ahead) - (hi - 1) / bs - 1;
   return b2 * bs < spans[r2 * 4 + 3] ? (blocks[spans[r2 * 4] + b2] * kvh + kh2) * bs * d : -1;
 }
 
+// How far ahead the vector paths ask for blocks, and into L2 (T1): a request into L1 for a
+// block's every line at once filled the core's miss buffers and stalled it; asked a KV head's
+// part at a time, two blocks ahead, a step's attention ran 1.5x as fast from memory.
+constexpr int64_t PREFETCH = 2;
+
 // one block's keys and values (`bytes` each) into the cache, a line at a time
 inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
   for (int64_t x = 0; x < bytes; x += 64) {
-    _mm_prefetch(static_cast<const char*>(k) + x, _MM_HINT_T0);
-    _mm_prefetch(static_cast<const char*>(v) + x, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(k) + x, _MM_HINT_T1);
+    _mm_prefetch(static_cast<const char*>(v) + x, _MM_HINT_T1);
   }
 }
 #endif
@@ -132,7 +147,25 @@ inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
 // reductions per head and tile. The values are widened to float32 once per tile for all the heads
 // of the group. Sums in float32, as the generic path.
 constexpr int64_t CHUNK = 16;
-constexpr int64_t PREFETCH = 1;  // blocks ahead
+
+// acc[h] = acc[h] * corr[h] + sum over the tile's n positions t of p[h][t] * v[t], for H heads (sums
+// [H][D] one after another, weights CHUNK a head): each position's values are loaded once for the H
+// heads, whose sums stay in registers; the order of the sums is a single head's
+template <int D, int H>
+inline void weigh_values(const float* vf, int n, const float* p, const float* corr, float* acc) {
+  constexpr int OV = D / 16;
+  __m512 o[H][OV];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < OV; ++c) o[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * c), _mm512_set1_ps(corr[h]));
+  for (int t = 0; t < n; ++t) {
+    for (int c = 0; c < OV; ++c) {
+      const __m512 v = _mm512_load_ps(vf + t * D + 16 * c);
+      for (int h = 0; h < H; ++h) o[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * CHUNK + t]), v, o[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < OV; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, o[h][c]);
+}
 
 template <int D>
 void decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFloat16* vc,
@@ -140,18 +173,21 @@ void decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFl
                        int64_t kvh, int64_t bs, float scale) {
   constexpr int QP = D / 2, OV = D / 16;
   const int64_t g = heads / kvh;
-  at::parallel_for(0, rows * kvh, 1, [&](int64_t begin, int64_t end) {
+  const int64_t span = heads_per_item(rows, kvh), per_row = kvh / span, hg = span * g;
+  at::parallel_for(0, rows * per_row, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float vf[CHUNK * D];
-    alignas(64) float pj[CHUNK];
+    std::vector<float> pjv(g * CHUNK), cjv(g);
+    float* pj = pjv.data();  // the tile's weights, CHUNK a head of the group
+    float* cj = cjv.data();  // each head's rescale of its earlier sums
     alignas(64) __m512i kt[QP];  // kt[p]: pair p of the tile's positions
-    std::vector<uint32_t> qb(g * QP);
-    std::vector<float> acc(g * D), m(g), l(g);
+    std::vector<uint32_t> qb(hg * QP);
+    std::vector<float> acc(hg * D), m(hg), l(hg);
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kvh, kh = item % kvh;
+      const int64_t r = item / per_row, kh0 = item % per_row * span;
       const int64_t first = spans[r * 4], lo = spans[r * 4 + 2], hi = spans[r * 4 + 3];
-      for (int64_t j = 0; j < g; ++j) {
-        const uint32_t* qh = reinterpret_cast<const uint32_t*>(q + (r * heads + kh * g + j) * D);
+      for (int64_t j = 0; j < hg; ++j) {
+        const uint32_t* qh = reinterpret_cast<const uint32_t*>(q + (r * heads + kh0 * g + j) * D);
         std::copy(qh, qh + QP, qb.data() + j * QP);
         m[j] = -std::numeric_limits<float>::infinity();
         l[j] = 0.f;
@@ -160,55 +196,65 @@ void decode_bf16(const c10::BFloat16* q, const c10::BFloat16* kc, const c10::BFl
       for (int64_t b = lo / bs; b * bs < hi; ++b) {
         const int64_t blk = blocks[first + b];
         const int64_t b0 = std::max(lo - b * bs, int64_t(0)), b1 = std::min(hi - b * bs, bs);
-        const c10::BFloat16* kb = kc + (blk * kvh + kh) * bs * D;
-        const c10::BFloat16* vb = vc + (blk * kvh + kh) * bs * D;
-        const int64_t ahead = prefetch_offset(blocks, spans, item, end, b, PREFETCH, kvh, bs, D);
-        if (ahead >= 0) prefetch_block(kc + ahead, vc + ahead, bs * D * sizeof(c10::BFloat16));
-        for (int64_t t0 = b0; t0 < b1; t0 += CHUNK) {
-          const int n = static_cast<int>(std::min(CHUNK, b1 - t0));
-          const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-          for (int c = 0; c < QP / 16; ++c) {
-            __m512i rr[16];
-            for (int t = 0; t < 16; ++t)
-              rr[t] = t < n ? _mm512_loadu_si512(kb + (t0 + t) * D + 32 * c) : _mm512_setzero_si512();
-            mmfusion::transpose16(rr);
-            for (int i = 0; i < 16; ++i) kt[16 * c + i] = rr[i];
-          }
-          for (int64_t t = 0; t < n; ++t) {
-            const __m256i* vt = reinterpret_cast<const __m256i*>(vb + (t0 + t) * D);
-            for (int c = 0; c < OV; ++c)
-              _mm512_store_ps(vf + t * D + 16 * c, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(vt + c)));
-          }
-          for (int64_t j = 0; j < g; ++j) {
-            const uint32_t* qj = qb.data() + j * QP;
-            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;  // four chains of the dot products
-            for (int p = 0; p < QP; p += 4) {
-              s0 = _mm512_dpbf16_ps(s0, (__m512bh)kt[p], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p])));
-              s1 = _mm512_dpbf16_ps(s1, (__m512bh)kt[p + 1], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 1])));
-              s2 = _mm512_dpbf16_ps(s2, (__m512bh)kt[p + 2], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 2])));
-              s3 = _mm512_dpbf16_ps(s3, (__m512bh)kt[p + 3], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 3])));
+        const int64_t ahead = prefetch_offset(blocks, spans, item, end, b, PREFETCH, kvh, span, bs, D);
+        for (int64_t kh = 0; kh < span; ++kh) {
+          if (ahead >= 0) prefetch_block(kc + ahead + kh * bs * D, vc + ahead + kh * bs * D, bs * D * sizeof(c10::BFloat16));
+          const c10::BFloat16* kb = kc + (blk * kvh + kh0 + kh) * bs * D;
+          const c10::BFloat16* vb = vc + (blk * kvh + kh0 + kh) * bs * D;
+          for (int64_t t0 = b0; t0 < b1; t0 += CHUNK) {
+            const int n = static_cast<int>(std::min(CHUNK, b1 - t0));
+            const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+            for (int c = 0; c < QP / 16; ++c) {
+              __m512i rr[16];
+              for (int t = 0; t < 16; ++t)
+                rr[t] = t < n ? _mm512_loadu_si512(kb + (t0 + t) * D + 32 * c) : _mm512_setzero_si512();
+              mmfusion::transpose16(rr);
+              for (int i = 0; i < 16; ++i) kt[16 * c + i] = rr[i];
             }
-            const __m512 sc = _mm512_mask_mul_ps(ninf, live, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)),
-                                                 vscale);
-            const float mb = std::max(m[j], _mm512_reduce_max_ps(sc));
-            const float corr = std::exp(m[j] - mb);  // 0 on the first tile (m = -inf)
-            const __m512 e = _mm512_maskz_mov_ps(live, mmfusion::exp_neg(_mm512_sub_ps(sc, _mm512_set1_ps(mb))));
-            l[j] = l[j] * corr + _mm512_reduce_add_ps(e);
-            m[j] = mb;
-            _mm512_store_ps(pj, e);
-            __m512 o[OV];
-            const __m512 cv = _mm512_set1_ps(corr);
-            for (int c = 0; c < OV; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc.data() + j * D + 16 * c), cv);
-            for (int t = 0; t < n; ++t) {
-              const __m512 pt = _mm512_set1_ps(pj[t]);
-              for (int c = 0; c < OV; ++c) o[c] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf + t * D + 16 * c), o[c]);
+            for (int64_t t = 0; t < n; ++t) {
+              const __m256i* vt = reinterpret_cast<const __m256i*>(vb + (t0 + t) * D);
+              for (int c = 0; c < OV; ++c)
+                _mm512_store_ps(vf + t * D + 16 * c, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(vt + c)));
             }
-            for (int c = 0; c < OV; ++c) _mm512_storeu_ps(acc.data() + j * D + 16 * c, o[c]);
-          }
+            for (int64_t j = kh * g; j < (kh + 1) * g; ++j) {
+              const uint32_t* qj = qb.data() + j * QP;
+              __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;  // four chains of the dot products
+              for (int p = 0; p < QP; p += 4) {
+                s0 = _mm512_dpbf16_ps(s0, (__m512bh)kt[p], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p])));
+                s1 = _mm512_dpbf16_ps(s1, (__m512bh)kt[p + 1], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 1])));
+                s2 = _mm512_dpbf16_ps(s2, (__m512bh)kt[p + 2], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 2])));
+                s3 = _mm512_dpbf16_ps(s3, (__m512bh)kt[p + 3], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 3])));
+              }
+              const __m512 sc = _mm512_mask_mul_ps(ninf, live, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)),
+                                                   vscale);
+              const float mb = std::max(m[j], _mm512_reduce_max_ps(sc));
+              const float corr = std::exp(m[j] - mb);  // 0 on the first tile (m = -inf)
+              const __m512 e = _mm512_maskz_mov_ps(live, mmfusion::exp_neg(_mm512_sub_ps(sc, _mm512_set1_ps(mb))));
+              l[j] = l[j] * corr + _mm512_reduce_add_ps(e);
+              m[j] = mb;
+              _mm512_storeu_ps(pj + (j - kh * g) * CHUNK, e);
+              cj[j - kh * g] = corr;
+            }
+            // the values once for the group's heads, a few heads' sums in registers a pass
+            for (int64_t j = 0; j < g;) {
+              float* a = acc.data() + (kh * g + j) * D;
+              const int64_t left = g - j;
+              if (left >= 3 && 3 * OV <= 12) {
+                weigh_values<D, 3>(vf, n, pj + j * CHUNK, cj + j, a);
+                j += 3;
+              } else if (left >= 2 && 2 * OV <= 16) {
+                weigh_values<D, 2>(vf, n, pj + j * CHUNK, cj + j, a);
+                j += 2;
+              } else {
+                weigh_values<D, 1>(vf, n, pj + j * CHUNK, cj + j, a);
+                j += 1;
+              }
+            }
+        }
         }
       }
-      for (int64_t j = 0; j < g; ++j) {
-        c10::BFloat16* o = out + (r * heads + kh * g + j) * D;
+      for (int64_t j = 0; j < hg; ++j) {
+        c10::BFloat16* o = out + (r * heads + kh0 * g + j) * D;
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
         for (int64_t i = 0; i < D; ++i) o[i] = static_cast<c10::BFloat16>(acc[j * D + i] * inv);
       }
@@ -242,16 +288,17 @@ void decode_f32_avx2(const float* q, const float* kc, const float* vc, const int
   constexpr int V = D / 8;
   constexpr int64_t TILE = 8;
   const int64_t g = heads / kvh;
-  at::parallel_for(0, rows * kvh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(g * D), acc(g * D), m(g), l(g);
+  const int64_t span = heads_per_item(rows, kvh), per_row = kvh / span, hg = span * g;
+  at::parallel_for(0, rows * per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(hg * D), acc(hg * D), m(hg), l(hg);
     alignas(32) float pj[TILE];
     const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / kvh, kh = item % kvh;
+      const int64_t r = item / per_row, kh0 = item % per_row * span;
       const int64_t first = spans[r * 4], lo = spans[r * 4 + 2], hi = spans[r * 4 + 3];
-      for (int64_t j = 0; j < g; ++j) {
-        const float* qh = q + (r * heads + kh * g + j) * D;
+      for (int64_t j = 0; j < hg; ++j) {
+        const float* qh = q + (r * heads + kh0 * g + j) * D;
         for (int i = 0; i < D; ++i) qs[j * D + i] = qh[i] * scale;
         m[j] = -std::numeric_limits<float>::infinity();
         l[j] = 0.f;
@@ -260,45 +307,47 @@ void decode_f32_avx2(const float* q, const float* kc, const float* vc, const int
       for (int64_t b = lo / bs; b * bs < hi; ++b) {
         const int64_t blk = blocks[first + b];
         const int64_t b0 = std::max(lo - b * bs, int64_t(0)), b1 = std::min(hi - b * bs, bs);
-        const float* kb = kc + (blk * kvh + kh) * bs * D;
-        const float* vb = vc + (blk * kvh + kh) * bs * D;
-        const int64_t ahead = prefetch_offset(blocks, spans, item, end, b, 1, kvh, bs, D);
-        if (ahead >= 0) prefetch_block(kc + ahead, vc + ahead, bs * D * sizeof(float));
-        for (int64_t t0 = b0; t0 < b1; t0 += TILE) {
-          const int n = static_cast<int>(std::min(TILE, b1 - t0));
-          const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
-          for (int64_t j = 0; j < g; ++j) {
-            const float* qj = qs.data() + j * D;
-            __m256 a[TILE];
-            for (int t = 0; t < TILE; ++t) a[t] = _mm256_setzero_ps();
-            for (int t = 0; t < n; ++t) {
-              const float* kt = kb + (t0 + t) * D;
-              __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(kt));
-              for (int c = 1; c < V; ++c) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * c), _mm256_loadu_ps(kt + 8 * c), s0);
-              a[t] = s0;
+        const int64_t ahead = prefetch_offset(blocks, spans, item, end, b, PREFETCH, kvh, span, bs, D);
+        for (int64_t kh = 0; kh < span; ++kh) {
+          if (ahead >= 0) prefetch_block(kc + ahead + kh * bs * D, vc + ahead + kh * bs * D, bs * D * sizeof(float));
+          const float* kb = kc + (blk * kvh + kh0 + kh) * bs * D;
+          const float* vb = vc + (blk * kvh + kh0 + kh) * bs * D;
+          for (int64_t t0 = b0; t0 < b1; t0 += TILE) {
+            const int n = static_cast<int>(std::min(TILE, b1 - t0));
+            const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+            for (int64_t j = kh * g; j < (kh + 1) * g; ++j) {
+              const float* qj = qs.data() + j * D;
+              __m256 a[TILE];
+              for (int t = 0; t < TILE; ++t) a[t] = _mm256_setzero_ps();
+              for (int t = 0; t < n; ++t) {
+                const float* kt = kb + (t0 + t) * D;
+                __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(qj), _mm256_loadu_ps(kt));
+                for (int c = 1; c < V; ++c) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qj + 8 * c), _mm256_loadu_ps(kt + 8 * c), s0);
+                a[t] = s0;
+              }
+              const __m256 sc = _mm256_blendv_ps(ninf, mmfusion::hsum8x8(a), live);
+              const float mb = std::max(m[j], mmfusion::hmax8(sc));
+              const float corr = std::exp(m[j] - mb);  // 0 on the first tile (m = -inf)
+              const __m256 e = _mm256_and_ps(mmfusion::exp_neg8(_mm256_sub_ps(sc, _mm256_set1_ps(mb))), live);
+              l[j] = l[j] * corr + mmfusion::hadd8(e);
+              m[j] = mb;
+              _mm256_store_ps(pj, e);
+              float* aj = acc.data() + j * D;
+              __m256 o[V];
+              const __m256 cv = _mm256_set1_ps(corr);
+              for (int c = 0; c < V; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * c), cv);
+              for (int t = 0; t < n; ++t) {
+                const __m256 pt = _mm256_set1_ps(pj[t]);
+                const float* vt = vb + (t0 + t) * D;
+                for (int c = 0; c < V; ++c) o[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * c), o[c]);
+              }
+              for (int c = 0; c < V; ++c) _mm256_storeu_ps(aj + 8 * c, o[c]);
             }
-            const __m256 sc = _mm256_blendv_ps(ninf, mmfusion::hsum8x8(a), live);
-            const float mb = std::max(m[j], mmfusion::hmax8(sc));
-            const float corr = std::exp(m[j] - mb);  // 0 on the first tile (m = -inf)
-            const __m256 e = _mm256_and_ps(mmfusion::exp_neg8(_mm256_sub_ps(sc, _mm256_set1_ps(mb))), live);
-            l[j] = l[j] * corr + mmfusion::hadd8(e);
-            m[j] = mb;
-            _mm256_store_ps(pj, e);
-            float* aj = acc.data() + j * D;
-            __m256 o[V];
-            const __m256 cv = _mm256_set1_ps(corr);
-            for (int c = 0; c < V; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(aj + 8 * c), cv);
-            for (int t = 0; t < n; ++t) {
-              const __m256 pt = _mm256_set1_ps(pj[t]);
-              const float* vt = vb + (t0 + t) * D;
-              for (int c = 0; c < V; ++c) o[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * c), o[c]);
-            }
-            for (int c = 0; c < V; ++c) _mm256_storeu_ps(aj + 8 * c, o[c]);
-          }
+        }
         }
       }
-      for (int64_t j = 0; j < g; ++j) {
-        float* o = out + (r * heads + kh * g + j) * D;
+      for (int64_t j = 0; j < hg; ++j) {
+        float* o = out + (r * heads + kh0 * g + j) * D;
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
         for (int i = 0; i < D; ++i) o[i] = acc[j * D + i] * inv;
       }
