@@ -31,22 +31,25 @@ def _call(qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> to
 @needs_kernels
 @pytest.mark.parametrize("kind", [INT4, INT8])
 @pytest.mark.parametrize("k", [32, 96, 576])
-def test_kernel_equals_its_float32_reference(kind, k):
-    """No rows (a prompt's chunk that keeps no logits), rows 1 to 9 (the four-row passes and their remainders) and 96 and 101 (a prompt's chunk, through
-    the GEMM on widened weights), an output count that is no multiple of anything, a bias, and float32, bfloat16
-    and float16 activations: the float32 product of the activations with the blocks' values, rounded
-    once to the activations' dtype."""
+@pytest.mark.parametrize("n", [37, 80])
+def test_kernel_equals_its_float32_reference(kind, k, n):
+    """No rows (a prompt's chunk that keeps no logits), rows 1 to 9 (the four-row passes and their
+    remainders), 13 (a batch: tiles of input rows), 30, 96 and 101 (bfloat16: packed strips where
+    the output count is whole vectors, else from 96 rows the GEMM on widened weights); an output
+    count that is no multiple of anything and one of five vectors (strips of 48 and a last one of
+    32), a bias, and float32, bfloat16 and float16 activations: the float32 product of the
+    activations with the blocks' values, rounded once to the activations' dtype."""
     gen = torch.Generator().manual_seed(k)
-    qw = quantize(torch.randn(37, k, generator=gen) * 0.1, kind)
+    qw = quantize(torch.randn(n, k, generator=gen) * 0.1, kind)
     w = qw.dequantize()
-    bias = torch.randn(37, generator=gen)
-    for rows in (0, 1, 2, 3, 4, 5, 8, 9, 96, 101):
+    bias = torch.randn(n, generator=gen)
+    for rows in (0, 1, 2, 3, 4, 5, 8, 9, 13, 30, 96, 101):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.randn(rows, k, generator=gen).to(dtype)
             for b in (None, bias):
                 want = x.float() @ w.T + (0 if b is None else b)
                 got = _call(qw, x, b)
-                assert got.dtype == dtype and got.shape == (rows, 37)
+                assert got.dtype == dtype and got.shape == (rows, n)
                 if not rows:
                     continue
                 scale = want.abs().max().item()
