@@ -16,9 +16,10 @@
 //   float32 products;
 // - elsewhere, plain loops the compiler vectorizes.
 // Up to four input rows (a decode step of a few streams) read each weight byte once, in registers;
-// more rows (a batch) widen four output rows at a time into a buffer that stays in L1 and multiply
-// tiles of input rows by them in registers; from 96 rows (a prompt's chunk) ATen's GEMM multiplies
-// the widened weights (panels).
+// 5 to 23 rows widen four output rows at a time into a buffer that stays in L1 and multiply tiles of
+// input rows by them in registers; from 24 rows (a batch, a prompt's chunk) strips of output rows are
+// widened once into the layout of an outer-product GEMM (bf16_outer, outer_f32), or, where the output
+// rows are no whole vectors, from 96 rows ATen's GEMM multiplies the widened weights (panels).
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
@@ -75,12 +76,12 @@ inline void widen_int8(const int8_t* qs, const uint16_t* scales, int64_t k, floa
 }
 
 // Steps of many rows (a prompt's chunk, a large batch) are bound by arithmetic, not by the bytes of
-// weights. There the weights are widened into the compute dtype, a whole linear at a time (a panel
-// of output rows for an LM head), and multiplied by ATen's GEMM (oneDNN), which runs such shapes near
-// the CPU's peak: 512 rows of SmolLM2's linears take 2-5% longer than the prepacked bfloat16 GEMM,
-// where the tiles below take 15-40% longer (they spend a share of every step on the widening and on
-// the sums across lanes). One GEMM a linear, not a GEMM a slice of it: oneDNN runs smaller ones
-// slower. The widened values are those of the other paths.
+// weights. Where the strips below cannot take them (output rows that are no whole vectors), the
+// weights are widened into the compute dtype, a whole linear at a time (a panel of output rows for
+// an LM head), and multiplied by ATen's GEMM: 512 rows of SmolLM2's linears took 2-5% longer than
+// the prepacked bfloat16 GEMM, where the tiles took 15-40% longer (the strips are 14% faster than
+// that GEMM). One GEMM a linear, not a GEMM a slice of it: oneDNN runs smaller ones slower. The
+// widened values are those of the other paths.
 constexpr int64_t kPanelRows = 96;         // input rows from which the GEMM serves
 constexpr int64_t kPanelBytes = 16 << 20;  // the most widened bytes at once
 
@@ -294,6 +295,149 @@ void tiled_rows_f32(const float* x, int64_t m_count, int64_t k, int64_t n, const
       int64_t m = 0;
       for (; m + R <= m_count; m += R) tile_f32<R>(x + m * k, k, w.data(), bias, n0, n, y + m * n);
       for (; m < m_count; ++m) tile_f32<1>(x + m * k, k, w.data(), bias, n0, n, y + m * n);
+    }
+  });
+}
+#endif
+
+// whether outer_f32 (below, AVX2 and above) takes these rows
+inline bool outer_fits_f32(int64_t rows, int64_t n) {
+#if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
+  return rows >= 24 && n % 16 == 0;
+#else
+  return false;
+#endif
+}
+
+#if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
+// Float32 batches from 24 rows: as bf16_outer below, strips of 16 output rows widened once to float32
+// and transposed (8x8 at a time) so that wp[i * 16 + c] is row c's value i; tiles of 6 input rows x 2
+// vectors of 8 output rows sum in 12 of AVX2's 16 registers, one broadcast of x and two loads of
+// weights for 12 FMAs. ymm on AVX-512 builds too (the float32 path there serves Gemma 3 and
+// `dtype: float32`).
+constexpr int64_t kF32Strip = 16, kF32MR = 6;  // outer_fits_f32 names the same 16
+
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// values j0 .. j0 + 7 of an int4 block (16 bytes: value j in the low nibble of byte j, j + 16 in its
+// high nibble) as float32: scale * q + offset in one FMA, which is GGUF's value (scale * q is exact)
+inline __m256 widen8_int4(const uint8_t* q, int j0, __m256 d, __m256 m) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (j0 & 15)));
+  const __m128i nib = j0 < 16 ? bytes : _mm_srli_epi16(bytes, 4);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(nib, _mm_set1_epi8(0x0F)))), d, m);
+}
+
+inline __m256 widen8_int8(const int8_t* q, int j0, __m256 d) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j0));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+}
+
+// rows n0 .. n0 + 16 widened to float32 and transposed into wp [k][16], eight rows x eight values at a
+// time in registers
+template <typename Q>
+void pack_strip_f32(const Q* qs, int64_t row_len, const uint16_t* scales, const uint16_t* offsets, int64_t k, int64_t n0,
+                    float* wp) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t c0 = 0; c0 < kF32Strip; c0 += 8)
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 d[8], m[8];
+      const Q* q[8];
+      for (int c = 0; c < 8; ++c) {
+        const int64_t row = n0 + c0 + c;
+        d[c] = _mm256_set1_ps(_cvtsh_ss(scales[row * blocks + b]));
+        m[c] = _mm256_set1_ps(offsets != nullptr ? _cvtsh_ss(offsets[row * blocks + b]) : 0.f);
+        q[c] = qs + row * row_len + b * (std::is_same_v<Q, uint8_t> ? kBlock / 2 : kBlock);
+      }
+      for (int j0 = 0; j0 < kBlock; j0 += 8) {
+        __m256 r[8];
+        for (int c = 0; c < 8; ++c) {
+          if constexpr (std::is_same_v<Q, uint8_t>) {
+            r[c] = widen8_int4(q[c], j0, d[c], m[c]);
+          } else {
+            r[c] = widen8_int8(q[c], j0, d[c]);
+          }
+        }
+        transpose8(r);  // r[j]: value j0 + j of the 8 rows
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(wp + (b * kBlock + j0 + j) * kF32Strip + c0, r[j]);
+      }
+    }
+}
+
+// The sums are named variables, not arrays: GCC kept arrays of them in memory and stored every sum on
+// every step of the loop, which ran at half the FMA rate
+#define MMFUSION_F32_ROW(r)                                  \
+  if constexpr (MR > r) {                                    \
+    const __m256 xb = _mm256_broadcast_ss(x + r * k + i);    \
+    s##r##0 = _mm256_fmadd_ps(xb, w0, s##r##0);              \
+    s##r##1 = _mm256_fmadd_ps(xb, w1, s##r##1);              \
+  }
+
+template <int MR, typename T>
+inline void outer_tile_f32(const float* x, int64_t k, const float* wp, const float* bias, int64_t n0, int64_t n, T* y) {
+  static_assert(MR >= 1 && MR <= kF32MR, "six input rows at most");
+  const __m256 z = _mm256_setzero_ps();
+  __m256 s00 = z, s01 = z, s10 = z, s11 = z, s20 = z, s21 = z, s30 = z, s31 = z, s40 = z, s41 = z, s50 = z, s51 = z;
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 w0 = _mm256_loadu_ps(wp + i * kF32Strip), w1 = _mm256_loadu_ps(wp + i * kF32Strip + 8);
+    MMFUSION_F32_ROW(0) MMFUSION_F32_ROW(1) MMFUSION_F32_ROW(2) MMFUSION_F32_ROW(3) MMFUSION_F32_ROW(4)
+    MMFUSION_F32_ROW(5)
+  }
+  const __m256 sums[2 * kF32MR] = {s00, s01, s10, s11, s20, s21, s30, s31, s40, s41, s50, s51};
+  alignas(32) float out[MR * kF32Strip];
+  for (int r = 0; r < MR; ++r) {
+    _mm256_store_ps(out + r * kF32Strip, sums[2 * r]);
+    _mm256_store_ps(out + r * kF32Strip + 8, sums[2 * r + 1]);
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < kF32Strip; ++c)
+      y[r * n + n0 + c] = static_cast<T>(out[r * kF32Strip + c] + (bias != nullptr ? bias[n0 + c] : 0.f));
+}
+#undef MMFUSION_F32_ROW
+
+template <typename T>
+inline void outer_rows_f32(int64_t mr, const float* x, int64_t k, const float* wp, const float* bias, int64_t n0,
+                           int64_t n, T* y) {
+  switch (mr) {
+    case 6: outer_tile_f32<6>(x, k, wp, bias, n0, n, y); break;
+    case 5: outer_tile_f32<5>(x, k, wp, bias, n0, n, y); break;
+    case 4: outer_tile_f32<4>(x, k, wp, bias, n0, n, y); break;
+    case 3: outer_tile_f32<3>(x, k, wp, bias, n0, n, y); break;
+    case 2: outer_tile_f32<2>(x, k, wp, bias, n0, n, y); break;
+    default: outer_tile_f32<1>(x, k, wp, bias, n0, n, y); break;
+  }
+}
+
+
+template <typename T, typename Q>
+void outer_f32(const float* x, int64_t m_count, int64_t k, int64_t n, const float* bias, T* y, const Q* qs,
+               int64_t row_len, const uint16_t* scales, const uint16_t* offsets) {
+  const int64_t groups = (m_count + kF32MR - 1) / kF32MR;  // row tiles of near-equal size
+  at::parallel_for(0, n / kF32Strip, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wp(kF32Strip * k);
+    for (int64_t strip = begin; strip < end; ++strip) {
+      const int64_t n0 = strip * kF32Strip;
+      pack_strip_f32(qs, row_len, scales, offsets, k, n0, wp.data());
+      for (int64_t g = 0, m = 0; g < groups; ++g) {
+        const int64_t mr = m_count / groups + (g < m_count % groups ? 1 : 0);
+        outer_rows_f32<T>(mr, x + m * k, k, wp.data(), bias, n0, n, y + m * n);
+        m += mr;
+      }
     }
   });
 }
@@ -562,27 +706,39 @@ void pack_strip(const Q* qs, int64_t row_len, const uint16_t* scales, const uint
     }
 }
 
+// Named sums, not an array (see outer_tile_f32): GCC stored an array's every sum on every step
+#define MMFUSION_BF16_SUM(r, v) \
+  if constexpr (MR > r && NV > v) s##r##v = _mm512_dpbf16_ps(s##r##v, w[v], xb);
+#define MMFUSION_BF16_ROW(r)                                                                \
+  if constexpr (MR > r) {                                                                   \
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * (k / 2) + p])); \
+    MMFUSION_BF16_SUM(r, 0) MMFUSION_BF16_SUM(r, 1) MMFUSION_BF16_SUM(r, 2) MMFUSION_BF16_SUM(r, 3)   \
+  }
+
 template <int MR, int NV>
 inline void outer_tile(const c10::BFloat16* x, int64_t k, const uint32_t* wp, int64_t cols, const float* bias,
                        int64_t n0, int64_t n, c10::BFloat16* y) {
-  __m512 acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  static_assert(MR >= 1 && MR <= 6 && NV >= 1 && NV <= 4, "six input rows and four vectors at most");
+  const __m512 z = _mm512_setzero_ps();
+  __m512 s00 = z, s01 = z, s02 = z, s03 = z, s10 = z, s11 = z, s12 = z, s13 = z, s20 = z, s21 = z, s22 = z, s23 = z,
+         s30 = z, s31 = z, s32 = z, s33 = z, s40 = z, s41 = z, s42 = z, s43 = z, s50 = z, s51 = z, s52 = z, s53 = z;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
   for (int64_t p = 0; p < k / 2; ++p) {
     __m512bh w[NV];
     for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wp + p * cols + 16 * v);
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * (k / 2) + p]));
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], xb);
-    }
+    MMFUSION_BF16_ROW(0) MMFUSION_BF16_ROW(1) MMFUSION_BF16_ROW(2) MMFUSION_BF16_ROW(3) MMFUSION_BF16_ROW(4)
+    MMFUSION_BF16_ROW(5)
   }
+  const __m512 sums[6][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23},
+                             {s30, s31, s32, s33}, {s40, s41, s42, s43}, {s50, s51, s52, s53}};
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) {
-      const __m512 out = bias ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + n0 + 16 * v)) : acc[r][v];
+      const __m512 out = bias ? _mm512_add_ps(sums[r][v], _mm512_loadu_ps(bias + n0 + 16 * v)) : sums[r][v];
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + n0 + 16 * v), (__m256i)_mm512_cvtneps_pbh(out));
     }
 }
+#undef MMFUSION_BF16_ROW
+#undef MMFUSION_BF16_SUM
 
 // outer_tile<mr, NV> for mr = 1..kMR
 template <int NV>
@@ -874,7 +1030,7 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
 #ifdef MMFUSION_QLINEAR_BF16
   if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k / 2, s, o);
 #endif
-  if (x.size(0) >= kPanelRows) {
+  if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n)) {
     const int64_t blocks = k / kBlock;
     return float_panels(x, n, bias, [=](int64_t row, float* w) {
       widen_int4(q + row * (k / 2), s + row * blocks, o + row * blocks, k, w);
@@ -885,9 +1041,14 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
     if (m > kMaxRows) {
       const int64_t blocks = kk / kBlock;
-      tiled_rows_f32<T>(xf, m, kk, n, b, y, [=](int64_t row, float* w) {
+      const auto widen = [=](int64_t row, float* w) {
         widen_int4(q + row * (kk / 2), s + row * blocks, o + row * blocks, kk, w);
-      });
+      };
+      if (outer_fits_f32(m, n)) {
+        outer_f32<T>(xf, m, kk, n, b, y, q, kk / 2, s, o);
+      } else {
+        tiled_rows_f32<T>(xf, m, kk, n, b, y, widen);
+      }
     } else {
       simd_rows_with<T, uint8_t>(MMFUSION_DOTS(int4_dot), xf, m, kk, n, q, kk / 2, s, o, b, y);
     }
@@ -911,7 +1072,7 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
 #ifdef MMFUSION_QLINEAR_BF16
   if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k, s, nullptr);
 #endif
-  if (x.size(0) >= kPanelRows) {
+  if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n)) {
     const int64_t blocks = k / kBlock;
     return float_panels(x, n, bias, [=](int64_t row, float* w) { widen_int8(q + row * k, s + row * blocks, k, w); });
   }
@@ -920,9 +1081,12 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
     if (m > kMaxRows) {
       const int64_t blocks = kk / kBlock;
-      tiled_rows_f32<T>(xf, m, kk, n, b, y, [=](int64_t row, float* w) {
-        widen_int8(q + row * kk, s + row * blocks, kk, w);
-      });
+      const auto widen = [=](int64_t row, float* w) { widen_int8(q + row * kk, s + row * blocks, kk, w); };
+      if (outer_fits_f32(m, n)) {
+        outer_f32<T>(xf, m, kk, n, b, y, q, kk, s, nullptr);
+      } else {
+        tiled_rows_f32<T>(xf, m, kk, n, b, y, widen);
+      }
     } else {
       simd_rows_with<T, int8_t>(MMFUSION_DOTS(int8_dot), xf, m, kk, n, q, kk, s, nullptr, b, y);
     }
