@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # torch: imported where a plan is made, not where one is read
     from workers.precision import Precision
 
 # parameters and KV bytes per token (at 2 bytes) of the embedded models, to plan without loading
-KNOWN = {"smollm2-135m": (134.5e6, 30 * 2 * 3 * 64 * 2), "gemma3-270m": (268e6, 18 * 2 * 1 * 256 * 2)}
+# (parameters, KV values a token, embedding parameters) of the embedded models
+KNOWN = {"smollm2-135m": (134.5e6, 30 * 2 * 3 * 64 * 2, 49152 * 576),
+         "gemma3-270m": (268e6, 18 * 2 * 1 * 256 * 2, 262144 * 640)}
 # the context assumed for the KV estimate of a model whose own is unknown before loading
 DEFAULT_CTX = 2048
 # a CPU worker process before its model (a CUDA worker's and a weight owner's: workers.devices)
@@ -125,10 +127,11 @@ class DeploymentPlan:
             owner = device_kind(d).owner_overhead
             for g in info.get("shared_weights", []):
                 lines.append(f"    weights of {g['source']} ({g['dtype']}), {g['bytes'] / 2**20:.0f} MiB: counted once, "
-                             f"shared by {g['copies']} copies (without sharing: {g['copies'] * g['bytes'] / 2**20:.0f} MiB)"
+                             f"shared by {g['copies']} copies (without sharing: {g['copies'] * g['alone'] / 2**20:.0f} MiB)"
                              + (f"; held by one owner process, ~{owner / 2**20:.0f} MiB more for its context"
                                 if device_kind(d).owner_shares_weights else "")
-                             + "".join(f"; its {kind} linears, {b / 2**20:.0f} MiB, counted once"
+                             + "".join(f"; its {kind} linears, {b / 2**20:.0f} MiB, counted once (in place of"
+                                       " its 16-bit linears, which the copies do not keep)"
                                        for kind, b in g.get("quantized_bytes", {}).items()))
         return "\n".join(lines)
 
@@ -188,6 +191,16 @@ def weight_bytes(source: str, wbytes: int) -> int:
     return 0
 
 
+def kept_dense_bytes(source: str, wbytes: int, weights: int) -> int:
+    """Of a model's shared 16-bit weights, those its quantized copies keep resident: the embedding
+    (and the norms, next to nothing). They let their view of the 16-bit linears go once the
+    quantized linears serve (workers/engine/runners/cpu.py), and those pages stay only in the page
+    cache, which the OS reclaims. All of `weights` where the model's shape is unknown."""
+    if source in KNOWN:
+        return min(weights, int(KNOWN[source][2] * wbytes))
+    return weights
+
+
 def packed_bytes(weights: int, prec: Precision) -> int:
     """A lean worker's own packed linears (every linear, the LM head included: about all the
     weights), from the weights' bytes: oneDNN's in the compute dtype, FBGEMM's in float16, a GPU's
@@ -211,8 +224,10 @@ def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
     for w in workers:
         if w.device == device and w.shares_weights:
             key = (w.spec.model.source, str(w.precision.weights).removeprefix("torch."))
+            # without sharing, each copy holds all of its 16-bit weights and its own quantized linears
+            alone = weight_bytes(w.spec.model.source, _bytes(w.precision.weights)) + w.shared_packed_bytes
             g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0,
-                                        "quantized_bytes": {}})
+                                        "quantized_bytes": {}, "alone": alone})
             g["copies"] += 1
             if w.shared_packed_bytes:  # one file per quantization kind beside the weights
                 g["quantized_bytes"][w.precision.quantization] = w.shared_packed_bytes
@@ -240,6 +255,7 @@ def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads
     packed = packed_bytes(w.weight_bytes, prec)
     if prec.quantized and w.shares_weights and device_kind(device).host:  # one mapped file on the device
         w.shared_packed_bytes = packed
+        w.weight_bytes = kept_dense_bytes(model.source, _bytes(prec.weights), w.weight_bytes)
     else:
         w.packed_bytes = packed
     return w

@@ -153,7 +153,10 @@ def test_plan_counts_shared_quantized_linears_once(monkeypatch):
     assert w.precision.quantization == "int4" and w.packed_bytes == 0
     assert 0 < w.shared_packed_bytes < 0.4 * packed.workers[0].packed_bytes
     saved = packed.devices["cpu"]["estimated_bytes"] - quant.devices["cpu"]["estimated_bytes"]
-    assert saved == 3 * packed.workers[0].packed_bytes - w.shared_packed_bytes
+    bf16 = packed.workers[0]
+    assert saved == 3 * bf16.packed_bytes - w.shared_packed_bytes + bf16.weight_bytes - w.weight_bytes
+    # what a copy holds, weights and linears: under 0.4x a bfloat16 copy's (the embedding stays 16-bit)
+    assert w.weight_bytes + w.shared_packed_bytes < 0.4 * (bf16.weight_bytes + bf16.packed_bytes)
     assert "int4 linears" in quant.describe()
     private = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="int4",
                                                share_weights=False)]), 2, "cpu", kv_cache_memory="64MiB")

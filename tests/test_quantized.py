@@ -136,10 +136,12 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(kind):
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=4, quantization=kind))
     assert eng.precision.quantization == kind
     ref = copy.deepcopy(lm.model)
+    # the LM head stays int8, and int4 gives q/k/v (fused with v) and down int8 (lean.LeanLlama)
+    wider = ("lm_head", "q_proj", "k_proj", "v_proj", "down_proj") if kind == INT4 else ("lm_head",)
     with torch.no_grad():
-        for module in ref.modules():
-            if isinstance(module, torch.nn.Linear):  # the LM head stays int8 (lean.LeanLlama)
-                module.weight.copy_(quantize(module.weight, INT8 if module is ref.lm_head else kind).dequantize())
+        for name, module in ref.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize(module.weight, INT8 if name.endswith(wider) else kind).dequantize())
     prompts = [[5, 6, 7, 8], [9] * 13, [3, 100, 42]]
     outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for p, o in zip(prompts, outs):
@@ -217,18 +219,19 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
 
 
 @pytest.mark.slow
-def test_fresh_quantization_keeps_perplexity(tmp_path):
-    """SmolLM2 from a Hugging Face directory (no GGUF blocks to keep: every linear quantized afresh),
-    in float32: the perplexity of a fixed text within 1% (int8) and 4% (int4) of the unquantized
-    model's, from the engine's prompt log-probabilities. (Its 16-bit weights are its GGUF file's
-    Q4_1 values, which int4 finds again almost exactly: the LM head, Q8_0 in the file, is what 4
-    bits would cost, 8% when it was quantized to int4 too.)"""
+@pytest.mark.parametrize("source", ["smollm2-135m", "gemma3-270m"])  # each family of the lean forward
+def test_fresh_quantization_keeps_perplexity(tmp_path, source):
+    """The model from a Hugging Face directory (no GGUF blocks to keep: every linear quantized
+    afresh), in float32: the perplexity of a fixed text within 1% (int8) and 4% (int4) of the
+    unquantized model's, from the engine's prompt log-probabilities. (SmolLM2's 16-bit weights are
+    its GGUF file's Q4_1 values, which int4 finds again almost exactly: the LM head, Q8_0 in the
+    file, is what 4 bits would cost, 8% when it was quantized to int4 too.)"""
     import math
 
     from workers.models import load_model
     from workers.weights.hf_loader import load_private
 
-    model, tok = load_private("smollm2-135m", torch.float32)
+    model, tok = load_private(source, torch.float32)
     model.config.__dict__.pop("quantization_config", None)  # the loader's GGUF marker
     model.hf_quantizer = None
     model.save_pretrained(str(tmp_path), safe_serialization=True)
@@ -238,6 +241,12 @@ def test_fresh_quantization_keeps_perplexity(tmp_path):
     ppl = {}
     for kind in ("none", INT8, INT4):
         eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=256, quantization=kind))
+        assert eng.runner.lean is not None and eng.platform.precision.quantized == (kind != "none")
+        if kind == INT4:  # as llama.cpp's Q4_K_M: the values (so the fused q/k/v) and down in more bits
+            # by the last module a linear fuses: v_proj (q/k/v), o_proj, up_proj (gate/up), down_proj
+            kinds = {key.rsplit(".", 1)[-1]: lin.quant.kind for key, lin in eng.runner.lean._keyed.items()}
+            assert kinds["v_proj"] == kinds["down_proj"] == INT8
+            assert kinds["o_proj"] == kinds["up_proj"] == INT4
         out = eng.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))[0]
         scores = [s for s in out.prompt_logprobs if s is not None]
         assert len(scores) == len(ids) - 1

@@ -117,12 +117,13 @@ MODEL_KEYS: tuple[Key, ...] = (
         "the activations, the KV cache and the norms staying in the compute dtype. A GGUF file's Q4_0, "
         "Q4_1, Q5_0 and Q8_0 tensors are kept as they are (the file's own values, as transformers "
         "dequantizes them); other weights are quantized afresh to the kind named (int8 as Q8_0, int4 as "
-        "Q4_1; the LM head stays int8). Copies that share their weights map one file of them. `auto`: "
+        "Q4_1 with the attention's q/k/v and the MLP's down projection in int8, as llama.cpp's Q4_K_M "
+        "gives values and down more bits; the LM head stays int8). Copies that share their weights map one file of them. `auto`: "
         "a GGUF file keeps its class where the lean forward runs it: the linears whose tensors are "
         "Q4_0, Q4_1 (int4), Q5_0 or Q8_0 (int8) run as the file's own blocks, the rest (K-quants, "
         "16-bit) as loaded; any other source is `none`. SmolLM2's Q4_1 file: one stream about 2.5x "
-        "faster than bfloat16, 0.36x its linears' bytes, a batched workload about 0.92-0.96x "
-        "bfloat16's (docs/benchmarks.md)",
+        "faster than bfloat16, 0.36x its linears' bytes, a batched workload about 1.05x bfloat16's "
+        "(docs/benchmarks.md)",
         lambda x: x in ("auto", "none", "int8", "int4")),
     Key("compile", "auto", "`auto`, `true`, `false`",
         "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "
