@@ -109,6 +109,9 @@ class LeanLlama:
         self.lm_head = self._linear([model.lm_head], head=True)
         windows = attention.layer_windows(model, [layer.self_attn for layer in inner.layers])
         self.layers = [self._layer(layer, windows[i]) for i, layer in enumerate(inner.layers)]
+        # a GGUF file's blocks of q, k, v, gate and up are now in their fused linears: held on here,
+        # they would keep those linears' bytes twice
+        self._blocks = {}
 
     def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
         return norm.weight.detach().to(self.compute)
