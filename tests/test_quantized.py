@@ -129,10 +129,11 @@ def test_rows_order_is_transformers_reverse_permutation():
 
 
 @pytest.mark.parametrize("kind", [INT8, INT4])
-def test_greedy_equals_transformers_on_the_dequantized_weights(kind):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # each family of the lean forward
+def test_greedy_equals_transformers_on_the_dequantized_weights(kind, arch):
     """The engine with `quantization` in float32 gives transformers' greedy tokens on a model whose
     linears hold the same quantized values (fresh quantization of the tiny model's weights)."""
-    lm = tiny("llama", dtype="float32")
+    lm = tiny(arch, dtype="float32")
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=4, quantization=kind))
     assert eng.precision.quantization == kind
     ref = copy.deepcopy(lm.model)

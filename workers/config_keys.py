@@ -122,7 +122,7 @@ MODEL_KEYS: tuple[Key, ...] = (
         "a GGUF file keeps its class where the lean forward runs it: the linears whose tensors are "
         "Q4_0, Q4_1 (int4), Q5_0 or Q8_0 (int8) run as the file's own blocks, the rest (K-quants, "
         "16-bit) as loaded; any other source is `none`. SmolLM2's Q4_1 file: one stream about 2.5x "
-        "faster than bfloat16, 0.36x its linears' bytes, a batched workload about 1.05x bfloat16's "
+        "faster than bfloat16, 0.36x its linears' bytes, a batched workload about 1.02-1.05x bfloat16's "
         "(docs/benchmarks.md)",
         lambda x: x in ("auto", "none", "int8", "int4")),
     Key("compile", "auto", "`auto`, `true`, `false`",

@@ -169,10 +169,12 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
 }
 
+// four sums a row (one per vector of a block): with two, each sum waited on the FMA before it
+// twice a block, and one row's pass ran at the FMA's latency, not its rate
 template <int R>
 inline void int4_dot(const float* x, int64_t k, const uint8_t* q, const uint16_t* s, const uint16_t* o, float* y) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  __m256 a0[R], a1[R], a2[R], a3[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm256_setzero_ps();
   const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
@@ -186,11 +188,11 @@ inline void int4_dot(const float* x, int64_t k, const uint8_t* q, const uint16_t
       const float* xr = x + r * k + b * kBlock;
       a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
       a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
-      a0[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a0[r]);
-      a1[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a1[r]);
+      a2[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a2[r]);
+      a3[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a3[r]);
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+  for (int r = 0; r < R; ++r) y[r] = hsum8(_mm256_add_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_add_ps(a2[r], a3[r])));
 }
 
 template <int R>
@@ -758,7 +760,8 @@ constexpr int64_t kMR = 6;  // input rows a register tile
 
 // The strip width (vectors of 16 output rows) that finishes first on `threads` threads: the
 // strips are shared out whole, so 576 outputs in strips of 64 leave one thread a fifth more work;
-// narrower strips load more weights per product (relative cost measured: 4 vectors 1, 3 1.04, 2 1.12).
+// narrower strips load more weights per product (their relative cost estimated from the loads a
+// product needs, 4 vectors 1, 3 1.04, 2 1.12, not measured one by one).
 inline int strip_vectors(int64_t n, int64_t threads) {
   const double cost[5] = {0, 0, 1.12, 1.04, 1.0};
   int best = 4;
