@@ -145,9 +145,7 @@ class LeanLlama:
         """Quantized afresh to int4, the attention's values (so the fused q/k/v) and the MLP's down
         projection take int8, as llama.cpp's Q4_K_M mix gives them more bits: in int4 throughout,
         Gemma 3 270M's perplexity rose 11%, with these in int8 3.4% (tests/test_quantized.py). A
-        GGUF file's own blocks stay as they are."""
-        if all_kept(modules, self._blocks):
-            return False
+        GGUF file's own blocks stay as they are (linears.quantized keeps them whatever the kind)."""
         return any(self._names[id(m)].endswith(("v_proj", "down_proj")) for m in modules)
 
     def quantized_weights(self) -> dict[str, QuantizedWeight]:

@@ -317,7 +317,33 @@ inline bool outer_fits_f32(int64_t rows, int64_t n) {
 // vectors of 8 output rows sum in 12 of AVX2's 16 registers, one broadcast of x and two loads of
 // weights for 12 FMAs. ymm on AVX-512 builds too (the float32 path there serves Gemma 3 and
 // `dtype: float32`).
-constexpr int64_t kF32Strip = 16, kF32MR = 6;  // outer_fits_f32 names the same 16
+constexpr int64_t kF32Strip = 16;  // output rows a strip (outer_fits_f32 names the same 16)
+
+constexpr int64_t kTileRows = 6;  // input rows a strip tile sums in registers
+
+// f.template operator()<R>() for R = r (1 to kTileRows): a tile's row count as a constant
+template <typename F>
+inline void with_rows(int64_t r, F&& f) {
+  switch (r) {
+    case 6: f.template operator()<6>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 2: f.template operator()<2>(); break;
+    default: f.template operator()<1>(); break;
+  }
+}
+
+// tile(m, mr) over the input rows [0, m_count) in tiles of at most kTileRows rows, of near-equal size
+template <typename F>
+inline void row_tiles(int64_t m_count, F&& tile) {
+  const int64_t groups = (m_count + kTileRows - 1) / kTileRows;
+  for (int64_t g = 0, m = 0; g < groups; ++g) {
+    const int64_t mr = m_count / groups + (g < m_count % groups ? 1 : 0);
+    tile(m, mr);
+    m += mr;
+  }
+}
 
 inline void transpose8(__m256 r[8]) {
   __m256 t[8], u[8];
@@ -392,7 +418,7 @@ void pack_strip_f32(const Q* qs, int64_t row_len, const uint16_t* scales, const 
 
 template <int MR, typename T>
 inline void outer_tile_f32(const float* x, int64_t k, const float* wp, const float* bias, int64_t n0, int64_t n, T* y) {
-  static_assert(MR >= 1 && MR <= kF32MR, "six input rows at most");
+  static_assert(MR >= 1 && MR <= kTileRows, "six input rows at most");
   const __m256 z = _mm256_setzero_ps();
   __m256 s00 = z, s01 = z, s10 = z, s11 = z, s20 = z, s21 = z, s30 = z, s31 = z, s40 = z, s41 = z, s50 = z, s51 = z;
   for (int64_t i = 0; i < k; ++i) {
@@ -400,7 +426,7 @@ inline void outer_tile_f32(const float* x, int64_t k, const float* wp, const flo
     MMFUSION_F32_ROW(0) MMFUSION_F32_ROW(1) MMFUSION_F32_ROW(2) MMFUSION_F32_ROW(3) MMFUSION_F32_ROW(4)
     MMFUSION_F32_ROW(5)
   }
-  const __m256 sums[2 * kF32MR] = {s00, s01, s10, s11, s20, s21, s30, s31, s40, s41, s50, s51};
+  const __m256 sums[2 * kTileRows] = {s00, s01, s10, s11, s20, s21, s30, s31, s40, s41, s50, s51};
   alignas(32) float out[MR * kF32Strip];
   for (int r = 0; r < MR; ++r) {
     _mm256_store_ps(out + r * kF32Strip, sums[2 * r]);
@@ -412,34 +438,17 @@ inline void outer_tile_f32(const float* x, int64_t k, const float* wp, const flo
 }
 #undef MMFUSION_F32_ROW
 
-template <typename T>
-inline void outer_rows_f32(int64_t mr, const float* x, int64_t k, const float* wp, const float* bias, int64_t n0,
-                           int64_t n, T* y) {
-  switch (mr) {
-    case 6: outer_tile_f32<6>(x, k, wp, bias, n0, n, y); break;
-    case 5: outer_tile_f32<5>(x, k, wp, bias, n0, n, y); break;
-    case 4: outer_tile_f32<4>(x, k, wp, bias, n0, n, y); break;
-    case 3: outer_tile_f32<3>(x, k, wp, bias, n0, n, y); break;
-    case 2: outer_tile_f32<2>(x, k, wp, bias, n0, n, y); break;
-    default: outer_tile_f32<1>(x, k, wp, bias, n0, n, y); break;
-  }
-}
-
-
 template <typename T, typename Q>
 void outer_f32(const float* x, int64_t m_count, int64_t k, int64_t n, const float* bias, T* y, const Q* qs,
                int64_t row_len, const uint16_t* scales, const uint16_t* offsets) {
-  const int64_t groups = (m_count + kF32MR - 1) / kF32MR;  // row tiles of near-equal size
   at::parallel_for(0, n / kF32Strip, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wp(kF32Strip * k);
     for (int64_t strip = begin; strip < end; ++strip) {
       const int64_t n0 = strip * kF32Strip;
       pack_strip_f32(qs, row_len, scales, offsets, k, n0, wp.data());
-      for (int64_t g = 0, m = 0; g < groups; ++g) {
-        const int64_t mr = m_count / groups + (g < m_count % groups ? 1 : 0);
-        outer_rows_f32<T>(mr, x + m * k, k, wp.data(), bias, n0, n, y + m * n);
-        m += mr;
-      }
+      row_tiles(m_count, [&](int64_t m, int64_t mr) {
+        with_rows(mr, [&]<int MR>() { outer_tile_f32<MR>(x + m * k, k, wp.data(), bias, n0, n, y + m * n); });
+      });
     }
   });
 }
@@ -720,7 +729,7 @@ void pack_strip(const Q* qs, int64_t row_len, const uint16_t* scales, const uint
 template <int MR, int NV>
 inline void outer_tile(const c10::BFloat16* x, int64_t k, const uint32_t* wp, int64_t cols, const float* bias,
                        int64_t n0, int64_t n, c10::BFloat16* y) {
-  static_assert(MR >= 1 && MR <= 6 && NV >= 1 && NV <= 4, "six input rows and four vectors at most");
+  static_assert(MR >= 1 && MR <= kTileRows && NV >= 1 && NV <= 4, "six input rows and four vectors at most");
   const __m512 z = _mm512_setzero_ps();
   __m512 s00 = z, s01 = z, s02 = z, s03 = z, s10 = z, s11 = z, s12 = z, s13 = z, s20 = z, s21 = z, s22 = z, s23 = z,
          s30 = z, s31 = z, s32 = z, s33 = z, s40 = z, s41 = z, s42 = z, s43 = z, s50 = z, s51 = z, s52 = z, s53 = z;
@@ -741,22 +750,6 @@ inline void outer_tile(const c10::BFloat16* x, int64_t k, const uint32_t* wp, in
 }
 #undef MMFUSION_BF16_ROW
 #undef MMFUSION_BF16_SUM
-
-// outer_tile<mr, NV> for mr = 1..kMR
-template <int NV>
-inline void outer_rows(int64_t mr, const c10::BFloat16* x, int64_t k, const uint32_t* wp, int64_t cols,
-                       const float* bias, int64_t n0, int64_t n, c10::BFloat16* y) {
-  switch (mr) {
-    case 6: outer_tile<6, NV>(x, k, wp, cols, bias, n0, n, y); break;
-    case 5: outer_tile<5, NV>(x, k, wp, cols, bias, n0, n, y); break;
-    case 4: outer_tile<4, NV>(x, k, wp, cols, bias, n0, n, y); break;
-    case 3: outer_tile<3, NV>(x, k, wp, cols, bias, n0, n, y); break;
-    case 2: outer_tile<2, NV>(x, k, wp, cols, bias, n0, n, y); break;
-    default: outer_tile<1, NV>(x, k, wp, cols, bias, n0, n, y); break;
-  }
-}
-
-constexpr int64_t kMR = 6;  // input rows a register tile
 
 // The strip width (vectors of 16 output rows) that finishes first on `threads` threads: the
 // strips are shared out whole, so 576 outputs in strips of 64 leave one thread a fifth more work;
@@ -786,25 +779,23 @@ void bf16_outer(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, c
                 const uint16_t* scales, const uint16_t* offsets, const float* bias, c10::BFloat16* y) {
   const int nv = strip_vectors(n, at::get_num_threads());
   const int64_t width = 16 * nv, strips = (n + width - 1) / width;
-  const int64_t groups = (m_count + kMR - 1) / kMR;  // row tiles of near-equal size
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> wp(width * k / 2);
     for (int64_t strip = begin; strip < end; ++strip) {
       const int64_t n0 = strip * width, cols = std::min(width, n - n0);
       const int64_t next_cols = strip + 1 < end ? std::min(width, n - n0 - width) : 0;
       pack_strip(qs, row_len, scales, offsets, k, n0, cols, n0 + width, next_cols, wp.data());
-      for (int64_t g = 0, m = 0; g < groups; ++g) {
-        const int64_t mr = m_count / groups + (g < m_count % groups ? 1 : 0);
-        const c10::BFloat16* xg = x + m * k;
-        c10::BFloat16* yg = y + m * n;
-        switch (cols / 16) {
-          case 4: outer_rows<4>(mr, xg, k, wp.data(), cols, bias, n0, n, yg); break;
-          case 3: outer_rows<3>(mr, xg, k, wp.data(), cols, bias, n0, n, yg); break;
-          case 2: outer_rows<2>(mr, xg, k, wp.data(), cols, bias, n0, n, yg); break;
-          default: outer_rows<1>(mr, xg, k, wp.data(), cols, bias, n0, n, yg); break;
-        }
-        m += mr;
-      }
+      row_tiles(m_count, [&](int64_t m, int64_t mr) {
+        with_rows(mr, [&]<int MR>() {
+          const auto tile = [&]<int NV>() { outer_tile<MR, NV>(x + m * k, k, wp.data(), cols, bias, n0, n, y + m * n); };
+          switch (cols / 16) {  // a strip of 1 to 4 vectors of output rows
+            case 4: tile.template operator()<4>(); break;
+            case 3: tile.template operator()<3>(); break;
+            case 2: tile.template operator()<2>(); break;
+            default: tile.template operator()<1>(); break;
+          }
+        });
+      });
     }
   });
 }
