@@ -5,17 +5,17 @@
 //   int8: 32 signed bytes a block and a float16 scale: w = scale * q.
 // The activations keep the compute dtype's values (bfloat16, or float32 to within float32's
 // precision) and the sums are float32: each block is widened to float32 exactly as GGUF's
-// dequantization computes it (scale * q is exact in float32; the offset is added once), or
-// multiplied exactly in integers and scaled once. A decode step is bound by the bytes of weights it
+// dequantization computes it (scale * q is exact in float32; the offset is added once), or, for one
+// row of float32 against int4, multiplied exactly in integers and scaled once a block. A decode step is bound by the bytes of weights it
 // reads; these read 5 (int4) or 8.5 (int8) bits a weight against bfloat16's 16.
 //
 // Paths, chosen by the build's target (the CPU level, workers.capability):
 // - bfloat16 activations on AVX512-BF16: each block's float32 values are rounded to bfloat16 (the
 //   dense bfloat16 model's weights, as transformers loads them) and multiplied in pairs into float32
 //   by vdpbf16ps (int4 at up to four rows: the exact values, bf16_dot_int4);
-// - float32 activations (and float16) on AVX-512, or on AVX2 with FMA and F16C: up to four rows in
-//   fixed point against int16-widened blocks (fixed_decode.h: exact int32 products, float32's
-//   precision), more rows against blocks widened to float32;
+// - float32 activations (and float16) on AVX-512, or on AVX2 with FMA and F16C: float32 values,
+//   float32 products; one row against int4 blocks in fixed point instead (fixed_decode.h: int16
+//   halves of the activations, exact int32 products, float32's precision);
 // - elsewhere, plain loops the compiler vectorizes.
 // Up to four input rows (a decode step of a few streams) read each weight byte once, in registers;
 // 5 to 23 rows widen four output rows at a time into a buffer that stays in L1 and multiply tiles of
@@ -125,6 +125,104 @@ constexpr int kMaxRows = 4;  // input rows a pass over the weights multiplies
 inline float half_bits(uint16_t bits) { return _cvtsh_ss(bits); }
 #endif
 
+#ifdef MMFUSION_QLINEAR_AVX512
+// y[r] = x[r] . w for R input rows, w one output row of int4 blocks
+template <int R>
+inline void int4_dot(const float* x, int64_t k, const uint8_t* q, const uint16_t* s, const uint16_t* o, float* y) {
+  __m512 lo_acc[R], hi_acc[R];
+  for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm512_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
+    const __m512 d = _mm512_set1_ps(half_bits(s[b])), m = _mm512_set1_ps(half_bits(o[b]));
+    // scale * q is exact in float32 and the offset is added with one rounding, as GGUF computes it
+    const __m512 wl = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask))), m);
+    const __m512 wh = _mm512_fmadd_ps(
+        d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask))), m);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * k + b * kBlock;
+      lo_acc[r] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr), lo_acc[r]);
+      hi_acc[r] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xr + 16), hi_acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[r], hi_acc[r]));
+}
+
+template <int R>
+inline void int8_dot(const float* x, int64_t k, const int8_t* q, const uint16_t* s, const uint16_t*, float* y) {
+  __m512 lo_acc[R], hi_acc[R];
+  for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
+    const __m512 d = _mm512_set1_ps(half_bits(s[b]));
+    const __m512 wl = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))));
+    const __m512 wh = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))));
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * k + b * kBlock;
+      lo_acc[r] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr), lo_acc[r]);
+      hi_acc[r] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xr + 16), hi_acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(lo_acc[r], hi_acc[r]));
+}
+#endif
+
+#ifdef MMFUSION_QLINEAR_AVX2
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+// four sums a row (one per vector of a block): with two, each sum waited on the FMA before it
+// twice a block, and one row's pass ran at the FMA's latency, not its rate
+template <int R>
+inline void int4_dot(const float* x, int64_t k, const uint8_t* q, const uint16_t* s, const uint16_t* o, float* y) {
+  __m256 a0[R], a1[R], a2[R], a3[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    const __m256 d = _mm256_set1_ps(half_bits(s[b])), m = _mm256_set1_ps(half_bits(o[b]));
+    const __m256 w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
+    const __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
+    const __m256 w2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
+    const __m256 w3 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * k + b * kBlock;
+      a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
+      a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
+      a2[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a2[r]);
+      a3[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a3[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = hsum8(_mm256_add_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_add_ps(a2[r], a3[r])));
+}
+
+template <int R>
+inline void int8_dot(const float* x, int64_t k, const int8_t* q, const uint16_t* s, const uint16_t*, float* y) {
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const int8_t* qb = q + b * kBlock;
+    const __m256 d = _mm256_set1_ps(half_bits(s[b]));
+    __m256 w[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * i));
+      w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * k + b * kBlock;
+      a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a0[r]);
+      a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a1[r]);
+      a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a0[r]);
+      a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+}
+#endif
 
 // Steps of more rows (a batch of streams, a prompt): four output rows at a time are widened once
 // into a buffer that stays in L1, and tiles of input rows x those four rows accumulate from it in
@@ -148,7 +246,7 @@ struct F32Vec {
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(V v) { return mmfusion::hadd8(v); }
+  static float sum(V v) { return hsum8(v); }
 };
 #endif
 
@@ -239,28 +337,6 @@ inline void with_rows(int64_t r, F&& f) {
     case 2: f.template operator()<2>(); break;
     default: f.template operator()<1>(); break;
   }
-}
-
-// y for the m <= kMaxRows rows of a decode step, every output row: the activations in fixed point
-// once (fixed_decode.h), then dot<R>(rows, q, scales, offsets, du, acc) an output row
-template <typename T, typename Q, typename Dot>
-void fixed_rows(Dot dot, const float* x, int64_t m, int64_t k, int64_t n, const Q* qs, int64_t row_len,
-                const uint16_t* scales, const uint16_t* offsets, const float* bias, T* y) {
-  mmfusion::FixedRows f;
-  mmfusion::to_fixed(x, m, k, f);
-  const int64_t blocks = k / kBlock;
-  with_rows(m, [&]<int R>() {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> du(R * blocks);
-      float acc[R];
-      for (int64_t row = begin; row < end; ++row) {
-        dot.template operator()<R>(f, qs + row * row_len, scales + row * blocks,
-                                   offsets != nullptr ? offsets + row * blocks : nullptr, du.data(), acc);
-        const float add = bias != nullptr ? bias[row] : 0.f;
-        for (int r = 0; r < R; ++r) y[r * n + row] = static_cast<T>(acc[r] + add);
-      }
-    });
-  });
 }
 
 // tile(m, mr) over the input rows [0, m_count) in tiles of at most kTileRows rows, of near-equal size
@@ -782,6 +858,53 @@ void bf16_rows(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, co
 }
 #endif
 
+#if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
+// every output row against the input rows, four input rows a pass
+template <typename T, typename Q, typename Dot4, typename Dot3, typename Dot2, typename Dot1>
+void simd_rows_with(Dot4 dot4, Dot3 dot3, Dot2 dot2, Dot1 dot1, const float* x, int64_t m_count, int64_t k, int64_t n, const Q* qs, int64_t row_bytes,
+               const uint16_t* scales, const uint16_t* offsets, const float* bias, T* y) {
+  const int64_t blocks = k / kBlock;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float acc[kMaxRows];
+    for (int64_t row = begin; row < end; ++row) {
+      const Q* q = qs + row * row_bytes;
+      const uint16_t* s = scales + row * blocks;
+      const uint16_t* o = offsets != nullptr ? offsets + row * blocks : nullptr;
+      const float add = bias != nullptr ? bias[row] : 0.f;
+      for (int64_t m0 = 0; m0 < m_count; m0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, m_count - m0);
+        const float* xr = x + m0 * k;
+        switch (rows) {
+          case 4: dot4(xr, k, q, s, o, acc); break;
+          case 3: dot3(xr, k, q, s, o, acc); break;
+          case 2: dot2(xr, k, q, s, o, acc); break;
+          default: dot1(xr, k, q, s, o, acc); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * n + row] = static_cast<T>(acc[r] + add);
+      }
+    }
+  });
+}
+#endif
+
+#if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
+// one row (a stream's decode step) against every output row of int4 blocks, in fixed point
+// (fixed_decode.h). Only there: at two rows and more each row costs more in fixed point than the
+// shared float32 widening, and int8 blocks at one row are bound by their bytes either way.
+template <typename T>
+void int4_row(const float* x, int64_t k, int64_t n, const uint8_t* qs, const uint16_t* scales,
+              const uint16_t* offsets, const float* bias, T* y) {
+  const mmfusion::FixedRow f(x, k);
+  const int64_t blocks = k / kBlock;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> du(blocks);
+    for (int64_t row = begin; row < end; ++row) {
+      const float v = mmfusion::int4_fixed(f, qs + row * (k / 2), scales + row * blocks, offsets + row * blocks, du.data());
+      y[row] = static_cast<T>(v + (bias != nullptr ? bias[row] : 0.f));
+    }
+  });
+}
+#endif
 
 template <typename T>
 void store(T* out, float v) { *out = static_cast<T>(v); }
@@ -903,6 +1026,11 @@ at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Ten
 }
 #endif
 
+#if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
+#define MMFUSION_DOTS(f) \
+  [](auto... a) { f<4>(a...); }, [](auto... a) { f<3>(a...); }, [](auto... a) { f<2>(a...); }, \
+      [](auto... a) { f<1>(a...); }
+#endif
 
 // x [M, K] (float32, bfloat16 or float16); qs uint8 [N, K / 2]; scales, offsets float16 [N, K / 32];
 // returns [M, N] in x's dtype
@@ -939,8 +1067,10 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
       } else {
         tiled_rows_f32<T>(xf, m, kk, n, b, y, widen);
       }
+    } else if (m == 1) {
+      int4_row<T>(xf, kk, n, q, s, o, b, y);
     } else {
-      fixed_rows<T>([]<int R>(auto&&... a) { mmfusion::int4_fixed<R>(a...); }, xf, m, kk, n, q, kk / 2, s, o, b, y);
+      simd_rows_with<T, uint8_t>(MMFUSION_DOTS(int4_dot), xf, m, kk, n, q, kk / 2, s, o, b, y);
     }
 #else
     const int64_t blocks = kk / kBlock;
@@ -978,7 +1108,7 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
         tiled_rows_f32<T>(xf, m, kk, n, b, y, widen);
       }
     } else {
-      fixed_rows<T>([]<int R>(auto&&... a) { mmfusion::int8_fixed<R>(a...); }, xf, m, kk, n, q, kk, s, nullptr, b, y);
+      simd_rows_with<T, int8_t>(MMFUSION_DOTS(int8_dot), xf, m, kk, n, q, kk, s, nullptr, b, y);
     }
 #else
     const int64_t blocks = kk / kBlock;
