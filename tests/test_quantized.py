@@ -76,6 +76,25 @@ def test_kernel_panels_cover_every_output_row(kind):
 
 
 @needs_kernels
+def test_one_float32_row_against_int4_keeps_float32_precision():
+    """One float32 row against int4 runs in fixed point where the CPU has AVX2 (two int16 halves a
+    block of activations): a block of zeros, a block whose values span nine orders of magnitude,
+    and signs mixed still give the product within float32's own error bound (k * 2^-24 of the sum
+    of |w x|), each output row within it, against float64 math on the same values."""
+    gen = torch.Generator().manual_seed(3)
+    k = 1536
+    qw = quantize(torch.randn(64, k, generator=gen) * 0.1, INT4)
+    w = qw.dequantize().double()
+    x = torch.randn(1, k, generator=gen)
+    x[0, 32:64] = 0.0
+    x[0, 64:96] = torch.logspace(-5, 4, 32) * torch.where(torch.arange(32) % 2 == 0, 1.0, -1.0)
+    got = _call(qw, x, None).double()
+    want = x.double() @ w.T
+    bound = k * 2.0 ** -24 * (x.double().abs() @ w.abs().T)
+    assert bool(((got - want).abs() <= bound).all()), ((got - want).abs() / bound).max().item()
+
+
+@needs_kernels
 def test_kernel_refuses_what_it_cannot_take():
     qw = quantize(torch.randn(8, 64), INT4)
     with pytest.raises(RuntimeError, match="x must be"):
