@@ -25,6 +25,7 @@ from fusion.data.files import DataError
 from fusion.params import ParamsError, load_params
 from routing.http.server import GatewayError
 from routing.security import SecurityError, check_bind
+from routing.tenants import tenant_keys
 
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
 # the modes that start worker processes here (unless they use a router elsewhere, or Ray)
@@ -82,7 +83,7 @@ def configure(args) -> tuple[dict, object, object, object]:
         keys = api_keys([*(run["api_keys"] or []), *(getattr(args, "api_key", None) or [])],
                         getattr(args, "api_keys_file", None))
         run["api_keys"] = list(keys)
-        check_listen(parse_listen(run["http"])[0], keys, bool(run["insecure"]))
+        check_listen(parse_listen(run["http"])[0], keys + tuple(tenant_keys(run["tenants"])), bool(run["insecure"]))
     mode = getattr(args, "mode", None)
     local = not run["router"] and not run["ray"]
     if mode in WORKER_MODES and local:
@@ -123,7 +124,7 @@ def serve(params: dict, fusion, plan, catalog) -> int:
             from routing.http.process import GatewayProcess
 
             gateway = GatewayProcess(dep.frontend, run["http"], tuple(run["api_keys"] or ()), dep.config.curve_keys,
-                                     bool(run["insecure"])).start()
+                                     bool(run["insecure"]), tenant_keys=tenant_keys(run["tenants"])).start()
             print(f"serving: OpenAI-compatible HTTP at {gateway.url}/v1", flush=True)
         try:
             while not stop.wait(0.5):

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from routing.dispatch import RouterConfig
+from routing.tenants import parse_tenants
 from workers.config_keys import Key, parse_size
 from workers.spec import ModelSpec
 from workers.validate import is_number
@@ -74,6 +75,11 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
     Key("http", None, "`HOST:PORT`, or null", "serve: also start the OpenAI-compatible HTTP gateway there"),
     Key("api_keys", None, "a list of strings, or null",
         "API keys the HTTP gateway accepts (needed off loopback unless `insecure`)"),
+    Key("tenants", None, "a mapping of tenant name -> {weight, tokens_per_minute, max_inflight, api_keys}, or null",
+        "serve: who shares the models and how (routing/tenants.py): each model's queue serves tenants by `weight` "
+        "(tokens, default 1); `tokens_per_minute` and `max_inflight` are optional quotas, over which a request is "
+        "refused at once (HTTP 429 with Retry-After); `api_keys` are the gateway keys of the tenant (accepted "
+        "besides `api_keys`). A request with no tenant is the `default` tenant's"),
     Key("ray", None, "`auto`, `HOST:PORT`, `ray://...`, or null", "place the workers as actors on that Ray cluster"),
     Key("placement", "spread", "`spread`, `pack`",
         "Ray: a variant's copies on different nodes where possible (`spread`), or on as few as possible (`pack`)"),
@@ -143,6 +149,11 @@ def load_params(path: str | Path) -> dict:
         raise ParamsError(f"{path}: runconfig.retry_delays must be a list of at most {MAX_RETRIES} waits in seconds "
                           f"(each 0-3600), e.g. [0.5, 2, 8]; [] turns resending off; got {delays!r}")
     run["retry_delays"] = tuple(float(d) for d in delays)
+    try:
+        if run["tenants"] is not None:
+            run["tenants"] = parse_tenants(run["tenants"])
+    except ValueError as exc:
+        raise ParamsError(f"{path}: runconfig.{exc}") from None
     data["runconfig"] = run
     data["_path"] = str(path)
     return data

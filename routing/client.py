@@ -68,9 +68,10 @@ class RouterError(RuntimeError):
     """An error answer: its code (routing.protocol), message and, for a refused request parameter,
     that parameter's name."""
 
-    def __init__(self, code: str, message: str, param: str | None = None):
+    def __init__(self, code: str, message: str, param: str | None = None, retry_after: float | None = None):
         super().__init__(f"{code}: {message}")
         self.code, self.message, self.param = code, message, param
+        self.retry_after = retry_after  # rate_limited: seconds after which the request would be admitted
 
 
 def _frame(msg: dict) -> bytes:
@@ -84,8 +85,9 @@ def _frame(msg: dict) -> bytes:
 
 def _check(msg: dict) -> dict:
     if msg.get("type") == P.ERROR:
-        param = msg.get("param")
-        raise RouterError(msg.get("code", P.INTERNAL), msg.get("message", ""), param if isinstance(param, str) else None)
+        param, wait = msg.get("param"), msg.get("retry_after")
+        raise RouterError(msg.get("code", P.INTERNAL), msg.get("message", ""), param if isinstance(param, str) else None,
+                          wait if isinstance(wait, (int, float)) and not isinstance(wait, bool) else None)
     return msg
 
 
@@ -186,7 +188,14 @@ class _Base:
 
     @staticmethod
     def _complete_msg(rid: str, model, prompt, stream: bool, params: dict) -> dict:
-        return {"type": P.COMPLETE, "id": rid, "model": model, "prompt": prompt, "params": params, "stream": stream}
+        """`tenant` among the keyword arguments names whose request it is (routing/tenants.py); the
+        rest are the request's parameters."""
+        params = dict(params)
+        tenant = params.pop("tenant", None)
+        msg = {"type": P.COMPLETE, "id": rid, "model": model, "prompt": prompt, "params": params, "stream": stream}
+        if tenant is not None:
+            msg["tenant"] = tenant
+        return msg
 
 
 class Client(_Base):

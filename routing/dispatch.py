@@ -17,6 +17,10 @@ the router's I/O loop (routing/router.py) writes to its sockets and empties.
   `max_redispatch` resends, or with every such queue full, the client gets `worker_lost` at once.
 - A message the frontend cannot deliver (the client's queue is full, or it is gone) cancels its
   request on the worker and is counted (`undeliverable`) and logged: nothing is dropped silently.
+- Tenants (routing/tenants.py): a request over its tenant's quota is refused at once with
+  `rate_limited` and `retry_after`; each model's queue serves tenants by their weights. With
+  tenants configured, a worker holds at most its max_batch_size requests, so that the rest wait
+  here, where the weights order them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from dataclasses import dataclass, field
 from routing import protocol as P
 from routing.lifecycle import Catalog, Lifecycle, ModelLifecycle, StaticLifecycle
 from routing.registry import ModelEntry, WorkerRegistry, WorkerState
+from routing.tenants import DEFAULT_TENANT, Tenant, TenantBook, request_tokens
+from workers.config_keys import DEFAULT_MAX_TOKENS
 from workers.spec import WorkerSpec
 
 FRONT, BACK = "front", "back"
@@ -62,8 +68,12 @@ class RouterConfig:
     load_timeout: float = 600.0  # a copy that does not serve within this fails its load and its queue
     unload_timeout: float = 60.0  # an unloaded copy's requests may finish for this long, then fail `unloaded`
     idle_unload_s: float | None = None  # unload an unpinned model no request named for this long (None: never)
+    tenants: tuple[Tenant, ...] = ()  # weights and quotas by tenant (routing/tenants.py); () : one default tenant
 
     def __post_init__(self) -> None:
+        self.tenants = tuple(self.tenants or ())
+        if not all(isinstance(t, Tenant) for t in self.tenants):
+            raise ValueError("RouterConfig.tenants must be Tenant settings (routing.tenants.parse_tenants)")
         for name in ("max_queue", "max_inflight", "liveness", "keep_dead", "client_queue", "worker_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)!r}")
@@ -88,6 +98,10 @@ class Pending:
     worker: bytes | None = None
     streamed: dict = field(default_factory=dict)  # sample index -> tokens the client already has
     resends: int = 0
+    tenant: str = DEFAULT_TENANT
+    cost: int = 1  # the completion tokens it may be served (its tenant's reservation, its fair-queue cost)
+    weight: float = 1.0  # its tenant's
+    served: int = 0  # completion tokens its result reported
 
 
 @dataclass(slots=True)
@@ -146,12 +160,16 @@ class Dispatch:
         self.stray = 0  # data from a worker the request was not given to, or from a dropped one (refused)
         self.no_worker = 0  # queued requests failed because no worker came for their model
         self.internal_errors = 0
+        self.tenants = TenantBook(self.config.tenants)
+        self.fair = self.tenants.configured  # workers hold at most a batch; the rest queue here
+        self.now = 0.0  # the time of the input being handled (a request's quota settles at it)
         # load and unload at run time: only with a supervisor to start and stop workers (its catalog)
         self.lifecycle: ModelLifecycle = (StaticLifecycle(self) if catalog is None
                                           else Lifecycle(catalog, self.config, self))
 
     # --- clients ---------------------------------------------------------------------------------
     def client(self, client: bytes, frame: bytes, now: float) -> None:
+        self.now = now
         try:
             msg = P.unpack(frame, P.CLIENT_TYPES)
             mtype = msg["type"]
@@ -170,7 +188,7 @@ class Dispatch:
             else:
                 self.lifecycle.unload(client, msg, now)
         except P.ProtocolError as exc:
-            self.outbox.client(client, P.error(exc.request_id, exc.code, str(exc), exc.param))
+            self.outbox.client(client, P.error(exc.request_id, exc.code, str(exc), exc.param, exc.retry_after))
 
     def _resolve(self, model, rid, now: float) -> list[int]:
         if isinstance(model, int):
@@ -194,8 +212,41 @@ class Dispatch:
         req = P.CompleteRequest.from_msg(msg)
         if (client, req.id) in self.client_keys:  # before resolving: a refused request must not start a load
             raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
-        candidates = self._resolve(req.model, req.id, now)
+        tenant, cost = self._admit(req, now)  # before resolving too: a refused request starts no load
+        try:
+            candidates = self._resolve(req.model, req.id, now)
+        except P.ProtocolError:
+            self.tenants.settle(tenant, cost, 0, now)
+            raise
+        p = self._queue_or_send(client, msg, req, candidates, tenant, cost, now)
+        self.pending[p.key] = p
+        self.client_keys[(client, req.id)] = p.key
+
+    def _admit(self, req: P.CompleteRequest, now: float) -> tuple[str, int]:
+        """The request's tenant and its tokens, reserved against the tenant's quotas."""
+        tenant = req.tenant or DEFAULT_TENANT
+        if tenant not in self.tenants.tenants:
+            raise P.ProtocolError(f"unknown tenant {tenant!r}; this deployment's tenants: "
+                                  f"{', '.join(sorted(self.tenants.tenants))}", P.BAD_REQUEST, req.id, "tenant")
+        ids = self.by_name.get(req.model) if isinstance(req.model, str) else [req.model]
+        spec = self.models[ids[0]].spec if ids and ids[0] in self.models else None
+        cost = request_tokens(req.params, spec.max_tokens if spec and spec.max_tokens is not None else DEFAULT_MAX_TOKENS)
+        try:
+            wait = self.tenants.admit(tenant, cost, now)
+        except ValueError as exc:
+            raise P.ProtocolError(str(exc), P.BAD_REQUEST, req.id, "max_tokens") from None
+        if wait is not None:
+            t = self.tenants.tenants[tenant]
+            why = (f"{t.max_inflight} requests in flight" if t.max_inflight is not None
+                   and self.tenants.usage[tenant].inflight >= t.max_inflight else f"{t.tokens_per_minute} tokens a minute")
+            raise P.ProtocolError(f"tenant {tenant!r} is over its quota of {why}; retry after {wait:.3g}s",
+                                  P.RATE_LIMITED, req.id, retry_after=wait)
+        return tenant, cost
+
+    def _queue_or_send(self, client: bytes, msg: dict, req: P.CompleteRequest, candidates: list[int], tenant: str,
+                       cost: int, now: float) -> Pending:
         if all(self.models[m].abandoned and not self.registry.usable(m) for m in candidates):
+            self.tenants.settle(tenant, cost, 0, now)
             raise P.ProtocolError(f"no worker serves model {req.model!r}: its workers kept failing and were not "
                                   "restarted (see the deployment's log)", P.NO_WORKER, req.id)
         model_id = min(candidates, key=self.registry.load)
@@ -205,18 +256,19 @@ class Dispatch:
         if req.params.get("seed") is None and req.params.get("temperature") != 0:
             # fixed here, once: a resent or retried request then gives the same tokens anywhere
             msg["params"] = {**req.params, "seed": random.getrandbits(63)}
-        p = Pending(key, client, req.id, model_id, P.pack(msg), now, list(candidates))
-        worker = self.registry.pick(model_id, self.config.max_inflight)
+        p = Pending(key, client, req.id, model_id, P.pack(msg), now, list(candidates), tenant=tenant, cost=cost,
+                    weight=self.tenants.weight(tenant))
+        worker = self.registry.pick(model_id, self.config.max_inflight, self.fair)
         if worker is None:
             q = self.models[model_id].queue
             if len(q) >= self.config.max_queue:
+                self.tenants.settle(tenant, cost, 0, now)
                 raise P.ProtocolError(f"model {self.models[model_id].name!r} (ID {model_id}) is busy: "
                                       f"{len(q)} requests queued; retry later", P.BUSY, req.id)
             q.append(p)
         else:
             self._dispatch(p, worker)
-        self.pending[key] = p
-        self.client_keys[(client, req.id)] = key
+        return p
 
     def _dispatch(self, p: Pending, w: WorkerState) -> None:
         p.worker = w.ident
@@ -226,7 +278,7 @@ class Dispatch:
     def _drain_queue(self, model_id: int) -> None:
         q = self.models[model_id].queue
         while q:
-            w = self.registry.pick(model_id, self.config.max_inflight)
+            w = self.registry.pick(model_id, self.config.max_inflight, self.fair)
             if w is None:
                 return
             self._dispatch(q.popleft(), w)
@@ -247,6 +299,7 @@ class Dispatch:
         if p is None:
             return None
         self.client_keys.pop((p.client, p.client_id), None)
+        self.tenants.settle(p.tenant, p.cost, p.served or sum(p.streamed.values()), self.now)
         w = self.workers.get(p.worker) if p.worker else None
         if w is not None:
             w.inflight.discard(key)
@@ -259,6 +312,7 @@ class Dispatch:
 
     def undeliverable_send(self, send: Send, why: str, now: float) -> None:
         """The socket could not deliver `send` (full queue, peer gone): never lose it silently."""
+        self.now = now
         if send.side == BACK:
             w = self.workers.get(send.frames[0])
             if w is not None:
@@ -274,6 +328,7 @@ class Dispatch:
 
     # --- workers ---------------------------------------------------------------------------------
     def worker(self, ident: bytes, frame: bytes, now: float) -> None:
+        self.now = now
         try:
             msg = P.unpack(frame, P.WORKER_TYPES)
         except P.ProtocolError:
@@ -311,6 +366,7 @@ class Dispatch:
             self.lifecycle.load_failed(w.model_id, w.load_error, now)  # a copy loading at run time fails at once
 
     def worker_data(self, ident: bytes, head: bytes, body: bytes, now: float) -> None:
+        self.now = now
         w = self.workers.get(ident)
         if w is None:
             self.stray += 1  # a dropped worker's late output (its requests went elsewhere): refused
@@ -332,6 +388,7 @@ class Dispatch:
         elif mtype == P.RESULT:
             w.served += 1
             w.tokens += tokens if isinstance(tokens, int) else 0
+            p.served = tokens if isinstance(tokens, int) else 0
         elif mtype == P.ERROR:
             w.errors += 1
         if mtype != P.CHUNK:
@@ -375,6 +432,7 @@ class Dispatch:
 
     def control(self, frame: bytes, now: float) -> None:
         """The local supervisor: worker_exited {pid, host, slot, restart}."""
+        self.now = now
         try:
             msg = P.unpack(frame, {P.WORKER_EXITED})
         except P.ProtocolError:
@@ -401,6 +459,7 @@ class Dispatch:
 
     def tick(self, now: float) -> None:
         """Heartbeats out, silent workers dropped, queued requests of workerless models expired."""
+        self.now = now
         deadline = self.config.heartbeat_interval * self.config.liveness
         beat = P.pack({"type": P.HEARTBEAT})
         for w in list(self.workers.values()):
@@ -448,5 +507,13 @@ class Dispatch:
             "stray": self.stray,
             "no_worker": self.no_worker,
             "internal_errors": self.internal_errors,
+            "tenants": self.tenants.status(self._queued_by_tenant(), self.now),
             **self.lifecycle.status(),
         }
+
+    def _queued_by_tenant(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.models.values():
+            for tenant, n in m.queue.by_tenant().items():
+                out[tenant] = out.get(tenant, 0) + n
+        return out

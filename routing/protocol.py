@@ -3,13 +3,16 @@
 Every message is one ZeroMQ frame holding a msgpack map with at least {"v": VERSION, "type": T}.
 
 Clients (DEALER) <-> router frontend (ROUTER):
-  client -> router   complete {id, model, prompt, params, stream, task}   cancel {id}   models {id}   status {id}
+  client -> router   complete {id, model, prompt, params, stream, task, tenant}   cancel {id}   models {id}   status {id}
                      load {id, model, copies, pin}   unload {id, model, copies}
   task (default generate): generate (prompt: text or token IDs), chat (prompt: [{role, content}, ...],
   rendered with the model's chat template), tokenize (prompt: text or messages), detokenize (prompt:
   token IDs), tokenizer_info (no prompt). Every task is routed like a completion; its answer is a
   result whose response is the task's output.
-  router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}   error {id, code, message, param}
+  router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}
+                     error {id, code, message, param, retry_after}
+  tenant (optional) names whose request it is (routing/tenants.py: weights and quotas); a request
+  over its tenant's quota is refused at once with rate_limited and retry_after (seconds).
   A generate or chat result's response is neutral, not an OpenAI object (routing/openai_objects.py
   builds those): {model, choices: [{index, text, token_ids, logprobs, finish_reason}], usage}, where
   logprobs is null or {tokens, token_logprobs, top_logprobs, text_offset}. An error's param, when
@@ -98,6 +101,7 @@ TOO_LARGE = "too_large"
 INTERNAL = "internal"
 NO_MEMORY = "no_memory"  # a load that no device's memory_budget can hold, even by evicting what may go
 CONFLICT = "conflict"  # a load and an unload of one model at once
+RATE_LIMITED = "rate_limited"  # over the tenant's quota (routing/tenants.py): retry after `retry_after` seconds
 UNLOADED = "unloaded"  # the model (copy) was unloaded, or is not loaded and autoload is off
 NOT_SUPPORTED = "not_supported"  # load/unload on a router without a supervisor to start and stop workers
 ROUTER_LOST = "router_lost"  # raised by the client itself: the connection dropped with requests in flight
@@ -114,11 +118,13 @@ class ProtocolError(ValueError):
     """A message that can't be accepted; `code` is one of the error codes above, `param` the request
     parameter at fault where there is one."""
 
-    def __init__(self, message: str, code: str = BAD_REQUEST, request_id=None, param: str | None = None):
+    def __init__(self, message: str, code: str = BAD_REQUEST, request_id=None, param: str | None = None,
+                 retry_after: float | None = None):
         super().__init__(message)
         self.code = code
         self.request_id = request_id
         self.param = param
+        self.retry_after = retry_after  # rate_limited: seconds after which the request would be admitted
 
 
 # the integers a message carries (msgpack's int64 and uint64); JSON and YAML have no such limit
@@ -191,6 +197,7 @@ class CompleteRequest:
     params: dict
     stream: bool
     task: str = GENERATE
+    tenant: str | None = None  # whose request (routing/tenants.py); None: the default tenant's
 
     @classmethod
     def from_msg(cls, msg: dict) -> CompleteRequest:
@@ -225,7 +232,11 @@ class CompleteRequest:
         params = msg.get("params", {})
         if not isinstance(params, dict):
             raise ProtocolError("params must be a map", request_id=rid)
-        return cls(rid, model, prompt, params, bool(msg.get("stream", False)), task)
+        tenant = msg.get("tenant")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant or len(tenant) > 128):
+            raise ProtocolError("tenant must be a non-empty string of at most 128 characters", request_id=rid,
+                                param="tenant")
+        return cls(rid, model, prompt, params, bool(msg.get("stream", False)), task, tenant)
 
 
 def _is_int(t) -> bool:
@@ -261,9 +272,12 @@ def resume_counts(value) -> dict[int, int]:
     return {i: n for i, n in value} if _is_counts(value) else {}
 
 
-def error(request_id, code: str, message: str, param: str | None = None) -> dict:
-    """An ERROR message; `param`: the request parameter refused (bad_request), by name."""
+def error(request_id, code: str, message: str, param: str | None = None, retry_after: float | None = None) -> dict:
+    """An ERROR message; `param`: the request parameter refused (bad_request), by name;
+    `retry_after`: the seconds after which a rate_limited request would be admitted."""
     msg = {"type": ERROR, "id": request_id, "code": code, "message": message}
     if param is not None:
         msg["param"] = param
+    if retry_after is not None:
+        msg["retry_after"] = round(retry_after, 3)
     return msg

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from routing import protocol as P
+from routing.tenants import FairQueue
 from workers.spec import ModelSpec, WorkerSpec
 
 
@@ -20,7 +21,7 @@ class ModelEntry:
     model_id: int
     name: str
     spec: ModelSpec  # its settings; an unplanned worker of it gets them with no placement
-    queue: deque = field(default_factory=deque)
+    queue: FairQueue = field(default_factory=FairQueue)  # its waiting requests, fair across tenants
     orphan_since: float | None = None  # when it lost its last live worker (None: it has one, or never had)
     abandoned: bool = False  # the supervisor gave up on its last worker: queued requests fail at once
     state: str = P.STATE_LOADED  # or STATE_LOADING (started at run time, not serving yet), STATE_UNLOADING
@@ -141,10 +142,12 @@ class WorkerRegistry:
     def has_loaded(self, model_id: int) -> bool:
         return any(w.loaded and w.model_id == model_id for w in self.workers.values())
 
-    def pick(self, model_id: int, max_inflight: int) -> WorkerState | None:
-        """The loaded worker of the model with the least in flight (then the fewest served), if one has room."""
+    def pick(self, model_id: int, max_inflight: int, batch: bool = False) -> WorkerState | None:
+        """The loaded worker of the model with the least in flight (then the fewest served), if one has
+        room: fewer than `max_inflight`, and with `batch` fewer than its max_batch_size too."""
         ws = [w for w in self.workers.values()
-              if w.loaded and w.model_id == model_id and len(w.inflight) < max_inflight]
+              if w.loaded and w.model_id == model_id and len(w.inflight) < max_inflight
+              and not (batch and len(w.inflight) >= self.spec_for(w).batch_size)]
         return min(ws, key=lambda w: (len(w.inflight), w.served)) if ws else None
 
     def load(self, model_id: int) -> tuple[float, int]:

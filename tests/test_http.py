@@ -17,12 +17,14 @@ from support.cluster import ROOT, TINY, Deployment, engine_reference, one_worker
 from support.cluster import TINY_CONFIG as CONFIG
 from support.models import plain_logits, tiny
 
-from routing.client import Client
+from routing import protocol as P
+from routing.client import Client, RouterError
 from routing.entrypoints import CLI, GATEWAY, command
 from routing.http import openai as O
 from routing.http.app import GatewaySettings
 from routing.http.server import GatewayError, GatewayThread, api_keys, check_listen, parse_listen
 from routing.router import ModelEntry, Router, RouterConfig
+from routing.tenants import parse_tenants, tenant_keys
 from workers.tasks import chat_prompt, end_of_turn_ids
 
 GREEDY = {"temperature": 0.0}
@@ -269,6 +271,41 @@ def test_api_keys(dep):
         assert httpx.post(g.url + "/tokenize", json={"model": "gpt2", "prompt": "x"}).status_code == 401
     finally:
         g.stop()
+
+
+def test_tenants_keys_quotas_and_metrics():
+    """A deployment with tenants (real router and worker): the free tenant's key gets 429 with the
+    quota's Retry-After once its tokens a minute are reserved, at once and with nothing lost; the
+    gold key and a plain key are still served; the tenants' figures show in status and /metrics."""
+    tenants = parse_tenants({"gold": {"weight": 3, "api_keys": ["k-gold"]},
+                             "free": {"tokens_per_minute": 8, "api_keys": ["k-free"]}})
+    d = Deployment(["gpt2,1"], num_workers=1, router={"tenants": tenants})
+    g = GatewayThread(GatewaySettings(router=d.frontend, api_keys=("plain",), tenant_keys=tenant_keys(tenants)),
+                      "127.0.0.1", 0).start()
+    try:
+        def post(key, max_tokens):
+            return httpx.post(g.url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {key}"},
+                              json={"model": "gpt2", "prompt": "x", "max_tokens": max_tokens, "temperature": 0})
+
+        assert post("k-free", 5).json()["usage"]["completion_tokens"] == 5
+        r = post("k-free", 5)  # 5 served + 5 more > 8 a minute
+        assert r.status_code == 429 and r.json()["error"]["code"] == P.RATE_LIMITED
+        assert 55 <= int(r.headers["Retry-After"]) <= 60
+        assert post("k-free", 9).status_code == 400  # more than the quota itself: never admissible
+        assert post("k-gold", 20).status_code == 200 and post("plain", 20).status_code == 200
+        with Client(d.frontend, timeout=30) as c:
+            with pytest.raises(RouterError) as exc:
+                c.complete("gpt2", "x", max_tokens=4, tenant="free")
+            assert exc.value.code == P.RATE_LIMITED and 55 <= exc.value.retry_after <= 60
+            status = c.status()["tenants"]
+        assert (status["free"]["served_tokens"], status["free"]["rate_limited"]) == (5, 2)
+        assert status["gold"]["served_tokens"] == 20 and status["default"]["served_tokens"] == 20
+        metrics = httpx.get(g.url + "/metrics", timeout=10).text
+        assert re.search(r'mmfusion_tenant_rate_limited\{tenant="free"\} 2\.0', metrics)
+        assert re.search(r'mmfusion_tenant_served_tokens\{tenant="gold"\} 20\.0', metrics)
+    finally:
+        g.stop()
+        d.close()
 
 
 def test_listening_off_loopback_needs_keys(tmp_path, monkeypatch):

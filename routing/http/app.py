@@ -33,6 +33,7 @@ from routing.http.streaming import stream_response
 
 log = logging.getLogger("mmfusion.http")
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key (probes, scrapers)
+TENANT = "mmfusion.tenant"  # the scope key naming the tenant of the request's API key
 CLIENT_GONE = 499  # nginx's code for "the client closed the connection": recorded in metrics only
 MAX_BODY_BYTES = P.MAX_MESSAGE_BYTES  # a body the router would refuse is refused here first
 
@@ -47,6 +48,11 @@ class GatewaySettings:
     curve_keys: str | None = None
     curve_name: str = "client"
     models_ttl: float = 5.0  # seconds a request reuses the router's model table (GET /v1/models always asks)
+    tenant_keys: dict = field(default_factory=dict)  # API key -> its tenant (routing/tenants.py), accepted too
+
+    @property
+    def all_keys(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys([*self.api_keys, *self.tenant_keys]))
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -56,21 +62,34 @@ class GatewaySettings:
 
 
 class ApiKeys:
-    """ASGI middleware: `Authorization: Bearer <key>` on every path but the open ones."""
+    """ASGI middleware: `Authorization: Bearer <key>` on every path but the open ones. A tenant's key
+    puts its tenant in the scope (TENANT), which each request to the router then names."""
 
-    def __init__(self, app, keys: tuple[str, ...]):
-        self.app, self.keys = app, [k.encode() for k in keys]
+    def __init__(self, app, keys: tuple[str, ...], tenants: dict[str, str] | None = None):
+        tenants = tenants or {}
+        self.app, self.keys = app, [(k.encode(), tenants.get(k)) for k in keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.keys and scope["path"] not in OPEN_PATHS:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not any(hmac.compare_digest(token.strip(), k) for k in self.keys):
+            token = token.strip()
+            # every key compared, in constant time each: which key matched takes no less time to find
+            found = [tenant for k, tenant in self.keys if hmac.compare_digest(token, k)]
+            if scheme.lower() != b"bearer" or not found:
                 err = openai_requests.OpenAIError(401, "missing or invalid API key: send Authorization: Bearer <key>",
                                     code="invalid_api_key")
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
                 return
+            if found[0] is not None:
+                scope[TENANT] = found[0]
         await self.app(scope, receive, send)
+
+
+def with_tenant(scope, params: dict) -> dict:
+    """A request's parameters for the router, naming the tenant of its API key (if it has one)."""
+    tenant = scope.get(TENANT)
+    return params if tenant is None else {**params, "tenant": tenant}
 
 
 class FastPath:
@@ -79,8 +98,9 @@ class FastPath:
 
     def __init__(self, gateway, app: Starlette):
         self.gateway, self.app = gateway, app
-        keys = gateway.settings.api_keys
-        self.completions = ApiKeys(gateway.completions, keys) if keys else gateway.completions
+        keys = gateway.settings.all_keys
+        self.completions = (ApiKeys(gateway.completions, keys, gateway.settings.tenant_keys) if keys
+                            else gateway.completions)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] == "/v1/completions" and scope["method"] == "POST":
@@ -179,8 +199,8 @@ class Gateway:
                    Route("/health", self.health, methods=["GET"]),
                    Route("/metrics", self.prometheus, methods=["GET"])]
         app = Starlette(routes=routes, lifespan=self.lifespan)
-        if self.settings.api_keys:
-            app.add_middleware(ApiKeys, keys=self.settings.api_keys)  # outermost: the fast path is inside
+        if self.settings.all_keys:  # outermost: the fast path is inside
+            app.add_middleware(ApiKeys, keys=self.settings.all_keys, tenants=self.settings.tenant_keys)
         return FastPath(self, app)
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -263,11 +283,12 @@ class Gateway:
             path_model = scope.get("path_params", {}).get("model")
             target = await self.target_for(path_model or body.get("model"), scope["path"])
             job = openai_requests.completion_job(body)
+            params = with_tenant(scope, job.params)
             if job.stream.stream:
                 return await stream_response(self.client, self.metrics, self.error_response, target, job.prompts,
-                                             job.params, job.n, job.stream.include_usage, P.GENERATE, t0), target.name
+                                             params, job.n, job.stream.include_usage, P.GENERATE, t0), target.name
             results = await until_cancelled_by_client(receive, all_of(
-                self.client.result(target.router_model, p, **job.params) for p in job.prompts))
+                self.client.result(target.router_model, p, **params) for p in job.prompts))
             out = openai_objects.merge_completions(results, target.name, job.n)
             self.metrics.observe_usage(target.name, out["usage"])
             return out, target.name
@@ -283,13 +304,14 @@ class Gateway:
             body = await read_json(request.scope, request.receive, self.settings.max_body_bytes)
             target = await self.target(request, body)
             job = openai_requests.chat_job(body)
+            params = with_tenant(request.scope, job.params)
             try:
                 if job.stream.stream:
                     return await stream_response(self.client, self.metrics, self.error_response, target,
-                                                 [job.messages], job.params, job.n, job.stream.include_usage, P.CHAT,
+                                                 [job.messages], params, job.n, job.stream.include_usage, P.CHAT,
                                                  t0), target.name
                 result = await until_cancelled_by_client(
-                    request.receive, self.client.result(target.router_model, job.messages, task=P.CHAT, **job.params))
+                    request.receive, self.client.result(target.router_model, job.messages, task=P.CHAT, **params))
             except RouterError as exc:
                 raise job.error(O.error_for(exc)) from None
             self.metrics.observe_usage(target.name, result["usage"])
@@ -302,8 +324,8 @@ class Gateway:
             body = await read_json(request.scope, request.receive, self.settings.max_body_bytes) if body_needed else {}
             target = await self.target(request, body)
             prompt, task_params = build(body)
-            answer = await until_cancelled_by_client(
-                request.receive, self.client.result(target.router_model, prompt, task=task, **task_params))
+            answer = await until_cancelled_by_client(request.receive, self.client.result(
+                target.router_model, prompt, task=task, **with_tenant(request.scope, task_params)))
             return answer, target.name
         return await self.handle(endpoint, work)
 

@@ -58,6 +58,19 @@ class Metrics:
                                   registry=r)
         self.queue_wait = Gauge("mmfusion_model_load_queue_wait_seconds_mean", "Mean seconds requests waited for "
                                 "a load", registry=r)
+        # tenants (routing/tenants.py): shares and quotas
+        self.tenant_inflight = Gauge("mmfusion_tenant_inflight_requests", "A tenant's requests queued or running",
+                                     ["tenant"], registry=r)
+        self.tenant_queued = Gauge("mmfusion_tenant_queued_requests", "A tenant's requests in the router's queues",
+                                   ["tenant"], registry=r)
+        self.tenant_tokens = Gauge("mmfusion_tenant_served_tokens", "Completion tokens served to a tenant since the "
+                                   "router started", ["tenant"], registry=r)
+        self.tenant_window = Gauge("mmfusion_tenant_tokens_last_minute", "Completion tokens served to a tenant in "
+                                   "the last 60 s (its tokens_per_minute quota's window)", ["tenant"], registry=r)
+        self.tenant_limited = Gauge("mmfusion_tenant_rate_limited", "A tenant's requests refused over its quotas "
+                                    "(HTTP 429)", ["tenant"], registry=r)
+        self.tenant_weight = Gauge("mmfusion_tenant_weight", "A tenant's weight in each model's queue", ["tenant"],
+                                   registry=r)
 
         self._children: dict = {}  # (metric, labels) -> its child: labels() takes a lock and checks every call
 
@@ -80,6 +93,13 @@ class Metrics:
     def router_state(self, models: list[dict], status: dict) -> None:
         if "models" in status:
             self._lifecycle(status["models"])
+        for name, t in (status.get("tenants") or {}).items():
+            self.tenant_inflight.labels(name).set(t["inflight"])
+            self.tenant_queued.labels(name).set(t["queued"])
+            self.tenant_tokens.labels(name).set(t["served_tokens"])
+            self.tenant_window.labels(name).set(t["tokens_last_minute"])
+            self.tenant_limited.labels(name).set(t["rate_limited"])
+            self.tenant_weight.labels(name).set(t["weight"])
         for m in models:
             if m["id"] is None:
                 continue  # a variant with no copy

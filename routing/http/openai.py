@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
 from routing import protocol as P
@@ -17,13 +18,14 @@ log = logging.getLogger("mmfusion.http")
 # router error code -> HTTP status
 STATUS = {P.BAD_REQUEST: 400, P.UNKNOWN_MODEL: 404, P.TOO_LARGE: 413, P.BUSY: 429, P.WORKER_LOST: 503,
           P.NO_WORKER: 503, P.ROUTER_LOST: 503, P.REFUSED: 503, P.INTERNAL: 500, "bad_reply": 502,
-          P.NO_MEMORY: 507, P.CONFLICT: 409, P.UNLOADED: 503, P.NOT_SUPPORTED: 501}
+          P.NO_MEMORY: 507, P.CONFLICT: 409, P.UNLOADED: 503, P.NOT_SUPPORTED: 501, P.RATE_LIMITED: 429}
 
 
-def from_router(code: str, message: str, param: str | None = None) -> OpenAIError:
-    """The HTTP error for a router error; a worker's refusal names the parameter it refuses."""
+def from_router(code: str, message: str, param: str | None = None, retry_after: float | None = None) -> OpenAIError:
+    """The HTTP error for a router error; a worker's refusal names the parameter it refuses. A 429
+    says when to retry: a quota's own figure (whole seconds, rounded up), else 1."""
     status = STATUS.get(code, 500)
-    headers = {"Retry-After": "1"} if status == 429 else None
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)) if retry_after is not None else 1)} if status == 429 else None
     return OpenAIError(status, message, param=param, code=code, headers=headers)
 
 
@@ -32,7 +34,7 @@ def error_for(exc: Exception, request_timeout: float = 0.0) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, RouterError):
-        return from_router(exc.code, exc.message, exc.param)
+        return from_router(exc.code, exc.message, exc.param, exc.retry_after)
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return OpenAIError(504, f"no answer from the router within {request_timeout:g}s", code="timeout")
     log.exception("gateway: unexpected error")

@@ -2,25 +2,27 @@
 
 The router runs on a thread of the serving process; a gateway on another thread there would share
 its GIL, and every HTTP request would wait on routing work (and the other way round). A process of
-its own costs one more loopback connection and runs both at full speed. API keys reach it through
-the environment, never its command line (which `ps` shows to every user).
+its own costs one more loopback connection and runs both at full speed. API keys (and the tenants'
+keys) reach it through the environment, never its command line (which `ps` shows to every user).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
 import time
 
 from routing import entrypoints
-from routing.http.server import KEYS_ENV, READY_LINE, GatewayError
+from routing.http.server import KEYS_ENV, READY_LINE, TENANT_KEYS_ENV, GatewayError
 
 
 class GatewayProcess:
     def __init__(self, router: str, listen: str, api_keys: tuple[str, ...] = (), curve_keys: str | None = None,
-                 insecure: bool = False, log=print):
+                 insecure: bool = False, log=print, tenant_keys: dict[str, str] | None = None):
         self.router, self.listen, self.api_keys = router, listen, api_keys
+        self.tenant_keys = dict(tenant_keys or {})  # API key -> its tenant (accepted besides api_keys)
         self.curve_keys, self.insecure, self.log = curve_keys, insecure, log
         self.proc: subprocess.Popen | None = None
         self._ready = threading.Event()
@@ -46,7 +48,7 @@ class GatewayProcess:
 
     def start(self, timeout: float = 60.0) -> GatewayProcess:
         self._ready.clear()
-        env = {**os.environ, KEYS_ENV: ",".join(self.api_keys)}
+        env = {**os.environ, KEYS_ENV: ",".join(self.api_keys), TENANT_KEYS_ENV: json.dumps(self.tenant_keys)}
         self.proc = subprocess.Popen(self._command(), env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
         threading.Thread(target=self._relay, args=(self.proc,), name="gateway-out", daemon=True).start()
         deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@ with one key per line, or MMFUSION_API_KEYS, comma-separated) or an explicit `--
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ from routing.http.app import MAX_BODY_BYTES, Gateway, GatewaySettings
 from routing.security import is_loopback
 
 KEYS_ENV = "MMFUSION_API_KEYS"
+TENANT_KEYS_ENV = "MMFUSION_TENANT_KEYS"  # JSON {API key: tenant name}: keys accepted, each naming its tenant
 READY_LINE = "gateway: listening"  # printed once uvicorn listens: what a supervising process waits for
 
 
@@ -49,6 +51,19 @@ def api_keys(keys: list[str] | None = None, keys_file: str | None = None, env: d
         out += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     out += [k.strip() for k in (env if env is not None else os.environ).get(KEYS_ENV, "").split(",") if k.strip()]
     return tuple(dict.fromkeys(out))
+
+
+def tenant_keys(env: dict | None = None) -> dict[str, str]:
+    """{API key: tenant} from the environment (run_mm.py's `tenants`)."""
+    text = (env if env is not None else os.environ).get(TENANT_KEYS_ENV, "")
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise GatewayError(f"{TENANT_KEYS_ENV} must be a JSON object of API key -> tenant name: {exc}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                              for k, v in value.items()):
+        raise GatewayError(f"{TENANT_KEYS_ENV} must be a JSON object of API key -> tenant name")
+    return value
 
 
 def check_listen(host: str, keys: tuple[str, ...], insecure: bool) -> None:
@@ -120,10 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host, port = parse_listen(args.http)
         keys = api_keys(args.api_key, args.api_keys_file)
-        check_listen(host, keys, args.insecure)
+        tenants = tenant_keys()
+        check_listen(host, keys + tuple(tenants), args.insecure)
         check_router_address(args.router)
         settings = GatewaySettings(router=args.router, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                                   curve_keys=args.curve_keys)
+                                   curve_keys=args.curve_keys, tenant_keys=tenants)
     except (GatewayError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

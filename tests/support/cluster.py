@@ -87,9 +87,10 @@ def one_worker(**cfg):
 class Deployment(LocalDeployment):
     """What run_mm serve starts (router thread + worker processes), on ephemeral ports, tiny models."""
 
-    def __init__(self, variants: list[str], num_workers: int):
+    def __init__(self, variants: list[str], num_workers: int, router: dict | None = None):
         fusion = build_fusion(load_params(TINY_CONFIG), variants)
-        super().__init__(fusion, make_plan(fusion, num_workers, "cpu", threads_per_worker=1), ANY_PORT, ANY_PORT)
+        super().__init__(fusion, make_plan(fusion, num_workers, "cpu", threads_per_worker=1), ANY_PORT, ANY_PORT,
+                         router=router)
         self.__enter__()
         self.wait_loaded(120)
 
