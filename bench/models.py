@@ -13,8 +13,14 @@ holds any two of the four variants' copies (their sizes as validate_only prints 
    turn for `--seconds`. Per request the latency; per variant the loads; the workers' summed PSS
    (the worker processes only: not the router, the fork server or this driver), sampled at 10 Hz,
    against the budget. Every answer of one (variant, prompt) must be the same tokens.
+3. Fairness (a serve process of its own, SmolLM2 alone, with tenants): `gold` (weight 3) and
+   `silver` (weight 1) each keep more requests in flight than the worker's batch holds for
+   `--fair-seconds`; `capped` (weight 1, a quota of `--quota` tokens a minute) sends one request
+   after another, waiting out each refusal's retry_after (at most 2 s). The tokens each tenant was
+   served in the window, gold's to silver's, capped's against its quota, every refusal's time to
+   answer, and whether any request failed otherwise (nothing may be lost).
 
-    python bench/models.py [--seconds 120] [--clients 4]
+    python bench/models.py [--seconds 120] [--clients 4] [--scenarios load,alternating,fairness]
 """
 
 from __future__ import annotations
@@ -92,8 +98,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--scenarios", default="load,alternating,fairness")
+    ap.add_argument("--fair-seconds", type=float, default=60.0)
+    ap.add_argument("--quota", type=int, default=600, help="capped's tokens a minute (fairness)")
     args = ap.parse_args()
     print(json.dumps(describe("models", sys.argv)), flush=True)
+    scenarios = set(args.scenarios.split(","))
+    if "fairness" in scenarios:
+        fairness(args)
+    if not scenarios & {"load", "alternating"}:
+        return
     params = {"variants": {n: {"model": {**m, "max_batch_size": 8, "max_model_len": 1024}} for n, m in VARIANTS.items()},
               "runconfig": {"threads_per_worker": 1, "devices": "cpu", "unload_timeout": 60}}
     budget, sizes = budget_for_two(params)
@@ -118,7 +132,7 @@ def main() -> None:
                     raise RuntimeError("serve did not start:\n" + "".join(log[-30:]))
                 time.sleep(0.5)
             c.unload("tiny")
-            for name in VARIANTS:
+            for name in VARIANTS if "load" in scenarios else ():
                 cold = first_token(c, name, PROMPTS[0])
                 c.unload(name)
                 warm = first_token(c, name, PROMPTS[0])
@@ -126,7 +140,8 @@ def main() -> None:
                 emit(bench="models_load", model=name, source=VARIANTS[name]["source"], dtype=VARIANTS[name]["dtype"],
                      copy_mib=round(sizes[name] / 2**20), weights_cached=cached[name],
                      cold_load_to_first_token_s=round(cold, 2), warm_load_to_first_token_s=round(warm, 2))
-        scenario(front, proc.pid, budget, sizes, args)
+        if "alternating" in scenarios:
+            scenario(front, proc.pid, budget, sizes, args)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -178,6 +193,90 @@ def scenario(front: str, serve_pid: int, budget: int, sizes: dict, args) -> None
          budget_mib=round(budget / 2**20), copy_mib={n: round(s / 2**20) for n, s in sizes.items()},
          peak_workers_pss_mib=round(peak[0] / 2**20), peak_over_budget=round(peak[0] / budget, 3),
          answers_consistent=mismatched[0] == 0, load_failures=life["load_failures"])
+
+
+def serve(params: dict, variants: str):
+    """A `run_mm.py --mode serve` subprocess of `params` (a YAML file beside this script while it
+    runs), its frontend, and its stderr lines; the caller stops it and removes the file."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=ROOT / "bench", delete=False) as f:
+        json.dump(params, f)
+    front = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", f.name, "--variants", variants,
+                             "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    return proc, front, log, Path(f.name)
+
+
+def wait_serving(front: str, proc, log: list[str], timeout: float = 300) -> None:
+    from routing.client import Client
+
+    with Client(front, timeout=60) as c:
+        deadline = time.monotonic() + timeout
+        while not any(w["loaded"] for w in c.status()["workers"]):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("serve did not start:\n" + "".join(log[-30:]))
+            time.sleep(0.5)
+
+
+def fairness(args) -> None:
+    from routing import protocol as P
+    from routing.client import Client, RouterError
+
+    batch = 8
+    params = {"variants": {"smollm2": {"model": {**VARIANTS["smollm2"], "max_batch_size": batch, "max_model_len": 1024}}},
+              "runconfig": {"threads_per_worker": 2, "devices": "cpu",
+                            "tenants": {"gold": {"weight": 3}, "silver": {"weight": 1},
+                                        "capped": {"tokens_per_minute": args.quota}}}}
+    proc, front, log, cfg = serve(params, "smollm2,1")
+    request = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    served: dict[str, int] = {"gold": 0, "silver": 0, "capped": 0}
+    refusals: list[float] = []
+    waits: list[float] = []
+    lost: list[str] = []
+    lock = threading.Lock()
+    try:
+        wait_serving(front, proc, log)
+        end = time.monotonic() + args.fair_seconds
+
+        def client(tenant: str, k: int) -> None:
+            with Client(front, timeout=600) as c:
+                while time.monotonic() < end:
+                    t0 = time.perf_counter()
+                    try:
+                        r = c.complete("smollm2", PROMPTS[k % len(PROMPTS)], tenant=tenant, **request)
+                    except RouterError as exc:
+                        if exc.code != P.RATE_LIMITED:
+                            with lock:
+                                lost.append(f"{tenant}: {exc.code}: {exc.message}")
+                            return
+                        with lock:
+                            refusals.append(time.perf_counter() - t0)
+                            waits.append(exc.retry_after or 0.0)
+                        time.sleep(min(exc.retry_after or 1.0, 2.0, max(0.0, end - time.monotonic())))
+                        continue
+                    if time.monotonic() <= end:  # served within the window, while every tenant was backlogged
+                        with lock:
+                            served[tenant] += r["usage"]["completion_tokens"]
+
+        threads = [("gold", k) for k in range(2 * batch)] + [("silver", k) for k in range(2 * batch)] + [("capped", 0)]
+        with ThreadPoolExecutor(len(threads)) as pool:
+            for f in [pool.submit(client, t, k) for t, k in threads]:
+                f.result()
+        with Client(front, timeout=60) as c:
+            tenants = c.status()["tenants"]
+        emit(bench="models_fairness", model="smollm2", seconds=args.fair_seconds, batch=batch,
+             clients={"gold": 2 * batch, "silver": 2 * batch, "capped": 1}, served_tokens=served,
+             gold_to_silver=round(served["gold"] / max(1, served["silver"]), 3),
+             capped_quota_tokens=round(args.quota * args.fair_seconds / 60), capped_served=served["capped"],
+             refusals=len(refusals), refusal_max_ms=round(max(refusals, default=0.0) * 1e3, 2),
+             retry_after_s=[round(min(waits, default=0), 2), round(max(waits, default=0), 2)],
+             lost=lost, router_rate_limited={t: s["rate_limited"] for t, s in tenants.items()})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        cfg.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
