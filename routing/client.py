@@ -91,6 +91,14 @@ def _check(msg: dict) -> dict:
     return msg
 
 
+def _response(msg: dict):
+    """A result message's response, with the router's timing of it (`timing`) where it is a map."""
+    response = msg["response"]
+    if isinstance(response, dict) and isinstance(msg.get("timing"), dict):
+        response = {**response, "timing": msg["timing"]}
+    return response
+
+
 def _completion(result, token_ids: bool) -> dict:
     """The OpenAI completion of a generate result; a result that is not one is a bad reply."""
     try:
@@ -270,7 +278,7 @@ class Client(_Base):
         `token_ids`)."""
         for msg in self._run(model, prompt, False, params):
             if msg["type"] == P.RESULT:
-                return _completion(msg["response"], bool(params.get("return_token_ids")))
+                return _completion(_response(msg), bool(params.get("return_token_ids")))
         raise RouterError(P.INTERNAL, "stream ended without a result")
 
     def stream(self, model, prompt, **params):
@@ -538,11 +546,12 @@ class AsyncClient(_Base):
                 yield await req.next()
 
     async def result(self, model, prompt, task: str = P.GENERATE, **params) -> dict:
-        """The request's neutral result (routing/protocol.py), or for a tokenizer task its answer."""
+        """The request's neutral result (routing/protocol.py) with the router's `timing` of it, or
+        for a tokenizer task its answer."""
         with self._request(model, prompt, False, params, task) as req:
             while not req.done:  # a non-streamed request: its result, or an error
                 msg = await req.next()
-        return msg["response"]
+        return _response(msg) if task in (P.GENERATE, P.CHAT) else msg["response"]
 
     async def complete(self, model, prompt, task: str = P.GENERATE, **params) -> dict:
         """An OpenAI completions response dict (with `return_token_ids=True`, each choice keeps its

@@ -102,6 +102,10 @@ class Pending:
     cost: int = 1  # the completion tokens it may be served (its tenant's reservation, its fair-queue cost)
     weight: float = 1.0  # its tenant's
     served: int = 0  # completion tokens its result reported
+    arrived: float = 0.0  # when the router took it (queued_at moves when it is sent again)
+    dispatched: float = 0.0  # when it was last sent to a worker
+    load_wait: float = 0.0  # of the time before that, what it spent waiting for its model to load
+    for_load: bool = False  # queued while its copy had no loaded worker
 
 
 @dataclass(slots=True)
@@ -257,7 +261,7 @@ class Dispatch:
             # fixed here, once: a resent or retried request then gives the same tokens anywhere
             msg["params"] = {**req.params, "seed": random.getrandbits(63)}
         p = Pending(key, client, req.id, model_id, P.pack(msg), now, list(candidates), tenant=tenant, cost=cost,
-                    weight=self.tenants.weight(tenant))
+                    weight=self.tenants.weight(tenant), arrived=now)
         worker = self.registry.pick(model_id, self.config.max_inflight, self.fair)
         if worker is None:
             q = self.models[model_id].queue
@@ -265,12 +269,17 @@ class Dispatch:
                 self.tenants.settle(tenant, cost, 0, now)
                 raise P.ProtocolError(f"model {self.models[model_id].name!r} (ID {model_id}) is busy: "
                                       f"{len(q)} requests queued; retry later", P.BUSY, req.id)
+            p.for_load = not self.registry.has_loaded(model_id)
             q.append(p)
         else:
             self._dispatch(p, worker)
         return p
 
     def _dispatch(self, p: Pending, w: WorkerState) -> None:
+        if p.for_load:  # it came while no worker of its copy had loaded: it waited for a load until one had
+            p.load_wait += max(0.0, min(self.models[p.model_id].ready_at, self.now) - p.queued_at)
+            p.for_load = False
+        p.dispatched = self.now
         p.worker = w.ident
         w.inflight.add(p.key)
         self.outbox.worker(w.ident, P.header(P.REQUEST, p.key), p.frame)
@@ -349,6 +358,7 @@ class Dispatch:
         if mtype == P.HEARTBEAT and isinstance(msg.get("engine"), dict):
             w.engine = {k: v for k, v in msg["engine"].items() if k in P.ENGINE_STATS and isinstance(v, int)}
         if mtype == P.LOADED:
+            self.models[w.model_id].ready_at = now
             w.loaded = True
             w.load_error = None
             if isinstance(msg.get("weights"), dict):
@@ -393,7 +403,18 @@ class Dispatch:
             w.errors += 1
         if mtype != P.CHUNK:
             self._finish(key)
+        if mtype == P.RESULT:
+            body = self._timed(p, body, now)
         self.outbox.data(p.client, body, key)
+
+    def _timed(self, p: Pending, body: bytes, now: float) -> bytes:
+        """The result with the router's timing of it (routing/protocol.py)."""
+        queued = max(0.0, p.dispatched - p.arrived - p.load_wait)
+        try:
+            return P.with_field(body, "timing", {"queued_s": round(queued, 6), "load_s": round(p.load_wait, 6),
+                                                 "run_s": round(max(0.0, now - p.dispatched), 6)})
+        except P.ProtocolError:
+            return body  # not a map: the client refuses it as it would have
 
     def _drop(self, w: WorkerState, why: str, now: float) -> None:
         self.registry.remove(w, why, now)
@@ -424,6 +445,7 @@ class Dispatch:
         self.resent += 1
         p.model_id = model_id
         p.queued_at = now
+        p.for_load = not self.registry.has_loaded(model_id)
         if p.streamed:
             msg = P.unpack(p.frame, {P.COMPLETE})
             msg["resume"] = [[i, n] for i, n in sorted(p.streamed.items())]

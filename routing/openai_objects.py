@@ -18,14 +18,22 @@ def new_id(prefix: str) -> str:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    timing: dict | None = None  # the router's {queued_s, load_s, run_s}; over several prompts, the longest of each
 
-    def add(self, usage: dict) -> None:
+    def add(self, usage: dict, timing: dict | None = None) -> None:
         self.prompt_tokens += usage.get("prompt_tokens", 0)
         self.completion_tokens += usage.get("completion_tokens", 0)
+        if isinstance(timing, dict):
+            self.timing = {k: max(v, (self.timing or {}).get(k, 0.0)) for k, v in timing.items()
+                           if isinstance(v, (int, float))}
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        """OpenAI's usage, and the `timing` extension where the router timed the requests."""
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.timing is not None:
+            out["timing"] = self.timing
+        return out
 
 
 def text_completion(result: dict, model: str, token_ids: bool = False) -> dict:
@@ -38,7 +46,7 @@ def merge_completions(results: list[dict], model: str, n: int, token_ids: bool =
     """One completion object from one router answer per prompt: choice index = prompt * n + sample."""
     choices, usage = [], Usage()
     for i, r in enumerate(results):
-        usage.add(r["usage"])
+        usage.add(r["usage"], r.get("timing"))
         for c in r["choices"]:
             c = {k: v for k, v in c.items() if token_ids or k != "token_ids"}
             c["index"] = i * n + c["index"]
@@ -101,8 +109,10 @@ def chat_completion(result: dict, model: str) -> dict:
     choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
                 "logprobs": _chat_logprobs(c.get("logprobs")), "finish_reason": c["finish_reason"]}
                for c in result["choices"]]
+    usage = Usage()
+    usage.add(result["usage"], result.get("timing"))
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": result["usage"]}
+            "choices": choices, "usage": usage.as_dict()}
 
 
 def chat_chunk(cid: str, created: int, model: str, index: int, delta: dict, finish_reason=None) -> dict:

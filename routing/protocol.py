@@ -9,10 +9,12 @@ Clients (DEALER) <-> router frontend (ROUTER):
   rendered with the model's chat template), tokenize (prompt: text or messages), detokenize (prompt:
   token IDs), tokenizer_info (no prompt). Every task is routed like a completion; its answer is a
   result whose response is the task's output.
-  router -> client   chunk {id, outputs}   result {id, response}   reply {id, data}
+  router -> client   chunk {id, outputs}   result {id, response, timing}   reply {id, data}
                      error {id, code, message, param, retry_after}
   tenant (optional) names whose request it is (routing/tenants.py: weights and quotas); a request
   over its tenant's quota is refused at once with rate_limited and retry_after (seconds).
+  A result's timing is the router's: {queued_s, load_s, run_s}, the seconds the request waited in
+  the router's queue, waited for its model to load, and spent on its worker until the result.
   A generate or chat result's response is neutral, not an OpenAI object (routing/openai_objects.py
   builds those): {model, choices: [{index, text, token_ids, logprobs, finish_reason}], usage}, where
   logprobs is null or {tokens, token_logprobs, top_logprobs, text_offset}. An error's param, when
@@ -162,6 +164,26 @@ def pack(msg: dict) -> bytes:
             raise
         param = path[1] if path[0] == "params" and len(path) > 1 else path[0]
         raise ProtocolError(range_error(path), request_id=msg.get("id"), param=str(param)) from None
+
+
+def with_field(body: bytes, key: str, value) -> bytes:
+    """A message frame with one more field, without decoding the rest: a msgpack map's header
+    holds its entry count, and its entries follow it, so the count is raised and the entry
+    appended (a worker's result can be megabytes of logprobs; the router adds its timing). The
+    key must not be in the map already."""
+    first = body[0] if body else 0
+    if 0x80 <= first <= 0x8F:
+        count, start = first & 0x0F, 1
+    elif first == 0xDE:
+        count, start = int.from_bytes(body[1:3], "big"), 3
+    elif first == 0xDF:
+        count, start = int.from_bytes(body[1:5], "big"), 5
+    else:
+        raise ProtocolError("not a msgpack map")
+    count += 1
+    head = (bytes([0x80 | count]) if count <= 0x0F else b"\xde" + count.to_bytes(2, "big") if count <= 0xFFFF
+            else b"\xdf" + count.to_bytes(4, "big"))
+    return head + body[start:] + msgpack.packb(key) + msgpack.packb(value, use_bin_type=True)
 
 
 def unpack(frame: bytes, allowed: set[str]) -> dict:

@@ -28,6 +28,7 @@ class ModelEntry:
     pinned: bool = False  # never evicted (routing.residency)
     last_use: float = 0.0  # when a request last named it (monotonic)
     since: float = 0.0  # when it entered its state (monotonic)
+    ready_at: float = 0.0  # when a worker of it last finished loading (a request queued for the load waited until then)
 
 
 @dataclass(slots=True)

@@ -89,6 +89,21 @@ def test_stream_deltas_add_up_to_the_completion_and_usage_comes_last(oai):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.model_extra["timing"]["run_s"] > 0  # the router's timing, as in a whole answer
+
+
+def test_each_answer_says_how_long_it_queued_waited_for_a_load_and_ran(gw, dep):
+    with httpx.Client(base_url=gw.url, timeout=60) as h:
+        r = h.post("/v1/completions", json={"model": "gpt2", "prompt": ["a", "b"], "max_tokens": 4, **GREEDY})
+        timing = r.json()["usage"]["timing"]
+        assert set(timing) == {"queued_s", "load_s", "run_s"} and timing["run_s"] > 0 and timing["load_s"] == 0
+        assert float(r.headers["x-mmfusion-run-time"]) == pytest.approx(timing["run_s"], abs=1e-6)
+        assert float(r.headers["x-mmfusion-queue-time"]) == pytest.approx(timing["queued_s"], abs=1e-6)
+        chat = h.post("/v1/chat/completions", json={"model": "llama", "messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 2})
+        assert chat.status_code == 200 and float(chat.headers["x-mmfusion-run-time"]) > 0
+    with Client(dep.frontend, timeout=60) as c:
+        assert c.complete("gpt2", "x", max_tokens=2)["usage"]["timing"]["run_s"] > 0
 
 
 def test_chat_renders_the_template_and_streams_role_then_content(oai):

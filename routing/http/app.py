@@ -86,6 +86,20 @@ class ApiKeys:
         await self.app(scope, receive, send)
 
 
+TIMING_HEADERS = {"queued_s": "x-mmfusion-queue-time", "load_s": "x-mmfusion-load-time",
+                  "run_s": "x-mmfusion-run-time"}
+
+
+def timing_headers(answer) -> dict[str, str] | None:
+    """The router's timing of a non-streamed answer (its usage's `timing`) as response headers, in
+    seconds: how long its requests queued, waited for a model to load, and ran (the longest of each
+    over several prompts)."""
+    timing = (answer.get("usage") or {}).get("timing") if isinstance(answer, dict) else None
+    if not isinstance(timing, dict):
+        return None
+    return {header: f"{timing[key]:.6f}" for key, header in TIMING_HEADERS.items() if key in timing}
+
+
 def with_tenant(scope, params: dict) -> dict:
     """A request's parameters for the router, naming the tenant of its API key (if it has one)."""
     tenant = scope.get(TENANT)
@@ -259,7 +273,7 @@ class Gateway:
     async def handle(self, endpoint: str, work) -> Response:
         """answer(), as a Response for a Starlette endpoint."""
         resp = await self.answer(endpoint, work)
-        return JSONResponse(resp) if isinstance(resp, dict) else resp
+        return JSONResponse(resp, headers=timing_headers(resp)) if isinstance(resp, dict) else resp
 
     # --- OpenAI endpoints --------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
@@ -295,7 +309,7 @@ class Gateway:
 
         resp = await self.answer("completions", work)
         if isinstance(resp, dict):
-            await send_json(send, resp)
+            await send_json(send, resp, timing_headers(resp))
         else:
             await resp(scope, receive, send)
 

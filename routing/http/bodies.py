@@ -41,11 +41,12 @@ async def read_body(scope, receive, limit: int) -> bytes:
 JSON_HEADERS = (b"content-type", b"application/json")
 
 
-async def send_json(send, obj) -> None:
+async def send_json(send, obj, headers: dict[str, str] | None = None) -> None:
     """A 200 JSON response in two ASGI messages, without a Response object (the hot path's answer)."""
     body = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": 200,
-                "headers": [JSON_HEADERS, (b"content-length", str(len(body)).encode())]})
+                "headers": [JSON_HEADERS, (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body})
 
 

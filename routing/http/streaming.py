@@ -86,7 +86,7 @@ async def sse(events, first, state: StreamState, n: int, include_usage: bool, ch
         while True:
             i, msg = pending.pop() if pending else await events.__anext__()
             if msg["type"] == P.RESULT:
-                state.usage.add(msg["response"]["usage"])
+                state.usage.add(msg["response"]["usage"], msg.get("timing"))
                 continue
             now = time.perf_counter()
             for out in msg["outputs"]:
