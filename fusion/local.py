@@ -117,7 +117,8 @@ class LocalDeployment:
                        catalog: Catalog | None = None) -> LocalDeployment:
         """`catalog`: the models it may load at run time (fusion.catalog; serve), with the runconfig's
         load settings; None: its copies stay as started."""
-        router = {k: run[k] for k in ("autoload", "load_timeout", "unload_timeout", "idle_unload_s", "tenants")}
+        router = {k: run[k] for k in ("autoload", "load_timeout", "unload_timeout", "idle_unload_s", "tenants", "min_resident_s",
+                                  "max_loads_per_minute")}
         return cls(fusion, plan, run["frontend"], run["backend"], SupervisorConfig(max_restarts=run["max_restarts"]),
                    curve_keys=run["curve_keys"], insecure=run["insecure"], restart_wait=run["restart_wait"],
                    catalog=catalog, router=router)

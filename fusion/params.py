@@ -12,7 +12,7 @@ from routing.dispatch import RouterConfig
 from routing.tenants import parse_tenants
 from workers.config_keys import Key, parse_size
 from workers.spec import ModelSpec
-from workers.validate import is_number
+from workers.validate import is_int, is_number
 
 MAX_RETRIES = 10
 
@@ -69,6 +69,13 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
     Key("idle_unload_s", _default(RouterConfig, "idle_unload_s"), "a number of seconds > 0, or null",
         "serve: unload an unpinned model that no request has named for this long; null: never",
         lambda x: x is None or (is_number(x) and x > 0)),
+    Key("min_resident_s", _default(RouterConfig, "min_resident_s"), "a number of seconds >= 0",
+        "serve: a copy serving for less than this is not evicted to make room for a load a request starts (it waits "
+        "instead): hysteresis against loads that undo each other", lambda x: is_number(x) and x >= 0),
+    Key("max_loads_per_minute", _default(RouterConfig, "max_loads_per_minute"), "a positive integer, or null",
+        "serve: past this many loads that requests started in the last minute, a load that would evict a copy waits "
+        "(its requests queue) rather than evict; null: no cap. An operator's load is never held back",
+        lambda x: x is None or is_int(x, 1)),
     Key("retry_delays", [0.5, 2.0, 8.0], f"a list of at most {MAX_RETRIES} waits in seconds (each 0-3600)",
         "predict and eval: the waits before each resend of a request that failed for a transient reason "
         "(`busy`, `worker_lost`, `no_worker`, `router_lost`, a timeout); `[]` turns resending off"),

@@ -127,7 +127,8 @@ class RayDeployment(LocalDeployment):
         self.address = run["ray"]
         self.host = run.get("ray_router_host")
         self.run_id = f"mmfusion-{os.getpid()}-{int(time.time())}"
-        router = {k: run[k] for k in ("autoload", "load_timeout", "unload_timeout", "idle_unload_s", "tenants") if k in run}
+        router = {k: run[k] for k in ("autoload", "load_timeout", "unload_timeout", "idle_unload_s", "tenants", "min_resident_s",
+                                  "max_loads_per_minute") if k in run}
         super().__init__(fusion, plan, run["frontend"], run["backend"],
                          SupervisorConfig(max_restarts=run["max_restarts"]), log=log, curve_keys=keys,
                          insecure=run["insecure"], restart_wait=run["restart_wait"], catalog=catalog, router=router)

@@ -68,6 +68,10 @@ class RouterConfig:
     load_timeout: float = 600.0  # a copy that does not serve within this fails its load and its queue
     unload_timeout: float = 60.0  # an unloaded copy's requests may finish for this long, then fail `unloaded`
     idle_unload_s: float | None = None  # unload an unpinned model no request named for this long (None: never)
+    # against thrash, for loads requests start (routing/lifecycle.py): a copy serving for less than this is not
+    # evicted for one; past this many such loads in a minute, one that would evict waits (None: no cap)
+    min_resident_s: float = 0.0
+    max_loads_per_minute: int | None = None
     tenants: tuple[Tenant, ...] = ()  # weights and quotas by tenant (routing/tenants.py); () : one default tenant
 
     def __post_init__(self) -> None:
@@ -82,6 +86,12 @@ class RouterConfig:
         for name in ("restart_wait", "load_timeout", "unload_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"RouterConfig.{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+        if not self.min_resident_s >= 0:
+            raise ValueError(f"RouterConfig.min_resident_s must be >= 0 seconds, got {self.min_resident_s!r}")
+        if self.max_loads_per_minute is not None and not (isinstance(self.max_loads_per_minute, int)
+                                                         and self.max_loads_per_minute >= 1):
+            raise ValueError("RouterConfig.max_loads_per_minute must be an integer >= 1 or None, got "
+                             f"{self.max_loads_per_minute!r}")
         if self.idle_unload_s is not None and not self.idle_unload_s > 0:
             raise ValueError(f"RouterConfig.idle_unload_s must be > 0 seconds or None, got {self.idle_unload_s!r}")
 

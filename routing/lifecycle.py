@@ -13,6 +13,11 @@ the outbox, to a client, a worker or the supervisor.
 - A request naming a variant with no copy loads one (`autoload`): the first request starts the
   load, and it and every later one queue on the new copy until it serves, for up to
   `load_timeout`.
+- Against thrash, for loads that requests start (an operator's load is never held back): a copy
+  that began serving less than `min_resident_s` ago is not evicted for one, and beyond
+  `max_loads_per_minute` loads in the last minute a load that would evict waits (its requests
+  queue) until the minute has room, rather than evict a copy that serves. Waiting loads are
+  placed first come first placed as time, exits and loads allow.
 
 The dispatch calls a lifecycle through ModelLifecycle's methods only, and always has one: a
 deployment without a supervisor to start and stop workers (a router started alone, or with
@@ -190,6 +195,7 @@ class Stats:
     loads: int = 0  # copies that came to serve
     load_failures: int = 0
     autoloads: int = 0  # loads a request started
+    held: int = 0  # request-started loads that waited (min_resident_s, max_loads_per_minute) instead of evicting
     evictions: Counter = field(default_factory=Counter)  # by reason: evicted, idle, unload, load_failed
     load_seconds: list = field(default_factory=list)  # per loaded copy, the last 100
     queue_wait_seconds: list = field(default_factory=list)  # requests that waited for a load, the last 1000
@@ -202,7 +208,7 @@ class Stats:
             return {"count": len(xs), "mean": round(sum(xs) / len(xs), 3) if xs else None,
                     "max": round(max(xs), 3) if xs else None}
 
-        return {"loads": self.loads, "load_failures": self.load_failures, "autoloads": self.autoloads,
+        return {"loads": self.loads, "load_failures": self.load_failures, "autoloads": self.autoloads, "held": self.held,
                 "evictions": dict(self.evictions), "load_seconds": summary(self.load_seconds),
                 "queue_wait_seconds": summary(self.queue_wait_seconds), "unloaded_requests": self.unloaded_requests,
                 "last_evictions": list(self.last_evictions)}
@@ -226,6 +232,10 @@ class Lifecycle:
         self.next_id = max(self.models, default=-1) + 1
         self.waiters = Waiters(self.outbox)
         self.deferred: list[int] = []  # loading copies waiting for room (model IDs, in order)
+        self.guarded: set[int] = set()  # of those, the ones requests started (the thrash guard applies)
+        self.started: deque[float] = deque()  # when request-started loads were placed, over the last minute
+        self.reload_s: dict[str, float] = {}  # a model's load seconds, measured (its copies' reload cost)
+        self.placed_at: dict[int, float] = {}  # loading copies: when they were placed (their load began)
         self.blocked: dict[int, set[int]] = {}  # slot -> the leaving copies it starts after
         self.stopping: dict[int, set[int]] = {}  # model ID -> its slots told to stop, not yet exited
         self.stats = Stats()
@@ -285,30 +295,48 @@ class Lifecycle:
         if not self.config.autoload:
             raise P.ProtocolError(f"model {name!r} is not loaded (runconfig.autoload is off): load it first",
                                   P.UNLOADED, rid)
-        ids = self._start(spec, 1, spec.pin, now, rid)
+        ids = self._start(spec, 1, spec.pin, now, rid, guarded=True)
         self.stats.autoloads += 1
         self.log(f"router: a request for {name!r} loads it (model ID {ids[0]})")
         return ids
 
     def touch(self, model_id: int, now: float) -> None:
-        """A request named the copy (the dispatch keeps its entry's last_use): LRU order."""
+        """A request named the copy (the dispatch keeps its entry's last_use): its use counts toward
+        what keeping it is worth (routing/residency.py)."""
         r = self.residency.copies.get(model_id)
         if r is not None:
-            r.last_use = now
+            r.use(now)
 
     # --- loading -----------------------------------------------------------------------------------
-    def _start(self, spec: ModelSpec, n: int, pin: bool, now: float, rid) -> list[int]:
+    def _protect_s(self, guarded: bool) -> float:
+        return self.config.min_resident_s if guarded else 0.0
+
+    def _over_rate(self, p: Placement, guarded: bool, now: float) -> bool:
+        """A request-started load that would evict, with the minute's loads used up: it waits."""
+        cap = self.config.max_loads_per_minute
+        while self.started and self.started[0] <= now - 60.0:
+            self.started.popleft()
+        return guarded and cap is not None and bool(p.evict) and len(self.started) >= cap
+
+    def _start(self, spec: ModelSpec, n: int, pin: bool, now: float, rid, guarded: bool = False) -> list[int]:
         if n <= 0:
             return []
         placer = self.catalog.placer
         sizes = [placer.size(spec, d) for d in placer.devices]
+        protect = self._protect_s(guarded)
         try:
-            placements: list[Placement | None] = self.residency.choose_many(spec.name, sizes, n, self._busy)
+            placements: list[Placement | None] = self.residency.choose_many(spec.name, sizes, n, self._busy,
+                                                                            now=now, protect_s=protect)
+            if any(self._over_rate(p, guarded, now) for p in placements):
+                placements = [None] * n
+                self.stats.held += 1
         except NoMemory as exc:
             try:  # there is room once the copies loading now serve (and may then go): wait for them
                 self.residency.choose_many(spec.name, sizes, n, self._busy, wait=True)
             except NoMemory:
                 raise P.ProtocolError(str(exc), P.NO_MEMORY, rid) from None
+            if guarded and protect:
+                self.stats.held += 1
             placements = [None] * n
         ids = []
         for p in placements:
@@ -318,9 +346,12 @@ class Lifecycle:
             self.by_name.setdefault(spec.name, []).append(mid)
             if p is None:
                 self.deferred.append(mid)
-                self.log(f"router: {spec.name!r} (model ID {mid}) will load when the copies loading now serve")
+                if guarded:
+                    self.guarded.add(mid)
+                self.log(f"router: {spec.name!r} (model ID {mid}) waits to load: for room, or for the copies "
+                         f"loading or just loaded to be evictable (min_resident_s, max_loads_per_minute)")
             else:
-                self._place(mid, p, now)
+                self._place(mid, p, now, guarded)
             ids.append(mid)
         return ids
 
@@ -332,14 +363,19 @@ class Lifecycle:
                 self.deferred.pop(0)  # failed (load_timeout) meanwhile
                 continue
             placer = self.catalog.placer
+            guarded = m.model_id in self.guarded
             try:
-                p = self.residency.choose(m.name, [placer.size(m.spec, d) for d in placer.devices], self._busy)
+                p = self.residency.choose(m.name, [placer.size(m.spec, d) for d in placer.devices], self._busy,
+                                          now=now, protect_s=self._protect_s(guarded))
             except NoMemory:
                 return
+            if self._over_rate(p, guarded, now):
+                return
             self.deferred.pop(0)
-            self._place(m.model_id, p, now)
+            self.guarded.discard(m.model_id)
+            self._place(m.model_id, p, now, guarded)
 
-    def _place(self, mid: int, p: Placement, now: float) -> None:
+    def _place(self, mid: int, p: Placement, now: float, guarded: bool = False) -> None:
         m = self.models[mid]
         spec = m.spec
         evicted = [k for i in p.evict for k in self.registry.slots_of(i)]
@@ -349,6 +385,10 @@ class Lifecycle:
         wspec = self.catalog.placer.worker_spec(spec, mid, p.device, tuple(sorted(cpus)) if bound else None,
                                                 on_device + 1)
         self.residency.apply(p, mid, m.pinned, now)
+        self.residency.copies[mid].reload_s = self.reload_s.get(spec.name, 0.0)
+        self.placed_at[mid] = now
+        if guarded:
+            self.started.append(now)
         slot = self.registry.add_slot(wspec)
         for i in p.evict:
             if self.models[i].state != P.STATE_UNLOADING:
@@ -369,7 +409,12 @@ class Lifecycle:
         m.state, m.since, load_s = P.STATE_LOADED, now, now - m.since
         r = self.residency.copies.get(model_id)
         if r is not None:
-            r.evictable = True
+            r.evictable, r.loaded_at = True, now
+        # a reload's cost: the model's latest load time (a wait for room before it is not counted)
+        self.reload_s[m.name] = now - self.placed_at.pop(model_id, now - load_s)
+        for other in self.residency.copies.values():
+            if other.model_id in self.models and self.models[other.model_id].name == m.name:
+                other.reload_s = self.reload_s[m.name]
         self.stats.loads += 1
         _keep(self.stats.load_seconds, load_s, 100)
         for p in m.queue:
@@ -467,6 +512,8 @@ class Lifecycle:
 
     # --- clock -------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        if self.deferred:
+            self._place_deferred(now)  # protections expire and the minute's loads free up as time passes
         for m in list(self.models.values()):
             if m.state == P.STATE_UNLOADING:
                 self._check_drain(m, now)

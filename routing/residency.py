@@ -6,8 +6,14 @@ linears, its KV pool, and its weights unless they are shared) plus the weights i
 other copies of the same source and dtype on its device, which count once there. A device's
 budget (`memory_budget`) bounds the sum. A load goes where it fits as things are; else to the
 device where evicting the fewest unpinned copies makes room: copies already leaving first, then
-idle ones before busy ones, each least recently used first. A load that cannot fit even alone,
-or only by evicting pinned or loading copies, is refused before anything is evicted.
+idle ones before busy ones, and among those the copy worth least to keep first. A copy's worth is
+how often it is asked for (its requests, decayed with a half-life of REUSE_HALF_LIFE_S) times what
+loading it again costs (its model's measured load seconds), over the bytes evicting it frees:
+a big copy that is rarely used and quick to reload goes before a small, busy one that is slow to
+reload. Ties go least recently used first. A copy that began serving less than `protect_s` ago
+is not evicted (hysteresis: a load does not undo the one before it); a load that needs it waits
+instead (`wait`). A load that cannot fit even alone, or only by evicting pinned or loading
+copies, is refused before anything is evicted.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+
+REUSE_HALF_LIFE_S = 60.0  # how fast a copy's request count fades
+MIN_RELOAD_S = 0.5  # the reload cost of a copy whose model has not been timed yet
 
 
 def mib(n: int) -> str:
@@ -48,6 +57,17 @@ class Resident:
     last_use: float = 0.0
     leaving: bool = False  # being unloaded: its bytes are promised back
     evictable: bool = True  # False while it loads: a load in progress is never evicted
+    loaded_at: float = float("-inf")  # when it began serving (younger than protect_s: kept)
+    uses: float = 0.0  # its requests, decayed to used_at
+    used_at: float = 0.0
+    reload_s: float = 0.0  # what loading its model again took, measured (0: not yet)
+
+    def use(self, now: float) -> None:
+        self.uses = self.rate(now) + 1.0
+        self.used_at = self.last_use = now
+
+    def rate(self, now: float) -> float:
+        return self.uses * 0.5 ** (max(0.0, now - self.used_at) / REUSE_HALF_LIFE_S)
 
 
 class NoMemory(Exception):
@@ -98,38 +118,55 @@ class Residency:
     def by_device(self) -> dict[str, int]:
         return {d: self.used(d) for d in sorted({r.size.device for r in self.copies.values()} | set(self.budgets))}
 
-    def _victims(self, device: str, busy: Callable[[int], bool], wait: bool) -> list[Resident]:
-        rs = [r for r in self.copies.values()
-              if r.size.device == device and (r.evictable or wait) and (r.leaving or not r.pinned)]
-        return sorted(rs, key=lambda r: (not r.evictable, not r.leaving, busy(r.model_id), r.last_use, r.model_id))
+    def freed(self, r: Resident) -> int:
+        """The bytes evicting `r` gives back: its own, and its shared weights if no other copy holds them."""
+        s = r.size
+        alone = s.shared_key is None or not any(o is not r and o.size.device == s.device and o.size.shared_key == s.shared_key
+                                                for o in self.copies.values())
+        return s.own + (s.shared if alone else 0)
 
-    def _place_on(self, size: CopySize, busy: Callable[[int], bool], wait: bool = False) -> Placement | None:
+    def worth(self, r: Resident, now: float) -> float:
+        """What keeping `r` is worth a byte: its request rate times its reload seconds, over what it frees."""
+        return r.rate(now) * max(r.reload_s, MIN_RELOAD_S) / max(1, self.freed(r))
+
+    def _victims(self, device: str, busy: Callable[[int], bool], wait: bool, now: float,
+                 protect_s: float) -> list[Resident]:
+        rs = [r for r in self.copies.values()
+              if r.size.device == device and (r.evictable or wait) and (r.leaving or not r.pinned)
+              and (wait or r.leaving or now - r.loaded_at >= protect_s)]
+        return sorted(rs, key=lambda r: (not r.evictable, not r.leaving, busy(r.model_id), self.worth(r, now),
+                                         r.last_use, r.model_id))
+
+    def _place_on(self, size: CopySize, busy: Callable[[int], bool], wait: bool = False, now: float = 0.0,
+                  protect_s: float = 0.0) -> Placement | None:
         budget = self.budgets.get(size.device)
         if budget is None or self.used(size.device, plus=size) <= budget:
             return Placement(size, ())
         evict: list[int] = []
-        for r in self._victims(size.device, busy, wait):
+        for r in self._victims(size.device, busy, wait, now, protect_s):
             evict.append(r.model_id)
             if self.used(size.device, frozenset(evict), size) <= budget:
                 return Placement(size, tuple(evict))  # those leaving already: the load waits for them too
         return None
 
-    def choose(self, name: str, sizes: list[CopySize], busy: Callable[[int], bool], wait: bool = False) -> Placement:
+    def choose(self, name: str, sizes: list[CopySize], busy: Callable[[int], bool], wait: bool = False,
+               now: float = 0.0, protect_s: float = 0.0) -> Placement:
         """Where one more copy of `name` goes (one size per device it may run on), and what it evicts.
-        `wait`: as if the copies loading now could go too (would it fit once they serve?)."""
-        options = [p for p in (self._place_on(s, busy, wait) for s in sizes) if p is not None]
+        `wait`: as if the copies loading now, and those younger than `protect_s`, could go too
+        (would it fit once they may?)."""
+        options = [p for p in (self._place_on(s, busy, wait, now, protect_s) for s in sizes) if p is not None]
         if options:
             return min(options, key=lambda p: sum(not self.copies[i].leaving for i in p.evict))
         raise NoMemory(self._why(name, sizes))
 
     def choose_many(self, name: str, sizes: list[CopySize], n: int, busy: Callable[[int], bool],
-                    wait: bool = False) -> list[Placement]:
+                    wait: bool = False, now: float = 0.0, protect_s: float = 0.0) -> list[Placement]:
         """`n` copies, each placed beside the ones before; all or none (NoMemory, nothing changed)."""
         trial = copy.deepcopy(self)
         out = []
         for k in range(n):
             try:
-                p = trial.choose(name, sizes, busy, wait)
+                p = trial.choose(name, sizes, busy, wait, now, protect_s)
             except NoMemory as exc:
                 if k == 0:
                     raise

@@ -329,3 +329,78 @@ def test_a_budget_smaller_than_the_copies_that_start_is_refused_before_anything_
     with pytest.raises(ValueError, match="memory_budget: the copies started on cpu need ~.* MiB, more than its budget"):
         make_catalog(fusion, plan, SPECS, {"memory_budget": "10MiB"})
     assert make_catalog(fusion, plan, SPECS, {"memory_budget": "auto"}).budgets["cpu"] > 2**20
+
+
+def _serve(d: Dispatch, ident: bytes, rid: str, model: str, now: float) -> None:
+    request(d, rid, model, now=now)
+    (key,) = worker_keys(sent(d), ident)
+    answer(d, ident, key, rid, now=now)
+    sent(d)
+
+
+def test_eviction_weighs_how_often_a_copy_is_used_not_only_when_last():
+    """a answered ten requests, b one, later: LRU would evict a; b is worth less to keep."""
+    d = make(started=("a", "b"))
+    ready(d, b"w0", 0)
+    ready(d, b"w1", 1)
+    sent(d)
+    for i in range(10):
+        _serve(d, b"w0", f"a{i}", "a", now=float(i))
+    _serve(d, b"w1", "b0", "b", now=11.0)
+    admin(d, P.LOAD, "l", model="c", now=12.0)
+    assert orders(sent(d)) == [(P.STOP_WORKER, 1)]
+
+
+def test_the_measured_reload_time_makes_a_copy_worth_keeping():
+    res = Residency({"cpu": 300})
+    quick, slow = Resident(0, CopySize("cpu", 100)), Resident(1, CopySize("cpu", 100))
+    for r in (quick, slow):
+        res.add(r)
+        r.use(0.0)
+    quick.reload_s, slow.reload_s = 0.6, 9.0
+    p = res.choose("x", [CopySize("cpu", 150)], lambda i: False, now=1.0)
+    assert p.evict == (0,)  # equal use and bytes: the one that reloads quickly goes
+    slow.reload_s = 0.0  # not timed yet: counted as MIN_RELOAD_S, less than 0.6
+    assert res.choose("x", [CopySize("cpu", 150)], lambda i: False, now=1.0).evict == (1,)
+
+
+def test_a_copy_that_just_loaded_is_not_evicted_for_a_request_started_load():
+    d = make(started=("a",), pin=("a",), min_resident_s=30.0)
+    ready(d, b"w0", 0)
+    request(d, "rb", "b", now=0.0)  # fits beside a: b loads at once
+    assert orders(sent(d)) == [(P.START_WORKER, 1)]
+    ready(d, b"w1", 1, now=1.0)
+    sent(d)
+    request(d, "rc", "c", now=5.0)  # only b could make room, and it serves since 1.0: c waits
+    assert orders(sent(d)) == [] and d.status()["models"]["held"] == 1
+    d.tick(20.0)
+    assert orders(sent(d)) == []
+    d.tick(31.5)
+    assert orders(sent(d)) == [(P.STOP_WORKER, 1)]  # b drains rb (answered or not) and goes; c follows
+
+
+def test_past_max_loads_per_minute_a_request_started_load_waits_rather_than_evicts():
+    d = make(started=("a",), pin=("a",), max_loads_per_minute=1)
+    ready(d, b"w0", 0)
+    request(d, "rb", "b", now=0.0)
+    assert orders(sent(d)) == [(P.START_WORKER, 1)]
+    ready(d, b"w1", 1, now=1.0)
+    (key,) = worker_keys(sent(d), b"w1")
+    answer(d, b"w1", key, "rb", now=1.5)
+    request(d, "rc", "c", now=2.0)  # evicting b would be the minute's second load
+    assert orders(sent(d)) == [] and d.status()["models"]["held"] == 1
+    d.tick(40.0)
+    assert orders(sent(d)) == []
+    d.tick(60.5)  # the load of b left the minute
+    assert orders(sent(d)) == [(P.STOP_WORKER, 1)]
+
+
+def test_an_operators_load_is_never_held_back():
+    d = make(started=("a",), pin=("a",), max_loads_per_minute=1, min_resident_s=600.0)
+    ready(d, b"w0", 0)
+    request(d, "rb", "b", now=0.0)  # the minute's one request-started load
+    ready(d, b"w1", 1, now=1.0)
+    (key,) = worker_keys(sent(d), b"w1")
+    answer(d, b"w1", key, "rb", now=1.5)
+    admin(d, P.LOAD, "l1", model="c", now=2.0)  # evicts b, serving for 1 s, past the minute's cap
+    assert orders(sent(d)) == [(P.STOP_WORKER, 1)] and d.status()["models"]["held"] == 0
