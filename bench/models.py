@@ -21,6 +21,7 @@ holds any two of the four variants' copies (their sizes as validate_only prints 
    answer, and whether any request failed otherwise (nothing may be lost).
 
     python bench/models.py [--seconds 120] [--clients 4] [--scenarios load,alternating,fairness]
+                           [--min-resident-s S] [--max-loads-per-minute N]
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--scenarios", default="load,alternating,fairness")
     ap.add_argument("--fair-seconds", type=float, default=60.0)
     ap.add_argument("--quota", type=int, default=600, help="capped's tokens a minute (fairness)")
+    ap.add_argument("--min-resident-s", type=float, default=0.0, help="runconfig.min_resident_s (load, alternating)")
+    ap.add_argument("--max-loads-per-minute", type=int, default=None, help="runconfig.max_loads_per_minute")
     args = ap.parse_args()
     print(json.dumps(describe("models", sys.argv)), flush=True)
     scenarios = set(args.scenarios.split(","))
@@ -109,7 +112,8 @@ def main() -> None:
     if not scenarios & {"load", "alternating"}:
         return
     params = {"variants": {n: {"model": {**m, "max_batch_size": 8, "max_model_len": 1024}} for n, m in VARIANTS.items()},
-              "runconfig": {"threads_per_worker": 1, "devices": "cpu", "unload_timeout": 60}}
+              "runconfig": {"threads_per_worker": 1, "devices": "cpu", "unload_timeout": 60,
+                            "min_resident_s": args.min_resident_s, "max_loads_per_minute": args.max_loads_per_minute}}
     budget, sizes = budget_for_two(params)
     params["runconfig"]["memory_budget"] = budget
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=ROOT / "bench", delete=False) as f:
@@ -187,6 +191,7 @@ def scenario(front: str, serve_pid: int, budget: int, sizes: dict, args) -> None
         life = c.status()["models"]
     loads = life["loads"] - before["loads"]
     emit(bench="models_alternating", variants=list(VARIANTS), clients=args.clients, seconds=args.seconds,
+         min_resident_s=args.min_resident_s, max_loads_per_minute=args.max_loads_per_minute, held=life["held"],
          requests=len(latencies), p50_s=round(pct(latencies, 0.5), 3), p99_s=round(pct(latencies, 0.99), 3),
          loads=loads, loads_per_request=round(loads / max(1, len(latencies)), 3),
          evictions=life["evictions"], load_seconds_mean=life["load_seconds"]["mean"],
