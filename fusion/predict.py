@@ -162,6 +162,8 @@ class JsonlJob:
             print(f"error: {self.file.path} line {line.number} failed: {exc}; rerun predict to retry it",
                   file=sys.stderr, flush=True)
             return _error(line, exc.code, f"{where}: {exc}", retry=True), 0
+        # the router's timing stays out of the record: a rerun (or a resumed run) writes the same file
+        resp["usage"].pop("timing", None)
         return {"request": line.request, "result": resp}, resp["usage"]["completion_tokens"]
 
     async def run(self, client: AsyncClient, progress: Progress) -> None:
