@@ -116,25 +116,13 @@ def main() -> None:
                             "min_resident_s": args.min_resident_s, "max_loads_per_minute": args.max_loads_per_minute}}
     budget, sizes = budget_for_two(params)
     params["runconfig"]["memory_budget"] = budget
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=ROOT / "bench", delete=False) as f:
-        json.dump(params, f)
-    cfg = Path(f.name)
-    front = f"tcp://127.0.0.1:{free_port()}"
-    cached = {n: weights_cached(m["source"]) for n, m in VARIANTS.items()}
-    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants", "tiny,1",
-                             "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    cached = {n: weights_cached(m["source"]) for n, m in VARIANTS.items()}  # before serve fills the cache
+    proc, front, log, cfg = serve(params, "tiny,1")
     from routing.client import Client
 
     try:
+        wait_serving(front, proc, log)
         with Client(front, timeout=900) as c:
-            deadline = time.monotonic() + 300
-            while not any(w["loaded"] for w in c.status()["workers"]):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("serve did not start:\n" + "".join(log[-30:]))
-                time.sleep(0.5)
             c.unload("tiny")
             for name in VARIANTS if "load" in scenarios else ():
                 cold = first_token(c, name, PROMPTS[0])

@@ -228,11 +228,10 @@ class Dispatch:
             raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
         tenant, cost = self._admit(req, now)  # before resolving too: a refused request starts no load
         try:
-            candidates = self._resolve(req.model, req.id, now)
+            p = self._queue_or_send(client, msg, req, self._resolve(req.model, req.id, now), tenant, cost, now)
         except P.ProtocolError:
-            self.tenants.settle(tenant, cost, 0, now)
+            self.tenants.settle(tenant, cost, 0, now)  # refused after all: its reservation goes back
             raise
-        p = self._queue_or_send(client, msg, req, candidates, tenant, cost, now)
         self.pending[p.key] = p
         self.client_keys[(client, req.id)] = p.key
 
@@ -250,17 +249,13 @@ class Dispatch:
         except ValueError as exc:
             raise P.ProtocolError(str(exc), P.BAD_REQUEST, req.id, "max_tokens") from None
         if wait is not None:
-            t = self.tenants.tenants[tenant]
-            why = (f"{t.max_inflight} requests in flight" if t.max_inflight is not None
-                   and self.tenants.usage[tenant].inflight >= t.max_inflight else f"{t.tokens_per_minute} tokens a minute")
-            raise P.ProtocolError(f"tenant {tenant!r} is over its quota of {why}; retry after {wait:.3g}s",
-                                  P.RATE_LIMITED, req.id, retry_after=wait)
+            raise P.ProtocolError(f"tenant {tenant!r} is over its quota of {self.tenants.quota_hit(tenant)}; "
+                                  f"retry after {wait:.3g}s", P.RATE_LIMITED, req.id, retry_after=wait)
         return tenant, cost
 
     def _queue_or_send(self, client: bytes, msg: dict, req: P.CompleteRequest, candidates: list[int], tenant: str,
                        cost: int, now: float) -> Pending:
         if all(self.models[m].abandoned and not self.registry.usable(m) for m in candidates):
-            self.tenants.settle(tenant, cost, 0, now)
             raise P.ProtocolError(f"no worker serves model {req.model!r}: its workers kept failing and were not "
                                   "restarted (see the deployment's log)", P.NO_WORKER, req.id)
         model_id = min(candidates, key=self.registry.load)
@@ -276,7 +271,6 @@ class Dispatch:
         if worker is None:
             q = self.models[model_id].queue
             if len(q) >= self.config.max_queue:
-                self.tenants.settle(tenant, cost, 0, now)
                 raise P.ProtocolError(f"model {self.models[model_id].name!r} (ID {model_id}) is busy: "
                                       f"{len(q)} requests queued; retry later", P.BUSY, req.id)
             p.for_load = not self.registry.has_loaded(model_id)

@@ -155,7 +155,7 @@ class TenantBook:
         t = u.tenant
         if t.tokens_per_minute is not None and cost > t.tokens_per_minute:
             raise ValueError(f"the request may be served {cost} tokens (n * max_tokens), more than tenant "
-                             f"{name!r}'s quota of {t.tokens_per_minute} a minute; ask for fewer")
+                             f"{name!r} may be served in a minute (its quota: {t.tokens_per_minute}); ask for fewer")
         wait = u.retry_after(cost, now)
         if wait is not None:
             u.refused += 1
@@ -164,6 +164,14 @@ class TenantBook:
         u.reserved += cost
         u.requests += 1
         return None
+
+    def quota_hit(self, name: str) -> str:
+        """The quota a refusal of tenant `name` just now was for, in words."""
+        u = self.usage[name]
+        t = u.tenant
+        if t.max_inflight is not None and u.inflight >= t.max_inflight:
+            return f"{t.max_inflight} requests in flight"
+        return f"{t.tokens_per_minute} tokens a minute"
 
     def settle(self, name: str, cost: int, served: int, now: float) -> None:
         """An admitted request is done (answered, failed or cancelled) after `served` tokens."""
