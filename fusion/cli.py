@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
 def configure(args) -> tuple[dict, object, object, object]:
     """The params, the fused models, the plan, and (validate_only and local serve) the catalog of
     what can load at run time."""
-    from fusion.deploy import build_fusion
+    from fusion.deploy import build_fusion, variant_specs
 
     params = load_params(args.params)
     run = params["runconfig"]
@@ -86,9 +86,12 @@ def configure(args) -> tuple[dict, object, object, object]:
         check_listen(parse_listen(run["http"])[0], keys + tuple(tenant_keys(run["tenants"])), bool(run["insecure"]))
     mode = getattr(args, "mode", None)
     local = not run["router"] and not run["ray"]
-    if mode in WORKER_MODES and local:
-        launcher.start_server()  # its imports (seconds) overlap what comes before the first worker
     fusion = build_fusion(params, run["variants"])
+    if mode in WORKER_MODES and local:
+        # its imports (seconds) overlap what comes before the first worker; it holds the tokenizers
+        # of what may load (serve: every variant, at run time too) for each copy it starts
+        specs = variant_specs(params).values() if mode == "serve" else [m.spec for m in fusion.models]
+        launcher.start_server([s.source for s in specs])
     plan_args = (fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
     if mode in ("predict", "infer", "eval") and run["router"]:
         plan = None  # the router's workers are already placed
@@ -102,7 +105,6 @@ def configure(args) -> tuple[dict, object, object, object]:
     catalog = None
     if mode in ("validate_only", "serve") and not run["router"]:
         from fusion.catalog import make_catalog
-        from fusion.deploy import variant_specs
 
         catalog = make_catalog(fusion, plan, variant_specs(params), run)
     return params, fusion, plan, catalog

@@ -19,8 +19,10 @@ import multiprocessing
 import os
 import subprocess
 
+from workers.weights.held_tokenizers import HOLD_ENV
+
 # imported once in the fork server: what every worker would otherwise import on its own
-PRELOAD = ["workers.worker", "workers.models"]
+PRELOAD = ["workers.worker", "workers.models", "workers.weights.held_tokenizers"]
 
 
 class WorkerProcess:
@@ -82,13 +84,25 @@ def stop_server() -> None:
             pass
 
 
-def start_server() -> None:
+def start_server(hold_tokenizers: list[str] | tuple[str, ...] = ()) -> None:
     """Start the fork server now, without waiting for it: its imports (seconds of CPU) then overlap
-    whatever the starter does before its first start_worker, which finds the server ready sooner."""
+    whatever the starter does before its first start_worker, which finds the server ready sooner.
+    `hold_tokenizers`: model sources whose tokenizers the server builds once, from the shared
+    weights' cache, for every copy it forks (workers.weights.held_tokenizers)."""
+    import json
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
+    # the server inherits this process's environment when it starts, and only then: set for that moment
+    before = os.environ.get(HOLD_ENV)
+    os.environ[HOLD_ENV] = json.dumps(sorted(set(hold_tokenizers)))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            os.environ.pop(HOLD_ENV, None)
+        else:
+            os.environ[HOLD_ENV] = before
 
 
 def start_worker(argv: list[str], env: dict[str, str] | None = None) -> WorkerProcess:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from workers.files import atomic_replace, cache_root
+from workers.weights.held_tokenizers import held
 from workers.weights.sources import source_key
 
 log = logging.getLogger("mmfusion.shared_weights")
@@ -217,7 +218,8 @@ def build_meta(path_dir: Path, dtype: torch.dtype):
         model = cls._from_config(config, dtype=dtype)
     if (path_dir / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(str(path_dir), local_files_only=True)
-    return model, AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+    tok = held(path_dir) or AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+    return model, tok
 
 
 def build_attached(path_dir: Path, dtype: torch.dtype):

@@ -9,6 +9,7 @@ Sources:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -88,6 +89,7 @@ def gguf_architecture(path: Path) -> str | None:
     return None
 
 
+@functools.cache  # the file of an installed package stays put; gemma3's assemble() hashes 268 MB each call
 def embedded_gguf(name: str) -> Path:
     """Path of an embedded model's GGUF file, without importing its package's __init__."""
     module, install = EMBEDDED[name]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.capability import cpu_capability
 from workers.engine import attention, calibrate, cpu_kernels
 from workers.engine.lean import LeanLlama, lean_forward
 from workers.engine.runners.base import kv_dims, num_layers
@@ -18,7 +19,7 @@ from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
 from workers.weights.quantized_cache import shared_quantized
 from workers.weights.shared import drop_pages
-from workers.weights.sources import source_gguf
+from workers.weights.sources import source_gguf, source_key
 
 if TYPE_CHECKING:
     from workers.engine.attention_backend import AttentionBackend
@@ -98,5 +99,9 @@ class CpuRunner(PagedRunner):
         else:  # the decoder layers' linears (the LM head's name holds no layer index)
             linears = [(m, m.in_features) for name, m in self.model.named_modules()
                        if isinstance(m, torch.nn.Linear) and any(f".{i}." in f".{name}." for i in range(layers))]
-        return calibrate.attention_span(self.holder, self.backend, linears, layers, cfg.num_attention_heads, kvh, dk,
-                                        self.block_size, self.cache.keys.dtype, self.lm.device)
+        key = "|".join(map(str, (source_key(self.lm.source), self.platform.precision, self.lean is not None,
+                                 self.backend.name, self.backend.prefill is not None, self.block_size,
+                                 self.cache.keys.dtype, torch.get_num_threads(), cpu_capability().tag())))
+        return calibrate.remembered(key, lambda: calibrate.attention_span(
+            self.holder, self.backend, linears, layers, cfg.num_attention_heads, kvh, dk, self.block_size,
+            self.cache.keys.dtype, self.lm.device))
