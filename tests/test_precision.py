@@ -189,3 +189,29 @@ def test_the_long_prompt_price_is_measured_on_this_machine():
     windowed = tiny("mistral", dtype="float32")  # a sliding window on every layer
     eng = Engine(windowed, EngineConfig(max_batch_size=4, max_batch_tokens=32))
     assert eng.runner.measured_attention_span() is None and eng.attention_span == estimated_attention_span(windowed)
+
+
+def test_the_measured_price_is_kept_for_the_next_load(tmp_path, monkeypatch):
+    """The measurement is a large part of a warm reload: it is kept in the cache under a key of all
+    it depends on, read back by the next load with that key, and measured again for another key
+    or when the kept file is unreadable."""
+    from workers.engine import calibrate
+
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
+    calls = []
+
+    def measure(span):
+        return lambda: calls.append(span) or span
+
+    assert calibrate.remembered("model a|float32|2 threads", measure(300)) == 300
+    assert calibrate.remembered("model a|float32|2 threads", measure(999)) == 300 and calls == [300]
+    assert calibrate.remembered("model a|float32|1 thread", measure(120)) == 120 and calls == [300, 120]
+    for kept in (tmp_path / "calibration").iterdir():
+        kept.write_text("{not json")
+    assert calibrate.remembered("model a|float32|2 threads", measure(310)) == 310 and calls == [300, 120, 310]
+    lm = tiny("llama", dtype="float32")  # an engine's own key: its second load reads what its first measured
+    first = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=32)).attention_span
+    files = sorted((tmp_path / "calibration").iterdir())
+    assert len(files) == 3
+    assert Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=32)).attention_span == first
+    assert sorted((tmp_path / "calibration").iterdir()) == files

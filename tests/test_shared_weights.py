@@ -223,3 +223,45 @@ def test_sharing_turned_off_gives_full_copies(cache):
     finally:
         d.__exit__(None, None, None)
     assert not (cache / "shared").exists() or not any((cache / "shared").iterdir())
+
+
+HOLD_SCRIPT = """
+import os, sys
+from fusion import launcher
+from workers.weights.held_tokenizers import HOLD_ENV
+
+if __name__ == "__main__":
+    launcher.start_server(sys.argv[1:])
+    try:
+        print(launcher.call_in_server("workers.weights.held_tokenizers:held_count"), HOLD_ENV in os.environ)
+    finally:
+        launcher.stop_server()
+"""
+
+
+def test_the_fork_server_holds_the_tokenizers_of_cached_sources(cache, tmp_path):
+    """A serving deployment names the sources it may load; its fork server builds, once, the
+    tokenizer of each whose shared weights are cached, and every process forked from it starts with
+    that tokenizer at hand (a large vocabulary takes seconds to build). A source with nothing cached,
+    or none at all, is skipped; the starter's environment is left as it was."""
+    import subprocess
+    import sys
+
+    from workers.weights import held_tokenizers
+
+    lm = load_model("tiny:llama", dtype="float32", share_weights=True)  # writes the shared directory
+    built = held_tokenizers.build(["tiny:llama", "tiny:gpt2", "/no/such/model"])
+    assert list(built) == [str(Path(lm.weights.path).parent.resolve())]
+    tok = built[str(Path(lm.weights.path).parent.resolve())]
+    for text in ("Hello, world", "<|im_start|>user\nhi"):
+        assert tok(text).input_ids == lm.tokenizer(text).input_ids
+    assert tok.chat_template == lm.tokenizer.chat_template and tok.eos_token == lm.tokenizer.eos_token
+    assert held_tokenizers.held(Path(lm.weights.path).parent) is None  # this process was not forked holding it
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, str(script), "tiny:llama", "tiny:gpt2", "/no/such/model"], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "False"]

@@ -26,7 +26,8 @@ HOLD_ENV = "MMFUSION_HOLD_TOKENIZERS"
 log = logging.getLogger("mmfusion.tokenizers")
 
 
-def _build(sources: list[str]) -> dict[str, object]:
+def build(sources: list[str]) -> dict[str, object]:
+    """Tokenizer by shared directory, for each source whose shared weights are in the cache."""
     from transformers import AutoTokenizer
 
     from workers.files import cache_root
@@ -56,7 +57,7 @@ def _from_env() -> dict[str, object]:
         sources = [s for s in json.loads(raw) if isinstance(s, str)]
     except (ValueError, TypeError):
         return {}
-    return _build(sources)
+    return build(sources)
 
 
 # built once, at import, in the fork server only (the only process started with HOLD_ENV set);
