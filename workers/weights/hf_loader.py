@@ -71,15 +71,18 @@ def fast_gguf_reader_class():
 def gguf_parsed_once():
     """Within the block, a GGUF file is parsed once, and fast. transformers parses the file's
     metadata for the config, again for the tokenizer and again for the weights, and builds the
-    tensor-name map again for every submodule (~20 ms each, hundreds of submodules); the reader
-    and the maps are read-only, so every caller can share them."""
+    tensor-name map again for every submodule (~20 ms each, hundreds of submodules); the reader,
+    the maps and the parsed values (strings and numbers) are read-only, so every caller can share
+    them."""
     import functools
 
     import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
 
     original, fast = gguf.GGUFReader, fast_gguf_reader_class()
-    original_map = gguf.get_tensor_name_map
+    original_map, original_parse = gguf.get_tensor_name_map, hf_gguf._gguf_parse_value
     readers: dict = {}
+    parsed: dict[int, tuple] = {}
 
     def reader(path, mode="r"):
         key = (os.fspath(path), mode)
@@ -87,13 +90,23 @@ def gguf_parsed_once():
             readers[key] = fast(path, mode)
         return readers[key]
 
+    def parse(part, types):
+        # one reader per file, so a value's part is the same object for each of the three callers:
+        # the vocabulary's 262k strings are decoded once, not three times (seconds each)
+        hit = parsed.get(id(part))
+        if hit is None or hit[0] is not part:
+            hit = parsed[id(part)] = (part, original_parse(part, types))
+        return hit[1]
+
     gguf.GGUFReader = reader
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_map)
+    hf_gguf._gguf_parse_value = parse
     try:
         yield
     finally:
         gguf.GGUFReader = original
         gguf.get_tensor_name_map = original_map
+        hf_gguf._gguf_parse_value = original_parse
 
 
 def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
