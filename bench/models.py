@@ -19,9 +19,14 @@ holds any two of the four variants' copies (their sizes as validate_only prints 
    after another, waiting out each refusal's retry_after (at most 2 s). The tokens each tenant was
    served in the window, gold's to silver's, capped's against its quota, every refusal's time to
    answer, and whether any request failed otherwise (nothing may be lost).
+4. Head-of-line (a serve process of its own, SmolLM2 and Gemma 3 each on both cores, a budget that
+   holds both): one client sends SmolLM2 greedy requests back to back for `--hol-seconds` alone,
+   then for `--hol-rounds` rounds Gemma 3 is unloaded and loaded again by a request. SmolLM2's
+   p50 alone against its p50 over the requests that overlapped a load of Gemma 3 (from the request
+   that starts it to its first token).
 
-    python bench/models.py [--seconds 120] [--clients 4] [--scenarios load,alternating,fairness]
-                           [--min-resident-s S] [--max-loads-per-minute N]
+    python bench/models.py [--seconds 120] [--clients 4] [--scenarios load,alternating,fairness,hol]
+                           [--min-resident-s S] [--max-loads-per-minute N] [--hol-seconds S] [--hol-rounds N]
 """
 
 from __future__ import annotations
@@ -99,16 +104,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=120.0)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--scenarios", default="load,alternating,fairness")
+    ap.add_argument("--scenarios", default="load,alternating,fairness,hol")
     ap.add_argument("--fair-seconds", type=float, default=60.0)
     ap.add_argument("--quota", type=int, default=600, help="capped's tokens a minute (fairness)")
     ap.add_argument("--min-resident-s", type=float, default=0.0, help="runconfig.min_resident_s (load, alternating)")
     ap.add_argument("--max-loads-per-minute", type=int, default=None, help="runconfig.max_loads_per_minute")
+    ap.add_argument("--hol-seconds", type=float, default=20.0, help="SmolLM2 alone before the loads (head-of-line)")
+    ap.add_argument("--hol-rounds", type=int, default=12, help="loads of Gemma 3 beside SmolLM2 (head-of-line)")
     args = ap.parse_args()
     print(json.dumps(describe("models", sys.argv)), flush=True)
     scenarios = set(args.scenarios.split(","))
     if "fairness" in scenarios:
         fairness(args)
+    if "hol" in scenarios:
+        head_of_line(args)
     if not scenarios & {"load", "alternating"}:
         return
     params = {"variants": {n: {"model": {**m, "max_batch_size": 8, "max_model_len": 1024}} for n, m in VARIANTS.items()},
@@ -267,6 +276,55 @@ def fairness(args) -> None:
              retry_after_s=[round(min(waits, default=0), 2), round(max(waits, default=0), 2)],
              lost=lost, router_rate_limited={t: s["rate_limited"] for t, s in tenants.items()})
     finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        cfg.unlink(missing_ok=True)
+
+
+def head_of_line(args) -> None:
+    from routing.client import Client
+
+    names = ("smollm2", "gemma3")
+    params = {"variants": {n: {"model": {**VARIANTS[n], "max_batch_size": 8, "max_model_len": 1024}} for n in names},
+              "runconfig": {"threads_per_worker": 2, "devices": "cpu"}}
+    proc, front, log, cfg = serve(params, "smollm2,1")
+    done: list[tuple[float, float]] = []  # (start, end) of each SmolLM2 request
+    loads: list[tuple[float, float]] = []  # (start, first token) of each load of Gemma 3
+    stop = threading.Event()
+
+    def client() -> None:
+        with Client(front, timeout=600) as c:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                c.complete("smollm2", PROMPTS[0], **GREEDY)
+                done.append((t0, time.perf_counter()))
+
+    try:
+        wait_serving(front, proc, log)
+        with Client(front, timeout=600) as c:
+            first_token(c, "gemma3", PROMPTS[1])  # its caches warm, as a reload finds them
+            c.unload("gemma3")
+            runner = threading.Thread(target=client)
+            runner.start()
+            time.sleep(args.hol_seconds)
+            alone = len(done)
+            for _ in range(args.hol_rounds):
+                t0 = time.perf_counter()
+                loads.append((t0, t0 + first_token(c, "gemma3", PROMPTS[1])))
+                time.sleep(0.5)
+                c.unload("gemma3")
+                time.sleep(1.0)
+            stop.set()
+            runner.join()
+        base = [e - s for s, e in done[1:alone]]  # the first warms SmolLM2's own caches
+        during = [e - s for s, e in done[alone:] if any(s < le and e > ls for ls, le in loads)]
+        emit(bench="models_head_of_line", model="smollm2", loading="gemma3", threads_per_worker=2,
+             requests_alone=len(base), requests_during_loads=len(during),
+             p50_alone_s=round(pct(base, 0.5), 3), p50_during_loads_s=round(pct(during, 0.5), 3),
+             ratio=round(pct(during, 0.5) / pct(base, 0.5), 3),
+             load_to_first_token_s=[round(le - ls, 2) for ls, le in loads])
+    finally:
+        stop.set()
         proc.terminate()
         proc.wait(timeout=120)
         cfg.unlink(missing_ok=True)

@@ -31,6 +31,7 @@ import zmq
 
 from routing import protocol as P
 from routing.security import ClientKeys, connect_curve
+from workers.low_priority import at_low_priority
 from workers.output_thread import OutputThread
 from workers.thread_messages import Assign, Cancel, EngineMessage, FinishSample, Submit
 
@@ -147,9 +148,14 @@ class EngineThread(threading.Thread):
             bind_cores(spec.cpus)
             if self.spec != spec:
                 m = spec.model
-                lm = load_model(m.source, dtype=m.dtype, device=spec.device, max_model_len=m.max_model_len,
-                                share_weights=m.share_weights, owner=spec.weights_owner, prepack=m.prepack_weights)
-                self.engine, self.spec = Engine(lm, EngineConfig.from_spec(spec, self.num_threads)), spec
+
+                def build() -> Engine:
+                    lm = load_model(m.source, dtype=m.dtype, device=spec.device, max_model_len=m.max_model_len,
+                                    share_weights=m.share_weights, owner=spec.weights_owner, prepack=m.prepack_weights)
+                    return Engine(lm, EngineConfig.from_spec(spec, self.num_threads))
+
+                # behind serving: other models' workers on these cores keep their CPU while this loads
+                self.engine, self.spec = at_low_priority(build), spec
                 if self.engine.compile_info.compiled:
                     print(f"worker: {spec.name}: {self.engine.compile_info.summary()}", file=sys.stderr, flush=True)
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
