@@ -125,6 +125,15 @@ MODEL_KEYS: tuple[Key, ...] = (
         "faster than bfloat16, 0.36x its linears' bytes, a batched workload about 1.02-1.05x bfloat16's "
         "(docs/benchmarks.md)",
         lambda x: x in ("auto", "none", "int8", "int4")),
+    Key("deterministic", False, "`true`, `false`",
+        "batch-invariant computation: a request's logits, so its greedy tokens and log-probabilities, "
+        "are the same bit for bit whatever else the engine computes with it (the other requests of a "
+        "step, where its prompt's chunks start, whether its prefix came from the prefix cache), in "
+        "every dtype. Each linear multiplies a fixed number of rows a call (a step's rows in tiles, "
+        "the last padded) and every token's attention runs the decode kernel's one order over its "
+        "context. CPU with the lean forward only (`prepack_weights`, Llama family or Gemma 3); it costs "
+        "throughput, most on long prompts (docs/serving.md, \"Reproducibility\")",
+        lambda x: isinstance(x, bool)),
     Key("compile", "auto", "`auto`, `true`, `false`",
         "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "
         "`true` compiling now if needed, `false` eager. Where the lean forward runs (`prepack_weights`, Llama "

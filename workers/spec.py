@@ -43,6 +43,7 @@ class ModelSpec:
     share_weights: bool = _default("share_weights")
     prepack_weights: bool = _default("prepack_weights")
     quantization: str = _default("quantization")
+    deterministic: bool = _default("deterministic")
     compile: str | bool = _default("compile")
     compile_buckets: tuple[int, ...] | None = _default("compile_buckets")
     pin: bool = _default("pin")

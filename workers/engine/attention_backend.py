@@ -19,9 +19,30 @@ from workers.engine import attention, cpu_kernels
 from workers.engine.block_manager import first_block
 
 if TYPE_CHECKING:
+    from workers.engine.block_manager import SeqBlocks
     from workers.engine.scheduler import Chunk
     from workers.engine.sequence import Sequence
     from workers.platform import Platform
+
+
+@dataclass(slots=True, frozen=True)
+class TokenRow:
+    """One token attended as a decode row is: its sequence's blocks, at position `num_computed`
+    (the field a decode Sequence has), so that `metadata` takes it where it takes a Sequence."""
+
+    blocks: SeqBlocks
+    num_computed: int
+
+
+def token_rows(decode: list[Sequence], chunks: list[Chunk]) -> list[TokenRow]:
+    """A step's every token as a decode row, in the step's order (decode rows, then each chunk's
+    tokens): with `deterministic`, every token's attention runs the decode kernel, whose order over
+    a row's context depends on that row alone: not on the rows beside it, where its chunk starts,
+    or whether the keys before it were computed in this step or came from the prefix cache."""
+    rows = [TokenRow(s.blocks, s.num_computed) for s in decode]
+    for c in chunks:
+        rows.extend(TokenRow(c.seq.blocks, p) for p in range(c.start, c.start + c.length))
+    return rows
 
 
 @dataclass(slots=True, frozen=True)

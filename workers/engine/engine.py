@@ -50,6 +50,7 @@ class EngineConfig:
     kv_block_size: int = MODEL["kv_block_size"].default  # positions per block
     prepack_weights: bool = MODEL["prepack_weights"].default  # CPU: the lean forward on packed weights
     quantization: str = MODEL["quantization"].default  # CPU, the lean forward: weight-only int8/int4 linears
+    deterministic: bool = MODEL["deterministic"].default  # batch-invariant linears and attention
     num_threads: int | None = None  # torch threads for this process; None leaves torch's default
     compile: str | bool = MODEL["compile"].default  # auto: compiled when the cache has artifacts; true: compile now
     compile_buckets: tuple[int, ...] | list[int] | None = None  # padded token counts; None: default_buckets
@@ -67,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"prepack_weights must be true or false, got {self.prepack_weights!r}")
         if not MODEL["quantization"].check(self.quantization):
             raise ValueError(f"quantization must be {MODEL['quantization'].valid}, got {self.quantization!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         self.compile = compile_mode(self.compile)
         if self.compile_buckets is not None:
             self.compile_buckets = Buckets(tuple(self.compile_buckets)).tokens
@@ -79,7 +82,8 @@ class EngineConfig:
         return cls(max_batch_size=spec.batch_size, max_batch_tokens=spec.batch_tokens,
                    long_prefill_tokens=m.long_prefill_tokens, kv_cache_memory=spec.kv_bytes,
                    kv_block_size=m.kv_block_size, prepack_weights=m.prepack_weights, quantization=m.quantization,
-                   num_threads=spec.threads or num_threads, compile=m.compile, compile_buckets=m.compile_buckets)
+                   deterministic=m.deterministic, num_threads=spec.threads or num_threads, compile=m.compile,
+                   compile_buckets=m.compile_buckets)
 
     def buckets(self) -> Buckets:
         return Buckets(self.compile_buckets or default_buckets(self.max_batch_tokens))
@@ -103,6 +107,8 @@ class Engine:
         # everything that depends on the device, decided once (workers.platform)
         self.platform: Platform = platform or for_model(lm, cfg.prepack_weights, cfg.quantization)
         self.runner = self._runner(lm, attention)
+        # `deterministic`: the rows each linear path multiplies a call (empty: any number)
+        self.invariant_rows: dict[str, int] = self.runner.make_batch_invariant() if cfg.deterministic else {}
         layout = self.runner.layout
         blocks = BlockManager(layout.num_blocks, layout.block_size, layout.groups, cfg.max_batch_tokens,
                               enable_prefix_caching=layout.prefix_caching, cache_reserve=layout.reserve)

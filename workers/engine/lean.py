@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
+from workers.engine.batch_invariant import invariant_rows
 from workers.engine.linears import Linear, all_kept, fused, quantized
 from workers.precision import Precision
 from workers.quantized import INT4, INT8, QuantizedWeight
@@ -152,11 +153,26 @@ class LeanLlama:
         """Its weight-only quantized linears by key (the modules' names they fuse), as `fused` takes them."""
         return {key: lin.quant for key, lin in self._keyed.items() if lin.quant is not None}
 
+    def linears(self) -> list[Linear]:
+        """Every linear it multiplies with: the LM head, then each layer's."""
+        return [self.lm_head] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     @property
     def own_bytes(self) -> int:
         """Memory this process holds of its own for the fused and packed weights."""
-        linears = [self.lm_head] + [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return sum(x.own_bytes for x in linears)
+        return sum(x.own_bytes for x in self.linears())
+
+    def make_batch_invariant(self) -> dict[str, int]:
+        """Every linear multiplies a fixed number of rows a call from now on (`deterministic`): the
+        tile that batch_invariant.invariant_rows finds each kind of linear keeps rows apart in, on
+        this machine, checked once per (path, shape). Returns the rows a call by path."""
+        checked: dict[tuple, int] = {}
+        for lin in self.linears():
+            sig = (lin.path, lin.shape)
+            if sig not in checked:
+                checked[sig] = invariant_rows(lin.multiply, lin.shape[1], self.compute)
+            lin.make_invariant(checked[sig])
+        return {path: min(r for (p, _), r in checked.items() if p == path) for path, _ in checked}
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # in float32 inside: transformers' LlamaRMSNorm rounds to the dtype once more, before the

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from workers.engine.batch_invariant import in_tiles
 from workers.precision import FP16, ONEDNN, PLAIN
 from workers.quantized import INT4, INT8, QuantizedWeight, concat, quantize
 
@@ -49,7 +50,7 @@ class Linear:
     """y = x @ weight.T + bias over rows x [M, in], in the way `kind` names ("onednn", "fp16",
     "plain"); the result is in the compute dtype (float32 for "fp16")."""
 
-    __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels")
+    __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels", "shape", "rows_per_call")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | bool, own: bool = False,
                  compute: torch.dtype | None = None):
@@ -58,6 +59,8 @@ class Linear:
         A bool kind is oneDNN packing on (True) or off (False)."""
         kind = {True: ONEDNN, False: PLAIN}.get(kind, kind) if isinstance(kind, bool) else kind
         weight = weight.detach()
+        self.shape = (weight.shape[0], weight.shape[1])  # (out, in)
+        self.rows_per_call = 0  # any number (make_invariant fixes one)
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
         self.packed = self.fp16 = self.quant = self.kernels = None
@@ -89,9 +92,27 @@ class Linear:
         lin.weight = lin.packed = lin.fp16 = None
         lin.bias = None if bias is None else bias.detach().to(compute)
         lin.quant, lin.kernels, lin.own_bytes = qw, kernels, qw.nbytes
+        lin.shape, lin.rows_per_call = (qw.out_features, qw.in_features), 0
         return lin
 
+    @property
+    def path(self) -> str:
+        """Which multiplication serves it: int4, int8, fp16, onednn or plain."""
+        if self.quant is not None:
+            return self.quant.kind
+        return FP16 if self.fp16 is not None else ONEDNN if self.packed is not None else PLAIN
+
+    def make_invariant(self, rows: int) -> None:
+        """From now on multiply `rows` rows a call (0: any number): batch_invariant.in_tiles."""
+        self.rows_per_call = rows
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_per_call:
+            return in_tiles(self.multiply, x, self.rows_per_call)
+        return self.multiply(x)
+
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T + bias, for any number of rows."""
         if self.quant is not None:
             q = self.quant
             if q.kind == INT4:

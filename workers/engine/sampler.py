@@ -94,9 +94,17 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
-def sample(logits: torch.Tensor, specs: list[SampleSpec]):
+def sample(logits: torch.Tensor, specs: list[SampleSpec], row_by_row: bool = False):
     """Pick a token per spec. Returns (tokens, chosen logprobs, top alternatives per spec); a
-    chosen logprob is None where its spec does not want it."""
+    chosen logprob is None where its spec does not want it.
+
+    `row_by_row` (`deterministic`): each row on its own, so that every reduction over the
+    vocabulary has one shape. torch splits a reduction differently for one row and for several (a
+    lone row's sum goes to two threads in halves), and a row's logsumexp then moved by 2e-6 in
+    float32 when another row was sampled beside it."""
+    if row_by_row and len(specs) > 1:
+        alone = [sample(logits, [s]) for s in specs]
+        return [a[0][0] for a in alone], [a[1][0] for a in alone], [a[2][0] for a in alone]
     if not specs:
         return [], [], []
     sel = _rows(logits, [s.row for s in specs])

@@ -71,6 +71,7 @@ class Runner(ABC):
         self.platform = platform
         self.layout = layout  # the KV pool: the engine's block manager counts these blocks
         self.forward_seconds = 0.0  # time inside forward passes (the rest of a step is bookkeeping)
+        self.batch_invariant = False  # `deterministic`: set by make_batch_invariant
 
     @property
     def backend(self) -> AttentionBackend | None:
@@ -103,6 +104,17 @@ class Runner(ABC):
     def min_long_chunk(self) -> int:
         """The fewest tokens of a long prompt's chunk worth a step beside the streams."""
         return 1
+
+    def make_batch_invariant(self) -> dict[str, int]:
+        """`deterministic`: from now on compute each row the same way whatever else a step holds.
+        Returns the rows a call of each linear path; a ValueError says why this runner cannot."""
+        if self.lm.device.type != "cpu":
+            raise ValueError(f"deterministic: true is not available on {self.lm.device.type} yet; it runs on a CPU")
+        from workers.lean_rules import unsupported
+
+        why = unsupported(self.model, self.platform.precision.compute) or "prepack_weights is false"
+        raise ValueError(f"deterministic: true runs on a CPU through the lean forward, which does not run this copy "
+                         f"({why}): use a Llama-family model, or Gemma 3 in float32, with prepack_weights: true")
 
     def compile_refusal(self) -> str | None:
         """Why this runner does not run compiled (None: it can, through enable_compile)."""
@@ -160,7 +172,7 @@ class Runner(ABC):
             if chunk.need_logits and chunk.seq.group.params.max_tokens > 0:
                 want(chunk.seq, row + len(kept) - 1)
             row += len(kept)
-        tokens, chosen, tops = sample(logits, specs)
+        tokens, chosen, tops = sample(logits, specs, row_by_row=self.batch_invariant)
         result.samples = list(zip(owners, tokens, chosen, tops))
         return result
 

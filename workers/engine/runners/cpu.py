@@ -12,6 +12,7 @@ import torch
 
 from workers.capability import cpu_capability
 from workers.engine import attention, calibrate, cpu_kernels
+from workers.engine.attention_backend import CPU_KERNELS
 from workers.engine.lean import LeanLlama, lean_forward
 from workers.engine.runners.base import kv_dims, num_layers
 from workers.engine.runners.paged import PagedRunner
@@ -62,6 +63,16 @@ class CpuRunner(PagedRunner):
         drop_pages([m.weight for m in lm.model.modules()
                     if isinstance(m, torch.nn.Linear) and m.weight.data_ptr() != embed])
         return lean
+
+    def make_batch_invariant(self) -> dict[str, int]:
+        if self.lean is None:
+            return super().make_batch_invariant()
+        if self.backend.name != CPU_KERNELS:
+            raise ValueError("deterministic: true needs the C++ attention kernels, which could not be built here "
+                             "(the log says why at the first load)")
+        rows = self.lean.make_batch_invariant()
+        self.batch_invariant = True
+        return rows
 
     def min_long_chunk(self) -> int:
         """The tokens whose query rows fill one pass of the C++ prefill kernel over the context (16

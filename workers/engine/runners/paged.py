@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.engine import attention
+from workers.engine.attention_backend import token_rows
 from workers.engine.compiled import CompiledLayers
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.runners.base import Runner, chunk_tokens, kept_rows, kv_dims
@@ -81,7 +82,11 @@ class PagedRunner(Runner):
             pos.extend(range(chunk.start, chunk.start + chunk.length))
             keep.extend(t0 + r for r in kept_rows(chunk))
         dev = self.lm.device
-        ctx = self.backend.metadata(self.holder, decode, chunks, pos, self.block_size, dev, self.unzeroed)
+        if self.batch_invariant:  # `deterministic`: every token attends as a decode row does
+            ctx = self.backend.metadata(self.holder, token_rows(decode, chunks), [], pos, self.block_size, dev,
+                                        self.unzeroed)
+        else:
+            ctx = self.backend.metadata(self.holder, decode, chunks, pos, self.block_size, dev, self.unzeroed)
         padded = self.compiled.buckets.pad(len(ids)) if self.compiled is not None else None
         if padded is not None and padded > len(ids):
             # padded rows: token 0 at position 0; row-wise layers keep them apart and attention skips them

@@ -1,0 +1,63 @@
+"""Batch-invariant linears (`deterministic`): a row's result that does not depend on the rows it
+is multiplied with.
+
+A GEMM library picks its kernel, its blocking and its threads' split by the shape it is given, and
+each choice sums a row's products in its own order: one row alone and the same row among 31
+others round differently (in bfloat16 by up to a tenth of a log-probability). The C++ int4/int8
+kernels do the same on purpose: one row in fixed point, two to four straight from the blocks,
+more through widened strips. Called always with the same number of rows, every one of them takes
+one path: the step's rows go in tiles of `rows`, the last padded with zeros, and a row's result
+depends on its own values only, as long as the kernel does not mix rows or treat a tile's rows
+by their place in it. GEMM kernels keep each row's sums apart; `invariant_rows` checks the place
+at load for each kind of linear, on this machine, and falls back to one row a call, which holds
+by construction.
+
+This is the same idea as vLLM's batch-invariant mode and SGLang's deterministic inference (after
+"Defeating Nondeterminism in LLM Inference", Thinking Machines, 2025): one tiling for every batch
+size, whatever it costs a large batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# Rows a call. A decode step of up to this many streams is one call, as fast as the kernels' own
+# few-row paths are (memory-bound); a prompt's chunk of 512 rows is 32 calls, each reading every
+# weight again (bench/engine.py measures the cost).
+TILE_ROWS = 16
+
+
+def in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int) -> torch.Tensor:
+    """fn over x [M, in] in calls of exactly `rows` rows (the last padded with zeros), joined: [M, out]."""
+    m = x.shape[0]
+    if m == rows or m == 0:
+        return fn(x)
+    parts = []
+    for i in range(0, m, rows):
+        part = x[i:i + rows]
+        n = part.shape[0]
+        if n < rows:
+            part = torch.cat([part, part.new_zeros(rows - n, *part.shape[1:])])
+        parts.append(fn(part)[:n])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def invariant_rows(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
+                   rows: int = TILE_ROWS) -> int:
+    """`rows` where fn, called on exactly `rows` rows of `width`, gives each row the same result
+    bit for bit wherever it sits among them and whatever the others hold (checked here on seeded
+    random rows: reversed, and one row among zeros at each end); else 1, one row a call."""
+    gen = torch.Generator().manual_seed(rows * 7919 + width)
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    with torch.inference_mode():
+        y = fn(x)
+        if not torch.equal(fn(x.flip(0)), y.flip(0)):
+            return 1
+        for at in (0, rows - 1):
+            alone = torch.zeros_like(x)
+            alone[at] = x[0]
+            if not torch.equal(fn(alone)[at], y[0]):
+                return 1
+    return rows
