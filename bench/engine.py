@@ -20,7 +20,9 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  engine's ratios to it in a summary line;
   llamacpp:      llama.cpp (llama-cpp-python, in the same environment) on the same GGUF file: the
                  single stream's prompt, tokens and threads, against each quantization's single stream.
---quantization none,int4 runs the engine systems and the single stream once per value, alternated.
+--quantization none,int4 runs the engine systems and the single stream once per value, alternated;
+--deterministic off,on the same with the `deterministic` key off and on (names suffixed
+_deterministic), with a summary line of what the key costs.
 The first line describes the run: date, commit, CPU model and flags, versions, command.
 
     python bench/engine.py [--model smollm2-135m] [--dtype auto] [--n 64] [--threads 2]
@@ -67,9 +69,10 @@ def emit(**row) -> None:
     print(json.dumps(row), flush=True)
 
 
-def run_engine(lm, prompts, max_tokens, args, compile: str = "false", quantization: str = "auto"):
+def run_engine(lm, prompts, max_tokens, args, compile: str = "false", quantization: str = "auto",
+               deterministic: bool = False):
     eng = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                                  compile=compile, quantization=quantization))
+                                  compile=compile, quantization=quantization, deterministic=deterministic))
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     calls = record_calls(eng.runner)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
@@ -184,14 +187,14 @@ def single_prompt(vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(64)]
 
 
-def single_stream(lm, repeats: int, quantization: str = "auto") -> dict:
+def single_stream(lm, repeats: int, quantization: str = "auto", deterministic: bool = False) -> dict:
     """ms per generated token for one request alone: 64-token prompt, 128 new tokens, greedy."""
     prompt = single_prompt(lm.vocab_size)
     new = 128
 
     def engine(compile: str):
         eng = Engine(lm, EngineConfig(max_batch_size=1, max_batch_tokens=128, compile=compile,
-                                      quantization=quantization))
+                                      quantization=quantization, deterministic=deterministic))
         eng.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
         t = time.perf_counter()
         out = eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
@@ -386,6 +389,9 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto",
                     help="the engine's quantization key (auto, none, int8, int4); several, comma-separated, run "
                          "the engine systems and the single stream once each, alternated")
+    ap.add_argument("--deterministic", default="off",
+                    help="the engine's deterministic key: off, on, or off,on to run the engine systems and the "
+                         "single stream once each, alternated, with a summary of what it costs")
     ap.add_argument("--long-kv-budget", default="2GiB", help="long_prompt: the engine's kv_cache_memory")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # long_prompt's fresh process
     args = ap.parse_args()
@@ -423,19 +429,24 @@ def main() -> None:
         if "hf_single" in systems:
             record("hf_one_at_a_time", *run_hf_single(lm.model, prompts, max_tokens))
     quants = args.quantization.split(",")
-    # each system once per quantization asked for, suffixed by it where there are several
-    modes = [(name if len(quants) == 1 else f"{name}_{q}", mode, q) for q in quants
+    dets = [d == "on" for d in args.deterministic.split(",")]
+
+    def suffixed(name: str, q: str, det: bool) -> str:
+        return (name if len(quants) == 1 else f"{name}_{q}") + ("_deterministic" if det else "")
+
+    # each system once per quantization and deterministic setting asked for, suffixed by them
+    modes = [(suffixed(name, q, det), mode, q, det) for q in quants for det in dets
              for name, mode in (("engine", "false"), ("engine_compiled", "true")) if name in systems]
     if "engine_compiled" in systems:
         t = time.perf_counter()
         info = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                                        compile="true", quantization=quants[0])).compile_info
         start_s = time.perf_counter() - t
-    runs: dict[str, list] = {name: [] for name, _, _ in modes}
+    runs: dict[str, list] = {name: [] for name, _, _, _ in modes}
     for _ in range(args.repeats):  # alternated: this machine's speed drifts between runs
-        for name, mode, q in modes:
-            runs[name].append(run_engine(lm, prompts, max_tokens, args, mode, q))
-    for name, _, q in modes:
+        for name, mode, q, det in modes:
+            runs[name].append(run_engine(lm, prompts, max_tokens, args, mode, q, det))
+    for name, _, q, det in modes:
         wall, useful, steps, _, fwd_in_run = min(runs[name], key=lambda r: r[0])
         fwd = min(r[3] for r in runs[name])
         extra = {}
@@ -444,7 +455,8 @@ def main() -> None:
         record(name, wall, useful, steps=steps, max_batch_size=args.max_batch_size,
                max_batch_tokens=args.max_batch_tokens,
                # time outside model calls during the run itself (scheduling, sampling, stops)
-               bookkeeping_in_run=round(1 - fwd_in_run / wall, 4), repeats=args.repeats, quantization=q, **extra)
+               bookkeeping_in_run=round(1 - fwd_in_run / wall, 4), repeats=args.repeats, quantization=q,
+               deterministic=det, **extra)
         # the same model calls replayed alone; the difference from the engine's wall is bookkeeping
         emit(system=f"{name}_forward_only", wall_s=round(fwd, 2), tokens_per_s=round(useful / fwd, 2),
              bookkeeping_fraction=round(1 - fwd / wall, 4), **common)
@@ -454,10 +466,18 @@ def main() -> None:
     singles: dict[str, dict] = {}
     if "single_stream" in systems:
         for q in quants:
-            one = singles[q] = single_stream(lm, args.repeats, q)
-            single = single or one  # the first quantization's figures are compared with vLLM
-            emit(system="single_stream" if len(quants) == 1 else f"single_stream_{q}", prompt_tokens=64, new_tokens=128,
-                 repeats=args.repeats, **one, model=args.model, dtype=args.dtype, threads=args.threads, quantization=q)
+            for det in dets:
+                one = single_stream(lm, args.repeats, q, det)
+                if not det:
+                    singles[q] = one
+                    single = single or one  # the first quantization's figures are compared with vLLM
+                name = suffixed("single_stream", q, det)
+                rates[name] = 1e3 / one["engine_eager_ms_per_token"]
+                emit(system=name, prompt_tokens=64, new_tokens=128, repeats=args.repeats, **one, model=args.model,
+                     dtype=args.dtype, threads=args.threads, quantization=q, deterministic=det)
+    if len(dets) > 1:  # what the key costs: its tokens/s over the same system's without it
+        emit(summary="deterministic", **{f"{name}_on_vs_off": round(rates[name] / rates[name.removesuffix("_deterministic")], 3)
+                                         for name in rates if name.endswith("_deterministic")})
     gguf = source_gguf(args.model)
     if "llamacpp" in systems and gguf is not None and have_llamacpp():
         # llama.cpp on the same file, prompt, tokens and threads: each quantization's single stream against it
