@@ -44,6 +44,17 @@ def in_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: 
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def invariant_any(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
+                  sizes: tuple[int, ...] = (1, 3, 5, 16, 24, 37)) -> bool:
+    """Whether fn gives each row the same result bit for bit for any number of rows: the first m
+    of 37 seeded random rows, in order and reversed, for each m of `sizes`, against all 37."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(max(sizes), width, generator=gen).to(dtype)
+    with torch.inference_mode():
+        y = fn(x)
+        return all(torch.equal(fn(x[:m]), y[:m]) and torch.equal(fn(x[:m].flip(0)), y[:m].flip(0)) for m in sizes)
+
+
 def invariant_rows(fn: Callable[[torch.Tensor], torch.Tensor], width: int, dtype: torch.dtype,
                    rows: int = TILE_ROWS) -> int:
     """`rows` where fn, called on exactly `rows` rows of `width`, gives each row the same result

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
-from workers.engine.batch_invariant import invariant_rows
 from workers.engine.linears import Linear, all_kept, fused, quantized
 from workers.precision import Precision
 from workers.quantized import INT4, INT8, QuantizedWeight
@@ -163,16 +162,14 @@ class LeanLlama:
         return sum(x.own_bytes for x in self.linears())
 
     def make_batch_invariant(self) -> dict[str, int]:
-        """Every linear multiplies a fixed number of rows a call from now on (`deterministic`): the
-        tile that batch_invariant.invariant_rows finds each kind of linear keeps rows apart in, on
-        this machine, checked once per (path, shape). Returns the rows a call by path."""
+        """Every linear multiplies each row the same way whatever rows come with it, from now on
+        (`deterministic`: Linear.make_invariant, checked on this machine once per path and shape).
+        Returns the rows a call by path (0: any number, the quantized kernels' strips)."""
         checked: dict[tuple, int] = {}
         for lin in self.linears():
             sig = (lin.path, lin.shape)
-            if sig not in checked:
-                checked[sig] = invariant_rows(lin.multiply, lin.shape[1], self.compute)
-            lin.make_invariant(checked[sig])
-        return {path: min(r for (p, _), r in checked.items() if p == path) for path, _ in checked}
+            checked[sig] = lin.make_invariant(self.compute, checked.get(sig))
+        return {path: max(r for (p, _), r in checked.items() if p == path) for path, _ in checked}
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # in float32 inside: transformers' LlamaRMSNorm rounds to the dtype once more, before the

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.engine.batch_invariant import in_tiles
+from workers.engine.batch_invariant import in_tiles, invariant_any, invariant_rows
 from workers.precision import FP16, ONEDNN, PLAIN
 from workers.quantized import INT4, INT8, QuantizedWeight, concat, quantize
 
@@ -50,7 +50,8 @@ class Linear:
     """y = x @ weight.T + bias over rows x [M, in], in the way `kind` names ("onednn", "fp16",
     "plain"); the result is in the compute dtype (float32 for "fp16")."""
 
-    __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels", "shape", "rows_per_call")
+    __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels", "shape", "rows_per_call",
+                 "strips")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | bool, own: bool = False,
                  compute: torch.dtype | None = None):
@@ -61,6 +62,7 @@ class Linear:
         weight = weight.detach()
         self.shape = (weight.shape[0], weight.shape[1])  # (out, in)
         self.rows_per_call = 0  # any number (make_invariant fixes one)
+        self.strips = False
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
         self.packed = self.fp16 = self.quant = self.kernels = None
@@ -92,7 +94,7 @@ class Linear:
         lin.weight = lin.packed = lin.fp16 = None
         lin.bias = None if bias is None else bias.detach().to(compute)
         lin.quant, lin.kernels, lin.own_bytes = qw, kernels, qw.nbytes
-        lin.shape, lin.rows_per_call = (qw.out_features, qw.in_features), 0
+        lin.shape, lin.rows_per_call, lin.strips = (qw.out_features, qw.in_features), 0, False
         return lin
 
     @property
@@ -102,9 +104,20 @@ class Linear:
             return self.quant.kind
         return FP16 if self.fp16 is not None else ONEDNN if self.packed is not None else PLAIN
 
-    def make_invariant(self, rows: int) -> None:
-        """From now on multiply `rows` rows a call (0: any number): batch_invariant.in_tiles."""
-        self.rows_per_call = rows
+    def make_invariant(self, compute: torch.dtype, like: int | None = None) -> int:
+        """Multiply each row the same way whatever rows come with it, from now on (`deterministic`).
+        The C++ quantized kernels have a path whose sums do not depend on the rows (their strips):
+        it serves any number of rows where batch_invariant.invariant_any finds it so here. Otherwise
+        fixed tiles of rows (batch_invariant.invariant_rows). `compute`: the activations' dtype;
+        `like`: what this returned for a linear of the same path and shape, taken without checking
+        again. Returns the rows a call (0: any number)."""
+        if self.quant is not None and not like:
+            self.strips = True
+            if like == 0 or invariant_any(self.multiply, self.shape[1], compute):
+                return 0
+            self.strips = False
+        self.rows_per_call = like or invariant_rows(self.multiply, self.shape[1], compute)
+        return self.rows_per_call
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows_per_call:
@@ -116,8 +129,8 @@ class Linear:
         if self.quant is not None:
             q = self.quant
             if q.kind == INT4:
-                return self.kernels.qlinear_int4(x, q.qs, q.scales, q.offsets, self.bias)
-            return self.kernels.qlinear_int8(x, q.qs, q.scales, self.bias)
+                return self.kernels.qlinear_int4(x, q.qs, q.scales, q.offsets, self.bias, self.strips)
+            return self.kernels.qlinear_int8(x, q.qs, q.scales, self.bias, self.strips)
         if self.fp16 is not None:
             if len(self.fp16) == 1:
                 return torch.ops.quantized.linear_dynamic_fp16(x, self.fp16[0])

@@ -17,8 +17,8 @@ void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
-                        c10::optional<at::Tensor> bias);
-at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> bias);
+                        c10::optional<at::Tensor> bias, bool strips);
+at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> bias, bool strips);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
@@ -28,6 +28,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of contiguous rows");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then the RMS norm of h");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate/up rows");
-  m.def("qlinear_int4", &qlinear_int4, "x @ W.T over int4 blocks of 32 (scale, offset), float32 math");
-  m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math");
+  // strips: every row count through the strips (where the output rows are whole vectors), whose sum
+  // for a row is the same whatever rows come with it (`deterministic`)
+  m.def("qlinear_int4", &qlinear_int4, "x @ W.T over int4 blocks of 32 (scale, offset), float32 math", pybind11::arg("x"),
+        pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
+        pybind11::arg("strips") = false);
+  m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math", pybind11::arg("x"),
+        pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("bias"), pybind11::arg("strips") = false);
 }

@@ -22,6 +22,9 @@
 // input rows by them in registers; from 24 rows (a batch, a prompt's chunk) strips of output rows are
 // widened once into the layout of an outer-product GEMM (bf16_outer, outer_f32), or, where the output
 // rows are no whole vectors, from 96 rows ATen's GEMM multiplies the widened weights (panels).
+// With `strips` (the `deterministic` key) every row count takes the strips where the output rows
+// are whole vectors: a row's sums then run in one order whatever rows come with it, one row alone
+// included, at the price of widening the weights for a decode step of a few rows.
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
@@ -1003,11 +1006,12 @@ at::Tensor float_panels(const at::Tensor& x, int64_t n, const c10::optional<at::
 #ifdef MMFUSION_QLINEAR_BF16
 template <typename Q>
 at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias, const Q* q, int64_t row_len,
-                     const uint16_t* s, const uint16_t* o) {
+                     const uint16_t* s, const uint16_t* o, bool strips) {
   const at::Tensor xc = x.contiguous();
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->numel() == n, "qlinear: bias must have ", n, " values");
-  if (xc.size(0) >= kPanelRows && !outer_fits(xc.size(0), n)) {
+  const bool outer = outer_fits(xc.size(0), n) || (strips && n % 16 == 0);
+  if (xc.size(0) >= kPanelRows && !outer) {
     const int64_t k = xc.size(1), blocks = k / kBlock;
     return panels<c10::BFloat16>(xc, n, has_bias ? bias->to(at::kBFloat16) : at::Tensor(), [=](int64_t row, c10::BFloat16* w) {
       widen_row_bf16(q + row * row_len, s + row * blocks, o != nullptr ? o + row * blocks : nullptr, k, w);
@@ -1015,7 +1019,7 @@ at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Ten
   }
   const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y = at::empty({xc.size(0), n}, xc.options());
-  if (outer_fits(xc.size(0), n)) {
+  if (outer) {
     bf16_outer(xc.data_ptr<c10::BFloat16>(), xc.size(0), xc.size(1), n, q, row_len, s, o,
                bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<c10::BFloat16>());
     return y;
@@ -1035,7 +1039,7 @@ at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Ten
 // x [M, K] (float32, bfloat16 or float16); qs uint8 [N, K / 2]; scales, offsets float16 [N, K / 32];
 // returns [M, N] in x's dtype
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
-                        c10::optional<at::Tensor> bias) {
+                        c10::optional<at::Tensor> bias, bool strips) {
   const int64_t n = qs.size(0), k = qs.size(1) * 2;
   check(x, scales, n, k, "qlinear_int4");
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qlinear_int4: qs must be contiguous uint8");
@@ -1046,9 +1050,10 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>());
 #ifdef MMFUSION_QLINEAR_BF16
-  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k / 2, s, o);
+  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k / 2, s, o, strips);
 #endif
-  if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n)) {
+  strips = strips && n % 16 == 0;
+  if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n) && !strips) {
     const int64_t blocks = k / kBlock;
     return float_panels(x, n, bias, [=](int64_t row, float* w) {
       widen_int4(q + row * (k / 2), s + row * blocks, o + row * blocks, k, w);
@@ -1057,7 +1062,9 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
-    if (m > kMaxRows) {
+    if (strips) {
+      outer_f32<T>(xf, m, kk, n, b, y, q, kk / 2, s, o);
+    } else if (m > kMaxRows) {
       const int64_t blocks = kk / kBlock;
       const auto widen = [=](int64_t row, float* w) {
         widen_int4(q + row * (kk / 2), s + row * blocks, o + row * blocks, kk, w);
@@ -1082,7 +1089,7 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
 }
 
 // x [M, K]; qs int8 [N, K]; scales float16 [N, K / 32]; returns [M, N] in x's dtype
-at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> bias) {
+at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> bias, bool strips) {
   const int64_t n = qs.size(0), k = qs.size(1);
   check(x, scales, n, k, "qlinear_int8");
   TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous(), "qlinear_int8: qs must be contiguous int8");
@@ -1090,16 +1097,19 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
   const int8_t* q = qs.data_ptr<int8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
 #ifdef MMFUSION_QLINEAR_BF16
-  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k, s, nullptr);
+  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k, s, nullptr, strips);
 #endif
-  if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n)) {
+  strips = strips && n % 16 == 0;
+  if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n) && !strips) {
     const int64_t blocks = k / kBlock;
     return float_panels(x, n, bias, [=](int64_t row, float* w) { widen_int8(q + row * k, s + row * blocks, k, w); });
   }
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
-    if (m > kMaxRows) {
+    if (strips) {
+      outer_f32<T>(xf, m, kk, n, b, y, q, kk, s, nullptr);
+    } else if (m > kMaxRows) {
       const int64_t blocks = kk / kBlock;
       const auto widen = [=](int64_t row, float* w) { widen_int8(q + row * kk, s + row * blocks, kk, w); };
       if (outer_fits_f32(m, n)) {
