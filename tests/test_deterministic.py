@@ -12,11 +12,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from support.cluster import loaded_deployment
 from support.models import tiny
 
-from fusion.deploy import build_fusion
 from fusion.local import LocalDeployment
-from fusion.plan import make_plan
 from routing.client import Client
 from workers.engine import Engine, EngineConfig
 from workers.engine.batch_invariant import TILE_ROWS, in_tiles, invariant_rows
@@ -135,16 +134,7 @@ def _deployment(max_batch_tokens: int, deterministic: bool = True) -> LocalDeplo
                                            "deterministic": deterministic,
                                            "max_batch_size": 32, "max_batch_tokens": max_batch_tokens}}},
               "runconfig": {}, "_path": "test"}
-    fusion = build_fusion(params, ["m,1"])
-    d = LocalDeployment(fusion, make_plan(fusion, None, "cpu", threads_per_worker=2), "tcp://127.0.0.1:*",
-                        "tcp://127.0.0.1:*")
-    d.__enter__()
-    try:
-        d.wait_loaded(120)
-    except BaseException:
-        d.__exit__(None, None, None)
-        raise
-    return d
+    return loaded_deployment(params, ["m,1"], threads_per_worker=2)
 
 
 def test_through_serve_the_four_cases_agree():

@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from support.cluster import loaded_deployment
 from support.models import ARCHS
 
 from fusion.deploy import build_fusion
@@ -155,16 +156,7 @@ def _deployment(share: bool, copies: int) -> LocalDeployment:
     params = {"variants": {"m": {"model": {"source": "tiny:llama", "dtype": "float32", "share_weights": share,
                                            "max_batch_size": 8, "max_batch_tokens": 64}}},
               "runconfig": {}, "_path": "test"}
-    fusion = build_fusion(params, [f"m,{copies}"])
-    d = LocalDeployment(fusion, make_plan(fusion, None, "cpu", threads_per_worker=1), "tcp://127.0.0.1:*",
-                        "tcp://127.0.0.1:*")
-    d.__enter__()
-    try:
-        d.wait_loaded(120)
-    except BaseException:
-        d.__exit__(None, None, None)
-        raise
-    return d
+    return loaded_deployment(params, [f"m,{copies}"])
 
 
 def _answers(c: Client, copies: int, ids=None) -> list[list[int]]:

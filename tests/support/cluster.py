@@ -34,6 +34,22 @@ ANY_PORT = "tcp://127.0.0.1:*"  # the OS picks a free port when the socket binds
 TINY = ModelSpec("llama", "tiny:llama", dtype="float32", max_batch_size=8, max_batch_tokens=64)
 
 
+def loaded_deployment(params: dict, variants: list[str], threads_per_worker: int = 1,
+                      timeout: float = 120) -> LocalDeployment:
+    """A deployment of `params` on loopback, started and with every worker loaded; the caller stops
+    it (`__exit__`). One that does not load is stopped before the error reaches the caller."""
+    fusion = build_fusion(params, variants)
+    d = LocalDeployment(fusion, make_plan(fusion, None, "cpu", threads_per_worker=threads_per_worker), ANY_PORT,
+                        ANY_PORT)
+    d.__enter__()
+    try:
+        d.wait_loaded(timeout)
+    except BaseException:
+        d.__exit__(None, None, None)
+        raise
+    return d
+
+
 def wait_for(pred, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -3,18 +3,22 @@ is multiplied with.
 
 A GEMM library picks its kernel, its blocking and its threads' split by the shape it is given, and
 each choice sums a row's products in its own order: one row alone and the same row among 31
-others round differently (in bfloat16 by up to a tenth of a log-probability). The C++ int4/int8
-kernels do the same on purpose: one row in fixed point, two to four straight from the blocks,
-more through widened strips. Called always with the same number of rows, every one of them takes
-one path: the step's rows go in tiles of `rows`, the last padded with zeros, and a row's result
-depends on its own values only, as long as the kernel does not mix rows or treat a tile's rows
-by their place in it. GEMM kernels keep each row's sums apart; `invariant_rows` checks the place
-at load for each kind of linear, on this machine, and falls back to one row a call, which holds
-by construction.
+others round differently (in SmolLM2's MLP down projection, oneDNN's bfloat16 result for a row
+alone and in a chunk of 512 differed; a greedy answer then parted with the batch). The C++
+int4/int8 kernels do the same on purpose: one row in fixed point, two to four straight from the
+blocks, more through widened strips.
+
+Two ways out, both checked at load on this machine (Linear.make_invariant):
+- one path for every row count: the quantized kernels' strips sum each row in one order whatever
+  rows come with it (`invariant_any` checks row counts from 1 to 37);
+- one call shape: dense linears multiply tiles of TILE_ROWS rows, the last padded with zeros, so
+  every call takes one kernel; a row's result then depends on its own values only, as long as the
+  kernel keeps rows apart and does not treat them by their place in the tile (`invariant_rows`
+  checks; a kernel that fails multiplies one row a call, which holds by construction).
 
 This is the same idea as vLLM's batch-invariant mode and SGLang's deterministic inference (after
-"Defeating Nondeterminism in LLM Inference", Thinking Machines, 2025): one tiling for every batch
-size, whatever it costs a large batch.
+"Defeating Nondeterminism in LLM Inference", Thinking Machines, 2025): one reduction order for
+every batch size, whatever it costs a large batch or a lone row.
 """
 
 from __future__ import annotations
