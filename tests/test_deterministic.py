@@ -66,22 +66,28 @@ def test_an_answer_is_the_same_bit_for_bit_whatever_is_computed_beside_it(arch, 
         assert got == alone, f"{arch} {dtype} {quantization}: {name}"
 
 
-def test_every_linear_multiplies_one_tile_of_rows_and_every_token_attends_as_a_decode_row():
+def test_every_linear_takes_one_path_for_any_rows_and_every_token_attends_as_a_decode_row():
     from workers.capability import cpu_capability
 
     lm = tiny("llama", dtype="bfloat16")
     eng = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, deterministic=True))
-    assert set(eng.invariant_rows) == {eng.precision.linears} and set(eng.invariant_rows.values()) <= {1, TILE_ROWS}
-    assert all(lin.rows_per_call in (1, TILE_ROWS) and not lin.strips for lin in eng.runner.lean.linears())
-    assert eng.runner.batch_invariant
-    # the quantized kernels' strips take any number of rows (where they are built: AVX2 and above)
+    assert set(eng.invariant_rows) == {eng.precision.linears} and eng.runner.batch_invariant
+    # the C++ strips take any number of rows where they are built (AVX2 and above), over the dense
+    # weights instead of the packed copy; elsewhere tiles of rows
+    if cpu_capability().at_least("avx2"):
+        assert set(eng.invariant_rows.values()) == {0}
+        assert all(lin.dense is not None and lin.packed is None and lin.fp16 is None and lin.rows_per_call == 0
+                   for lin in eng.runner.lean.linears())
+    else:
+        assert set(eng.invariant_rows.values()) <= {1, TILE_ROWS}
     quantized = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, deterministic=True, quantization="int4"))
     assert set(quantized.invariant_rows) == {"int4", "int8"}  # the LM head stays int8
     if cpu_capability().at_least("avx2"):
         assert set(quantized.invariant_rows.values()) == {0}
         assert all(lin.strips and lin.rows_per_call == 0 for lin in quantized.runner.lean.linears())
     default = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64))
-    assert default.invariant_rows == {} and all(lin.rows_per_call == 0 for lin in default.runner.lean.linears())
+    assert default.invariant_rows == {} and all(lin.rows_per_call == 0 and lin.dense is None and not lin.strips
+                                                for lin in default.runner.lean.linears())
     assert not default.runner.batch_invariant
 
 

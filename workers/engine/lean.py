@@ -161,14 +161,18 @@ class LeanLlama:
         """Memory this process holds of its own for the fused and packed weights."""
         return sum(x.own_bytes for x in self.linears())
 
-    def make_batch_invariant(self) -> dict[str, int]:
+    def make_batch_invariant(self, model) -> dict[str, int]:
         """Every linear multiplies each row the same way whatever rows come with it, from now on
         (`deterministic`: Linear.make_invariant, checked on this machine once per path and shape).
-        Returns the rows a call by path (0: any number, the quantized kernels' strips)."""
+        `model`: the model it was built from, whose weights the dense linears' strips read.
+        Returns the rows a call by path (0: any number, through the C++ kernels' strips)."""
+        modules = dict(model.named_modules())
         checked: dict[tuple, int] = {}
-        for lin in self.linears():
+        for key, lin in self._keyed.items():
+            parts = [modules[name].weight for name in key.split("+")] if lin.quant is None else []
+            weight = torch.cat([w.detach() for w in parts]) if len(parts) > 1 else parts[0] if parts else None
             sig = (lin.path, lin.shape)
-            checked[sig] = lin.make_invariant(self.compute, checked.get(sig))
+            checked[sig] = lin.make_invariant(self.compute, checked.get(sig), self.norms, weight, own=len(parts) > 1)
         return {path: max(r for (p, _), r in checked.items() if p == path) for path, _ in checked}
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ class Linear:
     "plain"); the result is in the compute dtype (float32 for "fp16")."""
 
     __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels", "shape", "rows_per_call",
-                 "strips")
+                 "strips", "dense")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | bool, own: bool = False,
                  compute: torch.dtype | None = None):
@@ -63,6 +63,7 @@ class Linear:
         self.shape = (weight.shape[0], weight.shape[1])  # (out, in)
         self.rows_per_call = 0  # any number (make_invariant fixes one)
         self.strips = False
+        self.dense = None  # the weight the C++ strips read (make_invariant)
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
         self.packed = self.fp16 = self.quant = self.kernels = None
@@ -94,7 +95,7 @@ class Linear:
         lin.weight = lin.packed = lin.fp16 = None
         lin.bias = None if bias is None else bias.detach().to(compute)
         lin.quant, lin.kernels, lin.own_bytes = qw, kernels, qw.nbytes
-        lin.shape, lin.rows_per_call, lin.strips = (qw.out_features, qw.in_features), 0, False
+        lin.shape, lin.rows_per_call, lin.strips, lin.dense = (qw.out_features, qw.in_features), 0, False, None
         return lin
 
     @property
@@ -104,18 +105,33 @@ class Linear:
             return self.quant.kind
         return FP16 if self.fp16 is not None else ONEDNN if self.packed is not None else PLAIN
 
-    def make_invariant(self, compute: torch.dtype, like: int | None = None) -> int:
+    def make_invariant(self, compute: torch.dtype, like: int | None = None, kernels=None,
+                       weight: torch.Tensor | None = None, own: bool = False) -> int:
         """Multiply each row the same way whatever rows come with it, from now on (`deterministic`).
-        The C++ quantized kernels have a path whose sums do not depend on the rows (their strips):
-        it serves any number of rows where batch_invariant.invariant_any finds it so here. Otherwise
-        fixed tiles of rows (batch_invariant.invariant_rows). `compute`: the activations' dtype;
-        `like`: what this returned for a linear of the same path and shape, taken without checking
-        again. Returns the rows a call (0: any number)."""
+        The C++ kernels' strips sum each row in one order for any number of rows: the quantized
+        kernels' own, and for a dense linear `kernels.dense_strips` over `weight` (its [out, in]
+        values; `own`: a tensor of this process, not a view of the model's), which then replaces
+        the packed copy. They serve where batch_invariant.invariant_any finds them so here;
+        otherwise fixed tiles of rows (batch_invariant.invariant_rows). `compute`: the activations'
+        dtype; `like`: what this returned for a linear of the same path and shape, taken without
+        checking again. Returns the rows a call (0: any number)."""
         if self.quant is not None and not like:
             self.strips = True
             if like == 0 or invariant_any(self.multiply, self.shape[1], compute):
                 return 0
             self.strips = False
+        if self.quant is None and not like and weight is not None and dense_strips_fit(kernels, weight):
+            weight = weight.detach().contiguous()
+
+            def strips(x: torch.Tensor) -> torch.Tensor:
+                return kernels.dense_strips(x, weight, self.bias)
+
+            if like == 0 or invariant_any(strips, self.shape[1], compute):
+                self.dense, self.kernels = weight, kernels
+                self.packed = self.fp16 = None  # the strips read `weight`: the packed copy goes
+                self.weight = None
+                self.own_bytes = weight.numel() * weight.element_size() if own else 0
+                return 0
         self.rows_per_call = like or invariant_rows(self.multiply, self.shape[1], compute)
         return self.rows_per_call
 
@@ -126,6 +142,8 @@ class Linear:
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         """x @ weight.T + bias, for any number of rows."""
+        if self.dense is not None:
+            return self.kernels.dense_strips(x, self.dense, self.bias)
         if self.quant is not None:
             q = self.quant
             if q.kind == INT4:
@@ -138,6 +156,14 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def dense_strips_fit(kernels, weight: torch.Tensor) -> bool:
+    """Whether the C++ strips can multiply by this dense weight: built at this CPU level, whole
+    vectors of 16 output rows, blocks of 32 inputs, a 16- or 32-bit float."""
+    return (kernels is not None and hasattr(kernels, "dense_strips") and kernels.dense_strips_built()
+            and weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+            and weight.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
 def fused(modules: list[torch.nn.Linear], kind: str | bool, compute: torch.dtype | None = None) -> Linear:

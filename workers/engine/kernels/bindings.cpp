@@ -19,6 +19,8 @@ torch::Tensor silu_mul(torch::Tensor gu);
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
                         c10::optional<at::Tensor> bias, bool strips);
 at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> bias, bool strips);
+at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+bool dense_strips_built();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
@@ -35,4 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("strips") = false);
   m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math", pybind11::arg("x"),
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("bias"), pybind11::arg("strips") = false);
+  m.def("dense_strips", &dense_strips, "x @ W.T for a dense W through the strips: one order for any number of rows");
+  m.def("dense_strips_built", &dense_strips_built, "whether dense_strips is built at this CPU level");
 }

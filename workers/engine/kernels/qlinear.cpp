@@ -446,19 +446,46 @@ inline void outer_tile_f32(const float* x, int64_t k, const float* wp, const flo
 }
 #undef MMFUSION_F32_ROW
 
-template <typename T, typename Q>
-void outer_f32(const float* x, int64_t m_count, int64_t k, int64_t n, const float* bias, T* y, const Q* qs,
-               int64_t row_len, const uint16_t* scales, const uint16_t* offsets) {
+// the strips over weights that `pack(n0, wp)` lays out, strip by strip (quantized blocks, or dense rows)
+template <typename T, typename Pack>
+void outer_f32_with(const float* x, int64_t m_count, int64_t k, int64_t n, const float* bias, T* y, Pack pack) {
   at::parallel_for(0, n / kF32Strip, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wp(kF32Strip * k);
     for (int64_t strip = begin; strip < end; ++strip) {
       const int64_t n0 = strip * kF32Strip;
-      pack_strip_f32(qs, row_len, scales, offsets, k, n0, wp.data());
+      pack(n0, wp.data());
       row_tiles(m_count, [&](int64_t m, int64_t mr) {
         with_rows(mr, [&]<int MR>() { outer_tile_f32<MR>(x + m * k, k, wp.data(), bias, n0, n, y + m * n); });
       });
     }
   });
+}
+
+template <typename T, typename Q>
+void outer_f32(const float* x, int64_t m_count, int64_t k, int64_t n, const float* bias, T* y, const Q* qs,
+               int64_t row_len, const uint16_t* scales, const uint16_t* offsets) {
+  outer_f32_with<T>(x, m_count, k, n, bias, y,
+                    [&](int64_t n0, float* wp) { pack_strip_f32(qs, row_len, scales, offsets, k, n0, wp); });
+}
+
+// eight values j0 .. j0 + 7 of a dense row as float32 (bfloat16's bits shifted into a float's high half)
+inline __m256 load8_f32(const c10::BFloat16* w) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8_f32(const c10::Half* w) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
+inline __m256 load8_f32(const float* w) { return _mm256_loadu_ps(w); }
+
+// dense rows n0 .. n0 + 16 of w [N, K] (K a multiple of 8) in float32, transposed into wp [k][16]
+template <typename W>
+void pack_dense_f32(const W* w, int64_t k, int64_t n0, float* wp) {
+  for (int64_t c0 = 0; c0 < kF32Strip; c0 += 8)
+    for (int64_t j0 = 0; j0 < k; j0 += 8) {
+      __m256 r[8];
+      for (int c = 0; c < 8; ++c) r[c] = load8_f32(w + (n0 + c0 + c) * k + j0);
+      transpose8(r);  // r[j]: value j0 + j of the 8 rows
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(wp + (j0 + j) * kF32Strip + c0, r[j]);
+    }
 }
 #endif
 
@@ -782,9 +809,10 @@ inline int strip_vectors(int64_t n, int64_t threads) {
 constexpr int64_t kOuterRows = 24;
 inline bool outer_fits(int64_t rows, int64_t n) { return rows >= kOuterRows && n % 16 == 0; }
 
-template <typename Q>
-void bf16_outer(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, const Q* qs, int64_t row_len,
-                const uint16_t* scales, const uint16_t* offsets, const float* bias, c10::BFloat16* y) {
+// the strips over weights that `pack(n0, cols, next, next_cols, wp)` lays out (quantized blocks, or dense rows)
+template <typename Pack>
+void bf16_outer_with(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, const float* bias,
+                     c10::BFloat16* y, Pack pack) {
   const int nv = strip_vectors(n, at::get_num_threads());
   const int64_t width = 16 * nv, strips = (n + width - 1) / width;
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
@@ -792,7 +820,7 @@ void bf16_outer(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, c
     for (int64_t strip = begin; strip < end; ++strip) {
       const int64_t n0 = strip * width, cols = std::min(width, n - n0);
       const int64_t next_cols = strip + 1 < end ? std::min(width, n - n0 - width) : 0;
-      pack_strip(qs, row_len, scales, offsets, k, n0, cols, n0 + width, next_cols, wp.data());
+      pack(n0, cols, n0 + width, next_cols, wp.data());
       row_tiles(m_count, [&](int64_t m, int64_t mr) {
         with_rows(mr, [&]<int MR>() {
           const auto tile = [&]<int NV>() { outer_tile<MR, NV>(x + m * k, k, wp.data(), cols, bias, n0, n, y + m * n); };
@@ -806,6 +834,26 @@ void bf16_outer(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, c
       });
     }
   });
+}
+
+template <typename Q>
+void bf16_outer(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, const Q* qs, int64_t row_len,
+                const uint16_t* scales, const uint16_t* offsets, const float* bias, c10::BFloat16* y) {
+  bf16_outer_with(x, m_count, k, n, bias, y, [&](int64_t n0, int64_t cols, int64_t next, int64_t next_cols, uint32_t* wp) {
+    pack_strip(qs, row_len, scales, offsets, k, n0, cols, next, next_cols, wp);
+  });
+}
+
+// dense bfloat16 rows n0 .. n0 + cols of w [N, K] (K a multiple of 32) in vdpbf16ps's layout: a
+// block of 32 values of 16 rows is a 16x16 transpose of 32-bit pairs, as pack_strip's
+inline void pack_dense_bf16(const c10::BFloat16* w, int64_t k, int64_t n0, int64_t cols, uint32_t* wp) {
+  for (int64_t c0 = 0; c0 < cols; c0 += 16)
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(w + (n0 + c0 + i) * k + b * kBlock);
+      mmfusion::transpose16(r);  // r[p]: pair p of the block for the 16 output rows
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(wp + (b * 16 + p) * cols + c0, r[p]);
+    }
 }
 
 template <typename Q>
@@ -1086,6 +1134,55 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
     });
 #endif
   });
+}
+
+// x [M, K] (float32, bfloat16 or float16) against a dense weight w [N, K] (bfloat16, float16 or
+// float32; N a multiple of 16, K of 32) through the strips, for any number of rows in one order
+// (`deterministic`): bfloat16 x and w in vdpbf16ps pairs where the CPU has AVX512-BF16, float32
+// math otherwise. Returns [M, N] in x's dtype; false from dense_strips_built() where neither is.
+at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense_strips: x [rows, K] against w [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % 16 == 0 && k % kBlock == 0, "dense_strips: N must be a multiple of 16 and K of 32, got ", n, ", ", k);
+  TORCH_CHECK(w.is_contiguous(), "dense_strips: w must be contiguous");
+  if (x.size(0) == 0) return at::empty({0, n}, x.options());
+#ifdef MMFUSION_QLINEAR_BF16
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
+    const at::Tensor xc = x.contiguous();
+    const bool has_bias = bias.has_value() && bias->defined();
+    const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor y = at::empty({xc.size(0), n}, xc.options());
+    const c10::BFloat16* wd = w.data_ptr<c10::BFloat16>();
+    bf16_outer_with(xc.data_ptr<c10::BFloat16>(), xc.size(0), k, n, bf.defined() ? bf.data_ptr<float>() : nullptr,
+                    y.data_ptr<c10::BFloat16>(),
+                    [&](int64_t n0, int64_t cols, int64_t, int64_t, uint32_t* wp) { pack_dense_bf16(wd, k, n0, cols, wp); });
+    return y;
+  }
+#endif
+#if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
+  return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
+    using T = std::remove_pointer_t<decltype(y)>;
+    const auto strips = [&](const auto* wd) {
+      outer_f32_with<T>(xf, m, kk, n, b, y, [&](int64_t n0, float* wp) { pack_dense_f32(wd, kk, n0, wp); });
+    };
+    switch (w.scalar_type()) {
+      case at::kBFloat16: strips(w.data_ptr<c10::BFloat16>()); break;
+      case at::kHalf: strips(w.data_ptr<c10::Half>()); break;
+      case at::kFloat: strips(w.data_ptr<float>()); break;
+      default: TORCH_CHECK(false, "dense_strips: weights must be bfloat16, float16 or float32, got ", w.scalar_type());
+    }
+  });
+#else
+  TORCH_CHECK(false, "dense_strips: not built at this CPU level");
+#endif
+}
+
+bool dense_strips_built() {
+#if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
+  return true;
+#else
+  return false;
+#endif
 }
 
 // x [M, K]; qs int8 [N, K]; scales float16 [N, K / 32]; returns [M, N] in x's dtype

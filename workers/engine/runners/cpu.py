@@ -70,7 +70,7 @@ class CpuRunner(PagedRunner):
         if self.backend.name != CPU_KERNELS:
             raise ValueError("deterministic: true needs the C++ attention kernels, which could not be built here "
                              "(the log says why at the first load)")
-        rows = self.lean.make_batch_invariant()
+        rows = self.lean.make_batch_invariant(self.model)
         self.batch_invariant = True
         return rows
 
