@@ -129,8 +129,8 @@ MODEL_KEYS: tuple[Key, ...] = (
         "batch-invariant computation: a request's logits, so its greedy tokens and log-probabilities, "
         "are the same bit for bit whatever else the engine computes with it (the other requests of a "
         "step, where its prompt's chunks start, whether its prefix came from the prefix cache), in "
-        "every dtype. The int4/int8 linears take one path for every number of rows, dense ones multiply "
-        "tiles of 16 rows; every token's attention runs the decode kernel's one order over its context; "
+        "every dtype. Every linear takes one path for every number of rows (the C++ kernels' strips; tiles "
+        "of 16 rows below AVX2); every token's attention runs the decode kernel's one order over its context; "
         "the sampler reduces each row on its own. CPU with the lean forward only (`prepack_weights`, "
         "Llama family, or Gemma 3 in float32); it costs throughput (docs/serving.md, \"Reproducibility\")",
         lambda x: isinstance(x, bool)),

@@ -9,12 +9,14 @@ int4/int8 kernels do the same on purpose: one row in fixed point, two to four st
 blocks, more through widened strips.
 
 Two ways out, both checked at load on this machine (Linear.make_invariant):
-- one path for every row count: the quantized kernels' strips sum each row in one order whatever
-  rows come with it (`invariant_any` checks row counts from 1 to 37);
-- one call shape: dense linears multiply tiles of TILE_ROWS rows, the last padded with zeros, so
-  every call takes one kernel; a row's result then depends on its own values only, as long as the
-  kernel keeps rows apart and does not treat them by their place in the tile (`invariant_rows`
-  checks; a kernel that fails multiplies one row a call, which holds by construction).
+- one path for every row count: the C++ kernels' strips (the quantized ones over their blocks,
+  `dense_strips` over a dense weight) sum each row in one order whatever rows come with it
+  (`invariant_any` checks row counts from 1 to 37);
+- one call shape, where the strips are not built or do not fit: tiles of TILE_ROWS rows, the last
+  padded with zeros, so every call takes one kernel; a row's result then depends on its own
+  values only, as long as the kernel keeps rows apart and does not treat them by their place in
+  the tile (`invariant_rows` checks; a kernel that fails multiplies one row a call, which holds by
+  construction).
 
 This is the same idea as vLLM's batch-invariant mode and SGLang's deterministic inference (after
 "Defeating Nondeterminism in LLM Inference", Thinking Machines, 2025): one reduction order for
@@ -27,9 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-# Rows a call. A decode step of up to this many streams is one call, as fast as the kernels' own
-# few-row paths are (memory-bound); a prompt's chunk of 512 rows is 32 calls, each reading every
-# weight again (bench/engine.py measures the cost).
+# Rows a call where tiles serve. A decode step of up to this many streams is one call; a prompt's
+# chunk of 512 rows is 32 calls, each reading every weight again (at SmolLM2's shapes, 1.15-1.25x
+# one call of 512 rows through oneDNN).
 TILE_ROWS = 16
 
 
