@@ -110,6 +110,36 @@ def test_tiles_keep_rows_apart_and_the_check_finds_kernels_that_do_not():
     assert invariant_rows(lambda t: t * torch.arange(1, t.shape[0] + 1)[:, None], 64, torch.float32) == 1  # by place
 
 
+@pytest.mark.parametrize("weights,activations", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                                  (torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
+def test_the_dense_strips_compute_the_product_in_one_order_for_any_rows(weights, activations):
+    """The C++ strips over a dense weight: the product within the compute dtype's rounding, and
+    each row bit for bit the same for 1 to 37 rows (where they are built: AVX2 and above)."""
+    from workers.capability import cpu_capability
+    from workers.engine import cpu_kernels
+
+    kernels = cpu_kernels.kernel_module()
+    assert kernels.dense_strips_built() == cpu_capability().at_least("avx2")
+    if not kernels.dense_strips_built():
+        with pytest.raises(RuntimeError, match="not built"):
+            kernels.dense_strips(torch.zeros(1, 32), torch.zeros(16, 32), None)
+        return
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(80, 96, generator=gen) * 0.1).to(weights)
+    b = torch.randn(80, generator=gen)
+    x = torch.randn(37, 96, generator=gen).to(activations)
+    y = kernels.dense_strips(x, w, b)
+    assert y.dtype == activations and y.shape == (37, 80)
+    want = x.float() @ w.float().t() + b
+    tol = 0.02 if activations == torch.bfloat16 else 1e-4
+    assert torch.allclose(y.float(), want, atol=tol, rtol=tol)
+    for m in (1, 2, 5, 16, 24, 36):
+        assert torch.equal(kernels.dense_strips(x[:m], w, b), y[:m])
+        assert torch.equal(kernels.dense_strips(x[:m].flip(0), w, b), y[:m].flip(0))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.dense_strips(x, w[:72], b[:72])
+
+
 def test_the_sampler_row_by_row_gives_each_row_what_it_gets_alone():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 49152, generator=gen) * 4
