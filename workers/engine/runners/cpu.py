@@ -111,8 +111,9 @@ class CpuRunner(PagedRunner):
             linears = [(m, m.in_features) for name, m in self.model.named_modules()
                        if isinstance(m, torch.nn.Linear) and any(f".{i}." in f".{name}." for i in range(layers))]
         key = "|".join(map(str, (source_key(self.lm.source), self.platform.precision, self.lean is not None,
-                                 self.backend.name, self.backend.prefill is not None, self.block_size,
-                                 self.cache.keys.dtype, torch.get_num_threads(), cpu_capability().tag())))
+                                 self.batch_invariant, self.backend.name, self.backend.prefill is not None,
+                                 self.block_size, self.cache.keys.dtype, torch.get_num_threads(),
+                                 cpu_capability().tag())))
         return calibrate.remembered(key, lambda: calibrate.attention_span(
             self.holder, self.backend, linears, layers, cfg.num_attention_heads, kvh, dk, self.block_size,
             self.cache.keys.dtype, self.lm.device))
