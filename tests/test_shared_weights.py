@@ -242,8 +242,10 @@ def test_the_fork_server_holds_the_tokenizers_of_cached_sources(cache, tmp_path)
     from workers.weights import held_tokenizers
 
     lm = load_model("tiny:llama", dtype="float32", share_weights=True)  # writes the shared directory
+    other = load_model("tiny:llama", dtype="bfloat16", share_weights=True)  # the same tokenizer, another dtype
     built = held_tokenizers.build(["tiny:llama", "tiny:gpt2", "/no/such/model"])
-    assert list(built) == [str(Path(lm.weights.path).parent.resolve())]
+    dirs = [str(Path(x.weights.path).parent.resolve()) for x in (lm, other)]
+    assert sorted(built) == sorted(dirs) and built[dirs[0]] is built[dirs[1]]  # built once for both
     tok = built[str(Path(lm.weights.path).parent.resolve())]
     for text in ("Hello, world", "<|im_start|>user\nhi"):
         assert tok(text).input_ids == lm.tokenizer(text).input_ids
@@ -256,4 +258,4 @@ def test_the_fork_server_holds_the_tokenizers_of_cached_sources(cache, tmp_path)
     out = subprocess.run([sys.executable, str(script), "tiny:llama", "tiny:gpt2", "/no/such/model"], env=env,
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "False"]
+    assert out.stdout.split() == ["2", "False"]  # both directories, from one build

@@ -17,6 +17,7 @@ error where a load error belongs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ def build(sources: list[str]) -> dict[str, object]:
     from workers.weights.sources import source_key
 
     built: dict[str, object] = {}
+    by_files: dict[bytes, object] = {}  # one tokenizer for the dtypes' directories of one source
     for source in sources:
         try:
             dirs = sorted((cache_root() / "shared").glob(f"{source_key(source)}-*"))
@@ -43,10 +45,22 @@ def build(sources: list[str]) -> dict[str, object]:
             if not (d / "tokenizer_config.json").exists():
                 continue
             try:
-                built[str(d.resolve())] = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+                files = _files_digest(d)
+                if files not in by_files:
+                    by_files[files] = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+                built[str(d.resolve())] = by_files[files]
             except Exception as exc:  # noqa: BLE001 - the copy builds it itself and reports the error
                 log.warning("tokenizer of %s not held: %s", d, exc)
     return built
+
+
+def _files_digest(d: Path) -> bytes:
+    """What a directory's tokenizer is built from: its tokenizer files, by content."""
+    h = hashlib.blake2b(digest_size=16)
+    for f in sorted(d.iterdir()):
+        if f.name.startswith(("tokenizer", "special_tokens", "added_tokens", "chat_template")) or f.suffix == ".model":
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.digest()
 
 
 def _from_env() -> dict[str, object]:
@@ -71,5 +85,5 @@ def held(path_dir: Path):
 
 
 def held_count() -> int:
-    """How many tokenizers this process holds (for status and tests)."""
+    """For how many shared directories this process holds a tokenizer (for tests)."""
     return len(_HELD)
