@@ -464,6 +464,7 @@ def main() -> None:
         emit(summary=name, **{f"{name}_vs_{k}": round(rates[name] / v, 2) for k, v in rates.items() if k != name})
     single = None
     singles: dict[str, dict] = {}
+    stream_rates: dict[str, float] = {}  # one stream's tokens/s by system (apart from the workload's rates)
     if "single_stream" in systems:
         for q in quants:
             for det in dets:
@@ -472,12 +473,13 @@ def main() -> None:
                     singles[q] = one
                     single = single or one  # the first quantization's figures are compared with vLLM
                 name = suffixed("single_stream", q, det)
-                rates[name] = 1e3 / one["engine_eager_ms_per_token"]
+                stream_rates[name] = 1e3 / one["engine_eager_ms_per_token"]
                 emit(system=name, prompt_tokens=64, new_tokens=128, repeats=args.repeats, **one, model=args.model,
                      dtype=args.dtype, threads=args.threads, quantization=q, deterministic=det)
     if len(dets) > 1:  # what the key costs: its tokens/s over the same system's without it
-        emit(summary="deterministic", **{f"{name}_on_vs_off": round(rates[name] / rates[name.removesuffix("_deterministic")], 3)
-                                         for name in rates if name.endswith("_deterministic")})
+        both = {**rates, **stream_rates}
+        emit(summary="deterministic", **{f"{name}_on_vs_off": round(both[name] / both[name.removesuffix("_deterministic")], 3)
+                                         for name in both if name.endswith("_deterministic")})
     gguf = source_gguf(args.model)
     if "llamacpp" in systems and gguf is not None and have_llamacpp():
         # llama.cpp on the same file, prompt, tokens and threads: each quantization's single stream against it
