@@ -41,7 +41,7 @@ serve: install
 # test_models' dtype test only: its other tests load models in float32, which test_lean covers.
 AVX2_ENV := MMFUSION_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
 ISA_TESTS := tests/test_lean.py tests/test_precision.py tests/test_models.py::test_dtypes tests/test_quantized.py \
-             tests/test_deterministic.py
+             tests/test_deterministic.py tests/test_decode_layers.py
 
 test: install
 	$(PY) -m pytest -q

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
+from workers.engine.decode_layers import FusedDecode
 from workers.engine.linears import Linear, all_kept, fused, quantized
 from workers.precision import Precision
 from workers.quantized import INT4, INT8, QuantizedWeight
@@ -112,6 +113,11 @@ class LeanLlama:
         # a GGUF file's blocks of q, k, v, gate and up are now in their fused linears: held on here,
         # they would keep those linears' bytes twice
         self._blocks = {}
+        self.decode_layers = self._fused_decode()
+
+    def _fused_decode(self) -> FusedDecode:
+        """Decode steps' layers in one C++ call, where every layer linear runs in the C++ kernels."""
+        return FusedDecode.of(self, self.norms)
 
     def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
         return norm.weight.detach().to(self.compute)
@@ -173,6 +179,7 @@ class LeanLlama:
             weight = torch.cat([w.detach() for w in parts]) if len(parts) > 1 else parts[0] if parts else None
             sig = (lin.path, lin.shape)
             checked[sig] = lin.make_invariant(self.compute, checked.get(sig), self.norms, weight, own=len(parts) > 1)
+        self.decode_layers = self._fused_decode()  # the linears it holds changed
         return {path: max(r for (p, _), r in checked.items() if p == path) for path, _ in checked}
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -220,6 +227,16 @@ class LeanLlama:
         metadata. Returns [len(keep), vocab]."""
         h = F.embedding(ids, self.embed).to(self.compute)
         cos, sin = rotation(*self.rotary(h, positions[None]))
+        if self.decode_layers.applies(ctx, h, cos, kv):
+            h = self.decode_layers.run(ctx, h, cos, sin, kv)
+        else:
+            h = self._layers(h, cos, sin, kv, ctx)
+        h = self._norm(h.index_select(0, keep), self.final_norm)
+        return self.lm_head(h)
+
+    def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                ctx: attention.StepContext) -> torch.Tensor:
+        """The residual rows after every layer, one call at a time."""
         rope_write = self._rope_write(h, cos)
         # C++ silu * up in one pass, where it rounds as torch does (float32 keeps torch's exp)
         silu_mul = getattr(self.norms, "silu_mul", None) if h.dtype in (torch.bfloat16, torch.float16) else None
@@ -237,8 +254,7 @@ class LeanLlama:
                 h, x = self._add_norm(h, delta, self.layers[i + 1].input_norm)
             else:
                 h = h + delta
-        h = self._norm(h.index_select(0, keep), self.final_norm)
-        return self.lm_head(h)
+        return h
 
 
 @dataclass(slots=True)
@@ -261,6 +277,9 @@ class LeanGemma3(LeanLlama):
         # transformers multiplies by the buffer in the weights' dtype; widened, the same value
         self.embed_scale = model.model.embed_tokens.embed_scale.to(self.compute)
         self.softcap = cfg.final_logit_softcapping
+
+    def _fused_decode(self) -> FusedDecode:
+        return FusedDecode()  # its layers add norms and GELU: they run in Python
 
     def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
         # Gemma3RMSNorm scales by (1 + w) computed in float32, as is everything here

@@ -1,6 +1,7 @@
 // The module workers/engine/cpu_kernels.py builds from the kernels beside this file.
 #include <torch/csrc/utils/pybind.h>
 
+#include "decode_layers.h"
 #include "torch_lite.h"
 
 #include <string>
@@ -38,5 +39,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math", pybind11::arg("x"),
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("bias"), pybind11::arg("strips") = false);
   m.def("dense_strips", &dense_strips, "x @ W.T for a dense W through the strips: one order for any number of rows");
+  pybind11::class_<KernelLinear>(m, "KernelLinear", "one linear of these kernels: kind 0 int4, 1 int8, 2 dense strips")
+      .def(pybind11::init<int64_t, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>, bool>(),
+           pybind11::arg("kind"), pybind11::arg("weight"), pybind11::arg("scales"), pybind11::arg("offsets"),
+           pybind11::arg("bias"), pybind11::arg("strips"))
+      .def("__call__", &KernelLinear::operator());
+  pybind11::class_<DecodeLayers>(m, "DecodeLayers", "a decode step through a Llama-family model's layers in one call")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>(), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"), pybind11::arg("eps"))
+      .def("add", &DecodeLayers::add)
+      .def("place", &DecodeLayers::place)
+      .def("placed", &DecodeLayers::placed)
+      .def("__len__", &DecodeLayers::size)
+      .def("run", &DecodeLayers::run);
   m.def("dense_strips_built", &dense_strips_built, "whether dense_strips is built at this CPU level");
 }

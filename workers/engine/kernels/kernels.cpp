@@ -7,3 +7,4 @@
 #include "rope_write.cpp"
 #include "silu_mul.cpp"
 #include "qlinear.cpp"
+#include "decode_layers.cpp"

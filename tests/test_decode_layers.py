@@ -1,0 +1,70 @@
+"""Decode steps through the lean forward's layers in one C++ call (workers.engine.decode_layers):
+the same kernels in the same order as the layer loop in Python, so the same tokens and the same
+log-probabilities bit for bit, in each dtype and weight kind it serves; and the models it does
+not serve keep the loop in Python."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from support.models import tiny
+
+from workers.capability import cpu_capability
+from workers.engine import Engine, EngineConfig
+from workers.engine.decode_layers import FusedDecode, kernel_linear
+from workers.engine.params import SamplingParams
+
+
+def _answers(eng: Engine, vocab: int) -> list[tuple[list[int], list[float]]]:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 40))] for _ in range(5)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eng.generate(prompts, [params] * len(prompts))]
+
+
+@pytest.mark.parametrize("arch,dtype,quantization,deterministic", [
+    ("llama", "bfloat16", "int4", False), ("llama", "float32", "int8", False), ("llama", "float32", "int4", False),
+    ("mistral", "float32", "int4", False), ("llama", "bfloat16", "none", True), ("llama", "float32", "none", True)])
+def test_decode_steps_in_one_call_give_the_loops_answers_bit_for_bit(arch, dtype, quantization, deterministic):
+    lm = tiny(arch, dtype=dtype)
+
+    def engine() -> Engine:
+        return Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, quantization=quantization,
+                                       deterministic=deterministic))
+
+    fused = engine()
+    lean = fused.runner.lean
+    # dense weights join it through the C++ strips of `deterministic`, built at AVX2 and above;
+    # below, their tiles of rows keep the loop
+    if quantization == "none" and not cpu_capability().at_least("avx2"):
+        assert lean.decode_layers.layers is None
+        return
+    assert lean.decode_layers.layers is not None and len(lean.decode_layers.layers) == len(lean.layers)
+    got = _answers(fused, lm.vocab_size)
+    assert lean.decode_layers._position is not None  # decode steps went through it
+    loop = engine()
+    loop.runner.lean.decode_layers = FusedDecode()
+    want = _answers(loop, lm.vocab_size)
+    assert all(len(t) == 16 and None not in lp for t, lp in want)
+    assert got == want
+
+
+def test_packed_linears_and_gemma_keep_the_loop_in_python():
+    for arch, quantization in (("llama", "none"), ("gemma3", "int8")):
+        lm = tiny(arch, dtype="float32")
+        eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=quantization))
+        assert eng.runner.lean.decode_layers.layers is None, arch
+        assert all(len(t) == 16 for t, _ in _answers(eng, lm.vocab_size))
+
+
+def test_a_layer_linear_outside_the_kernels_keeps_the_loop():
+    lm = tiny("llama", dtype="float32")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization="int8"))
+    lean = eng.runner.lean
+    lean.layers[1].down.rows_per_call = 16  # tiles of rows: only the Python loop takes them
+    assert FusedDecode.of(lean, lean.norms).layers is None
+    x = torch.randn(3, lean.hidden)
+    lin = lean.layers[0].qkv
+    assert torch.equal(kernel_linear(lin, lean.norms)(x), lin(x))

@@ -1,0 +1,104 @@
+"""A decode step through the lean forward's layers in one C++ call (kernels/decode_layers.cpp).
+
+At one row a Llama layer is a dozen kernel calls of a few microseconds each (the q/k/v, output,
+gate/up and down linears, the rotary write, decode attention, two fused norms, silu * up). Called
+from Python, each costs about as much again in the interpreter and in dispatch: about 1 ms of
+SmolLM2's 7 ms a token. The C++ loop calls the same kernels in the same order, so a step gives
+bit-equal results either way (tests/test_decode_layers.py).
+
+It serves a step whose every row is a decode row attending through the C++ decode kernel, in a
+model whose every layer linear runs in the C++ kernels (int4 or int8 blocks, or the dense strips of
+`deterministic`). Other steps, and models whose linears are oneDNN's or FBGEMM's packed weights,
+take the layer loop in Python (LeanLlama._layers).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.engine import attention
+from workers.engine.attention_backend import CPU_KERNELS
+from workers.engine.cpu_kernels import KERNEL_DTYPES
+from workers.quantized import INT4
+
+if TYPE_CHECKING:
+    from workers.engine.linears import Linear
+
+# KernelLinear's kinds (kernels/decode_layers.h)
+_INT4, _INT8, _DENSE = 0, 1, 2
+
+
+def kernel_linear(lin: Linear, kernels):
+    """The C++ KernelLinear of a Linear that runs in the C++ kernels `kernels`, or None where it does
+    not (oneDNN or FBGEMM packed weights, or tiles of rows: Linear.rows_per_call)."""
+    if lin.rows_per_call or lin.kernels is not kernels:
+        return None
+    if lin.dense is not None:
+        return kernels.KernelLinear(_DENSE, lin.dense, None, None, lin.bias, False)
+    q = lin.quant
+    if q is None:
+        return None
+    if q.kind == INT4:
+        return kernels.KernelLinear(_INT4, q.qs, q.scales, q.offsets, lin.bias, lin.strips)
+    return kernels.KernelLinear(_INT8, q.qs, q.scales, None, lin.bias, lin.strips)
+
+
+class FusedDecode:
+    """The layers of a LeanLlama as one C++ call for decode steps; `layers` None where it does not
+    apply to the model (then `applies` is always false)."""
+
+    __slots__ = ("layers", "windows", "_position")
+
+    def __init__(self, layers=None, windows: list[int | None] | None = None):
+        self.layers = layers
+        self.windows = windows or []
+        self._position = None  # the ContextHolder's layer placement the layers were placed by
+
+    @classmethod
+    def of(cls, lean, kernels) -> FusedDecode:
+        """`lean`'s layers through `kernels` (the C++ module; None: not built), where every layer's
+        linears run in them."""
+        if kernels is None or not hasattr(kernels, "DecodeLayers"):
+            return cls()
+        fused = kernels.DecodeLayers(lean.heads, lean.kv_heads, lean.head_dim, lean.scaling, lean.eps)
+        for layer in lean.layers:
+            parts = [kernel_linear(lin, kernels) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(p is None for p in parts) or layer.input_norm.dtype != lean.compute:
+                return cls()
+            fused.add(layer.input_norm, layer.post_norm, *parts)
+        return cls(fused, [layer.window for layer in lean.layers])
+
+    def applies(self, ctx: attention.StepContext, h: torch.Tensor, cos: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """Whether this step is one it serves: decode rows alone, through the C++ decode kernel, with
+        the rotary tables in the rows' dtype (the C++ rotary write's condition)."""
+        n = h.shape[0]
+        return (self.layers is not None and n > 0 and not ctx.segments and ctx.num_decode == ctx.num_tokens == n
+                and ctx.backend is not None and ctx.backend.name == CPU_KERNELS and kv[0].dtype in KERNEL_DTYPES
+                and cos.dtype == h.dtype)
+
+    def run(self, ctx: attention.StepContext, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The residual rows after every layer (h is updated in place)."""
+        if self._position is not ctx.position:
+            self._place(ctx)
+        steps = []
+        for gs in ctx.groups:
+            if gs.span_table is None:
+                gs.span_table = torch.tensor(gs.spans, dtype=torch.long)
+            steps += (gs.write_blocks, gs.write_offsets, gs.pair_blocks, gs.span_table)
+        return self.layers.run(h, cos, sin, kv[0], kv[1], steps)
+
+    def _place(self, ctx: attention.StepContext) -> None:
+        groups, pool = [], []
+        for i, window in enumerate(self.windows):
+            g, p = ctx.position[i]
+            planned = ctx.windows[g]
+            if planned is not None and (window is None or window > planned):
+                raise RuntimeError(f"layer {i} attends over a window of {window}, but its cache group keeps {planned}")
+            groups.append(g)
+            pool.append(p)
+        self.layers.place(groups, pool)
+        self._position = ctx.position

@@ -1,0 +1,52 @@
+// A decode step through a Llama-family model's layers in one call (decode_layers.cpp), declared
+// here for the bindings. At one row a layer is a dozen kernel calls of a few microseconds each;
+// from Python each call costs as much again in the interpreter and dispatch, about 1 ms of a
+// SmolLM2 token's 7. The kernels are the same ones the Python path calls, in the same order, so
+// both paths give bit-equal results.
+#pragma once
+
+#include "torch_lite.h"
+
+#include <c10/util/Optional.h>
+
+#include <vector>
+
+// One linear of the C++ kernels, as workers/engine/linears.py's Linear holds it.
+struct KernelLinear {
+  static constexpr int64_t kInt4 = 0, kInt8 = 1, kDense = 2;
+  int64_t kind;
+  at::Tensor weight;  // int4: qs uint8 [N, K / 2]; int8: qs int8 [N, K]; dense: [N, K]
+  c10::optional<at::Tensor> scales, offsets, bias;  // the blocks' (float16; offsets int4 only)
+  bool strips;
+
+  KernelLinear(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> offsets,
+               c10::optional<at::Tensor> bias, bool strips);
+  at::Tensor operator()(const at::Tensor& x) const;
+};
+
+struct DecodeLayer {
+  at::Tensor input_norm, post_norm;
+  KernelLinear qkv, o, gate_up, down;
+};
+
+class DecodeLayers {
+ public:
+  DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps);
+  void add(at::Tensor input_norm, at::Tensor post_norm, KernelLinear qkv, KernelLinear o, KernelLinear gate_up,
+           KernelLinear down);
+  // layer i's cache group and its index in the pool of keys and values, from the runner
+  void place(std::vector<int64_t> groups, std::vector<int64_t> pool);
+  bool placed() const { return !pool_.empty(); }
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+  // h [N, hidden] (updated in place and returned): every row a decode row. cos, sin [N, head_dim]
+  // in h's dtype; keys, values: the pool; steps: per cache group its write blocks, write offsets,
+  // pair blocks and span table (attention.GroupStep)
+  at::Tensor run(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
+                 std::vector<at::Tensor> steps) const;
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double scale_, eps_;
+  std::vector<DecodeLayer> layers_;
+  std::vector<int64_t> groups_, pool_;
+};
