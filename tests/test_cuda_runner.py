@@ -5,6 +5,7 @@ the last test captures the graphs for real."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -17,15 +18,17 @@ from workers.engine.params import SamplingParams
 from workers.engine.runners.cuda import CudaRunner, decode_buckets
 from workers.engine.sampler import SampleSpec, sample, uniform
 from workers.platform import CudaPlatform
+from workers.quantized import INT4, INT8, quantize
 
 
 def _greedy(m: int) -> SamplingParams:
     return SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
 
 
-def _engine(lm, device: str = "cpu", **cfg) -> Engine:
+def _engine(lm, device: str = "cpu", quantization: str = "none", **cfg) -> Engine:
     """An engine whose platform is CUDA's, on `device` (the CPU: reference ops, no graphs)."""
-    platform = CudaPlatform(torch.device(device), CudaPlatform.compute(lm.dtype, True), lean=True)
+    prec = CudaPlatform.quantized(CudaPlatform.compute(lm.dtype, True), quantization, True, "tiny")
+    platform = CudaPlatform(torch.device(device), prec, lean=True)
     cfg = {"max_batch_size": 6, "max_batch_tokens": 64, "kv_block_size": 4, "kv_cache_memory": 4 << 20, **cfg}
     return Engine(lm, EngineConfig(**cfg), platform=platform)
 
@@ -211,6 +214,78 @@ def test_a_step_started_ahead_whose_rows_all_end_is_dropped():
     assert eng.steps_ahead > 0 and eng._ahead is None and not eng.has_unfinished()
     again = eng.generate([[4, 5, 6]], _greedy(5))[0]
     assert again.outputs[0].token_ids == first[0].outputs[0].token_ids == hf_greedy(lm.model, [4, 5, 6], 5)
+
+
+def _dequantized_reference(lm, kind: str):
+    """transformers' model whose linears hold the values the quantized runner computes with: the LM
+    head int8, and for int4 the fused q/k/v (with v) and down int8 (lean.linear_kind)."""
+    ref = copy.deepcopy(lm.model)
+    wider = ("lm_head", "q_proj", "k_proj", "v_proj", "down_proj") if kind == INT4 else ("lm_head",)
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize(module.weight, INT8 if name.endswith(wider) else kind).dequantize())
+    return ref
+
+
+@pytest.mark.parametrize("arch,kind", [("llama", INT8), ("llama", INT4), ("qwen2", INT4)])
+def test_quantized_linears_give_transformers_greedy_on_their_values(arch, kind):
+    """`quantization: int8` / `int4` on the device's lean forward (PagedOps.qlinear: the reference
+    here, the Triton kernel on a GPU): every linear reads weight-only blocks, and the greedy tokens
+    equal transformers' on a model holding the blocks' values. Qwen 2's q/k/v biases (random here:
+    its initialisation zeroes them) are added."""
+    lm = tiny(arch, dtype="float32")
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    eng = _engine(lm, quantization=kind)
+    lean = eng.runner.device_lean
+    assert all(lin.quant is not None for lin in lean.linears())
+    dense = sum(m.weight.numel() * 4 for m in lm.model.modules() if isinstance(m, torch.nn.Linear))
+    assert sum(lin.own_bytes for lin in lean.linears()) < dense / 3
+    ref = _dequantized_reference(lm, kind)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (3, 9, 17)]
+    outs = eng.generate(prompts, [_greedy(8)] * len(prompts))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(ref, p, 8)
+
+
+def test_qwen2_biases_are_added_on_the_dense_path_too():
+    lm = tiny("qwen2", dtype="float32")
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    eng = _engine(lm)
+    assert eng.runner.device_lean.layers[0].qkv.bias is not None
+    outs = eng.generate([[4, 5, 6, 7], [9] * 5], [_greedy(8)] * 2)
+    for p, o in zip([[4, 5, 6, 7], [9] * 5], outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 8)
+
+
+def test_quantization_without_the_device_lean_forward_is_refused():
+    lm = tiny("gemma3", dtype="float32")  # caches of two windows: transformers' modules on CUDA
+    prec = CudaPlatform.quantized(CudaPlatform.compute(lm.dtype, True), INT8, True, "tiny")
+    with pytest.raises(ValueError, match="quantization 'int8' runs on the GPU's lean forward"):
+        Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=32, kv_cache_memory=4 << 20),
+               platform=CudaPlatform(torch.device("cpu"), prec, lean=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quantized_decode_graphs_on_cuda_give_transformers_greedy_on_their_values():
+    """On a GPU: the Triton weight-only linears inside the captured decode graphs."""
+    from workers.models import load_model
+
+    lm = load_model("tiny:llama", dtype="float32", device="cuda")
+    for kind in (INT8, INT4):
+        eng = _engine(lm, device="cuda", quantization=kind)
+        assert eng.runner.ops.name == "triton" and set(eng.runner.graphs) == set(eng.runner.buckets)
+        ref = _dequantized_reference(lm, kind)
+        for p in ([3, 9, 1], [17] * 5):
+            got = eng.generate([p], _greedy(10))[0].outputs[0].token_ids
+            assert got == hf_greedy(ref, p, 10), kind
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -174,8 +174,10 @@ def test_quantization_is_refused_where_it_cannot_run():
     lm = tiny("gpt2", dtype="float32")
     with pytest.raises(ValueError, match="runs on the lean forward.*set quantization: none"):
         Engine(lm, EngineConfig(quantization="int4"))
-    with pytest.raises(ValueError, match="not available on cuda"):
-        for_source("tiny:llama", "bfloat16", "cuda:0", True, "int8")
+    # CUDA runs them on the device's lean forward (tests/test_cuda_runner.py), never on transformers'
+    assert for_source("tiny:llama", "bfloat16", "cuda:0", True, "int8").precision.quantization == "int8"
+    with pytest.raises(ValueError, match="runs on the lean forward"):
+        for_source("tiny:gpt2", "bfloat16", "cuda:0", True, "int8")
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="int3")
     assert for_source("tiny:llama", "float32", "cpu", True, "auto").precision.quantized is False

@@ -12,7 +12,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from workers.engine import paged_ops, triton_kernels  # noqa: E402
+from workers.engine import paged_ops, triton_kernels, triton_qlinear  # noqa: E402
+from workers.quantized import INT4, INT8, QuantizedWeight, quantize  # noqa: E402
 
 BS = 4  # positions a block: small, so that sequences cross several block boundaries
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -23,7 +24,7 @@ DEV = "cpu" if INTERPRETED else "cuda"
 
 def _kernel(fn, *args):
     """The kernel on this machine's device, its tensor results back on the CPU."""
-    moved = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+    moved = [a.to(DEV) if isinstance(a, (torch.Tensor, QuantizedWeight)) else a for a in args]
     out = fn(*moved)
     for a, m in zip(args, moved):  # the caches it wrote
         if isinstance(a, torch.Tensor) and m is not a:
@@ -136,3 +137,24 @@ def test_the_ops_are_custom_ops_that_compile_and_check():
     want = step(q, key, value, eager_kc, eager_vc, *args[3:6], slots)
     got = torch.compile(step, fullgraph=True)(q, key, value, kc, vc, *args[3:6], slots)
     assert torch.equal(got, want) and torch.equal(kc, eager_kc)
+
+
+@pytest.mark.parametrize("kind", [INT8, INT4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_linear_matches_the_reference(kind, dtype):
+    """The weight-only quantized linear (workers.engine.triton_qlinear) against the blocks' float32
+    values multiplied in float32: one row (decode), rows and output sizes that leave partial tiles,
+    with and without a bias. bfloat16 results agree to their last bit or one rounding apart (the
+    sums' order differs)."""
+    gen = torch.Generator().manual_seed(3)
+    for rows, n, k in ((1, 96, 64), (5, 130, 96), (37, 64, 128)):
+        qw = quantize(torch.randn(n, k, generator=gen), kind)
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        for bias in (None, torch.randn(n, generator=gen)):
+            want = paged_ops.reference_qlinear(x, qw, bias)
+            got = _kernel(triton_qlinear.qlinear, x, qw, bias)
+            assert got.dtype == dtype and got.shape == (rows, n)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+            else:
+                torch.testing.assert_close(got.float(), want.float(), atol=0.0, rtol=2 ** -7)

@@ -123,7 +123,9 @@ MODEL_KEYS: tuple[Key, ...] = (
         "Q4_0, Q4_1 (int4), Q5_0 or Q8_0 (int8) run as the file's own blocks, the rest (K-quants, "
         "16-bit) as loaded; any other source is `none`. SmolLM2's Q4_1 file: one stream about 2.5x "
         "faster than bfloat16, 0.36x its linears' bytes, a batched workload about 1.02-1.05x bfloat16's "
-        "(docs/benchmarks.md)",
+        "(docs/benchmarks.md). CUDA: `int8` and `int4` on the device's lean forward (the Llama family) "
+        "through a Triton kernel, not yet run on a GPU; the 16-bit weights stay loaded beside the blocks, "
+        "and `auto` is `none` there",
         lambda x: x in ("auto", "none", "int8", "int4")),
     Key("deterministic", False, "`true`, `false`",
         "batch-invariant computation: a request's logits, so its greedy tokens and log-probabilities, "

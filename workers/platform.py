@@ -65,6 +65,8 @@ class Platform(ABC):
     lean_architectures: ClassVar[tuple[str, ...]] = ()
     # the lean forward's linears can read weight-only int8/int4 blocks here (`quantization`)
     quantizes: ClassVar[bool] = False
+    # `quantization: auto` keeps a GGUF file's blocks here (else auto is none)
+    auto_keeps_blocks: ClassVar[bool] = False
 
     # --- the rules, before anything loads --------------------------------------------------------
     @staticmethod
@@ -80,14 +82,14 @@ class Platform(ABC):
     @classmethod
     def quantized(cls, prec: Precision, quantization: str, lean: bool, model: str, gguf: Path | None = None) -> Precision:
         """`prec` with the `quantization` setting applied. `auto`: a GGUF file (`gguf`) whose layers
-        are mostly kept blocks (Q4_0, Q4_1, Q5_0, Q8_0) keeps them where this device quantizes and the
-        lean forward runs (`Precision.file_classes`); anything else is none. int8 and int4 need
+        are mostly kept blocks (Q4_0, Q4_1, Q5_0, Q8_0) keeps them where this device's `auto` does
+        (auto_keeps_blocks) and the lean forward runs (`Precision.file_classes`); anything else is none. int8 and int4 need
         this device's kernels and the lean forward, and a model that cannot have them is refused
         here, by name."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         if quantization == "auto":
-            if not (cls.quantizes and lean and gguf is not None):
+            if not (cls.auto_keeps_blocks and lean and gguf is not None):
                 return prec
             from workers.weights.gguf_blocks import file_class
 
@@ -130,6 +132,7 @@ class Platform(ABC):
 class CpuPlatform(Platform):
     kind: ClassVar[DeviceKind] = CPU
     quantizes: ClassVar[bool] = True
+    auto_keeps_blocks: ClassVar[bool] = True
     attention: ClassVar[str] = "cpu"  # the C++ kernels (workers.engine.cpu_kernels)
     lean_architectures: ClassVar[tuple[str, ...]] = LEAN_ARCHITECTURES
 
@@ -164,6 +167,9 @@ class CudaPlatform(Platform):
 
     kind: ClassVar[DeviceKind] = CUDA
     cuda_graphs: ClassVar[bool] = True
+    # int8 and int4 on the device's lean forward (workers.engine.triton_qlinear). Not yet run on a
+    # GPU, so `auto` keeps 16-bit weights here until the kernel has been measured against cuBLAS
+    quantizes: ClassVar[bool] = True
     # the Llama family (workers.engine.device_lean); Gemma 3 keeps transformers' modules here
     lean_architectures: ClassVar[tuple[str, ...]] = tuple(a for a in LEAN_ARCHITECTURES if a not in FLOAT32_LEAN)
 

@@ -66,6 +66,11 @@ class QuantizedWeight:
         values = torch.cat([q & 0x0F, q >> 4], dim=-1).float()  # low nibbles are values 0..15
         return (d * values + self.offsets.float().view(n, k // BLOCK, 1)).view(n, k)
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same blocks on `device`."""
+        return QuantizedWeight(self.kind, self.qs.to(device), self.scales.to(device),
+                               None if self.offsets is None else self.offsets.to(device))
+
     def rows(self, order: torch.Tensor) -> QuantizedWeight:
         """The same weight with its output rows in `order` (whole rows: exact)."""
         return QuantizedWeight(self.kind, self.qs[order].contiguous(), self.scales[order].contiguous(),

@@ -2,7 +2,8 @@
 weights and math over tensors of fixed shape, so a decode step is capturable as one CUDA graph.
 
 Per layer: one fused q/k/v linear and one fused gate/up linear in the weights' dtype (bfloat16
-for `auto`), the rotary embedding from a table of every position (looked up, not computed, so no
+for `auto`; with `quantization: int8` or `int4`, weight-only blocks multiplied by the runner's
+PagedOps.qlinear, by the same rules as the CPU's lean forward: lean.linear_kind), the rotary embedding from a table of every position (looked up, not computed, so no
 shape depends on the step), the KV write and paged attention as the runner's PagedOps
 (workers.engine.paged_ops: the Triton kernels on CUDA), and RMS norms as transformers computes
 them. The step's layout is tensors only: each token's position, KV slot, block-table row and
@@ -11,23 +12,52 @@ attended length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from workers.engine.lean import AttentionShape, rotation
+from workers.engine.lean import AttentionShape, linear_kind, rotation
+from workers.engine.linears import all_kept, fused_bias, quantized_weight
 from workers.engine.paged_ops import PagedOps
+from workers.precision import Precision
+from workers.quantized import QuantizedWeight
+
+
+@dataclass(slots=True, frozen=True)
+class DeviceLinear:
+    """x @ W.T + bias for the outputs of one or more modules side by side: W dense (`weight`), or
+    weight-only blocks (`quant`) through `qlinear` (PagedOps.qlinear)."""
+
+    weight: torch.Tensor | None
+    quant: QuantizedWeight | None
+    bias: torch.Tensor | None
+    qlinear: Callable[..., torch.Tensor] | None = None
+    own: bool = False  # a tensor of this process (a fused copy, the blocks), not the model's
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.qlinear(x, self.quant, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def own_bytes(self) -> int:
+        if not self.own:
+            return 0
+        if self.quant is not None:
+            return self.quant.nbytes
+        return self.weight.numel() * self.weight.element_size()
 
 
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 kv heads) x head_dim, hidden]
-    o: torch.Tensor
+    qkv: DeviceLinear  # [(heads + 2 kv heads) x head_dim, hidden]
+    o: DeviceLinear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 x intermediate, hidden]
-    down: torch.Tensor
+    gate_up: DeviceLinear  # [2 x intermediate, hidden]
+    down: DeviceLinear
     cache_index: int  # the layer's index in its cache group's storage
 
 
@@ -46,33 +76,58 @@ class DeviceStep:
 class DeviceLean:
     """forward(step, kv) -> logits of every row (or of `keep`)."""
 
-    def __init__(self, model, ops: PagedOps, cache_index: dict[int, int], window: int | None, max_positions: int):
+    def __init__(self, model, ops: PagedOps, cache_index: dict[int, int], window: int | None, max_positions: int,
+                 precision: Precision | None = None, blocks: dict[str, QuantizedWeight] | None = None):
+        """`precision`: whether and how its linears are weight-only quantized (None: not); `blocks`: a
+        GGUF file's own blocks by module name (workers.weights.gguf_blocks), kept where they apply."""
         inner = model.model
         self.ops = ops
+        self._precision = precision
+        self._names = {id(m): name for name, m in model.named_modules()}
+        modules = dict(model.named_modules())
+        self._blocks = {id(modules[name]): qw for name, qw in (blocks or {}).items() if name in modules}
         shape = AttentionShape.of(model)
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
         self.scaling, self.eps = shape.scaling, shape.eps
         self.window = window or 0
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
-        self.lm_head = model.lm_head.weight.detach()
+        self.lm_head = self._linear([model.lm_head], head=True)
         with torch.inference_mode():
             # transformers' rotary embedding of every position once: a step looks its rows up
             positions = torch.arange(max_positions, device=self.embed.device)[None]
             self.cos, self.sin = rotation(*inner.rotary_emb(self.embed[:1][None], positions))
         self.layers = [_Layer(layer.input_layernorm.weight.detach(),
-                              torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                                         layer.self_attn.v_proj.weight]).detach(),
-                              layer.self_attn.o_proj.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                              torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach(),
-                              layer.mlp.down_proj.weight.detach(), cache_index[i])
+                              self._linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                              self._linear([layer.self_attn.o_proj]), layer.post_attention_layernorm.weight.detach(),
+                              self._linear([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                              self._linear([layer.mlp.down_proj]), cache_index[i])
                        for i, layer in enumerate(inner.layers)]
+        self._blocks = {}  # in their linears now
+
+    def _linear(self, modules: list[torch.nn.Linear], head: bool = False) -> DeviceLinear:
+        """The outputs of `modules` as one linear: weight-only blocks where the precision says so,
+        else their weights (fused into one tensor of this process where there are several)."""
+        bias = fused_bias(modules)
+        names = [self._names[id(m)] for m in modules]
+        kind = None if self._precision is None else linear_kind(self._precision, names,
+                                                                all_kept(modules, self._blocks), head)
+        if kind is not None:
+            device = modules[0].weight.device
+            qw = quantized_weight(modules, kind, self._blocks).to(device)
+            return DeviceLinear(None, qw, bias, self.ops.qlinear, own=True)
+        if len(modules) == 1:
+            return DeviceLinear(modules[0].weight.detach(), None, bias)
+        return DeviceLinear(torch.cat([m.weight.detach() for m in modules]), None, bias, own=True)
+
+    def linears(self) -> list[DeviceLinear]:
+        return [self.lm_head] + [x for lay in self.layers for x in (lay.qkv, lay.o, lay.gate_up, lay.down)]
 
     @property
     def own_bytes(self) -> int:
-        """Memory of its own: the fused linears and the rotary tables."""
-        fused = sum(t.numel() * t.element_size() for lay in self.layers for t in (lay.qkv, lay.gate_up))
-        return fused + sum(t.numel() * t.element_size() for t in (self.cos, self.sin))
+        """Memory of its own: the fused or quantized linears and the rotary tables."""
+        return (sum(lin.own_bytes for lin in self.linears())
+                + sum(t.numel() * t.element_size() for t in (self.cos, self.sin)))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # as LlamaRMSNorm: in float32, rounded to the input's dtype before the scale
@@ -88,7 +143,7 @@ class DeviceLean:
         cos, sin = self.cos[step.positions][:, None, :], self.sin[step.positions][:, None, :]
         for layer in self.layers:
             x = self._norm(h, layer.input_norm)
-            qkv = F.linear(x, layer.qkv)
+            qkv = layer.qkv(x)
             qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
             qk = qk * cos + qk.roll(d // 2, -1) * sin
             v = qkv[:, (heads + kvh) * d:].view(n, kvh, d)
@@ -96,11 +151,11 @@ class DeviceLean:
             self.ops.kv_write(qk[:, heads:], v, kc, vc, step.slots)
             a = self.ops.attention(qk[:, :heads], kc, vc, step.tables, step.rows, step.lengths, self.scaling,
                                    self.window)
-            h = h + F.linear(a.reshape(n, heads * d), layer.o)
+            h = h + layer.o(a.reshape(n, heads * d))
             x = self._norm(h, layer.post_norm)
-            gu = F.linear(x, layer.gate_up)
+            gu = layer.gate_up(x)
             inter = gu.shape[1] // 2
-            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down)
+            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         if keep is not None:
             h = h.index_select(0, keep)
-        return F.linear(self._norm(h, self.final_norm), self.lm_head)
+        return self.lm_head(self._norm(h, self.final_norm))

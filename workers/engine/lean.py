@@ -44,6 +44,22 @@ def lean_forward(model, precision: Precision, norms=None, blocks: dict[str, Quan
     return family(model, precision, norms=norms, blocks=blocks, fused=fused)
 
 
+def linear_kind(precision: Precision, names: list[str], kept: bool, head: bool = False) -> str | None:
+    """The weight-only kind (INT4, INT8) of the linear fusing the modules `names`, or None where it
+    runs as loaded. `kept`: each has a GGUF file's own blocks, of one kind; `head`: the LM head.
+    - `quantization: auto` quantizes only what the file holds as kept blocks: the file's own values.
+    - The LM head stays 8-bit even for int4, as llama.cpp's 4-bit mixes keep it: in 4 bits it alone
+      raised SmolLM2's perplexity by 8% (tests/test_quantized.py).
+    - Quantized afresh to int4, the attention's values (so the fused q/k/v) and the MLP's down
+      projection take int8, as llama.cpp's Q4_K_M mix gives them more bits: in int4 throughout,
+      Gemma 3 270M's perplexity rose 11%, with these in int8 3.4%. A GGUF file's own blocks stay as
+      they are (linears.quantized_weight keeps them whatever the kind)."""
+    if not precision.quantized or (precision.file_classes and not kept):
+        return None
+    more_bits = any(name.endswith(("v_proj", "down_proj")) for name in names)
+    return INT8 if head or (precision.quantization == INT4 and more_bits) else precision.quantization
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionShape:
     """The Llama family's attention as its config and first layer give it."""
@@ -105,8 +121,6 @@ class LeanLlama:
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
         self.final_norm = self._norm_weight(inner.norm)
-        # quantized afresh, the LM head stays 8-bit even for int4, as llama.cpp's 4-bit mixes keep it:
-        # in 4 bits it alone raised SmolLM2's perplexity by 8% (tests/test_quantized.py)
         self.lm_head = self._linear([model.lm_head], head=True)
         windows = attention.layer_windows(model, [layer.self_attn for layer in inner.layers])
         self.layers = [self._layer(layer, windows[i]) for i, layer in enumerate(inner.layers)]
@@ -134,25 +148,16 @@ class LeanLlama:
 
     def _linear(self, modules: list[torch.nn.Module], head: bool = False) -> Linear:
         """The outputs of `modules` as one linear: packed, or weight-only quantized."""
-        prec = self.precision
-        key = "+".join(self._names[id(m)] for m in modules)
-        # `quantization: auto` quantizes only what the file holds as kept blocks, of one kind: the
-        # file's own values; the rest runs as loaded
-        exact = not prec.file_classes or key in self._fused or all_kept(modules, self._blocks)
-        if prec.quantized and exact:
-            kind = INT8 if head or (prec.quantization == INT4 and self._more_bits(modules)) else prec.quantization
-            lin = quantized(modules, kind, self._blocks, self.compute, self.norms, prec.linears, self._fused.get(key))
+        names = [self._names[id(m)] for m in modules]
+        key = "+".join(names)
+        kind = linear_kind(self.precision, names, key in self._fused or all_kept(modules, self._blocks), head)
+        if kind is not None:
+            lin = quantized(modules, kind, self._blocks, self.compute, self.norms, self.precision.linears,
+                            self._fused.get(key))
         else:
-            lin = fused(modules, prec.linears, self.compute)
+            lin = fused(modules, self.precision.linears, self.compute)
         self._keyed[key] = lin
         return lin
-
-    def _more_bits(self, modules: list[torch.nn.Module]) -> bool:
-        """Quantized afresh to int4, the attention's values (so the fused q/k/v) and the MLP's down
-        projection take int8, as llama.cpp's Q4_K_M mix gives them more bits: in int4 throughout,
-        Gemma 3 270M's perplexity rose 11%, with these in int8 3.4% (tests/test_quantized.py). A
-        GGUF file's own blocks stay as they are (linears.quantized keeps them whatever the kind)."""
-        return any(self._names[id(m)].endswith(("v_proj", "down_proj")) for m in modules)
 
     def quantized_weights(self) -> dict[str, QuantizedWeight]:
         """Its weight-only quantized linears by key (the modules' names they fuse), as `fused` takes them."""

@@ -170,14 +170,7 @@ def fused(modules: list[torch.nn.Linear], kind: str | bool, compute: torch.dtype
     """One Linear computing the outputs of `modules` side by side (q, k, v; gate, up): one weight
     read and one call instead of several. Its weight is a new tensor of this process."""
     weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight
-    own = len(modules) > 1
-    biases = [m.bias for m in modules]
-    if all(b is None for b in biases):
-        bias = None
-    else:
-        bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                          for m, b in zip(modules, biases)])
-    return Linear(weight, bias, kind, own, compute)
+    return Linear(weight, fused_bias(modules), kind, len(modules) > 1, compute)
 
 
 def all_kept(modules: list[torch.nn.Linear], blocks: dict[int, QuantizedWeight]) -> bool:
@@ -187,6 +180,27 @@ def all_kept(modules: list[torch.nn.Linear], blocks: dict[int, QuantizedWeight])
     return all(k is not None for k in kept) and len({k.kind for k in kept}) == 1
 
 
+def quantized_weight(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, QuantizedWeight]) -> QuantizedWeight:
+    """The outputs of `modules` side by side as one weight of blocks: a GGUF file's own blocks
+    (`blocks`, by id(module)) where every module has them, of one kind; otherwise the modules'
+    weights quantized afresh to `kind`, or to int8 where a part's blocks are int8 (the wider of its
+    parts': a Q4_K file's q and k beside its Q6_K v)."""
+    kept = [blocks.get(id(m)) for m in modules]
+    if all_kept(modules, blocks):
+        return concat(kept) if len(kept) > 1 else kept[0]
+    wider = any(k is not None and k.kind == INT8 for k in kept)
+    return quantize(torch.cat([m.weight.detach() for m in modules]), INT8 if wider else kind)
+
+
+def fused_bias(modules: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """The biases of `modules` side by side (zeros for a module without one), or None if none has one."""
+    biases = [m.bias for m in modules]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
+                      for m, b in zip(modules, biases)])
+
+
 def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, QuantizedWeight], compute: torch.dtype,
               kernels, dense: str, built: QuantizedWeight | None = None) -> Linear:
     """One weight-only quantized Linear computing the outputs of `modules` side by side. `built`:
@@ -194,20 +208,8 @@ def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, Quant
     id(module), used where every module has them, of one kind; otherwise the modules' weights are
     quantized afresh to `kind`, or to int8 where a part's blocks are int8 (the wider of its parts':
     a Q4_K file's q and k beside its Q6_K v)."""
-    kept = [blocks.get(id(m)) for m in modules]
-    if built is not None:
-        qw = built
-    elif all_kept(modules, blocks):
-        qw = concat(kept) if len(kept) > 1 else kept[0]
-    else:
-        wider = any(k is not None and k.kind == INT8 for k in kept)
-        qw = quantize(torch.cat([m.weight.detach() for m in modules]), INT8 if wider else kind)
-    biases = [m.bias for m in modules]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                          for m, b in zip(modules, biases)])
-    lin = Linear.quantized(qw, bias, compute, kernels, dense)
+    qw = built if built is not None else quantized_weight(modules, kind, blocks)
+    lin = Linear.quantized(qw, fused_bias(modules), compute, kernels, dense)
     if built is not None and lin.quant is not None:
         lin.own_bytes = 0  # a shared file's views: the copies hold them once (the plan counts them so)
     return lin

@@ -16,6 +16,10 @@ accumulation, an online softmax over the row's blocks), and the PyTorch referenc
 the kernels are tested against (on the CPU under TRITON_INTERPRET=1) and which serves where Triton
 is not installed. Both are registered as torch custom ops (`mmfusion::paged_attention`,
 `mmfusion::kv_write`) that run the kernels on CUDA tensors and the reference elsewhere.
+
+The same object carries the device lean forward's weight-only quantized linear (`qlinear`): the
+Triton kernel of workers.engine.triton_qlinear, or `reference_qlinear` (the blocks' values
+widened to float32, then one matmul).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from workers.quantized import QuantizedWeight
 
 
 def reference_kv_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -66,16 +73,23 @@ def reference_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     return out.reshape(t, heads, v.shape[-1]).to(query.dtype)
 
 
+def reference_qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ the blocks' float32 values [N, K].T (+ bias), in float32, returned in x's dtype."""
+    y = F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class PagedOps:
-    """The paged ops a runner calls, chosen once at load."""
+    """The paged ops a runner calls, chosen once at load, and its weight-only quantized linear."""
 
     name: str
     kv_write: Callable[..., None]
     attention: Callable[..., torch.Tensor]
+    qlinear: Callable[..., torch.Tensor]  # reference_qlinear's contract
 
 
-REFERENCE = PagedOps("reference", reference_kv_write, reference_attention)
+REFERENCE = PagedOps("reference", reference_kv_write, reference_attention, reference_qlinear)
 
 
 def have_triton() -> bool:
@@ -85,9 +99,9 @@ def have_triton() -> bool:
 @functools.cache
 def triton_ops() -> PagedOps:
     """The Triton kernels (imported here, once: TRITON_INTERPRET is read when they are defined)."""
-    from workers.engine import triton_kernels
+    from workers.engine import triton_kernels, triton_qlinear
 
-    return PagedOps("triton", triton_kernels.kv_write, triton_kernels.paged_attention)
+    return PagedOps("triton", triton_kernels.kv_write, triton_kernels.paged_attention, triton_qlinear.qlinear)
 
 
 def select_ops(device: torch.device) -> PagedOps:

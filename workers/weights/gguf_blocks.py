@@ -154,7 +154,7 @@ def gguf_blocks(path: Path, model) -> dict[str, QuantizedWeight]:
         if arch == "llama" and name.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if name.endswith("q_proj") else (cfg.num_key_value_heads or cfg.num_attention_heads)
             qw = qw.rows(_rows_order(qw.out_features, heads))
-        if not torch.equal(qw.dequantize().to(weight.dtype), weight.detach()):
+        if not torch.equal(qw.dequantize().to(weight.device, weight.dtype), weight.detach()):
             log.warning("GGUF tensor %s (%s) does not equal %s's weight: quantized afresh", t.name, type_name, name)
             continue
         out[name] = qw

@@ -17,6 +17,10 @@ TINY_CONFIGS: dict[str, dict] = {
         num_key_value_heads=_KV_HEADS, intermediate_size=_FFN, max_position_embeddings=_CTX,
         sliding_window=48,
     ),
+    "qwen2": dict(  # q/k/v projections with biases
+        model_type="qwen2", hidden_size=_HIDDEN, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS,
+        num_key_value_heads=_KV_HEADS, intermediate_size=_FFN, max_position_embeddings=_CTX,
+    ),
     "opt": dict(
         model_type="opt", hidden_size=_HIDDEN, num_hidden_layers=_LAYERS, num_attention_heads=_HEADS,
         ffn_dim=_FFN, max_position_embeddings=_CTX, word_embed_proj_dim=_HIDDEN,
@@ -31,4 +35,4 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 # the transformers class each loads as (known before building it: the plan and the dtype need it)
 TINY_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "opt": "OPTForCausalLM", "bloom": "BloomForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                      "qwen2": "Qwen2ForCausalLM", "opt": "OPTForCausalLM", "bloom": "BloomForCausalLM", "gemma3": "Gemma3ForCausalLM"}

@@ -43,7 +43,9 @@ from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence
 from workers.engine.step_result import StepResult
+from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
+from workers.weights.sources import source_gguf
 
 if TYPE_CHECKING:
     from workers.engine.attention_backend import AttentionBackend
@@ -146,12 +148,18 @@ class CudaRunner(PagedRunner):
         self.ops = ops or select_ops(lm.device)
         self.device_lean: DeviceLean | None = None
         self.overlap = False
+        prec = platform.precision
         if not lean:
+            if prec.quantized:
+                raise ValueError(f"quantization {prec.quantization!r} runs on the GPU's lean forward, which does not "
+                                 "take a model whose layers keep caches of several windows: set quantization: none")
             return
         self.dummy = layout.num_blocks
         self.width = -(-lm.max_model_len // layout.block_size)
+        path = source_gguf(lm.source) if prec.quantized else None
         self.device_lean = DeviceLean(lm.model, self.ops, {i: p for i, (_, p) in holder.position.items()},
-                                      holder.windows[0], lm.max_model_len)
+                                      holder.windows[0], lm.max_model_len, prec,
+                                      gguf_blocks(path, lm.model) if path else None)
         self.buckets = decode_buckets(max_batch_size)
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, lm.vocab_size, lm.dtype, lm.device)
         self.graphs_on = lm.device.type == "cuda" if graphs is None else graphs

@@ -1,0 +1,83 @@
+"""A Triton kernel for weight-only quantized linears (workers.quantized's blocks of 32) on a GPU:
+y = x @ W.T + bias with W read as int4 or int8 blocks and widened in registers, so a decode step
+reads a quarter (int4) or half (int8) of bfloat16's weight bytes.
+
+One program computes a [BLOCK_M, BLOCK_N] tile of y. It walks the input in blocks of 32: each
+block's scale (and offset, int4) per output row, its values widened to float32 as
+`QuantizedWeight.dequantize` gives them (the GGUF file's own values), and two dots of 16 inputs.
+An int4 block holds value j in the low nibble of byte j and value j + 16 in its high nibble, so
+the low nibbles meet the block's first 16 inputs and the high nibbles its last 16, without
+interleaving. The dots run in float32 at IEEE precision (not TF32), so the result is the float32
+product of the activations and the file's values, as on the CPU.
+
+Set TRITON_INTERPRET before this module is imported: Triton reads it when the kernels are defined
+(the tests run it on the CPU in Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.quantized import BLOCK, INT4, QuantizedWeight
+
+HALF = BLOCK // 2
+
+
+@triton.jit
+def _qlinear_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M, N, K,
+                    stride_xm, stride_qn, stride_sn, stride_om,
+                    INT4_BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for b in range(0, K // (2 * HALF_K)):
+        k0 = b * 2 * HALF_K
+        x_rows = x_ptr + offs_m[:, None] * stride_xm + k0 + offs_h[None, :]
+        x_lo = tl.load(x_rows, mask=mask_m[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(x_rows + HALF_K, mask=mask_m[:, None], other=0.0).to(tl.float32)
+        scale = tl.load(scales_ptr + offs_n * stride_sn + b, mask=mask_n, other=0.0).to(tl.float32)
+        if INT4_BLOCKS:
+            offset = tl.load(offsets_ptr + offs_n * stride_sn + b, mask=mask_n, other=0.0).to(tl.float32)
+            q = tl.load(qs_ptr + offs_n[:, None] * stride_qn + b * HALF_K + offs_h[None, :], mask=mask_n[:, None],
+                        other=0)
+            w_lo = (q & 15).to(tl.float32) * scale[:, None] + offset[:, None]
+            w_hi = (q >> 4).to(tl.float32) * scale[:, None] + offset[:, None]
+        else:
+            w_rows = qs_ptr + offs_n[:, None] * stride_qn + k0 + offs_h[None, :]
+            w_lo = tl.load(w_rows, mask=mask_n[:, None], other=0).to(tl.float32) * scale[:, None]
+            w_hi = tl.load(w_rows + HALF_K, mask=mask_n[:, None], other=0).to(tl.float32) * scale[:, None]
+        acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
+        acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_ops.reference_qlinear's contract: x [M, K] -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.out_features
+    if k != weight.in_features:
+        raise ValueError(f"qlinear: x has {k} inputs, the weight {weight.in_features}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x = x.contiguous()
+    int4 = weight.kind == INT4
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _qlinear_kernel[grid](
+        x, weight.qs, weight.scales, weight.offsets if int4 else weight.scales, bias if bias is not None else x, out,
+        m, n, k, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0),
+        INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_M=block_m, BLOCK_N=block_n)
+    return out
