@@ -17,6 +17,15 @@ from workers.engine.decode_layers import FusedDecode, kernel_linear
 from workers.engine.params import SamplingParams
 
 
+def _with_biases(lm):
+    """Qwen 2's q/k/v biases drawn at random (its initialisation zeroes them)."""
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    return lm
+
+
 def _answers(eng: Engine, vocab: int) -> list[tuple[list[int], list[float]]]:
     rng = random.Random(3)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 40))] for _ in range(5)]
@@ -26,9 +35,10 @@ def _answers(eng: Engine, vocab: int) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.parametrize("arch,dtype,quantization,deterministic", [
     ("llama", "bfloat16", "int4", False), ("llama", "float32", "int8", False), ("llama", "float32", "int4", False),
-    ("mistral", "float32", "int4", False), ("llama", "bfloat16", "none", True), ("llama", "float32", "none", True)])
+    ("mistral", "float32", "int4", False), ("qwen2", "float32", "int8", False), ("llama", "bfloat16", "none", True),
+    ("llama", "float32", "none", True)])
 def test_decode_steps_in_one_call_give_the_loops_answers_bit_for_bit(arch, dtype, quantization, deterministic):
-    lm = tiny(arch, dtype=dtype)
+    lm = _with_biases(tiny(arch, dtype=dtype))
 
     def engine() -> Engine:
         return Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, quantization=quantization,
@@ -68,3 +78,15 @@ def test_a_layer_linear_outside_the_kernels_keeps_the_loop():
     x = torch.randn(3, lean.hidden)
     lin = lean.layers[0].qkv
     assert torch.equal(kernel_linear(lin, lean.norms)(x), lin(x))
+
+
+def test_qwen2s_biases_in_the_lean_forward_give_transformers_greedy():
+    from support.models import hf_greedy
+
+    lm = _with_biases(tiny("qwen2", dtype="float32"))
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64))
+    assert eng.runner.lean is not None and eng.runner.lean.layers[0].qkv.bias is not None
+    prompts = [[4, 5, 6, 7], [9] * 6, [200, 3]]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 10)
