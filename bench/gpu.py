@@ -11,6 +11,7 @@
                  (filling the inputs) against its device share (the copy in, the replay, the tokens out);
   quantized:     one stream and the workload with `quantization` none, int8 and int4 (the weight-only
                  Triton linears of workers.engine.triton_qlinear), eager;
+  deterministic: the same with `deterministic` off and on (the batch-invariant Triton kernels);
   deployment:    `run_mm.py --mode serve` with the HTTP gateway, --copies copies of the model in bf16
                  on one GPU sharing one weight owner: the plan (`validate_only`), the workload as
                  concurrent streaming HTTP requests (tokens/s), each copy's greedy answer to one
@@ -115,9 +116,9 @@ def parity(args) -> None:
 
 
 def timed_engine(lm, prompts, max_tokens, compile: str, device: str, batch: int = 64, tokens: int = 512,
-                 quantization: str = "none"):
+                 quantization: str = "none", deterministic: bool = False):
     eng = Engine(lm, EngineConfig(max_batch_size=batch, max_batch_tokens=tokens, compile=compile,
-                                  quantization=quantization))
+                                  quantization=quantization, deterministic=deterministic))
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
     sync(device)
@@ -164,6 +165,17 @@ def speed(args) -> None:
             row[f"{q}_single_stream_ms_per_token"] = round(one / new * 1e3, 2)
             row[f"{q}_workload_tokens_per_s"] = round(useful / many, 1)
         emit(part="quantized", repeats=args.repeats, **row, **common)
+    if "deterministic" in args.parts:  # the batch-invariant kernels' cost
+        prompt, new = single_prompt(lm.vocab_size), 128
+        row = {}
+        for on in (False, True):
+            one = min(timed_engine(lm, [prompt], [new], "false", args.device, batch=1, tokens=128, deterministic=on)
+                      for _ in range(args.repeats))
+            many = min(timed_engine(lm, prompts, max_tokens, "false", args.device, deterministic=on)
+                       for _ in range(args.repeats))
+            row[f"{'on' if on else 'off'}_single_stream_ms_per_token"] = round(one / new * 1e3, 2)
+            row[f"{'on' if on else 'off'}_workload_tokens_per_s"] = round(useful / many, 1)
+        emit(part="deterministic", repeats=args.repeats, **row, **common)
     if "single_stream" in args.parts:
         prompt, new = single_prompt(lm.vocab_size), 128
         ms = {}
@@ -328,7 +340,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=49152, help="deployment: token ids of the workload below this")
-    ap.add_argument("--parts", default="parity,workload,single_stream,quantized,deployment")
+    ap.add_argument("--parts", default="parity,workload,single_stream,quantized,deterministic,deployment")
     ap.add_argument("--random-weights", action="store_true", help="a model of --model's shape, random weights")
     args = ap.parse_args()
     args.parts = args.parts.split(",")
@@ -343,7 +355,7 @@ def main() -> None:
         emit(random_weights=True, shape=args.shape)
     if "parity" in args.parts:
         parity(args)
-    if {"workload", "single_stream", "quantized"} & set(args.parts):
+    if {"workload", "single_stream", "quantized", "deterministic"} & set(args.parts):
         speed(args)
     if "deployment" in args.parts:
         deployment(args)

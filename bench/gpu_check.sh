@@ -19,5 +19,9 @@ $py -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 timeout 240 $py -m pytest -q -o addopts="" -p no:cacheprovider tests/test_triton_kernels.py tests/test_cuda_runner.py \
     tests/test_compiled.py tests/test_scheduler.py tests/test_sampling.py tests/test_weight_owner.py \
     -k "cuda or kernel or triton or custom_op" 2>&1 | tail -60 | tee "$out/cuda_tests.txt"
-timeout 330 $py bench/gpu.py --random-weights --repeats 2 2>"$out/gpu_bench.err" | tee "$out/gpu_bench.jsonl"
+timeout 330 $py bench/gpu.py --random-weights --repeats 2 --parts parity,workload,single_stream,deployment \
+    2>"$out/gpu_bench.err" | tee "$out/gpu_bench.jsonl"
+# the weight-only Triton linears and the batch-invariant kernels against the 16-bit weights
+timeout 200 $py bench/gpu.py --random-weights --repeats 1 --parts quantized,deterministic \
+    2>>"$out/gpu_bench.err" | tee -a "$out/gpu_bench.jsonl"
 tail -20 "$out/gpu_bench.err"

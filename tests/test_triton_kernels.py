@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from workers.engine import paged_ops, triton_kernels, triton_qlinear  # noqa: E402
+from workers.engine import paged_ops, triton_invariant, triton_kernels, triton_qlinear  # noqa: E402
 from workers.quantized import INT4, INT8, QuantizedWeight, quantize  # noqa: E402
 
 BS = 4  # positions a block: small, so that sequences cross several block boundaries
@@ -158,3 +158,26 @@ def test_weight_only_linear_matches_the_reference(kind, dtype):
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
             else:
                 torch.testing.assert_close(got.float(), want.float(), atol=0.0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_kernels_give_a_row_the_same_bits_in_any_batch(dtype):
+    """`deterministic` on a GPU (workers.engine.triton_invariant, triton_qlinear.qlinear_invariant):
+    a row computed alone, among 5 rows and among 37 has the same bits, and is within rounding of
+    the reference."""
+    gen = torch.Generator().manual_seed(4)
+    k, n = 96, 80
+    w = (0.1 * torch.randn(n, k, generator=gen)).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    qw = quantize(torch.randn(n, k, generator=gen), INT4)
+    norm_w = torch.randn(k, generator=gen).to(dtype)
+    x = torch.randn(37, k, generator=gen).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for fn, args, ref in ((triton_invariant.linear, (w, bias), torch.nn.functional.linear),
+                          (triton_qlinear.qlinear_invariant, (qw, None), paged_ops.reference_qlinear),
+                          (triton_invariant.rms_norm, (norm_w, 1e-6), paged_ops.reference_rms_norm)):
+        full = _kernel(fn, x, *args)
+        for rows in (x[3:4], x[:5]):
+            part = _kernel(fn, rows, *args)
+            assert torch.equal(part, full[: part.shape[0]] if rows.shape[0] == 5 else full[3:4]), fn.__name__
+        torch.testing.assert_close(full.float(), ref(x, *args).float(), atol=tol, rtol=tol)

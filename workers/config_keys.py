@@ -133,8 +133,10 @@ MODEL_KEYS: tuple[Key, ...] = (
         "step, where its prompt's chunks start, whether its prefix came from the prefix cache), in "
         "every dtype. Every linear takes one path for every number of rows (the C++ kernels' strips; tiles "
         "of 16 rows below AVX2); every token's attention runs the decode kernel's one order over its context; "
-        "the sampler reduces each row on its own. CPU with the lean forward only (`prepack_weights`, "
-        "Llama family, or Gemma 3 in float32); it costs throughput (docs/serving.md, \"Reproducibility\")",
+        "the sampler reduces each row on its own. CPU with the lean forward (`prepack_weights`, "
+        "Llama family, or Gemma 3 in float32); CUDA with the device's lean forward (Llama family: "
+        "batch-invariant Triton kernels, not yet run on a GPU); it costs throughput (docs/serving.md, "
+        "\"Reproducibility\")",
         lambda x: isinstance(x, bool)),
     Key("compile", "auto", "`auto`, `true`, `false`",
         "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "

@@ -13,14 +13,14 @@ attended length.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from workers.engine.lean import AttentionShape, linear_kind, rotation
 from workers.engine.linears import all_kept, fused_bias, quantized_weight
-from workers.engine.paged_ops import PagedOps
+from workers.engine.paged_ops import PagedOps, reference_rms_norm
 from workers.precision import Precision
 from workers.quantized import QuantizedWeight
 
@@ -35,11 +35,16 @@ class DeviceLinear:
     bias: torch.Tensor | None
     qlinear: Callable[..., torch.Tensor] | None = None
     own: bool = False  # a tensor of this process (a fused copy, the blocks), not the model's
+    dense: Callable[..., torch.Tensor] = F.linear  # PagedOps.linear under `deterministic`
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.qlinear(x, self.quant, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.dense(x, self.weight, self.bias)
+
+    def through(self, ops: PagedOps) -> DeviceLinear:
+        """The same linear through `ops`' kernels."""
+        return replace(self, qlinear=ops.qlinear if self.quant is not None else None, dense=ops.linear or F.linear)
 
     @property
     def own_bytes(self) -> int:
@@ -129,11 +134,19 @@ class DeviceLean:
         return (sum(lin.own_bytes for lin in self.linears())
                 + sum(t.numel() * t.element_size() for t in (self.cos, self.sin)))
 
+    def make_batch_invariant(self, ops: PagedOps) -> None:
+        """`deterministic`: every kernel from `ops` (paged_ops.batch_invariant), so that each row is
+        computed in one order whatever rows come with it."""
+        self.ops = ops
+        self.lm_head = self.lm_head.through(ops)
+        for layer in self.layers:
+            layer.qkv, layer.o = layer.qkv.through(ops), layer.o.through(ops)
+            layer.gate_up, layer.down = layer.gate_up.through(ops), layer.down.through(ops)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # as LlamaRMSNorm: in float32, rounded to the input's dtype before the scale
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
+        if self.ops.rms_norm is not None:
+            return self.ops.rms_norm(x, weight, self.eps)
+        return reference_rms_norm(x, weight, self.eps)
 
     def forward(self, step: DeviceStep, kv: tuple[torch.Tensor, torch.Tensor],
                 keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -87,9 +87,51 @@ class PagedOps:
     kv_write: Callable[..., None]
     attention: Callable[..., torch.Tensor]
     qlinear: Callable[..., torch.Tensor]  # reference_qlinear's contract
+    # `deterministic` (batch_invariant): a dense linear (F.linear's contract) and an RMS norm
+    # (rows, weight, eps) that compute each row in one order; None: F.linear and torch's norm
+    linear: Callable[..., torch.Tensor] | None = None
+    rms_norm: Callable[..., torch.Tensor] | None = None
+    invariant: bool = False
 
 
 REFERENCE = PagedOps("reference", reference_kv_write, reference_attention, reference_qlinear)
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As LlamaRMSNorm: in float32, rounded to the input's dtype before the weight's scale."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _each_row(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Tensor:
+    """fn on each row of x alone, stacked: a row's result cannot depend on the others."""
+    return torch.cat([fn(x[i:i + 1], *args) for i in range(x.shape[0])]) if x.shape[0] else fn(x, *args)
+
+
+def _attention_each_row(query, key_cache, value_cache, block_tables, rows, lengths, scale, window):
+    return torch.cat([reference_attention(query[i:i + 1], key_cache, value_cache, block_tables, rows[i:i + 1],
+                                          lengths[i:i + 1], scale, window) for i in range(query.shape[0])]
+                     ) if query.shape[0] else reference_attention(query, key_cache, value_cache, block_tables, rows,
+                                                                  lengths, scale, window)
+
+
+def batch_invariant(ops: PagedOps) -> PagedOps:
+    """`deterministic`: the same ops, every row computed in an order that does not depend on the
+    other rows of the call. The Triton kernels: fixed tiles for the linears (weight-only and dense)
+    and one program a row for the norm; the paged attention kernel walks each row's own positions
+    already. The reference: each row in a call of its own (slow; it is the CPU's stand-in)."""
+    if ops.invariant:
+        return ops
+    if ops.name == "triton":
+        from workers.engine import triton_invariant, triton_qlinear
+
+        return replace(ops, name="triton-invariant", qlinear=triton_qlinear.qlinear_invariant,
+                       linear=triton_invariant.linear, rms_norm=triton_invariant.rms_norm, invariant=True)
+    return replace(ops, name=f"{ops.name}-invariant", attention=_attention_each_row,
+                   qlinear=lambda x, w, b=None: _each_row(ops.qlinear, x, w, b),
+                   linear=lambda x, w, b=None: _each_row(F.linear, x, w, b),
+                   rms_norm=lambda x, w, eps: _each_row(reference_rms_norm, x, w, eps), invariant=True)
 
 
 def have_triton() -> bool:

@@ -62,8 +62,16 @@ def _qlinear_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_ops.reference_qlinear's contract: x [M, K] -> [M, N] in x's dtype."""
+def qlinear_invariant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """qlinear with one tile shape for every number of rows (`deterministic`): a row's sums do not
+    depend on the rows beside it."""
+    return qlinear(x, weight, bias, block_m=16)
+
+
+def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+            block_m: int | None = None) -> torch.Tensor:
+    """paged_ops.reference_qlinear's contract: x [M, K] -> [M, N] in x's dtype. `block_m`: the
+    rows a tile (None: by the number of rows)."""
     m, k = x.shape
     n = weight.out_features
     if k != weight.in_features:
@@ -73,7 +81,7 @@ def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None 
         return out
     x = x.contiguous()
     int4 = weight.kind == INT4
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     block_n = 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _qlinear_kernel[grid](

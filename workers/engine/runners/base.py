@@ -108,8 +108,10 @@ class Runner(ABC):
     def make_batch_invariant(self) -> dict[str, int]:
         """`deterministic`: from now on compute each row the same way whatever else a step holds.
         Returns the rows a call of each linear path; a ValueError says why this runner cannot."""
-        if self.lm.device.type != "cpu":
-            raise ValueError(f"deterministic: true is not available on {self.lm.device.type} yet; it runs on a CPU")
+        if not self.platform.kind.host:
+            raise ValueError(f"deterministic: true runs on {self.platform.kind.name} through the device's lean forward, "
+                             "which does not run this copy: use a Llama-family model (one attention window for all "
+                             "its layers) with prepack_weights: true")
         from workers.lean_rules import unsupported
 
         why = unsupported(self.model, self.platform.precision.compute) or "prepack_weights is false"

@@ -37,7 +37,7 @@ from workers.engine import attention
 from workers.engine.block_manager import NO_BLOCK
 from workers.engine.device_lean import DeviceLean, DeviceStep
 from workers.engine.device_sampler import SamplingRows, sample_tokens
-from workers.engine.paged_ops import PagedOps, select_ops
+from workers.engine.paged_ops import PagedOps, batch_invariant, select_ops
 from workers.engine.runners.base import Launched, chunk_tokens, kept_rows
 from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
@@ -173,6 +173,18 @@ class CudaRunner(PagedRunner):
 
     def compile_refusal(self) -> str | None:
         return GRAPHS_NOT_COMPILED if self.device_lean is not None else None
+
+    def make_batch_invariant(self) -> dict[str, int]:
+        """`deterministic` on the device's lean forward: its kernels in their batch-invariant form
+        (paged_ops.batch_invariant), and every token sampled by the host sampler row by row (the
+        device sampler's softmax reduces as the batch's shape decides)."""
+        if self.device_lean is None:
+            return super().make_batch_invariant()
+        self.ops = batch_invariant(self.ops)
+        self.device_lean.make_batch_invariant(self.ops)
+        self.batch_invariant = True
+        self.overlap = False  # a step started ahead takes the device sampler's tokens
+        return {self.ops.name: 0}
 
     def bucket(self, n: int) -> int | None:
         """The smallest decode bucket that holds n rows (None: more than the largest)."""
@@ -330,8 +342,9 @@ class CudaRunner(PagedRunner):
         t0 = time.perf_counter()
         logits, tokens = self._decode_step(decode)
         self.forward_seconds += time.perf_counter() - t0
-        if any(s.group.params.wants_logprobs or s.group.params.logprobs is not None for s in decode):
-            return self._sample(decode, [], logits)  # the host sampler adds the log-probabilities
+        if self.batch_invariant or any(s.group.params.wants_logprobs or s.group.params.logprobs is not None
+                                       for s in decode):
+            return self._sample(decode, [], logits)  # the host sampler (log-probabilities; row by row)
         result = StepResult()
         result.samples = [(seq, tok, None, None) for seq, tok in zip(decode, tokens)]
         return result

@@ -1,0 +1,84 @@
+"""Triton kernels for `deterministic` on a GPU: a dense linear and an RMS norm whose every row is
+computed in one order, whatever the number of rows (vLLM's batch-invariant mode and "Defeating
+Nondeterminism in LLM Inference" do the same).
+
+cuBLAS picks its tiles and split-K reductions by the matrix sizes, and torch's row reductions pick
+their layout by the number of rows, so a row's bits change with the batch. Here one tile shape is
+fixed for every call: a program computes a [16, 64] tile of the output, walking the inputs in
+blocks of 32 in order, in float32 at IEEE precision; the norm is one program a row over the whole
+row. The paged attention kernel (workers.engine.triton_kernels) already walks each row's own
+positions in block order, so it needs no second version.
+
+Set TRITON_INTERPRET before this module is imported (the tests run it on the CPU in Triton's
+interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None] & (k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=mask_n[:, None] & (k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear's contract for x [M, K] and weight [N, K], each row in one order for any M."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    x, weight = x.contiguous(), weight.contiguous()
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _linear_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0),
+                         out.stride(0), HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    h = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    # as LlamaRMSNorm: rounded to the input's dtype, then scaled by the weight in its dtype
+    y = w.to(tl.float32) * h.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of each row of x [M, N] (the device lean forward's _norm contract), one program a row."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    _rms_norm_kernel[(x.shape[0],)](x, weight.contiguous(), out, x.shape[1], float(eps), x.stride(0), out.stride(0),
+                                    BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
