@@ -398,3 +398,42 @@ def test_the_gguf_tensor_table_is_read_as_gguf_reads_it(tmp_path):
         if t.name in raws:
             raw = raws[t.name]
             assert mm[t.offset: t.offset + raw.nbytes] == raw.tobytes()
+
+
+def _hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    from workers.engine.attention import hf_attention
+
+    with hf_attention(model, "sdpa"), torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].double()
+    return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+@pytest.mark.slow
+def test_gemma3s_q4_k_blocks_are_kept_within_float16_rounding(gemma3_fp32):
+    """Gemma 3's file: its Q4_K o and down projections are kept as int4 blocks whose scales and
+    offsets are the file's, rounded to float16. Each value lies within that rounding of
+    transformers' float32 one, and with `auto` the prompt's log-probabilities are closer to
+    transformers' float32 forward on the file than transformers' own bfloat16 forward is."""
+    from workers.quantized import rounding_bound
+    from workers.weights.gguf_blocks import gguf_blocks
+    from workers.weights.sources import source_gguf
+
+    lm = gemma3_fp32
+    modules = dict(lm.model.named_modules())
+    blocks = gguf_blocks(source_gguf("gemma3-270m"), lm.model)
+    q4k = {name: b for name, b in blocks.items() if b.kind == INT4}
+    assert len(q4k) == 27 and all(name.endswith(("o_proj", "down_proj")) for name in q4k)
+    for name, qw in q4k.items():
+        err = (qw.dequantize() - modules[name].weight.detach()).abs()
+        assert (err <= rounding_bound(qw)).all() and err.max() > 0, name
+    eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=128))  # quantization: auto
+    lean = eng.runner.lean
+    assert lean.layers[0].o.quant is not None and lean.layers[0].o.quant.kind == INT4
+    prompt = lm.tokenizer(TEXT).input_ids[:96]
+    out = eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
+    ours = torch.tensor(out.prompt_logprobs[1:], dtype=torch.float64)
+    truth = _hf_prompt_logprobs(lm.model, prompt)
+    bf16 = _hf_prompt_logprobs(copy.deepcopy(lm.model).to(torch.bfloat16), prompt)
+    ours_err, bf16_err = (ours - truth).abs().max(), (bf16 - truth).abs().max()
+    assert ours_err < bf16_err, (float(ours_err), float(bf16_err))
+    eng.close()

@@ -82,7 +82,7 @@ class Platform(ABC):
     @classmethod
     def quantized(cls, prec: Precision, quantization: str, lean: bool, model: str, gguf: Path | None = None) -> Precision:
         """`prec` with the `quantization` setting applied. `auto`: a GGUF file (`gguf`) whose layers
-        are mostly kept blocks (Q4_0, Q4_1, Q5_0, Q8_0) keeps them where this device's `auto` does
+        are mostly kept blocks (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0) keeps them where this device's `auto` does
         (auto_keeps_blocks) and the lean forward runs (`Precision.file_classes`); anything else is none. int8 and int4 need
         this device's kernels and the lean forward, and a model that cannot have them is refused
         here, by name."""

@@ -2,7 +2,8 @@
 Q4_1 and Q8_0 lay them out (Q5_0's values, d x (q - 16), fit int8 with its scale), so a GGUF
 file's blocks are kept as they are (the values it computes
 with are the file's own dequantized values, bit for bit) and a 16-bit weight can be quantized
-afresh into the same layout.
+afresh into the same layout. Q4_K's sub-blocks of 32 fit int4 with their scales and offsets
+rounded to float16 (_from_q4_k).
 
     int4: qs uint8 [N, K/2] (value j of a block in the low nibble of byte j, value j + 16 in its
           high nibble), scales and offsets float16 [N, K/32]:  w = scale * q + offset
@@ -23,7 +24,10 @@ BLOCK = 32
 INT4, INT8 = "int4", "int8"
 KINDS = (INT4, INT8)
 # GGUF's block types kept as they are, and what each becomes (gguf.GGMLQuantizationType's names)
-GGUF_KEPT = {"Q4_0": INT4, "Q4_1": INT4, "Q5_0": INT8, "Q8_0": INT8}
+GGUF_KEPT = {"Q4_0": INT4, "Q4_1": INT4, "Q5_0": INT8, "Q8_0": INT8, "Q4_K": INT4}
+# kept with their block scales and offsets rounded to float16 (the others' are float16 in the file)
+GGUF_ROUNDED = ("Q4_K",)
+K_BLOCK = 256  # a K-quant's superblock
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -117,6 +121,8 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) ->
     """A GGUF tensor's blocks as they are: `raw` its bytes ([N, bytes a row], as gguf's reader
     gives them), `shape` (N, K). Q4_0's value is d * (q - 8): an offset of -8 d, exact in float16."""
     n, k = shape
+    if type_name == "Q4_K":
+        return _from_q4_k(raw, shape)
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, -1)
     if type_name == "Q8_0":  # d (f16), 32 x int8
         d = blocks[..., :2].copy().view(np.float16)[..., 0]
@@ -144,3 +150,42 @@ def from_gguf_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) ->
         raise ValueError(f"GGUF type {type_name} is not kept as blocks (kept: {sorted(GGUF_KEPT)})")
     return QuantizedWeight(INT4, torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2)),
                            torch.from_numpy(d.copy()), torch.from_numpy(m.copy()))
+
+
+def _from_q4_k(raw: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+    """Q4_K (llama.cpp's ggml-quants: superblocks of 256 values, d and dmin in float16, eight 6-bit
+    scales and mins packed in 12 bytes, 128 bytes of nibbles) as int4 blocks of 32: sub-block j's
+    values are d * sc_j * q - dmin * m_j, so its scale is d * sc_j and its offset -dmin * m_j.
+    Those products take up to 17 significant bits; rounded to the layout's float16 they move a
+    value by at most 2^-11 of its block's terms, under bfloat16's own rounding of the weights
+    (gguf_blocks checks the bound)."""
+    n, k = shape
+    if k % K_BLOCK:
+        raise ValueError(f"Q4_K rows hold superblocks of {K_BLOCK} values, got {k}")
+    s = k // K_BLOCK
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, s, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    packed = b[..., 4:16]
+    sc = np.empty((n, s, 8), np.uint8)
+    mins = np.empty((n, s, 8), np.uint8)
+    sc[..., :4], mins[..., :4] = packed[..., 0:4] & 63, packed[..., 4:8] & 63
+    sc[..., 4:] = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
+    mins[..., 4:] = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    # sub-blocks 2g and 2g + 1 are the low and the high nibbles of the same 32 bytes
+    q = b[..., 16:].reshape(n, s, 4, 32)
+    values = np.stack([q & 0x0F, q >> 4], axis=3).reshape(n, s, 8, BLOCK)
+    # this layout's nibbles: value j of a block in the low nibble of byte j, value j + 16 in the high
+    qs = values[..., : BLOCK // 2] | (values[..., BLOCK // 2:] << 4)
+    scales = (d[..., None] * sc).astype(np.float16).reshape(n, k // BLOCK)
+    offsets = (-(dmin[..., None] * mins)).astype(np.float16).reshape(n, k // BLOCK)
+    return QuantizedWeight(INT4, torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2)),
+                           torch.from_numpy(scales), torch.from_numpy(offsets))
+
+
+def rounding_bound(qw: QuantizedWeight) -> torch.Tensor:
+    """[N, K]: how far a value of int4 blocks whose scales and offsets were rounded to float16 may
+    lie from the value before the rounding (twice the rounding of each term, in float32)."""
+    n, k = qw.out_features, qw.in_features
+    per_block = (qw.scales.float().abs() * 15 + qw.offsets.float().abs()) * 2.0 ** -10
+    return per_block.repeat_interleave(BLOCK, dim=1).view(n, k)

@@ -6,7 +6,9 @@ transformers dequantizes a GGUF file at load and, for the Llama architecture, re
 of q and k (llama.cpp's converter interleaves the rotary halves); the same reordering of whole
 rows applies to the blocks, exactly. Every tensor kept is checked against the model's own weight:
 its dequantized values, in the model's dtype, must equal it bit for bit, or it is not kept (the
-caller quantizes that linear afresh).
+caller quantizes that linear afresh). Q4_K's block scales and offsets are products of a float16
+and a 6-bit integer, rounded to the layout's float16: its values are checked to lie within that
+rounding of the weight's (at most 2^-11 of the block's terms, under bfloat16's own rounding).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.quantized import GGUF_KEPT, QuantizedWeight, from_gguf_blocks
+from workers.quantized import (
+    GGUF_KEPT,
+    GGUF_ROUNDED,
+    K_BLOCK,
+    QuantizedWeight,
+    from_gguf_blocks,
+    rounding_bound,
+)
 
 log = logging.getLogger("mmfusion.gguf")
 
@@ -34,7 +43,7 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 # GGUF metadata value types -> bytes (8: string, 9: array); tensor types kept -> (name, bytes a block of 32)
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_KEPT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 6: ("Q5_0", 22), 8: ("Q8_0", 34)}
+_KEPT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 6: ("Q5_0", 22), 8: ("Q8_0", 34), 12: ("Q4_K", 18)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +114,18 @@ def _rows_order(n: int, heads: int) -> torch.Tensor:
     return torch.arange(n).reshape(heads, dim, 2).transpose(1, 2).reshape(n)
 
 
+def _equal(qw: QuantizedWeight, weight: torch.Tensor, rounded: bool) -> bool:
+    """Whether the blocks give the model's weight: bit for bit in its dtype, or for blocks whose
+    scales were rounded to float16 (Q4_K), within that rounding (quantized.rounding_bound)."""
+    values = qw.dequantize().to(weight.device)
+    if not rounded:
+        return torch.equal(values.to(weight.dtype), weight)
+    w = weight.float()
+    # a 16-bit weight is the file's value rounded once more: one unit in its last place besides
+    bound = rounding_bound(qw).to(weight.device) + w.abs() * torch.finfo(weight.dtype).eps
+    return bool(((values - w).abs() <= bound).all())
+
+
 def _module_name(gguf_name: str, tied: bool) -> str | None:
     m = _LAYER.fullmatch(gguf_name)
     if m is not None:
@@ -117,9 +138,9 @@ def _module_name(gguf_name: str, tied: bool) -> str | None:
 
 def file_class(path: Path) -> str | None:
     """The class of a GGUF file's layers for `quantization: auto`: the kind (int4 or int8) of the
-    kept types (Q4_0, Q4_1 as int4; Q5_0, Q8_0 as int8) that holds most of its layers' linear
-    weights, or None where most are of other types (16/32-bit, or the K-quants, whose block scales
-    do not fit the kernels' float16 ones exactly)."""
+    kept types (Q4_0, Q4_1, Q4_K as int4; Q5_0, Q8_0 as int8) that holds most of its layers' linear
+    weights, or None where most are of other types (16/32-bit, or the other K-quants: Q5_K's
+    values need int8 with an offset, Q6_K's two scales a block of 32 do not fit one)."""
     _, tensors, mm = read_tensors(path)
     mm.close()
     counts: dict[str | None, int] = {}
@@ -133,7 +154,7 @@ def file_class(path: Path) -> str | None:
 
 def gguf_blocks(path: Path, model) -> dict[str, QuantizedWeight]:
     """Module name -> the file's blocks of that linear, for every linear whose GGUF type is kept
-    (Q4_0, Q4_1, Q5_0, Q8_0) and whose values equal the model's weight."""
+    (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K) and whose values equal the model's weight (see _equal)."""
     arch, tensors, mm = read_tensors(path)
     cfg = model.config.get_text_config()
     tied = bool(getattr(model.config, "tie_word_embeddings", False)) and not any(
@@ -147,14 +168,14 @@ def gguf_blocks(path: Path, model) -> dict[str, QuantizedWeight]:
         type_name, block_bytes = _KEPT_TYPES[t.type_id]
         weight = modules[name].weight
         k, n = t.dims
-        if (n, k) != tuple(weight.shape) or k % 32:
+        if (n, k) != tuple(weight.shape) or k % (K_BLOCK if type_name in GGUF_ROUNDED else 32):
             continue
         raw = np.frombuffer(mm, dtype=np.uint8, count=n * k // 32 * block_bytes, offset=t.offset)
         qw = from_gguf_blocks(type_name, raw.reshape(n, -1), (n, k))
         if arch == "llama" and name.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if name.endswith("q_proj") else (cfg.num_key_value_heads or cfg.num_attention_heads)
             qw = qw.rows(_rows_order(qw.out_features, heads))
-        if not torch.equal(qw.dequantize().to(weight.device, weight.dtype), weight.detach()):
+        if not _equal(qw, weight.detach(), type_name in GGUF_ROUNDED):
             log.warning("GGUF tensor %s (%s) does not equal %s's weight: quantized afresh", t.name, type_name, name)
             continue
         out[name] = qw
