@@ -409,11 +409,12 @@ def _hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_gemma3s_q4_k_blocks_are_kept_within_float16_rounding(gemma3_fp32):
+def test_gemma3s_k_quants_run_quantized_within_their_rounding(gemma3_fp32):
     """Gemma 3's file: its Q4_K o and down projections are kept as int4 blocks whose scales and
-    offsets are the file's, rounded to float16. Each value lies within that rounding of
-    transformers' float32 one, and with `auto` the prompt's log-probabilities are closer to
-    transformers' float32 forward on the file than transformers' own bfloat16 forward is."""
+    offsets are the file's, rounded to float16, each value within that rounding of transformers'
+    float32 one; its Q6_K downs run as int8 quantized afresh from the file's values, each within
+    half an int8 step. With `auto` the prompt's log-probabilities are closer to transformers'
+    float32 forward on the file than transformers' own bfloat16 forward is."""
     from workers.quantized import rounding_bound
     from workers.weights.gguf_blocks import gguf_blocks
     from workers.weights.sources import source_gguf
@@ -426,9 +427,17 @@ def test_gemma3s_q4_k_blocks_are_kept_within_float16_rounding(gemma3_fp32):
     for name, qw in q4k.items():
         err = (qw.dequantize() - modules[name].weight.detach()).abs()
         assert (err <= rounding_bound(qw)).all() and err.max() > 0, name
+    q6k = [name for name in blocks if name.endswith("down_proj") and name not in q4k]
+    assert len(q6k) == 9 and all(blocks[name].kind == INT8 for name in q6k)
+    for name in q6k:
+        qw = blocks[name]
+        half_step = qw.scales.float().repeat_interleave(32, dim=1) / 2 * (1 + 2 ** -10)
+        assert ((qw.dequantize() - modules[name].weight.detach()).abs() <= half_step).all(), name
+    assert len(blocks) == 18 * 7 + 1  # every linear and the LM head
     eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=128))  # quantization: auto
     lean = eng.runner.lean
     assert lean.layers[0].o.quant is not None and lean.layers[0].o.quant.kind == INT4
+    assert all(lin.quant is not None for lin in lean.linears())
     prompt = lm.tokenizer(TEXT).input_ids[:96]
     out = eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
     ours = torch.tensor(out.prompt_logprobs[1:], dtype=torch.float64)

@@ -24,9 +24,13 @@ BLOCK = 32
 INT4, INT8 = "int4", "int8"
 KINDS = (INT4, INT8)
 # GGUF's block types kept as they are, and what each becomes (gguf.GGMLQuantizationType's names)
-GGUF_KEPT = {"Q4_0": INT4, "Q4_1": INT4, "Q5_0": INT8, "Q8_0": INT8, "Q4_K": INT4}
+GGUF_KEPT = {"Q4_0": INT4, "Q4_1": INT4, "Q5_0": INT8, "Q8_0": INT8, "Q4_K": INT4, "Q5_K": INT8, "Q6_K": INT8}
 # kept with their block scales and offsets rounded to float16 (the others' are float16 in the file)
 GGUF_ROUNDED = ("Q4_K",)
+# whose blocks this layout cannot hold (Q5_K's values need an offset beside an int8 scale; Q6_K
+# has two scales in a block of 32): int8 quantized afresh from the file's values, each within half
+# an int8 step of its block (a quarter of Q6_K's own step)
+GGUF_REQUANTIZED = ("Q5_K", "Q6_K")
 K_BLOCK = 256  # a K-quant's superblock
 
 

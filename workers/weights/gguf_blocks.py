@@ -9,6 +9,9 @@ its dequantized values, in the model's dtype, must equal it bit for bit, or it i
 caller quantizes that linear afresh). Q4_K's block scales and offsets are products of a float16
 and a 6-bit integer, rounded to the layout's float16: its values are checked to lie within that
 rounding of the weight's (at most 2^-11 of the block's terms, under bfloat16's own rounding).
+Q5_K and Q6_K do not fit the layout (an offset beside an int8 scale; two scales in a block of
+32): their linears take int8 quantized afresh from the file's values, each within half an int8
+step of its block, a quarter of Q6_K's own step.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ import torch
 
 from workers.quantized import (
     GGUF_KEPT,
+    GGUF_REQUANTIZED,
     GGUF_ROUNDED,
+    INT8,
     K_BLOCK,
     QuantizedWeight,
     from_gguf_blocks,
+    quantize,
     rounding_bound,
 )
 
@@ -43,7 +49,8 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 # GGUF metadata value types -> bytes (8: string, 9: array); tensor types kept -> (name, bytes a block of 32)
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_KEPT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 6: ("Q5_0", 22), 8: ("Q8_0", 34), 12: ("Q4_K", 18)}
+_KEPT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 6: ("Q5_0", 22), 8: ("Q8_0", 34), 12: ("Q4_K", 18),
+               13: ("Q5_K", 22), 14: ("Q6_K", 26.25)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +145,9 @@ def _module_name(gguf_name: str, tied: bool) -> str | None:
 
 def file_class(path: Path) -> str | None:
     """The class of a GGUF file's layers for `quantization: auto`: the kind (int4 or int8) of the
-    kept types (Q4_0, Q4_1, Q4_K as int4; Q5_0, Q8_0 as int8) that holds most of its layers' linear
-    weights, or None where most are of other types (16/32-bit, or the other K-quants: Q5_K's
-    values need int8 with an offset, Q6_K's two scales a block of 32 do not fit one)."""
+    kept types (Q4_0, Q4_1, Q4_K as int4; Q5_0, Q8_0, and Q5_K, Q6_K requantized, as int8) that
+    holds most of its layers' linear weights, or None where most are of other types (16/32-bit,
+    Q2_K, Q3_K)."""
     _, tensors, mm = read_tensors(path)
     mm.close()
     counts: dict[str | None, int] = {}
@@ -154,7 +161,8 @@ def file_class(path: Path) -> str | None:
 
 def gguf_blocks(path: Path, model) -> dict[str, QuantizedWeight]:
     """Module name -> the file's blocks of that linear, for every linear whose GGUF type is kept
-    (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K) and whose values equal the model's weight (see _equal)."""
+    (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K) and whose values equal the model's weight (see _equal); Q5_K
+    and Q6_K linears as int8 quantized afresh from the weight, which holds the file's values."""
     arch, tensors, mm = read_tensors(path)
     cfg = model.config.get_text_config()
     tied = bool(getattr(model.config, "tie_word_embeddings", False)) and not any(
@@ -169,6 +177,9 @@ def gguf_blocks(path: Path, model) -> dict[str, QuantizedWeight]:
         weight = modules[name].weight
         k, n = t.dims
         if (n, k) != tuple(weight.shape) or k % (K_BLOCK if type_name in GGUF_ROUNDED else 32):
+            continue
+        if type_name in GGUF_REQUANTIZED:  # the file's values (the model's weight), int8 afresh
+            out[name] = quantize(weight.detach(), INT8)
             continue
         raw = np.frombuffer(mm, dtype=np.uint8, count=n * k // 32 * block_bytes, offset=t.offset)
         qw = from_gguf_blocks(type_name, raw.reshape(n, -1), (n, k))

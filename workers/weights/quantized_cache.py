@@ -22,7 +22,7 @@ from workers.weights.shared import map_tensors
 from workers.weights.sources import source_key
 
 log = logging.getLogger("mmfusion.quantized_cache")
-FORMAT = "mmfusion-quantized-1"  # bump when the layout or a quantization rule changes
+FORMAT = "mmfusion-quantized-2"  # bump when the layout or a quantization rule changes
 
 
 def cache_path(source: str, dtype: torch.dtype, kind: str) -> Path:
