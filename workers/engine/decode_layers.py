@@ -8,8 +8,9 @@ bit-equal results either way (tests/test_decode_layers.py).
 
 It serves a step whose every row is a decode row attending through the C++ decode kernel, in a
 model whose every layer linear runs in the C++ kernels (int4 or int8 blocks, or the dense strips of
-`deterministic`). Other steps, and models whose linears are oneDNN's or FBGEMM's packed weights,
-take the layer loop in Python (LeanLlama._layers).
+`deterministic`): the Llama family, and Gemma 3 with its q/k norms, output norms, GELU and a
+rotary table per layer type. Other steps, and models whose linears are oneDNN's or FBGEMM's packed
+weights, take the layer loop in Python (LeanLlama._layers).
 """
 
 from __future__ import annotations
@@ -49,26 +50,32 @@ class FusedDecode:
     """The layers of a LeanLlama as one C++ call for decode steps; `layers` None where it does not
     apply to the model (then `applies` is always false)."""
 
-    __slots__ = ("layers", "windows", "_position")
+    __slots__ = ("layers", "windows", "rope_types", "_position")
 
-    def __init__(self, layers=None, windows: list[int | None] | None = None):
+    def __init__(self, layers=None, windows: list[int | None] | None = None, rope_types: list[str] | None = None):
         self.layers = layers
         self.windows = windows or []
+        # Gemma 3: the layer types whose rotary tables `run` takes, in this order (None: one table)
+        self.rope_types = rope_types
         self._position = None  # the ContextHolder's layer placement the layers were placed by
 
     @classmethod
-    def of(cls, lean, kernels) -> FusedDecode:
+    def of(cls, lean, kernels, gemma: bool = False) -> FusedDecode:
         """`lean`'s layers through `kernels` (the C++ module; None: not built), where every layer's
-        linears run in them."""
+        linears run in them. `gemma`: Gemma 3's layers (lean.LeanGemma3)."""
         if kernels is None or not hasattr(kernels, "DecodeLayers"):
             return cls()
-        fused = kernels.DecodeLayers(lean.heads, lean.kv_heads, lean.head_dim, lean.scaling, lean.eps)
+        fused = kernels.DecodeLayers(lean.heads, lean.kv_heads, lean.head_dim, lean.scaling, lean.eps, gemma)
+        rope_types = sorted({layer.rope for layer in lean.layers}) if gemma else None
         for layer in lean.layers:
             parts = [kernel_linear(lin, kernels) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(p is None for p in parts) or layer.input_norm.dtype != lean.compute:
                 return cls()
             fused.add(layer.input_norm, layer.post_norm, *parts)
-        return cls(fused, [layer.window for layer in lean.layers])
+            if gemma:
+                fused.add_gemma(layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm,
+                                rope_types.index(layer.rope))
+        return cls(fused, [layer.window for layer in lean.layers], rope_types)
 
     def applies(self, ctx: attention.StepContext, h: torch.Tensor, cos: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -79,9 +86,10 @@ class FusedDecode:
                 and ctx.backend is not None and ctx.backend.name == CPU_KERNELS and kv[0].dtype in KERNEL_DTYPES
                 and cos.dtype == h.dtype)
 
-    def run(self, ctx: attention.StepContext, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def run(self, ctx: attention.StepContext, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
             kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The residual rows after every layer (h is updated in place)."""
+        """The residual rows after every layer (h is updated in place). `tables`: the rotary (cos,
+        sin) of the step's rows, one pair (Gemma 3: one per layer type, in rope_types' order)."""
         if self._position is not ctx.position:
             self._place(ctx)
         steps = []
@@ -89,7 +97,7 @@ class FusedDecode:
             if gs.span_table is None:
                 gs.span_table = torch.tensor(gs.spans, dtype=torch.long)
             steps += (gs.write_blocks, gs.write_offsets, gs.pair_blocks, gs.span_table)
-        return self.layers.run(h, cos, sin, kv[0], kv[1], steps)
+        return self.layers.run(h, [t for pair in tables for t in pair], kv[0], kv[1], steps)
 
     def _place(self, ctx: attention.StepContext) -> None:
         groups, pool = [], []

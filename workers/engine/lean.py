@@ -233,7 +233,7 @@ class LeanLlama:
         h = F.embedding(ids, self.embed).to(self.compute)
         cos, sin = rotation(*self.rotary(h, positions[None]))
         if self.decode_layers.applies(ctx, h, cos, kv):
-            h = self.decode_layers.run(ctx, h, cos, sin, kv)
+            h = self.decode_layers.run(ctx, h, [(cos, sin)], kv)
         else:
             h = self._layers(h, cos, sin, kv, ctx)
         h = self._norm(h.index_select(0, keep), self.final_norm)
@@ -284,7 +284,7 @@ class LeanGemma3(LeanLlama):
         self.softcap = cfg.final_logit_softcapping
 
     def _fused_decode(self) -> FusedDecode:
-        return FusedDecode()  # its layers add norms and GELU: they run in Python
+        return FusedDecode.of(self, self.norms, gemma=True)
 
     def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
         # Gemma3RMSNorm scales by (1 + w) computed in float32, as is everything here
@@ -309,6 +309,19 @@ class LeanGemma3(LeanLlama):
                 kv: tuple[torch.Tensor, torch.Tensor], ctx: attention.StepContext) -> torch.Tensor:
         h = F.embedding(ids, self.embed).to(self.compute) * self.embed_scale
         tables = {t: rotation(*self.rotary(h, positions[None], t)) for t in set(self.layer_types)}
+        fused = self.decode_layers
+        if fused.applies(ctx, h, next(iter(tables.values()))[0], kv):
+            h = fused.run(ctx, h, [tables[t] for t in fused.rope_types], kv)
+        else:
+            h = self._gemma_layers(h, tables, kv, ctx)
+        logits = self.lm_head(self._norm(h.index_select(0, keep), self.final_norm))
+        if self.softcap is not None:  # as Gemma3ForCausalLM: divide, tanh, multiply
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def _gemma_layers(self, h: torch.Tensor, tables: dict, kv: tuple[torch.Tensor, torch.Tensor],
+                      ctx: attention.StepContext) -> torch.Tensor:
+        """The residual rows after every layer, one call at a time."""
         rope_write = self._rope_write(h, next(iter(tables.values()))[0])
         x = self._norm(h, self.layers[0].input_norm)
         last = len(self.layers) - 1
@@ -323,7 +336,4 @@ class LeanGemma3(LeanLlama):
                 h, x = self._add_norm(h, delta, self.layers[i + 1].input_norm)
             else:
                 h = h + delta
-        logits = self.lm_head(self._norm(h.index_select(0, keep), self.final_norm))
-        if self.softcap is not None:  # as Gemma3ForCausalLM: divide, tanh, multiply
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return h

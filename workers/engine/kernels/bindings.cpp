@@ -46,9 +46,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("bias"), pybind11::arg("strips"))
       .def("__call__", &KernelLinear::operator());
   pybind11::class_<DecodeLayers>(m, "DecodeLayers", "a decode step through a Llama-family model's layers in one call")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>(), pybind11::arg("heads"),
-           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"), pybind11::arg("eps"))
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>(), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"), pybind11::arg("eps"),
+           pybind11::arg("gemma") = false)
       .def("add", &DecodeLayers::add)
+      .def("add_gemma", &DecodeLayers::add_gemma)
       .def("place", &DecodeLayers::place)
       .def("placed", &DecodeLayers::placed)
       .def("__len__", &DecodeLayers::size)

@@ -3,6 +3,8 @@
 #include "decode_layers.h"
 
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 
@@ -25,13 +27,25 @@ at::Tensor KernelLinear::operator()(const at::Tensor& x) const {
   }
 }
 
-DecodeLayers::DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps)
-    : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps) {}
+DecodeLayers::DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
+                           bool gemma)
+    : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), eps_(eps), gemma_(gemma) {}
 
 void DecodeLayers::add(at::Tensor input_norm, at::Tensor post_norm, KernelLinear qkv, KernelLinear o,
                        KernelLinear gate_up, KernelLinear down) {
   layers_.push_back(DecodeLayer{std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
                                 std::move(gate_up), std::move(down)});
+}
+
+void DecodeLayers::add_gemma(at::Tensor q_norm, at::Tensor k_norm, at::Tensor attn_out_norm,
+                             at::Tensor mlp_out_norm, int64_t rope) {
+  TORCH_CHECK(gemma_ && !layers_.empty(), "DecodeLayers.add_gemma: a Gemma 3 layer added first");
+  DecodeLayer& layer = layers_.back();
+  layer.q_norm = std::move(q_norm);
+  layer.k_norm = std::move(k_norm);
+  layer.attn_out_norm = std::move(attn_out_norm);
+  layer.mlp_out_norm = std::move(mlp_out_norm);
+  layer.rope = rope;
 }
 
 void DecodeLayers::place(std::vector<int64_t> groups, std::vector<int64_t> pool) {
@@ -41,11 +55,11 @@ void DecodeLayers::place(std::vector<int64_t> groups, std::vector<int64_t> pool)
   pool_ = std::move(pool);
 }
 
-at::Tensor DecodeLayers::run(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
+at::Tensor DecodeLayers::run(at::Tensor h, std::vector<at::Tensor> rope, at::Tensor keys, at::Tensor values,
                              std::vector<at::Tensor> steps) const {
   TORCH_CHECK(placed(), "DecodeLayers.run: place() the layers in the cache first");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "DecodeLayers.run: h must be contiguous rows");
-  const int64_t n = h.size(0), d = head_dim_;
+  const int64_t n = h.size(0), d = head_dim_, hq = heads_ * d, hk = kv_heads_ * d;
   // silu(gate) * up: the C++ pass in 16 bits, torch's silu and mul in float32 (lean.py's choice)
   const bool kernel_silu = h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf;
   const int64_t last = size() - 1;
@@ -54,21 +68,35 @@ at::Tensor DecodeLayers::run(at::Tensor h, at::Tensor cos, at::Tensor sin, at::T
     const DecodeLayer& layer = layers_[i];
     const int64_t g = groups_[i];
     TORCH_CHECK(4 * g + 3 < static_cast<int64_t>(steps.size()), "DecodeLayers.run: no step tables for group ", g);
+    TORCH_CHECK(2 * layer.rope + 1 < static_cast<int64_t>(rope.size()), "DecodeLayers.run: no rotary table ",
+                layer.rope);
     const at::Tensor kb = keys.select(0, pool_[i]), vb = values.select(0, pool_[i]);
     at::Tensor qkv = layer.qkv(x);
-    rope_write(qkv, cos, sin, kb, vb, steps[4 * g], steps[4 * g + 1], heads_, kv_heads_);
-    const at::Tensor q = qkv.narrow(1, 0, heads_ * d).view({n, heads_, d});
+    if (gemma_) {  // q and k normed per head (lean.LeanGemma3._qk_norm)
+      const at::Tensor qn = rms_norm(qkv.narrow(1, 0, hq).reshape({n * heads_, d}).contiguous(), layer.q_norm, eps_);
+      const at::Tensor kn =
+          rms_norm(qkv.narrow(1, hq, hk).reshape({n * kv_heads_, d}).contiguous(), layer.k_norm, eps_);
+      qkv = at::cat({qn.view({n, hq}), kn.view({n, hk}), qkv.narrow(1, hq + hk, qkv.size(1) - hq - hk)}, 1);
+    }
+    rope_write(qkv, rope[2 * layer.rope], rope[2 * layer.rope + 1], kb, vb, steps[4 * g], steps[4 * g + 1], heads_,
+               kv_heads_);
+    const at::Tensor q = qkv.narrow(1, 0, hq).view({n, heads_, d});
     const at::Tensor a = paged_decode(q, kb, vb, steps[4 * g + 2], steps[4 * g + 3], scale_);
-    x = add_rms_norm(h, layer.o(a.reshape({n, heads_ * d})), layer.post_norm, eps_);
+    at::Tensor attn = layer.o(a.reshape({n, hq}));
+    if (gemma_) attn = rms_norm(attn.contiguous(), layer.attn_out_norm, eps_);
+    x = add_rms_norm(h, attn, layer.post_norm, eps_);
     const at::Tensor gu = layer.gate_up(x);
+    const int64_t inter = gu.size(1) / 2;
     at::Tensor act;
-    if (kernel_silu) {
+    if (gemma_) {
+      act = at::mul(at::gelu(gu.narrow(1, 0, inter), "tanh"), gu.narrow(1, inter, inter));
+    } else if (kernel_silu) {
       act = silu_mul(gu);
     } else {
-      const int64_t inter = gu.size(1) / 2;
       act = at::mul(at::silu(gu.narrow(1, 0, inter)), gu.narrow(1, inter, inter));
     }
-    const at::Tensor delta = layer.down(act);
+    at::Tensor delta = layer.down(act);
+    if (gemma_) delta = rms_norm(delta.contiguous(), layer.mlp_out_norm, eps_);
     if (i < last) {
       x = add_rms_norm(h, delta, layers_[i + 1].input_norm, eps_);
     } else {

@@ -27,26 +27,36 @@ struct KernelLinear {
 struct DecodeLayer {
   at::Tensor input_norm, post_norm;
   KernelLinear qkv, o, gate_up, down;
+  // Gemma 3 (undefined elsewhere): q and k norms, the norms of the attention's and the MLP's
+  // outputs, and which of the step's rotary tables the layer takes
+  at::Tensor q_norm, k_norm, attn_out_norm, mlp_out_norm;
+  int64_t rope = 0;
 };
 
 class DecodeLayers {
  public:
-  DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps);
+  // gemma: Gemma 3's layer (q/k norms, output norms, GELU (tanh) for SiLU); else the Llama family's
+  DecodeLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps, bool gemma);
   void add(at::Tensor input_norm, at::Tensor post_norm, KernelLinear qkv, KernelLinear o, KernelLinear gate_up,
            KernelLinear down);
+  // Gemma 3: the last added layer's own norms and rotary table
+  void add_gemma(at::Tensor q_norm, at::Tensor k_norm, at::Tensor attn_out_norm, at::Tensor mlp_out_norm,
+                 int64_t rope);
   // layer i's cache group and its index in the pool of keys and values, from the runner
   void place(std::vector<int64_t> groups, std::vector<int64_t> pool);
   bool placed() const { return !pool_.empty(); }
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
-  // h [N, hidden] (updated in place and returned): every row a decode row. cos, sin [N, head_dim]
-  // in h's dtype; keys, values: the pool; steps: per cache group its write blocks, write offsets,
+  // h [N, hidden] (updated in place and returned): every row a decode row. rope: the rotary
+  // tables (cos, sin [N, head_dim] in h's dtype) one pair after another (Gemma 3: one pair per
+  // layer type); keys, values: the pool; steps: per cache group its write blocks, write offsets,
   // pair blocks and span table (attention.GroupStep)
-  at::Tensor run(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor keys, at::Tensor values,
+  at::Tensor run(at::Tensor h, std::vector<at::Tensor> rope, at::Tensor keys, at::Tensor values,
                  std::vector<at::Tensor> steps) const;
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
   double scale_, eps_;
+  bool gemma_;
   std::vector<DecodeLayer> layers_;
   std::vector<int64_t> groups_, pool_;
 };
