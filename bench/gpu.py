@@ -155,27 +155,12 @@ def speed(args) -> None:
              eager_vs_hf_static32=round(hf / rows["false"], 2), compiled_vs_hf_static32=round(hf / rows["true"], 2),
              repeats=args.repeats, **common)
     if "quantized" in args.parts:  # the weight-only Triton linears against the 16-bit weights
-        prompt, new = single_prompt(lm.vocab_size), 128
-        row = {}
-        for q in ("none", "int8", "int4"):
-            one = min(timed_engine(lm, [prompt], [new], "false", args.device, batch=1, tokens=128, quantization=q)
-                      for _ in range(args.repeats))
-            many = min(timed_engine(lm, prompts, max_tokens, "false", args.device, quantization=q)
-                       for _ in range(args.repeats))
-            row[f"{q}_single_stream_ms_per_token"] = round(one / new * 1e3, 2)
-            row[f"{q}_workload_tokens_per_s"] = round(useful / many, 1)
-        emit(part="quantized", repeats=args.repeats, **row, **common)
+        emit(part="quantized", **settings_rows(lm, prompts, max_tokens, args,
+                                               {q: {"quantization": q} for q in ("none", "int8", "int4")}), **common)
     if "deterministic" in args.parts:  # the batch-invariant kernels' cost
-        prompt, new = single_prompt(lm.vocab_size), 128
-        row = {}
-        for on in (False, True):
-            one = min(timed_engine(lm, [prompt], [new], "false", args.device, batch=1, tokens=128, deterministic=on)
-                      for _ in range(args.repeats))
-            many = min(timed_engine(lm, prompts, max_tokens, "false", args.device, deterministic=on)
-                       for _ in range(args.repeats))
-            row[f"{'on' if on else 'off'}_single_stream_ms_per_token"] = round(one / new * 1e3, 2)
-            row[f"{'on' if on else 'off'}_workload_tokens_per_s"] = round(useful / many, 1)
-        emit(part="deterministic", repeats=args.repeats, **row, **common)
+        emit(part="deterministic", **settings_rows(lm, prompts, max_tokens, args,
+                                                   {"off": {"deterministic": False}, "on": {"deterministic": True}}),
+             **common)
     if "single_stream" in args.parts:
         prompt, new = single_prompt(lm.vocab_size), 128
         ms = {}
@@ -202,6 +187,20 @@ def speed(args) -> None:
              engine_vs_static_compiled=round(ms["false"] / hf_ms["static"], 3), **split,
              stream_prompt_tokens=len(prompt), stream_new_tokens=new, repeats=args.repeats,
              model=args.model, dtype="bfloat16", device=device_name(args.device))
+
+
+def settings_rows(lm, prompts, max_tokens, args, settings: dict[str, dict]) -> dict:
+    """One stream's ms/token and the workload's tokens/s under each of `settings` (engine
+    config keys by label), eager, best of the repeats."""
+    prompt, new, useful = single_prompt(lm.vocab_size), 128, sum(max_tokens)
+    row: dict = {"repeats": args.repeats}
+    for label, cfg in settings.items():
+        one = min(timed_engine(lm, [prompt], [new], "false", args.device, batch=1, tokens=128, **cfg)
+                  for _ in range(args.repeats))
+        many = min(timed_engine(lm, prompts, max_tokens, "false", args.device, **cfg) for _ in range(args.repeats))
+        row[f"{label}_single_stream_ms_per_token"] = round(one / new * 1e3, 2)
+        row[f"{label}_workload_tokens_per_s"] = round(useful / many, 1)
+    return row
 
 
 def decode_split(lm, prompt: list[int], new: int) -> dict:

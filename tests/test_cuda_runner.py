@@ -5,12 +5,11 @@ the last test captures the graphs for real."""
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
-from support.models import hf_greedy, tiny
+from support.models import dequantized_reference, hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.engine.device_sampler import SamplingRows, sample_tokens, uniforms
@@ -18,7 +17,7 @@ from workers.engine.params import SamplingParams
 from workers.engine.runners.cuda import CudaRunner, decode_buckets
 from workers.engine.sampler import SampleSpec, sample, uniform
 from workers.platform import CudaPlatform
-from workers.quantized import INT4, INT8, quantize
+from workers.quantized import INT4, INT8
 
 
 def _greedy(m: int) -> SamplingParams:
@@ -216,18 +215,6 @@ def test_a_step_started_ahead_whose_rows_all_end_is_dropped():
     assert again.outputs[0].token_ids == first[0].outputs[0].token_ids == hf_greedy(lm.model, [4, 5, 6], 5)
 
 
-def _dequantized_reference(lm, kind: str):
-    """transformers' model whose linears hold the values the quantized runner computes with: the LM
-    head int8, and for int4 the fused q/k/v (with v) and down int8 (lean.linear_kind)."""
-    ref = copy.deepcopy(lm.model)
-    wider = ("lm_head", "q_proj", "k_proj", "v_proj", "down_proj") if kind == INT4 else ("lm_head",)
-    with torch.no_grad():
-        for name, module in ref.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(quantize(module.weight, INT8 if name.endswith(wider) else kind).dequantize())
-    return ref
-
-
 @pytest.mark.parametrize("arch,kind", [("llama", INT8), ("llama", INT4), ("qwen2", INT4)])
 def test_quantized_linears_give_transformers_greedy_on_their_values(arch, kind):
     """`quantization: int8` / `int4` on the device's lean forward (PagedOps.qlinear: the reference
@@ -244,7 +231,7 @@ def test_quantized_linears_give_transformers_greedy_on_their_values(arch, kind):
     assert all(lin.quant is not None for lin in lean.linears())
     dense = sum(m.weight.numel() * 4 for m in lm.model.modules() if isinstance(m, torch.nn.Linear))
     assert sum(lin.own_bytes for lin in lean.linears()) < dense / 3
-    ref = _dequantized_reference(lm, kind)
+    ref = dequantized_reference(lm.model, kind)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (3, 9, 17)]
     outs = eng.generate(prompts, [_greedy(8)] * len(prompts))
@@ -345,7 +332,7 @@ def test_quantized_decode_graphs_on_cuda_give_transformers_greedy_on_their_value
     for kind in (INT8, INT4):
         eng = _engine(lm, device="cuda", quantization=kind)
         assert eng.runner.ops.name == "triton" and set(eng.runner.graphs) == set(eng.runner.buckets)
-        ref = _dequantized_reference(lm, kind)
+        ref = dequantized_reference(lm.model, kind)
         for p in ([3, 9, 1], [17] * 5):
             got = eng.generate([p], _greedy(10))[0].outputs[0].token_ids
             assert got == hf_greedy(ref, p, 10), kind

@@ -10,7 +10,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from support.models import hf_greedy, tiny
+from support.models import dequantized_reference, hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig, cpu_kernels
 from workers.engine.params import SamplingParams
@@ -155,13 +155,7 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(kind, arch):
     lm = tiny(arch, dtype="float32")
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=4, quantization=kind))
     assert eng.precision.quantization == kind
-    ref = copy.deepcopy(lm.model)
-    # the LM head stays int8, and int4 gives q/k/v (fused with v) and down int8 (lean.LeanLlama)
-    wider = ("lm_head", "q_proj", "k_proj", "v_proj", "down_proj") if kind == INT4 else ("lm_head",)
-    with torch.no_grad():
-        for name, module in ref.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(quantize(module.weight, INT8 if name.endswith(wider) else kind).dequantize())
+    ref = dequantized_reference(lm.model, kind)
     prompts = [[5, 6, 7, 8], [9] * 13, [3, 100, 42]]
     outs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for p, o in zip(prompts, outs):

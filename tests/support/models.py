@@ -86,3 +86,20 @@ def engine_with_pool(lm, blocks: int, block_size: int = 4, **kw):
     eng = Engine(lm, EngineConfig(kv_cache_memory=blocks * per_block, kv_block_size=block_size, **kw))
     assert eng.scheduler.blocks.num_blocks == blocks
     return eng
+
+
+def dequantized_reference(model, kind: str):
+    """A copy of `model` whose linears hold the values the engine's `quantization: kind` computes
+    with, quantized afresh (the LM head int8; int4 gives q/k/v, fused with v, and down int8:
+    workers.engine.lean.linear_kind)."""
+    import copy
+
+    from workers.quantized import INT4, INT8, quantize
+
+    ref = copy.deepcopy(model)
+    wider = ("lm_head", "q_proj", "k_proj", "v_proj", "down_proj") if kind == INT4 else ("lm_head",)
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize(module.weight, INT8 if name.endswith(wider) else kind).dequantize())
+    return ref
