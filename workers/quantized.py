@@ -23,7 +23,8 @@ import torch
 BLOCK = 32
 INT4, INT8 = "int4", "int8"
 KINDS = (INT4, INT8)
-# GGUF's block types kept as they are, and what each becomes (gguf.GGMLQuantizationType's names)
+# GGUF's block types that run quantized, and the kind each becomes (gguf.GGMLQuantizationType's
+# names): kept as they are, but for GGUF_ROUNDED and GGUF_REQUANTIZED below
 GGUF_KEPT = {"Q4_0": INT4, "Q4_1": INT4, "Q5_0": INT8, "Q8_0": INT8, "Q4_K": INT4, "Q5_K": INT8, "Q6_K": INT8}
 # kept with their block scales and offsets rounded to float16 (the others' are float16 in the file)
 GGUF_ROUNDED = ("Q4_K",)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from workers.engine.lean import AttentionShape, linear_kind, rotation
 from workers.engine.linears import all_kept, fused_bias, quantized_weight
-from workers.engine.paged_ops import PagedOps, reference_rms_norm
+from workers.engine.paged_ops import PagedOps
 from workers.precision import Precision
 from workers.quantized import QuantizedWeight
 
@@ -44,7 +44,7 @@ class DeviceLinear:
 
     def through(self, ops: PagedOps) -> DeviceLinear:
         """The same linear through `ops`' kernels."""
-        return replace(self, qlinear=ops.qlinear if self.quant is not None else None, dense=ops.linear or F.linear)
+        return replace(self, qlinear=ops.qlinear if self.quant is not None else None, dense=ops.linear)
 
     @property
     def own_bytes(self) -> int:
@@ -88,8 +88,8 @@ class DeviceLean:
         inner = model.model
         self.ops = ops
         self._precision = precision
-        self._names = {id(m): name for name, m in model.named_modules()}
         modules = dict(model.named_modules())
+        self._names = {id(m): name for name, m in modules.items()}
         self._blocks = {id(modules[name]): qw for name, qw in (blocks or {}).items() if name in modules}
         shape = AttentionShape.of(model)
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
@@ -144,9 +144,7 @@ class DeviceLean:
             layer.gate_up, layer.down = layer.gate_up.through(ops), layer.down.through(ops)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.ops.rms_norm is not None:
-            return self.ops.rms_norm(x, weight, self.eps)
-        return reference_rms_norm(x, weight, self.eps)
+        return self.ops.rms_norm(x, weight, self.eps)
 
     def forward(self, step: DeviceStep, kv: tuple[torch.Tensor, torch.Tensor],
                 keep: torch.Tensor | None = None) -> torch.Tensor:

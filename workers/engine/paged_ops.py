@@ -79,6 +79,13 @@ def reference_qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tens
     return y.to(x.dtype)
 
 
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As LlamaRMSNorm: in float32, rounded to the input's dtype before the weight's scale."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class PagedOps:
     """The paged ops a runner calls, chosen once at load, and its weight-only quantized linear."""
@@ -87,33 +94,28 @@ class PagedOps:
     kv_write: Callable[..., None]
     attention: Callable[..., torch.Tensor]
     qlinear: Callable[..., torch.Tensor]  # reference_qlinear's contract
-    # `deterministic` (batch_invariant): a dense linear (F.linear's contract) and an RMS norm
-    # (rows, weight, eps) that compute each row in one order; None: F.linear and torch's norm
-    linear: Callable[..., torch.Tensor] | None = None
-    rms_norm: Callable[..., torch.Tensor] | None = None
+    # a dense linear (F.linear's contract) and an RMS norm (rows, weight, eps): under
+    # `deterministic` (batch_invariant), ones that compute each row in one order
+    linear: Callable[..., torch.Tensor] = F.linear
+    rms_norm: Callable[..., torch.Tensor] = reference_rms_norm
     invariant: bool = False
 
 
 REFERENCE = PagedOps("reference", reference_kv_write, reference_attention, reference_qlinear)
 
 
-def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As LlamaRMSNorm: in float32, rounded to the input's dtype before the weight's scale."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def _each_row(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args) -> torch.Tensor:
-    """fn on each row of x alone, stacked: a row's result cannot depend on the others."""
-    return torch.cat([fn(x[i:i + 1], *args) for i in range(x.shape[0])]) if x.shape[0] else fn(x, *args)
+def _each_row(fn: Callable[..., torch.Tensor], rows: tuple[torch.Tensor, ...], *args) -> torch.Tensor:
+    """fn(row i of each of `rows`, *args) for each i alone, stacked: a row's result cannot depend on
+    the others."""
+    n = rows[0].shape[0]
+    if n == 0:
+        return fn(*rows, *args)
+    return torch.cat([fn(*(t[i:i + 1] for t in rows), *args) for i in range(n)])
 
 
 def _attention_each_row(query, key_cache, value_cache, block_tables, rows, lengths, scale, window):
-    return torch.cat([reference_attention(query[i:i + 1], key_cache, value_cache, block_tables, rows[i:i + 1],
-                                          lengths[i:i + 1], scale, window) for i in range(query.shape[0])]
-                     ) if query.shape[0] else reference_attention(query, key_cache, value_cache, block_tables, rows,
-                                                                  lengths, scale, window)
+    return _each_row(lambda q, r, length: reference_attention(q, key_cache, value_cache, block_tables, r, length,
+                                                              scale, window), (query, rows, lengths))
 
 
 def batch_invariant(ops: PagedOps) -> PagedOps:
@@ -129,9 +131,9 @@ def batch_invariant(ops: PagedOps) -> PagedOps:
         return replace(ops, name="triton-invariant", qlinear=triton_qlinear.qlinear_invariant,
                        linear=triton_invariant.linear, rms_norm=triton_invariant.rms_norm, invariant=True)
     return replace(ops, name=f"{ops.name}-invariant", attention=_attention_each_row,
-                   qlinear=lambda x, w, b=None: _each_row(ops.qlinear, x, w, b),
-                   linear=lambda x, w, b=None: _each_row(F.linear, x, w, b),
-                   rms_norm=lambda x, w, eps: _each_row(reference_rms_norm, x, w, eps), invariant=True)
+                   qlinear=lambda x, w, b=None: _each_row(ops.qlinear, (x,), w, b),
+                   linear=lambda x, w, b=None: _each_row(ops.linear, (x,), w, b),
+                   rms_norm=lambda x, w, eps: _each_row(ops.rms_norm, (x,), w, eps), invariant=True)
 
 
 def have_triton() -> bool:
