@@ -12,7 +12,9 @@ holds any two of the four variants' copies (their sizes as validate_only prints 
 2. The alternating scenario: `--clients` threads send greedy requests to the four variants in
    turn for `--seconds`. Per request the latency; per variant the loads; the workers' summed PSS
    (the worker processes only: not the router, the fork server or this driver), sampled at 10 Hz,
-   against the budget. Every answer of one (variant, prompt) must be the same tokens.
+   against the budget. Every answer must be the tokens the engine gives in this process for the
+   prompt alone (computed first, one variant at a time), counted by variant where it is not.
+   Without `--deterministic`, a bfloat16 answer can change with the rows batched beside it.
 3. Fairness (a serve process of its own, SmolLM2 alone, with tenants): `gold` (weight 3) and
    `silver` (weight 1) each keep more requests in flight than the worker's batch holds for
    `--fair-seconds`; `capped` (weight 1, a quota of `--quota` tokens a minute) sends one request
@@ -26,7 +28,8 @@ holds any two of the four variants' copies (their sizes as validate_only prints 
    that starts it to its first token).
 
     python bench/models.py [--seconds 120] [--clients 4] [--scenarios load,alternating,fairness,hol]
-                           [--min-resident-s S] [--max-loads-per-minute N] [--hol-seconds S] [--hol-rounds N]
+                           [--min-resident-s S] [--max-loads-per-minute N] [--deterministic]
+                           [--hol-seconds S] [--hol-rounds N]
 """
 
 from __future__ import annotations
@@ -71,6 +74,49 @@ def budget_for_two(params: dict) -> tuple[int, dict]:
     return s[-1] + s[-2] + s[0] // 2, sizes
 
 
+def loads_floor(sizes: dict[str, int], budget: int, clients: int, rounds: int = 200) -> float:
+    """The fewest loads a request any policy could make in the alternating scenario, even one that
+    knew every request ahead. Every client's own requests (the variants in turn) have to be served
+    by the one sequence of resident sets, so the loads are at least the fewest that serve one
+    client's sequence: exact by dynamic programming over the sets of copies that fit the budget
+    (loading only what a request needs loses nothing). Dividing by all the clients' requests, as
+    many as the busiest client's times `clients`, gives the floor."""
+    from itertools import combinations
+
+    names = list(sizes)
+    fits = [frozenset(c) for k in range(1, len(names) + 1) for c in combinations(names, k)
+            if sum(sizes[n] for n in c) <= budget]
+    sequence = [names[i % len(names)] for i in range(len(names) * rounds)]
+    cost = {s: len(s) for s in fits if sequence[0] in s}
+    for name in sequence[1:]:
+        cost = {s: min(c + len(s - p) for p, c in cost.items()) for s in fits if name in s}
+    return min(cost.values()) / (len(sequence) * clients)
+
+
+def engine_answers(params: dict) -> dict[tuple[str, str], list[int]]:
+    """Each (variant, prompt)'s greedy tokens from the engine in this process, the prompt alone in
+    its batch, with the variant's settings: what every served answer must equal."""
+    import gc
+
+    from workers.engine import Engine, EngineConfig
+    from workers.engine.params import SamplingParams
+    from workers.models import load_model
+    from workers.spec import ModelSpec, WorkerSpec
+
+    sampling = SamplingParams(max_tokens=GREEDY["max_tokens"], temperature=0.0, ignore_eos=True)
+    out = {}
+    for name, v in params["variants"].items():
+        spec = WorkerSpec(ModelSpec.from_params(name, v["model"]), 0, threads=2)
+        m = spec.model
+        engine = Engine(load_model(m.source, dtype=m.dtype, max_model_len=m.max_model_len, share_weights=False,
+                                   prepack=m.prepack_weights), EngineConfig.from_spec(spec))
+        for prompt in PROMPTS:
+            out[name, prompt] = engine.generate([prompt], sampling)[0].outputs[0].token_ids
+        del engine
+        gc.collect()
+    return out
+
+
 def workers_pss(serve_pid: int) -> int:
     """The worker processes of the serve process: the children of its fork server."""
     total = 0
@@ -109,6 +155,9 @@ def main() -> None:
     ap.add_argument("--quota", type=int, default=600, help="capped's tokens a minute (fairness)")
     ap.add_argument("--min-resident-s", type=float, default=0.0, help="runconfig.min_resident_s (load, alternating)")
     ap.add_argument("--max-loads-per-minute", type=int, default=None, help="runconfig.max_loads_per_minute")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="model.deterministic for every variant (load, alternating): answers that do not depend "
+                         "on the batch")
     ap.add_argument("--hol-seconds", type=float, default=20.0, help="SmolLM2 alone before the loads (head-of-line)")
     ap.add_argument("--hol-rounds", type=int, default=12, help="loads of Gemma 3 beside SmolLM2 (head-of-line)")
     args = ap.parse_args()
@@ -120,12 +169,14 @@ def main() -> None:
         head_of_line(args)
     if not scenarios & {"load", "alternating"}:
         return
-    params = {"variants": {n: {"model": {**m, "max_batch_size": 8, "max_model_len": 1024}} for n, m in VARIANTS.items()},
+    params = {"variants": {n: {"model": {**m, "max_batch_size": 8, "max_model_len": 1024,
+                                         "deterministic": args.deterministic}} for n, m in VARIANTS.items()},
               "runconfig": {"threads_per_worker": 1, "devices": "cpu", "unload_timeout": 60,
                             "min_resident_s": args.min_resident_s, "max_loads_per_minute": args.max_loads_per_minute}}
     budget, sizes = budget_for_two(params)
     params["runconfig"]["memory_budget"] = budget
     cached = {n: weights_cached(m["source"]) for n, m in VARIANTS.items()}  # before serve fills the cache
+    reference = engine_answers(params) if "alternating" in scenarios else {}
     proc, front, log, cfg = serve(params, "tiny,1")
     from routing.client import Client
 
@@ -142,19 +193,20 @@ def main() -> None:
                      copy_mib=round(sizes[name] / 2**20), weights_cached=cached[name],
                      cold_load_to_first_token_s=round(cold, 2), warm_load_to_first_token_s=round(warm, 2))
         if "alternating" in scenarios:
-            scenario(front, proc.pid, budget, sizes, args)
+            scenario(front, proc.pid, budget, sizes, reference, args)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
         cfg.unlink(missing_ok=True)
 
 
-def scenario(front: str, serve_pid: int, budget: int, sizes: dict, args) -> None:
+def scenario(front: str, serve_pid: int, budget: int, sizes: dict, reference: dict, args) -> None:
     from routing.client import Client
 
     latencies: list[float] = []
     answers: dict = {}
-    mismatched, peak, stop = [0], [0], threading.Event()
+    differ = dict.fromkeys(VARIANTS, 0)  # answers unlike the engine in-process, by variant
+    peak, stop = [0], threading.Event()
 
     def sample():
         while not stop.is_set():
@@ -171,8 +223,9 @@ def scenario(front: str, serve_pid: int, budget: int, sizes: dict, args) -> None
                 t0 = time.perf_counter()
                 tokens = c.complete(name, prompt, **GREEDY)["choices"][0]["token_ids"]
                 latencies.append(time.perf_counter() - t0)
-                if answers.setdefault((name, prompt), tokens) != tokens:
-                    mismatched[0] += 1
+                answers.setdefault((name, prompt), set()).add(tuple(tokens))
+                if tokens != reference[name, prompt]:
+                    differ[name] += 1
                 r += 1
 
     with Client(front, timeout=60) as c:
@@ -191,10 +244,12 @@ def scenario(front: str, serve_pid: int, budget: int, sizes: dict, args) -> None
          min_resident_s=args.min_resident_s, max_loads_per_minute=args.max_loads_per_minute, held=life["held"],
          requests=len(latencies), p50_s=round(pct(latencies, 0.5), 3), p99_s=round(pct(latencies, 0.99), 3),
          loads=loads, loads_per_request=round(loads / max(1, len(latencies)), 3),
+         floor_loads_per_request=round(loads_floor(sizes, budget, args.clients), 3),
          evictions=life["evictions"], load_seconds_mean=life["load_seconds"]["mean"],
          budget_mib=round(budget / 2**20), copy_mib={n: round(s / 2**20) for n, s in sizes.items()},
          peak_workers_pss_mib=round(peak[0] / 2**20), peak_over_budget=round(peak[0] / budget, 3),
-         answers_consistent=mismatched[0] == 0, load_failures=life["load_failures"])
+         deterministic=args.deterministic, answers_equal_engine=not any(differ.values()), answers_unlike_engine=differ,
+         distinct_answers_max=max(map(len, answers.values()), default=0), load_failures=life["load_failures"])
 
 
 def serve(params: dict, variants: str):

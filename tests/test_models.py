@@ -10,7 +10,7 @@ from workers.capability import cpu_capability
 from workers.engine import Engine
 from workers.engine.params import SamplingParams
 from workers.models import load_model
-from workers.platform import load_dtype
+from workers.platform import for_model, load_dtype
 from workers.weights.sources import embedded_gguf
 
 
@@ -65,6 +65,15 @@ def test_dtypes():
     assert load_dtype("auto", cpu, False, "tiny:llama") == load_dtype("auto", cpu, True, "tiny:gpt2") == (
         torch.bfloat16 if cap.bf16_arith else torch.float32)
     assert load_dtype("auto", torch.device("cuda"), False, None) == torch.bfloat16
+    # Gemma 3's lean forward computes only in float32: its auto is the float32-math choice on every
+    # CPU (bfloat16 would leave it transformers' modules where bf16 arithmetic exists)
+    gemma_auto = torch.float16 if cap.fp16_gemm else torch.float32
+    assert load_dtype("auto", cpu, True, "tiny:gemma3") == gemma_auto
+    assert load_dtype("auto", cpu, False, "tiny:gemma3") == (torch.bfloat16 if cap.bf16_arith else torch.float32)
+    assert load_dtype("auto", torch.device("cuda"), True, "tiny:gemma3") == torch.bfloat16
+    gemma = load_model("tiny:gemma3", dtype="auto")
+    assert gemma.dtype == gemma_auto
+    assert for_model(gemma, prepack=True).lean
     with pytest.raises(ValueError, match="dtype"):
         load_dtype("int3", cpu, False, None)
     assert load_model("tiny:gpt2", dtype="bfloat16").dtype == torch.bfloat16

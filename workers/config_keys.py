@@ -76,7 +76,9 @@ MODEL_KEYS: tuple[Key, ...] = (
     Key("dtype", "auto", "`auto`, `float32`, `bfloat16`, `float16`, `float64`",
         "the serving dtype. `auto`: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX; on other CPUs (AVX2, "
         "AVX-512 without bf16) float16 weights with float32 math, activations and KV cache for the lean forward "
-        "(Llama family and Gemma 3, `prepack_weights`), float32 for other models. `bfloat16`/`float16` on a CPU without "
+        "(Llama family and Gemma 3, `prepack_weights`), float32 for other models. Gemma 3's lean forward computes "
+        "only in float32, so on every CPU its `auto` is float16 weights with float32 math (float32 where FBGEMM "
+        "has no fp16 linear). `bfloat16`/`float16` on a CPU without "
         "bf16 arithmetic: 16-bit weights, float32 math in the lean forward; other models compute in the "
         "16-bit dtype (see docs/cpus.md)",
         lambda x: x in ("auto", "float32", "bfloat16", "float16", "float64")),

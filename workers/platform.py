@@ -71,8 +71,9 @@ class Platform(ABC):
     # --- the rules, before anything loads --------------------------------------------------------
     @staticmethod
     @abstractmethod
-    def auto_weights(lean: bool) -> torch.dtype:
-        """The weights' dtype for `dtype: auto`; `lean`: the model will run the lean forward."""
+    def auto_weights(lean: bool, float32_lean: bool = False) -> torch.dtype:
+        """The weights' dtype for `dtype: auto`; `lean`: the model will run the lean forward;
+        `float32_lean`: its lean forward computes only in float32."""
 
     @staticmethod
     @abstractmethod
@@ -137,8 +138,8 @@ class CpuPlatform(Platform):
     lean_architectures: ClassVar[tuple[str, ...]] = LEAN_ARCHITECTURES
 
     @staticmethod
-    def auto_weights(lean: bool) -> torch.dtype:
-        return cpu_auto_weights(lean)
+    def auto_weights(lean: bool, float32_lean: bool = False) -> torch.dtype:
+        return cpu_auto_weights(lean, float32_lean)
 
     @staticmethod
     def compute(weights: torch.dtype, lean: bool) -> Precision:
@@ -174,7 +175,7 @@ class CudaPlatform(Platform):
     lean_architectures: ClassVar[tuple[str, ...]] = tuple(a for a in LEAN_ARCHITECTURES if a not in FLOAT32_LEAN)
 
     @staticmethod
-    def auto_weights(lean: bool) -> torch.dtype:
+    def auto_weights(lean: bool, float32_lean: bool = False) -> torch.dtype:
         return torch.bfloat16
 
     @staticmethod
@@ -200,14 +201,16 @@ def platform_class(device: torch.device | str) -> type[Platform]:
     return PLATFORMS[device_kind(device).name]
 
 
-def weights_dtype(dtype: str | torch.dtype, device: torch.device | str, lean: bool = False) -> torch.dtype:
+def weights_dtype(dtype: str | torch.dtype, device: torch.device | str, lean: bool = False,
+                  float32_lean: bool = False) -> torch.dtype:
     """The dtype a model's weights load in on `device`. `lean`: the model will run the lean forward
-    (which is what lets `auto` keep float16 weights on a CPU without bf16 arithmetic)."""
+    (which is what lets `auto` keep float16 weights on a CPU without bf16 arithmetic);
+    `float32_lean`: that lean forward computes only in float32."""
     named = named_dtype(dtype)
     if named is not None:
         return named
     cls = platform_class(device)
-    return cls.auto_weights(lean and bool(cls.lean_architectures))
+    return cls.auto_weights(lean and bool(cls.lean_architectures), float32_lean)
 
 
 def load_dtype(dtype: str | torch.dtype, device: torch.device | str, prepack: bool, source: str | None) -> torch.dtype:
@@ -215,8 +218,9 @@ def load_dtype(dtype: str | torch.dtype, device: torch.device | str, prepack: bo
     known to be of its family."""
     from workers.weights.sources import architecture
 
-    lean = prepack and source is not None and architecture(source) in platform_class(device).lean_architectures
-    return weights_dtype(dtype, device, lean)
+    arch = architecture(source) if source is not None else None
+    lean = prepack and arch is not None and arch in platform_class(device).lean_architectures
+    return weights_dtype(dtype, device, lean, arch in FLOAT32_LEAN)
 
 
 def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str, prepack: bool,

@@ -11,7 +11,7 @@ compute in their weights' dtype.
 
     requested    CUDA       CPU with AVX512-BF16/AMX     CPU without (AVX2, AVX-512 without bf16)
     auto         bfloat16   bfloat16, oneDNN packed      float16 weights, float32 math (lean forward);
-                                                         float32 for other models
+                            (Gemma 3: as without)        float32 for other models
     bfloat16     bfloat16   bfloat16, oneDNN packed      bfloat16 weights, float32 math (lean forward;
                                                          AVX-512: bfloat16 through oneDNN); bfloat16
                                                          for other models
@@ -19,7 +19,8 @@ compute in their weights' dtype.
     float32      float32    float32, oneDNN packed (lean forward)
 
 Gemma 3's lean forward computes only in float32: where its weights would compute in bfloat16, it
-runs transformers' modules (workers.engine.lean).
+runs transformers' modules (workers.engine.lean), so its `auto` is the float32-math choice of a
+CPU without bf16 arithmetic.
 """
 
 from __future__ import annotations
@@ -91,11 +92,14 @@ def named_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
-def cpu_auto_weights(lean: bool) -> torch.dtype:
+def cpu_auto_weights(lean: bool, float32_lean: bool = False) -> torch.dtype:
     """`auto` on this CPU: bfloat16 with bf16 arithmetic; else float16 for the lean forward
-    (16-bit weights, float32 math) where FBGEMM has its fp16 linear, float32 otherwise."""
+    (16-bit weights, float32 math) where FBGEMM has its fp16 linear, float32 otherwise.
+    `float32_lean`: the model's lean forward computes only in float32 (Gemma 3), so it takes the
+    16-bit weights with float32 math even where bfloat16 would compute in bfloat16: bfloat16 there
+    would leave it transformers' modules, four times slower a token."""
     cap = cpu_capability()
-    if cap.bf16_arith:
+    if cap.bf16_arith and not (lean and float32_lean):
         return torch.bfloat16
     return torch.float16 if lean and cap.fp16_gemm else torch.float32
 
