@@ -114,7 +114,8 @@ def test_fast_gguf_reader_reads_what_gguf_reads():
     from workers.weights.hf_loader import fast_gguf_reader_class
 
     path = embedded_gguf("smollm2-135m")
-    fast, stock = fast_gguf_reader_class()(path), gguf.GGUFReader(path)
+    values: dict = {}
+    fast, stock = fast_gguf_reader_class(values)(path), gguf.GGUFReader(path)
     assert list(fast.fields) == list(stock.fields) and "tokenizer.ggml.tokens" in fast.fields
     for name, want in stock.fields.items():
         got = fast.fields[name]
@@ -124,3 +125,14 @@ def test_fast_gguf_reader_reads_what_gguf_reads():
             assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), name
     assert [(t.name, t.data_offset) for t in fast.tensors] == [(t.name, t.data_offset) for t in stock.tensors]
     assert fast.fields["tokenizer.ggml.tokens"].contents(5) == stock.fields["tokenizer.ggml.tokens"].contents(5)
+    # each array element's value, decoded in bulk, is what transformers' parser gives it
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    arrays = [n for n, f in stock.fields.items() if f.types[0] == gguf.GGUFValueType.ARRAY and len(f.data) > 1]
+    assert "tokenizer.ggml.tokens" in arrays and "tokenizer.ggml.token_type" in arrays
+    for name in arrays:
+        want, got = stock.fields[name], fast.fields[name]
+        for i in want.data:
+            part, value = values[id(got.parts[i])]
+            expected = _gguf_parse_value(want.parts[i], want.types)
+            assert part is got.parts[i] and value == expected and type(value) is type(expected), (name, i)

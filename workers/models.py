@@ -12,6 +12,7 @@ from workers.devices import device_kind
 from workers.engine import Engine, EngineConfig
 from workers.platform import load_dtype
 from workers.weights import shared as shared_weights
+from workers.weights.gguf_stream import gguf_writer
 from workers.weights.hf_loader import load_private
 from workers.weights.loaded_model import LoadedModel
 from workers.weights.owner import attach_remote
@@ -38,7 +39,8 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
     if share_weights and owner:  # CUDA: attach to the weights the device's owner process holds
         model, tok, weights, link = attach_remote(owner, os.environ.get(KEY_ENV, "").encode())
     elif share_weights and not device_kind(dev).owner_shares_weights:  # one read-only mapping, on the host
-        model, tok, weights = shared_weights.load_shared(source, dt, lambda: load_private(source, dt, use_cache))
+        model, tok, weights = shared_weights.load_shared(source, dt, lambda: load_private(source, dt, use_cache),
+                                                         gguf_writer(source, dt, use_cache))
     else:  # own weights: sharing off, or a device with no owner (a worker started by hand)
         model, tok = load_private(source, dt, use_cache)
         model.to(dev)

@@ -19,11 +19,12 @@ from workers.weights import tiny
 from workers.weights.sources import EMBEDDED, check_source, embedded_gguf, gguf_cache_dir, gguf_cache_path
 
 
-def fast_gguf_reader_class():
+def fast_gguf_reader_class(values: dict[int, tuple] | None = None):
     """gguf's GGUFReader, parsing metadata arrays in bulk. The stock reader builds a numpy memmap
     view per element (Gemma 3's 262k-token vocabulary: ~800k of them, 12 s); this one slices a
     plain array view of the same mapping and reads string lengths from a memoryview, giving the
-    same fields, parts and tensors in under a second."""
+    same fields, parts and tensors in under a second. `values`: where to put each array element's
+    value as transformers' `_gguf_parse_value` gives it, keyed by id(part) as (part, value)."""
     import gguf
     import numpy as np
     from gguf import GGUFValueType
@@ -58,10 +59,15 @@ def fast_gguf_reader_class():
                     slen = int.from_bytes(buf[offs:offs + 8], sys.byteorder)  # "I": the host's order
                     parts.append(data[offs:offs + 8].view(np.uint64))
                     parts.append(data[offs + 8:offs + 8 + slen])
+                    if values is not None:
+                        values[id(parts[-1])] = (parts[-1], bytes(buf[offs + 8:offs + 8 + slen]).decode())
                     offs += 8 + slen
                 return offs - orig_offs, parts, list(range(3, 2 + 2 * n, 2)), types
             arr = self._get(offs, nptype, n)
-            parts += list(arr.reshape(n, 1))
+            elements = list(arr.reshape(n, 1))
+            if values is not None:  # tolist: Python ints, floats and bools, as int(), float() and bool() give
+                values.update((id(p), (p, v)) for p, v in zip(elements, arr.tolist(), strict=True))
+            parts += elements
             return offs + int(arr.nbytes) - orig_offs, parts, list(range(2, 2 + n)), types
 
     return FastGGUFReader
@@ -70,7 +76,7 @@ def fast_gguf_reader_class():
 @contextlib.contextmanager
 def gguf_parsed_once():
     """Within the block, a GGUF file is parsed once, and fast. transformers parses the file's
-    metadata for the config, again for the tokenizer and again for the weights, and builds the
+    metadata for the config, again for the tokenizer's config and again for the weights, and builds the
     tensor-name map again for every submodule (~20 ms each, hundreds of submodules); the reader,
     the maps and the parsed values (strings and numbers) are read-only, so every caller can share
     them."""
@@ -79,10 +85,12 @@ def gguf_parsed_once():
     import gguf
     import transformers.modeling_gguf_pytorch_utils as hf_gguf
 
-    original, fast = gguf.GGUFReader, fast_gguf_reader_class()
+    parsed: dict[int, tuple] = {}  # id(part) -> (part, its value): the parts live as long as their reader
+    original, fast = gguf.GGUFReader, fast_gguf_reader_class(parsed)
     original_map, original_parse = gguf.get_tensor_name_map, hf_gguf._gguf_parse_value
+    original_checkpoint = hf_gguf.load_gguf_checkpoint
     readers: dict = {}
-    parsed: dict[int, tuple] = {}
+    metadata: dict[str, dict] = {}
 
     def reader(path, mode="r"):
         key = (os.fspath(path), mode)
@@ -91,22 +99,35 @@ def gguf_parsed_once():
         return readers[key]
 
     def parse(part, types):
-        # one reader per file, so a value's part is the same object for each of the three callers:
-        # the vocabulary's 262k strings are decoded once, not three times (seconds each)
+        # one reader per file, so a value's part is the same object for each caller; the reader
+        # decoded the arrays' elements in bulk (the vocabulary's 262k strings, scores and types)
         hit = parsed.get(id(part))
         if hit is None or hit[0] is not part:
             hit = parsed[id(part)] = (part, original_parse(part, types))
         return hit[1]
 
+    def checkpoint(path, return_tensors=False, *args, **kwargs):
+        # the config is read twice (AutoConfig, and AutoTokenizer for the class): walking the
+        # vocabulary's fields element by element takes seconds each time. Callers get their own
+        # top-level dicts and share the values, which they do not change.
+        if return_tensors:
+            return original_checkpoint(path, return_tensors, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in metadata:
+            metadata[key] = original_checkpoint(path, False, *args, **kwargs)
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in metadata[key].items()}
+
     gguf.GGUFReader = reader
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_map)
     hf_gguf._gguf_parse_value = parse
+    hf_gguf.load_gguf_checkpoint = checkpoint
     try:
         yield
     finally:
         gguf.GGUFReader = original
         gguf.get_tensor_name_map = original_map
         hf_gguf._gguf_parse_value = original_parse
+        hf_gguf.load_gguf_checkpoint = original_checkpoint
 
 
 def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):

@@ -203,8 +203,9 @@ def _trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def build_meta(path_dir: Path, dtype: torch.dtype):
-    """(model on `meta`, tokenizer) from a shared directory: nothing allocated for the weights."""
+def build_meta(path_dir: Path, dtype: torch.dtype, tokenizer=None):
+    """(model on `meta`, tokenizer) from a shared directory: nothing allocated for the weights.
+    `tokenizer`: the one the directory was just written with (read again otherwise)."""
     import transformers
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -218,24 +219,27 @@ def build_meta(path_dir: Path, dtype: torch.dtype):
         model = cls._from_config(config, dtype=dtype)
     if (path_dir / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(str(path_dir), local_files_only=True)
-    tok = held(path_dir) or AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+    tok = tokenizer or held(path_dir) or AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
     return model, tok
 
 
-def build_attached(path_dir: Path, dtype: torch.dtype):
+def build_attached(path_dir: Path, dtype: torch.dtype, tokenizer=None):
     """(model, tokenizer, weight bytes) from a shared directory, bound to its mapped file."""
-    model, tok = build_meta(path_dir, dtype)
+    model, tok = build_meta(path_dir, dtype, tokenizer)
     nbytes = attach(model, path_dir / WEIGHTS_FILE)
     return model.eval(), tok, nbytes
 
 
-def load_shared(source: str, dtype: torch.dtype, load_private):
+def load_shared(source: str, dtype: torch.dtype, load_private, write=None):
     """(model, tokenizer, WeightsInfo) for a CPU copy that shares its weights.
 
-    `load_private()` loads the model the usual way; it runs only when no shared file exists yet,
-    and one copy at a time (a file lock), so that several copies starting together write it once."""
+    When no shared file exists yet, one copy at a time (a file lock, so that several copies
+    starting together write it once) writes it: `write(directory)` where given (it fills the
+    directory and returns the tokenizer, or raises ValueError when it cannot), else from
+    `load_private()`, which loads the model the usual way."""
     dest = shared_dir(source, dtype)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    tok = None
     with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -245,13 +249,23 @@ def load_shared(source: str, dtype: torch.dtype, load_private):
                     return model, tok, WeightsInfo(nbytes, True, str(dest / WEIGHTS_FILE))
                 except (SharedWeightsError, OSError, ValueError) as exc:
                     log.warning("shared weights %s unusable (%s): writing them again", dest, exc)
-            model, tok = load_private()
-            publish(model, tok, dest)
+                    tok = None
+            if write is not None:
+                made = []
+                try:
+                    atomic_replace(dest, lambda tmp: made.append(write(tmp)), is_dir=True)
+                    tok = made[0]
+                except ValueError as exc:
+                    log.warning("writing %s tensor by tensor failed (%s): loading it whole", dest, exc)
+                    tok = None
+            if tok is None:
+                model, tok = load_private()
+                publish(model, tok, dest)
+                del model
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-    del model
     _trim()
-    model, tok, nbytes = build_attached(dest, dtype)
+    model, tok, nbytes = build_attached(dest, dtype, tok)
     return model, tok, WeightsInfo(nbytes, True, str(dest / WEIGHTS_FILE))
 
 
