@@ -65,9 +65,15 @@ def test_a_first_shared_load_writes_the_file_tensor_by_tensor(tmp_path, monkeypa
     assert all(not p.is_meta for p in model.parameters())
     lm = load_model(source, dtype="bfloat16", share_weights=True)  # attaches to the file just written
     assert lm.weights.path == info.path
-    private = load_model(source, dtype="bfloat16", use_cache=False)
-    for (name, a), b in zip(lm.model.state_dict().items(), private.model.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
+    private = load_model(source, dtype="bfloat16", use_cache=False)  # transformers' whole load of the file
+    copied = load_model(source, dtype="bfloat16")  # share_weights off: a copy of the shared file's tensors
+    assert not copied.weights.shared
+    mapped = {t.data_ptr() for t in lm.model.state_dict().values()}
+    assert not mapped & {t.data_ptr() for t in copied.model.state_dict().values()}
+    for name, a in lm.model.state_dict().items():
+        assert torch.equal(a, private.model.state_dict()[name]), name
+        assert torch.equal(a, copied.model.state_dict()[name]), name
+    assert copied.model.lm_head.weight is copied.model.model.embed_tokens.weight  # tied stays tied
 
 
 def test_a_file_that_cannot_be_streamed_loads_whole(tmp_path, monkeypatch):

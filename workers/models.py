@@ -42,7 +42,12 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
         model, tok, weights = shared_weights.load_shared(source, dt, lambda: load_private(source, dt, use_cache),
                                                          gguf_writer(source, dt, use_cache))
     else:  # own weights: sharing off, or a device with no owner (a worker started by hand)
-        model, tok = load_private(source, dt, use_cache)
+        writer = gguf_writer(source, dt, use_cache) if use_cache else None
+        if writer is not None:  # a GGUF file: copied from the shared file, written a tensor at a time
+            model, tok, _ = shared_weights.load_copied(source, dt, lambda: load_private(source, dt, use_cache), writer)
+        else:
+            model, tok = load_private(source, dt, use_cache)
+            shared_weights.release_heap()
         model.to(dev)
         weights = shared_weights.private_info(model)
     ctx = context_len(model.config)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import gc
 import json
 import logging
 import mmap
@@ -151,9 +152,10 @@ def bind_aliases(model: torch.nn.Module, aliases: dict[str, str]) -> None:
         (dst._parameters if a_attr in dst._parameters else dst._buffers)[a_attr] = value
 
 
-def attach(model: torch.nn.Module, path: Path) -> int:
-    """Bind every parameter and persistent buffer of `model` to the mapped file; returns its bytes.
-    Fails (SharedWeightsError) unless the file covers the model exactly."""
+def attach(model: torch.nn.Module, path: Path, copy: bool = False) -> int:
+    """Bind every parameter and persistent buffer of `model` to the mapped file (`copy`: to a copy
+    of it in this process's own memory); returns its bytes. Fails (SharedWeightsError) unless the
+    file covers the model exactly."""
     tensors, meta = map_tensors(path)
     if meta.get("format") != FORMAT:
         raise SharedWeightsError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
@@ -163,6 +165,8 @@ def attach(model: torch.nn.Module, path: Path) -> int:
     if wanted != have:
         missing, extra = sorted(wanted - have), sorted(have - wanted)
         raise SharedWeightsError(f"{path} does not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    if copy:
+        tensors = {name: t.clone() for name, t in tensors.items()}
     return bind_all(model, tensors, aliases, path)
 
 
@@ -197,8 +201,11 @@ def drop_pages(tensors: list[torch.Tensor]) -> int:
     return dropped
 
 
-def _trim() -> None:
-    """Give freed private weights back to the OS (glibc keeps small freed blocks otherwise)."""
+def release_heap() -> None:
+    """Give the memory of a whole load back to the OS: transformers' loading leaves cycles that
+    hold its float32 arrays until a collection (about 0.7 GB for Gemma 3 270M), and glibc keeps
+    freed blocks otherwise."""
+    gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
@@ -223,10 +230,11 @@ def build_meta(path_dir: Path, dtype: torch.dtype, tokenizer=None):
     return model, tok
 
 
-def build_attached(path_dir: Path, dtype: torch.dtype, tokenizer=None):
-    """(model, tokenizer, weight bytes) from a shared directory, bound to its mapped file."""
+def build_attached(path_dir: Path, dtype: torch.dtype, tokenizer=None, copy: bool = False):
+    """(model, tokenizer, weight bytes) from a shared directory, bound to its mapped file (`copy`:
+    to a copy of it of this process's own)."""
     model, tok = build_meta(path_dir, dtype, tokenizer)
-    nbytes = attach(model, path_dir / WEIGHTS_FILE)
+    nbytes = attach(model, path_dir / WEIGHTS_FILE, copy)
     return model.eval(), tok, nbytes
 
 
@@ -237,6 +245,18 @@ def load_shared(source: str, dtype: torch.dtype, load_private, write=None):
     starting together write it once) writes it: `write(directory)` where given (it fills the
     directory and returns the tokenizer, or raises ValueError when it cannot), else from
     `load_private()`, which loads the model the usual way."""
+    return _load(source, dtype, load_private, write, copy=False)
+
+
+def load_copied(source: str, dtype: torch.dtype, load_private, write=None):
+    """(model, tokenizer, WeightsInfo) with weights of this process's own, copied from the shared
+    file (written first where there is none, as load_shared writes it). A private copy of a GGUF
+    source so costs a read of the file instead of transformers' whole load (seconds, and its
+    float32 arrays) every time."""
+    return _load(source, dtype, load_private, write, copy=True)
+
+
+def _load(source: str, dtype: torch.dtype, load_private, write, copy: bool):
     dest = shared_dir(source, dtype)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tok = None
@@ -245,8 +265,8 @@ def load_shared(source: str, dtype: torch.dtype, load_private, write=None):
         try:
             if (dest / WEIGHTS_FILE).exists():
                 try:
-                    model, tok, nbytes = build_attached(dest, dtype)
-                    return model, tok, WeightsInfo(nbytes, True, str(dest / WEIGHTS_FILE))
+                    model, tok, nbytes = build_attached(dest, dtype, copy=copy)
+                    return model, tok, _info(nbytes, copy, dest)
                 except (SharedWeightsError, OSError, ValueError) as exc:
                     log.warning("shared weights %s unusable (%s): writing them again", dest, exc)
                     tok = None
@@ -261,12 +281,19 @@ def load_shared(source: str, dtype: torch.dtype, load_private, write=None):
             if tok is None:
                 model, tok = load_private()
                 publish(model, tok, dest)
+                if copy:  # the whole load is a copy of this process's own already
+                    release_heap()
+                    return model, tok, private_info(model)
                 del model
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-    _trim()
-    model, tok, nbytes = build_attached(dest, dtype, tok)
-    return model, tok, WeightsInfo(nbytes, True, str(dest / WEIGHTS_FILE))
+    release_heap()
+    model, tok, nbytes = build_attached(dest, dtype, tok, copy)
+    return model, tok, _info(nbytes, copy, dest)
+
+
+def _info(nbytes: int, copy: bool, dest: Path) -> WeightsInfo:
+    return WeightsInfo(nbytes, False) if copy else WeightsInfo(nbytes, True, str(dest / WEIGHTS_FILE))
 
 
 def private_info(model: torch.nn.Module) -> WeightsInfo:
