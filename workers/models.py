@@ -17,7 +17,7 @@ from workers.weights.hf_loader import load_private
 from workers.weights.loaded_model import LoadedModel
 from workers.weights.owner import attach_remote
 from workers.weights.owner_ipc import KEY_ENV
-from workers.weights.sources import context_len
+from workers.weights.sources import context_len, source_gguf
 
 
 def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
@@ -47,7 +47,8 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
             model, tok, _ = shared_weights.load_copied(source, dt, lambda: load_private(source, dt, use_cache), writer)
         else:
             model, tok = load_private(source, dt, use_cache)
-            shared_weights.release_heap()
+            if source_gguf(source) is not None:  # transformers' GGUF load leaves its float32 arrays in cycles
+                shared_weights.release_heap()
         model.to(dev)
         weights = shared_weights.private_info(model)
     ctx = context_len(model.config)

@@ -243,7 +243,8 @@ def load_shared(source: str, dtype: torch.dtype, load_private, write=None):
 
     When no shared file exists yet, one copy at a time (a file lock, so that several copies
     starting together write it once) writes it: `write(directory)` where given (it fills the
-    directory and returns the tokenizer, or raises ValueError when it cannot), else from
+    directory and returns the tokenizer, or raises ValueError, KeyError or NotImplementedError
+    when it cannot), else from
     `load_private()`, which loads the model the usual way."""
     return _load(source, dtype, load_private, write, copy=False)
 
@@ -275,7 +276,7 @@ def _load(source: str, dtype: torch.dtype, load_private, write, copy: bool):
                 try:
                     atomic_replace(dest, lambda tmp: made.append(write(tmp)), is_dir=True)
                     tok = made[0]
-                except ValueError as exc:
+                except (ValueError, KeyError, NotImplementedError) as exc:  # a layout it does not know
                     log.warning("writing %s tensor by tensor failed (%s): loading it whole", dest, exc)
                     tok = None
             if tok is None:
