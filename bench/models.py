@@ -15,6 +15,8 @@ holds any two of the four variants' copies (their sizes as validate_only prints 
    against the budget. Every answer must be the tokens the engine gives in this process for the
    prompt alone (computed first, one variant at a time), counted by variant where it is not.
    Without `--deterministic`, a bfloat16 answer can change with the rows batched beside it.
+   `floor_loads_per_request` is the fewest loads a request any policy could make for these
+   clients, copy sizes and budget (loads_floor).
 3. Fairness (a serve process of its own, SmolLM2 alone, with tenants): `gold` (weight 3) and
    `silver` (weight 1) each keep more requests in flight than the worker's batch holds for
    `--fair-seconds`; `capped` (weight 1, a quota of `--quota` tokens a minute) sends one request
