@@ -98,7 +98,7 @@ def write_gguf_shared(gguf_path: Path, dtype: torch.dtype, dest: Path):
                                     f"{'' if row is None else f' at row {row}'}, the model wants {tuple(target.shape)}")
             offset = 0 if row is None else row * target[0].numel() * target.element_size()
             f.seek(data_start + layout[hf_name][0] + offset)
-            f.write(t.contiguous().view(torch.uint8).numpy().data)
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # 0-d too
             if row is None or row + len(t) == len(target):
                 written.add(hf_name)
 
