@@ -244,8 +244,7 @@ def load_shared(source: str, dtype: torch.dtype, load_private, write=None):
     When no shared file exists yet, one copy at a time (a file lock, so that several copies
     starting together write it once) writes it: `write(directory)` where given (it fills the
     directory and returns the tokenizer, or raises ValueError, KeyError or NotImplementedError
-    when it cannot), else from
-    `load_private()`, which loads the model the usual way."""
+    when it cannot), else from `load_private()`, which loads the model the usual way."""
     return _load(source, dtype, load_private, write, copy=False)
 
 
