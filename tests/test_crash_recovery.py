@@ -92,7 +92,12 @@ def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case)
     params, clean = crash_case
     md = tmp_path / "killed"
     pred = md / "predictions"
-    proc = run_mm(params, "predict", CRASH_VARIANTS, md, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # a process killed with SIGKILL cannot remove its temporary files (multiprocessing's directory
+    # for the fork server's socket): the run keeps them under tmp_path, which pytest removes
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = run_mm(params, "predict", CRASH_VARIANTS, md, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                  env={**os.environ, "TMPDIR": str(scratch)})
     _wait_mid_run(proc, pred)
     import psutil
 
