@@ -9,6 +9,7 @@ import os
 # cluster_utils node advertises this machine's interface address, which these machines may not
 # use (and ray.init hangs on it). Read once, when ray is first imported.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,7 +43,11 @@ LOOPBACK = "127.0.0.1"
 @pytest.fixture(scope="module")
 def cluster():
     """Two Ray nodes on this machine; node_a and node_b are custom resources naming them."""
-    small = {"object_store_memory": 100 * 2**20}  # nothing goes through Ray's object store: keep /dev/shm free
+    # nothing goes through Ray's object store: keep /dev/shm free. Ray's sessions (logs, sockets) go
+    # to a directory of this fixture's, removed after (Ray leaves /tmp/ray/session_* behind); a
+    # short path, since the sockets inside must fit a unix socket's 107 bytes
+    scratch = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    small = {"object_store_memory": 100 * 2**20, "temp_dir": scratch}
     c = Cluster(initialize_head=True, head_node_args={
         "node_ip_address": LOOPBACK, "num_cpus": 3, "resources": {"node_a": 4}, "include_dashboard": False, **small})
     c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4}, **small)
@@ -53,6 +58,7 @@ def cluster():
     yield c, {("node_a" if "node_a" in r else "node_b"): nid for nid, r in nodes.items()}
     ray.shutdown()
     c.shutdown()
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _params(tmp_path: Path, variants: dict, **run) -> dict:
