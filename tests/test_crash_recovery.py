@@ -4,7 +4,9 @@ of an undisturbed run: nothing lost, nothing written twice, and nothing left run
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import h5py
@@ -85,7 +87,7 @@ def _same_outputs(pred: Path, clean: Path) -> None:
         assert g == w
 
 
-def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case):
+def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case, request):
     import os
     import signal
 
@@ -93,11 +95,12 @@ def test_kill_9_mid_run_then_rerun_gives_identical_outputs(tmp_path, crash_case)
     md = tmp_path / "killed"
     pred = md / "predictions"
     # a process killed with SIGKILL cannot remove its temporary files (multiprocessing's directory
-    # for the fork server's socket): the run keeps them under tmp_path, which pytest removes
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # for the fork server's socket): the run keeps them in a directory of this test's, removed at
+    # the end. A short path: the socket's must fit in 107 bytes
+    scratch = tempfile.mkdtemp(prefix="kill9-", dir="/tmp")
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     proc = run_mm(params, "predict", CRASH_VARIANTS, md, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                  env={**os.environ, "TMPDIR": str(scratch)})
+                  env={**os.environ, "TMPDIR": scratch})
     _wait_mid_run(proc, pred)
     import psutil
 
