@@ -43,22 +43,32 @@ LOOPBACK = "127.0.0.1"
 @pytest.fixture(scope="module")
 def cluster():
     """Two Ray nodes on this machine; node_a and node_b are custom resources naming them."""
-    # nothing goes through Ray's object store: keep /dev/shm free. Ray's sessions (logs, sockets) go
-    # to a directory of this fixture's, removed after (Ray leaves /tmp/ray/session_* behind); a
-    # short path, since the sockets inside must fit a unix socket's 107 bytes
+    # nothing goes through Ray's object store: keep /dev/shm free. Ray's files (its sessions' logs
+    # and sockets, the current cluster's address) go to a directory of this fixture's, removed
+    # after (Ray leaves /tmp/ray behind); a short path, since the sockets inside must fit a unix
+    # socket's 107 bytes. RAY_TMPDIR, not a node's temp_dir: the address file ignores the latter
     scratch = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    small = {"object_store_memory": 100 * 2**20, "temp_dir": scratch}
-    c = Cluster(initialize_head=True, head_node_args={
-        "node_ip_address": LOOPBACK, "num_cpus": 3, "resources": {"node_a": 4}, "include_dashboard": False, **small})
-    c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4}, **small)
-    c.wait_for_nodes()
-    ray.init(address=c.address, _node_ip_address=LOOPBACK, namespace="mmfusion", configure_logging=False)
-    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-    assert len(nodes) == 2
-    yield c, {("node_a" if "node_a" in r else "node_b"): nid for nid, r in nodes.items()}
-    ray.shutdown()
-    c.shutdown()
-    shutil.rmtree(scratch, ignore_errors=True)
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = scratch
+    small = {"object_store_memory": 100 * 2**20}
+    try:
+        c = Cluster(initialize_head=True, head_node_args={
+            "node_ip_address": LOOPBACK, "num_cpus": 3, "resources": {"node_a": 4}, "include_dashboard": False,
+            **small})
+        c.add_node(node_ip_address=LOOPBACK, num_cpus=3, resources={"node_b": 4}, **small)
+        c.wait_for_nodes()
+        ray.init(address=c.address, _node_ip_address=LOOPBACK, namespace="mmfusion", configure_logging=False)
+        nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        assert len(nodes) == 2
+        yield c, {("node_a" if "node_a" in r else "node_b"): nid for nid, r in nodes.items()}
+        ray.shutdown()
+        c.shutdown()
+    finally:  # a cluster that failed to start leaves nothing either
+        if before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = before
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _params(tmp_path: Path, variants: dict, **run) -> dict:
