@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from workers.weights.hf_loader import gguf_parsed_once
-from workers.weights.shared import DTYPE_NAMES, FORMAT, WEIGHTS_FILE
+from workers.weights.shared import DTYPE_NAMES, WEIGHTS_FILE, file_metadata
 
 SLAB_BYTES = 64 << 20  # float32 bytes of rows dequantized at once for the big row-wise tensors
 ROW_WISE = ("token_embd.weight", "output.weight")  # tensors whose rows no processor below mixes
@@ -137,7 +137,8 @@ def _tensor(values: np.ndarray) -> torch.Tensor:
 
 
 def _unique(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The state dict's tensors by name, each object once, and the names tied to another."""
+    """The state dict's tensors by name, each object once, and the names tied to another (by
+    object: shared.unique_tensors tells ties by storage, which tensors on `meta` do not have)."""
     owners: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}
@@ -154,7 +155,7 @@ def _layout(owners: dict[str, torch.Tensor], cls: str, aliases: dict[str, str]):
     """({name: (start, end)} in the data, where the data starts, the header's bytes). Widest elements
     first, so that every tensor starts aligned to its element size."""
     order = sorted(owners, key=lambda n: (-owners[n].element_size(), n))
-    table: dict = {"__metadata__": {"format": FORMAT, "class": cls, "aliases": json.dumps(aliases)}}
+    table: dict = {"__metadata__": file_metadata(cls, aliases)}
     layout, at = {}, 0
     for n in order:
         t = owners[n]

@@ -79,6 +79,11 @@ def unique_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     return tensors, aliases
 
 
+def file_metadata(cls: str, aliases: dict[str, str]) -> dict[str, str]:
+    """A shared weights file's own metadata: its layout's version, the model class, the tied names."""
+    return {"format": FORMAT, "class": cls, "aliases": json.dumps(aliases)}
+
+
 def publish(model: torch.nn.Module, tokenizer, dest: Path) -> None:
     """Write model + tokenizer to `dest` through a temporary directory renamed into place."""
     from safetensors.torch import save_file
@@ -87,8 +92,7 @@ def publish(model: torch.nn.Module, tokenizer, dest: Path) -> None:
     tensors = {k: t.to("cpu").contiguous() for k, t in tensors.items()}
 
     def fill(tmp: Path) -> None:
-        meta = {"format": FORMAT, "class": type(model).__name__, "aliases": json.dumps(aliases)}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=file_metadata(type(model).__name__, aliases))
         model.config.save_pretrained(str(tmp))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
