@@ -10,7 +10,7 @@
                  graphs); the engine's decode graphs' capture time, and a decode step's host share
                  (filling the inputs) against its device share (the copy in, the replay, the tokens out);
   quantized:     one stream and the workload with `quantization` none, int8 and int4 (the weight-only
-                 Triton linears of workers.engine.triton_qlinear), eager;
+                 Triton linears of workers.engine.cuda.triton_qlinear), eager;
   deterministic: the same with `deterministic` off and on (the batch-invariant Triton kernels);
   deployment:    `run_mm.py --mode serve` with the HTTP gateway, --copies copies of the model in bf16
                  on one GPU sharing one weight owner: the plan (`validate_only`), the workload as

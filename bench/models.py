@@ -280,8 +280,8 @@ def wait_serving(front: str, proc, log: list[str], timeout: float = 300) -> None
 
 
 def fairness(args) -> None:
-    from routing import protocol as P
     from routing.client import Client, RouterError
+    from wire import protocol as P
 
     batch = 8
     params = {"variants": {"smollm2": {"model": {**VARIANTS["smollm2"], "max_batch_size": batch, "max_model_len": 1024}}},

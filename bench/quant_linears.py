@@ -5,7 +5,7 @@ linears and of the LM head, the weight bytes each reads, and the error against f
 same (dequantized) weights. Every figure is from this run, best of --repeats.
 
 Kernels (each where this torch build and CPU have it; a line says why not otherwise):
-  bf16_onednn:  today's bfloat16 path (oneDNN-prepacked; workers.engine.linears, CPUs with bf16)
+  bf16_onednn:  today's bfloat16 path (oneDNN-prepacked; workers.engine.cpu.linears, CPUs with bf16)
   fp16_fbgemm:  today's float16-weights, float32-math path (FBGEMM; CPUs without bf16 arithmetic)
   int8_pack:    torch.ops.aten._weight_int8pack_mm (int8 weights per output channel, bf16/fp32 rows)
   int4_pack:    torch.ops.aten._weight_int4pack_mm_for_cpu (int4 in groups of 32; bf16 or fp32 rows)
@@ -16,7 +16,7 @@ Kernels (each where this torch build and CPU have it; a line says why not otherw
 --model: instead, every linear of SmolLM2 (30 layers and the LM head, about 135M weights: they
 stream from memory as in a decode step, not from cache) for --rows rows, one JSON line per
 (kernel, rows) with the ms of one pass: today's bf16 and fp16 linears against the engine's
-weight-only int4 and int8 kernels (workers/engine/kernels/qlinear.cpp, `quantization`), with
+weight-only int4 and int8 kernels (workers/engine/cpu/kernels/qlinear.cpp, `quantization`), with
 bfloat16 and float32 activations.
 """
 
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from bench.engine import emit  # noqa: E402
 from bench.machine import describe  # noqa: E402
-from workers.engine.calibrate import best_seconds  # noqa: E402
+from workers.engine.cpu.calibrate import best_seconds  # noqa: E402
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads and 3 KV heads of 64, vocabulary 49,152
 LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -62,7 +62,7 @@ def _int4(w: torch.Tensor):
 
 def kernels(weights: dict[str, torch.Tensor]):
     """name -> (build(w) -> (fn(x) -> y, reference float32 weight, bytes read), activation dtype)."""
-    from workers.engine.linears import Linear
+    from workers.engine.cpu.linears import Linear
     from workers.precision import FP16, ONEDNN, onednn_packs
 
     out = {}
@@ -101,10 +101,10 @@ def kernels(weights: dict[str, torch.Tensor]):
 
 def model_pass(args) -> None:
     """Every SmolLM2 linear once per pass, for each kernel and row count (see the module)."""
-    from workers.engine import cpu_kernels
-    from workers.engine.linears import Linear, quantized
+    from workers.engine.cpu import extension
+    from workers.engine.cpu.linears import Linear, quantized
     from workers.precision import FP16, ONEDNN, onednn_packs
-    from workers.quantized import INT4, INT8
+    from workers.quant.weight import INT4, INT8
 
     gen = torch.Generator().manual_seed(0)
     shapes = [shape for _ in range(30) for shape in LAYER.values()] + list(HEAD.values())
@@ -114,7 +114,7 @@ def model_pass(args) -> None:
         with torch.no_grad():
             m.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
         modules.append(m)
-    module = cpu_kernels.kernel_module()
+    module = extension.kernel_module()
     systems = {}
     if onednn_packs(torch.bfloat16):
         systems["bf16_onednn"] = (lambda m: Linear(m.weight.bfloat16(), None, ONEDNN), torch.bfloat16)

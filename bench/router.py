@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 import zmq  # noqa: E402
 
 from bench.machine import describe  # noqa: E402
-from routing import protocol as P  # noqa: E402
 from routing.entrypoints import CLI, ROUTER, WORKER, command  # noqa: E402
+from wire import protocol as P  # noqa: E402
 
 
 def emit(**row) -> None:

@@ -24,8 +24,8 @@ from fusion import launcher
 from fusion.data.files import DataError
 from fusion.params import ParamsError, load_params
 from routing.http.server import GatewayError
-from routing.security import SecurityError, check_bind
 from routing.tenants import tenant_keys
+from wire.security import SecurityError, check_bind
 
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
 # the modes that start worker processes here (unless they use a router elsewhere, or Ray)
@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend")
     ap.add_argument("--inference_steps", type=int)
     ap.add_argument("--threads_per_worker", type=int)
-    ap.add_argument("--curve_keys", help="CurveZMQ keys directory (python -m routing.security DIR)")
+    ap.add_argument("--curve_keys", help="CurveZMQ keys directory (python -m wire.security DIR)")
     ap.add_argument("--insecure", action="store_true", default=None,
                     help="allow binding the router off loopback without CurveZMQ")
     ap.add_argument("--max_restarts", type=int, help="restarts of a crashed worker before giving up")

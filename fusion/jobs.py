@@ -17,8 +17,8 @@ from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_a
 from fusion.data.files import DataError
 from fusion.model_info import ModelInfo, MultiModelFusion
 from fusion.progress import Progress
-from routing import protocol as P
 from routing.client import AsyncClient, RouterError
+from wire import protocol as P
 
 HDF5, JSONL = "GptHDF5MapDataProcessor", "JsonlCompletions"
 PROCESSORS = (HDF5, JSONL)

@@ -31,8 +31,8 @@ from fusion.model_info import MultiModelFusion
 from fusion.owners import WeightOwners
 from fusion.params import RUNCONFIG_DEFAULTS
 from fusion.plan import DeploymentPlan
-from routing import protocol as P
 from routing.router import Catalog, Router, RouterConfig
+from wire import protocol as P
 
 STOP_GRACE = 10.0  # seconds an unloaded worker has to exit on SIGTERM before it is killed
 

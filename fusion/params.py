@@ -44,7 +44,7 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
     Key("backend", _default(RouterConfig, "backend"), "a `tcp://HOST:PORT` address (port `*` or 0: any free one)",
         "where a router started here listens for workers"),
     Key("inference_steps", None, "a positive integer, or null", "predict: only the first K batches per model"),
-    Key("curve_keys", None, "a keys directory (`python -m routing.security DIR`), or null",
+    Key("curve_keys", None, "a keys directory (`python -m wire.security DIR`), or null",
         "CurveZMQ keys: both router sockets then accept only the authorized keys; needed off loopback"),
     Key("insecure", False, "`true`, `false`", "allow binding the router or the HTTP gateway off loopback "
         "without keys"),

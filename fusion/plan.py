@@ -194,7 +194,7 @@ def weight_bytes(source: str, wbytes: int) -> int:
 def kept_dense_bytes(source: str, wbytes: int, weights: int) -> int:
     """Of a model's shared 16-bit weights, those its quantized copies keep resident: the embedding
     (and the norms, next to nothing). They let their view of the 16-bit linears go once the
-    quantized linears serve (workers/engine/runners/cpu.py), and those pages stay only in the page
+    quantized linears serve (workers/engine/cpu/runner.py), and those pages stay only in the page
     cache, which the OS reclaims. All of `weights` where the model's shape is unknown."""
     if source in KNOWN:
         return min(weights, int(KNOWN[source][2] * wbytes))
@@ -206,9 +206,10 @@ def packed_bytes(weights: int, prec: Precision) -> int:
     weights), from the weights' bytes: oneDNN's in the compute dtype, FBGEMM's in float16, a GPU's
     fused copies in the weights' dtype, weight-only quantized blocks."""
     from workers.precision import FP16, FUSED, ONEDNN
+    from workers.quant.formats import BLOCK, quant_format
 
-    if prec.quantized:  # blocks of 32: int8 34 bytes, int4 20 (24 counted: a GGUF file's Q8_0 LM head)
-        return weights // _bytes(prec.weights) * (34 if prec.quantization == "int8" else 24) // 32
+    if prec.quantized:  # blocks of BLOCK values, at the bytes the format's row counts a block
+        return weights // _bytes(prec.weights) * quant_format(prec.quantization).plan_block_bytes // BLOCK
     if prec.linears == FUSED:  # a GPU's fused q/k/v and gate/up copies: most of the weights (errs high)
         return weights
     if prec.linears == ONEDNN:

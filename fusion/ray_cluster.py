@@ -45,8 +45,8 @@ import zmq
 from fusion.local import LocalDeployment, SupervisorConfig
 from fusion.model_info import MultiModelFusion
 from fusion.plan import DeploymentPlan
-from routing import protocol as P
-from routing.security import ClientKeys, generate
+from wire import protocol as P
+from wire.security import ClientKeys, generate
 from workers.devices import device_kind
 
 RUN_KEYS = "keys"  # under model_dir: the deployment's CurveZMQ keys when runconfig gives none

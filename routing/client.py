@@ -31,9 +31,9 @@ import uuid
 import msgpack
 import zmq
 
-from routing import protocol as P
 from routing.openai_objects import text_completion
-from routing.security import connect_curve
+from wire import protocol as P
+from wire.security import connect_curve
 
 _WATCH = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -65,7 +65,7 @@ def decode_reply(frame: bytes) -> dict:
 
 
 class RouterError(RuntimeError):
-    """An error answer: its code (routing.protocol), message and, for a refused request parameter,
+    """An error answer: its code (wire.protocol), message and, for a refused request parameter,
     that parameter's name."""
 
     def __init__(self, code: str, message: str, param: str | None = None, retry_after: float | None = None):
@@ -195,11 +195,8 @@ class _Base:
         return f"{self._prefix}-{next(self._ids)}"
 
     @staticmethod
-    def _complete_msg(rid: str, model, prompt, stream: bool, params: dict) -> dict:
-        """`tenant` among the keyword arguments names whose request it is (routing/tenants.py); the
-        rest are the request's parameters."""
-        params = dict(params)
-        tenant = params.pop("tenant", None)
+    def _complete_msg(rid: str, model, prompt, stream: bool, params: dict, tenant: str | None) -> dict:
+        """`params`: the request's parameters; `tenant`: whose request it is (routing/tenants.py)."""
         msg = {"type": P.COMPLETE, "id": rid, "model": model, "prompt": prompt, "params": params, "stream": stream}
         if tenant is not None:
             msg["tenant"] = tenant
@@ -251,10 +248,10 @@ class Client(_Base):
             if self._answers(msg, rid):
                 return _check(msg)["data"]
 
-    def _run(self, model, prompt, stream: bool, params: dict):
+    def _run(self, model, prompt, stream: bool, params: dict, tenant: str | None):
         rid = self._new_id()
         self._forget_stale_events()
-        self.sock.send(_frame(self._complete_msg(rid, model, prompt, stream, params)))
+        self.sock.send(_frame(self._complete_msg(rid, model, prompt, stream, params, tenant)))
         deadline = self._deadline()
         try:
             while True:
@@ -273,17 +270,17 @@ class Client(_Base):
                     pass  # the router is unreachable: it cancels on its own when it can't deliver
             raise
 
-    def complete(self, model, prompt, **params) -> dict:
+    def complete(self, model, prompt, *, tenant: str | None = None, **params) -> dict:
         """An OpenAI completions response dict (with `return_token_ids=True`, each choice keeps its
-        `token_ids`)."""
-        for msg in self._run(model, prompt, False, params):
+        `token_ids`). `tenant`: whose request it is (routing/tenants.py)."""
+        for msg in self._run(model, prompt, False, params, tenant):
             if msg["type"] == P.RESULT:
                 return _completion(_response(msg), bool(params.get("return_token_ids")))
         raise RouterError(P.INTERNAL, "stream ended without a result")
 
-    def stream(self, model, prompt, **params):
+    def stream(self, model, prompt, *, tenant: str | None = None, **params):
         """Yield {"index", "token_ids", "text", "finish_reason"} per new token and sample."""
-        for msg in self._run(model, prompt, True, params):
+        for msg in self._run(model, prompt, True, params, tenant):
             if msg["type"] == P.CHUNK:
                 yield from msg["outputs"]
 
@@ -531,40 +528,41 @@ class AsyncClient(_Base):
             raise
         return _InFlight(self, rid, timeout)
 
-    def _request(self, model, prompt, stream: bool, params: dict, task: str) -> _InFlight:
-        msg = self._complete_msg("", model, prompt, stream, params)
+    def _request(self, model, prompt, stream: bool, params: dict, task: str, tenant: str | None) -> _InFlight:
+        msg = self._complete_msg("", model, prompt, stream, params, tenant)
         if task != P.GENERATE:
             msg["task"] = task
         return self._start(msg)
 
-    async def events(self, model, prompt, stream: bool = True, task: str = P.GENERATE, **params):
+    async def events(self, model, prompt, stream: bool = True, task: str = P.GENERATE, *, tenant: str | None = None,
+                     **params):
         """The raw messages of one request: chunks (when streamed), then the result; a RouterError
         for an error. Left early (a consumer that stops iterating, aclose, a cancelled task), it
-        cancels the request on the worker."""
-        with self._request(model, prompt, stream, params, task) as req:
+        cancels the request on the worker. `tenant`: whose request it is (routing/tenants.py)."""
+        with self._request(model, prompt, stream, params, task, tenant) as req:
             while not req.done:
                 yield await req.next()
 
-    async def result(self, model, prompt, task: str = P.GENERATE, **params) -> dict:
-        """The request's neutral result (routing/protocol.py) with the router's `timing` of it, or
+    async def result(self, model, prompt, task: str = P.GENERATE, *, tenant: str | None = None, **params) -> dict:
+        """The request's neutral result (wire/protocol.py) with the router's `timing` of it, or
         for a tokenizer task its answer."""
-        with self._request(model, prompt, False, params, task) as req:
+        with self._request(model, prompt, False, params, task, tenant) as req:
             while not req.done:  # a non-streamed request: its result, or an error
                 msg = await req.next()
         return _response(msg) if task in (P.GENERATE, P.CHAT) else msg["response"]
 
-    async def complete(self, model, prompt, task: str = P.GENERATE, **params) -> dict:
+    async def complete(self, model, prompt, task: str = P.GENERATE, *, tenant: str | None = None, **params) -> dict:
         """An OpenAI completions response dict (with `return_token_ids=True`, each choice keeps its
         `token_ids`), or for another task that task's answer."""
-        result = await self.result(model, prompt, task, **params)
+        result = await self.result(model, prompt, task, tenant=tenant, **params)
         if task not in (P.GENERATE, P.CHAT):
             return result
         return _completion(result, bool(params.get("return_token_ids")))
 
-    async def stream(self, model, prompt, **params):
+    async def stream(self, model, prompt, *, tenant: str | None = None, **params):
         """Yield {"index", "token_ids", "text", "finish_reason"} per new token and sample; closing it
         early (aclose, or a cancelled task) cancels the request on the worker."""
-        async with contextlib.aclosing(self.events(model, prompt, True, **params)) as msgs:
+        async with contextlib.aclosing(self.events(model, prompt, True, tenant=tenant, **params)) as msgs:
             async for msg in msgs:
                 if msg["type"] == P.CHUNK:
                     for out in msg["outputs"]:

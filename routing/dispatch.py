@@ -31,10 +31,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from routing import protocol as P
 from routing.lifecycle import Catalog, Lifecycle, ModelLifecycle, StaticLifecycle
 from routing.registry import ModelEntry, WorkerRegistry, WorkerState
 from routing.tenants import DEFAULT_TENANT, Tenant, TenantBook, request_tokens
+from wire import protocol as P
 from workers.config_keys import DEFAULT_MAX_TOKENS
 from workers.spec import WorkerSpec
 
@@ -61,7 +61,7 @@ class RouterConfig:
     client_queue: int = 100_000
     worker_queue: int = 10_000
     hard_message_limit: int = P.SOCKET_MESSAGE_LIMIT  # the socket drops peers beyond this (ZMQ_MAXMSGSIZE)
-    curve_keys: str | None = None  # CurveZMQ keys directory (routing.security): both sockets then need keys
+    curve_keys: str | None = None  # CurveZMQ keys directory (wire.security): both sockets then need keys
     insecure: bool = False  # allow binding off loopback without CurveZMQ
     # models at run time (routing/lifecycle.py), with a supervisor to start and stop workers
     autoload: bool = True  # a request for a variant with no copy loads one
@@ -412,7 +412,7 @@ class Dispatch:
         self.outbox.data(p.client, body, key)
 
     def _timed(self, p: Pending, body: bytes, now: float) -> bytes:
-        """The result with the router's timing of it (routing/protocol.py)."""
+        """The result with the router's timing of it (wire/protocol.py)."""
         queued = max(0.0, p.dispatched - p.arrived - p.load_wait)
         try:
             return P.with_field(body, "timing", {"queued_s": round(queued, 6), "load_s": round(p.load_wait, 6),

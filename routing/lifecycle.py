@@ -31,9 +31,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from routing import protocol as P
 from routing.registry import ModelEntry, WorkerRegistry
 from routing.residency import CopySize, NoMemory, Placement, Residency, Resident
+from wire import protocol as P
 from workers.spec import ModelSpec, WorkerSpec
 from workers.validate import is_int
 

@@ -1,6 +1,6 @@
 """OpenAI's response objects, built here only: text completions (with `Client.complete` and the
 HTTP gateway), chat completions, stream chunks and the model list, from the neutral results the
-workers send (routing/protocol.py: per sample its text, token IDs, logprobs and finish reason, and
+workers send (wire/protocol.py: per sample its text, token IDs, logprobs and finish reason, and
 the usage). No I/O here."""
 
 from __future__ import annotations

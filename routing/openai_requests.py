@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.request_params import MAX_LOGPROBS
+from workers.validate import is_int
 
 # keys the gateway consumes; every other key goes to the worker, which checks it and names it if unknown
 _COMPLETION_OWN = {"model", "prompt", "stream", "stream_options", "user", "echo"}
@@ -36,10 +37,6 @@ def bad(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_parameter")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def split_prompts(prompt) -> list[str | list[int]]:
     """OpenAI's four prompt forms: a string, strings, token IDs, lists of token IDs."""
     if isinstance(prompt, str):
@@ -47,9 +44,9 @@ def split_prompts(prompt) -> list[str | list[int]]:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(_is_int(t) for t in prompt):
+        if all(is_int(t) for t in prompt):
             return [prompt]
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
             return list(prompt)
     raise bad("prompt", "prompt must be a string, a list of strings, a list of token IDs or a list of "
                         "token-ID lists, and not empty")
@@ -93,12 +90,12 @@ def completion_job(body: dict) -> CompletionJob:
             raise bad("echo", "echo is not supported together with stream")
         params["echo"] = echo
     lp = body.get("logprobs")
-    if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+    if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
         raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
     if lp is not None and opts.stream:
         raise bad("logprobs", "logprobs is not supported together with stream")
     n = body.get("n", 1)
-    return CompletionJob(prompts, params, opts, n if _is_int(n) and n > 0 else 1)
+    return CompletionJob(prompts, params, opts, n if is_int(n) and n > 0 else 1)
 
 
 @dataclass(slots=True)
@@ -129,7 +126,7 @@ def chat_job(body: dict) -> ChatJob:
     params = {k: v for k, v in body.items() if k not in _CHAT_OWN}
     limit = body.get("max_completion_tokens")
     if limit is not None:  # chat's current name for max_tokens; it wins where both are given, as in vLLM
-        if not _is_int(limit) or limit < 0:
+        if not is_int(limit) or limit < 0:
             raise bad("max_completion_tokens", f"max_completion_tokens must be an integer >= 0, got {limit!r}")
         params["max_tokens"] = limit
     want = body.get("logprobs", False)
@@ -137,7 +134,7 @@ def chat_job(body: dict) -> ChatJob:
         raise bad("logprobs", f"logprobs must be true or false, got {want!r}")
     top = body.get("top_logprobs")
     if top is not None:
-        if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+        if not is_int(top) or not 0 <= top <= MAX_LOGPROBS:
             raise bad("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
         if not want:
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")
@@ -146,7 +143,7 @@ def chat_job(body: dict) -> ChatJob:
             raise bad("logprobs", "logprobs is not supported together with stream")
         params["logprobs"] = top or 0
     n = body.get("n", 1)
-    return ChatJob(messages, params, opts, n if _is_int(n) and n > 0 else 1,
+    return ChatJob(messages, params, opts, n if is_int(n) and n > 0 else 1,
                    "max_tokens" if limit is None else "max_completion_tokens")
 
 
@@ -160,7 +157,7 @@ def _model_name(body: dict) -> str:
 def load_args(body: dict) -> dict:
     """POST /v1/models/load's body: {model, copies (all wanted, default 1), pin (default false)}."""
     copies, pin = body.get("copies", 1), body.get("pin", False)
-    if not _is_int(copies) or copies < 1:
+    if not is_int(copies) or copies < 1:
         raise bad("copies", f"copies must be an integer >= 1 (the copies wanted in all), got {copies!r}")
     if not isinstance(pin, bool):
         raise bad("pin", f"pin must be true or false, got {pin!r}")
@@ -171,6 +168,6 @@ def unload_args(body: dict) -> dict:
     """POST /v1/models/unload's body: {model (a name, or `name:id` for one copy), copies (how many,
     highest model IDs first; default all)}."""
     model, copies = _model_name(body), body.get("copies")
-    if copies is not None and (not _is_int(copies) or copies < 1):
+    if copies is not None and (not is_int(copies) or copies < 1):
         raise bad("copies", f"copies must be an integer >= 1 (how many to unload) or null (all), got {copies!r}")
     return {"model": model, "copies": copies}

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from routing import protocol as P
 from routing.tenants import FairQueue
+from wire import protocol as P
 from workers.spec import ModelSpec, WorkerSpec
 
 

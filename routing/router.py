@@ -17,7 +17,7 @@ import traceback
 import zmq
 
 from routing.dispatch import BACK, SUPER, Catalog, Dispatch, ModelEntry, RouterConfig, Send
-from routing.security import check_bind, serve_curve
+from wire.security import check_bind, serve_curve
 from workers.spec import ModelSpec
 
 __all__ = ["Catalog", "ModelEntry", "Router", "RouterConfig"]
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default=defaults.backend)
     ap.add_argument("--models", nargs="+", required=True, help="model sources; model ID i is the i-th")
     ap.add_argument("--dtype", default="auto", help="the workers' dtype (auto, bfloat16, float32, ...)")
-    ap.add_argument("--curve-keys", help="CurveZMQ keys directory (python -m routing.security DIR)")
+    ap.add_argument("--curve-keys", help="CurveZMQ keys directory (python -m wire.security DIR)")
     ap.add_argument("--insecure", action="store_true", help="allow binding off loopback without CurveZMQ")
     args = ap.parse_args(argv)
     try:

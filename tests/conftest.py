@@ -25,7 +25,7 @@ os.environ["MMFUSION_CACHE"] = str(CACHE)
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE / f"inductor-{os.environ.get('MMFUSION_CPU_ISA', 'native')}")
 # the C++ decode kernel is built once for the session, also for tests that start from an empty cache
 os.environ["MMFUSION_KERNEL_CACHE"] = str(CACHE / "kernels")
-# Without a GPU, Triton's kernels (workers.engine.triton_kernels) run in its interpreter on the CPU.
+# Without a GPU, Triton's kernels (workers.engine.cuda.triton_attention) run in its interpreter on the CPU.
 # Triton reads this when its language is defined, and importing the engine imports Triton (torch's
 # compiler does), so it is set here, before anything imports either.
 if not Path("/dev/nvidiactl").exists():

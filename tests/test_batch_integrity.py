@@ -16,10 +16,10 @@ from support.batch import hdf5_reference, hdf5_setup, run_mm, tiny_variant, writ
 from support.cluster import ANY_PORT, ROOT, TINY, start_worker, wait_for
 
 from fusion.jobs import Transient, complete
-from routing import protocol as P
 from routing.client import Client, RouterError
 from routing.entrypoints import CLI, DEMO, command
 from routing.router import ModelEntry, Router, RouterConfig
+from wire import protocol as P
 
 
 def _router(models: list[ModelEntry], **cfg) -> tuple[Router, threading.Thread]:

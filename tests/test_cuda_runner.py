@@ -1,5 +1,5 @@
 """The CUDA runner's decode step, run on the CPU: the same step function its graphs capture, eagerly,
-with the reference paged ops (workers.engine.paged_ops). Its buckets and padding, its persistent
+with the reference paged ops (workers.engine.cuda.ops). Its buckets and padding, its persistent
 buffers, the device sampler against the host's, and greedy tokens against transformers. On a GPU
 the last test captures the graphs for real."""
 
@@ -12,12 +12,12 @@ import torch
 from support.models import dequantized_reference, hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
-from workers.engine.device_sampler import SamplingRows, sample_tokens, uniforms
+from workers.engine.cuda.runner import CudaRunner, decode_buckets
+from workers.engine.cuda.sampler import SamplingRows, sample_tokens, uniforms
 from workers.engine.params import SamplingParams
-from workers.engine.runners.cuda import CudaRunner, decode_buckets
 from workers.engine.sampler import SampleSpec, sample, uniform
-from workers.platform import CudaPlatform
-from workers.quantized import INT4, INT8
+from workers.platform import CudaPlatform, for_model
+from workers.quant.weight import INT4, INT8
 
 
 def _greedy(m: int) -> SamplingParams:
@@ -27,7 +27,7 @@ def _greedy(m: int) -> SamplingParams:
 def _engine(lm, device: str = "cpu", quantization: str = "none", **cfg) -> Engine:
     """An engine whose platform is CUDA's, on `device` (the CPU: reference ops, no graphs)."""
     prec = CudaPlatform.quantized(CudaPlatform.compute(lm.dtype, True), quantization, True, "tiny")
-    platform = CudaPlatform(torch.device(device), prec, lean=True)
+    platform = CudaPlatform(torch.device(device), prec, lean=True, deterministic=cfg.get("deterministic", False))
     cfg = {"max_batch_size": 6, "max_batch_tokens": 64, "kv_block_size": 4, "kv_cache_memory": 4 << 20, **cfg}
     return Engine(lm, EngineConfig(**cfg), platform=platform)
 
@@ -252,14 +252,6 @@ def test_qwen2_biases_are_added_on_the_dense_path_too():
         assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 8)
 
 
-def test_quantization_without_the_device_lean_forward_is_refused():
-    lm = tiny("gemma3", dtype="float32")  # caches of two windows: transformers' modules on CUDA
-    prec = CudaPlatform.quantized(CudaPlatform.compute(lm.dtype, True), INT8, True, "tiny")
-    with pytest.raises(ValueError, match="quantization 'int8' runs on the GPU's lean forward"):
-        Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=32, kv_cache_memory=4 << 20),
-               platform=CudaPlatform(torch.device("cpu"), prec, lean=True))
-
-
 def _deterministic_cases(lm, device: str = "cpu", quantization: str = "none") -> dict:
     """A greedy prompt's tokens and log-probabilities (a 100-token prefix and 12 more, 16 new) alone,
     with 31 other requests, after its prefix was cached, and with another max_batch_tokens."""
@@ -296,18 +288,22 @@ def test_deterministic_gives_an_answer_the_same_bits_whatever_runs_beside_it(dty
         assert got == alone, name
     eng = _engine(lm, quantization=quantization, deterministic=True)
     ops = eng.runner.ops
-    assert ops.invariant and eng.invariant_rows == {"reference-invariant": 0} and not eng.runner.overlap
+    assert ops.invariant and ops.name == "reference-invariant" and not eng.runner.overlap
     # every linear, norm and attention call of the device lean forward goes through those ops
     lean = eng.runner.device_lean
     assert lean.ops is ops and all(lin.dense is ops.linear if lin.quant is None else lin.qlinear is ops.qlinear
                                    for lin in lean.linears())
 
 
-def test_deterministic_without_the_device_lean_forward_is_refused():
+def test_settings_the_device_lean_forward_would_serve_are_refused_without_it():
+    """CUDA's rules, before any runner is made: Gemma 3's layers keep caches of two windows, which the
+    device's lean forward does not take, so `deterministic` (and a quantization format) is refused."""
     lm = tiny("gemma3", dtype="float32")
-    with pytest.raises(ValueError, match="deterministic: true runs on cuda through the device's lean forward"):
-        Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=32, kv_cache_memory=4 << 20, deterministic=True),
-               platform=CudaPlatform(torch.device("cpu"), CudaPlatform.compute(lm.dtype, True), lean=True))
+    with pytest.raises(ValueError, match="deterministic: true runs on cuda through the lean forward"):
+        for_model(lm, True, deterministic=True, cls=CudaPlatform)
+    with pytest.raises(ValueError, match="quantization 'int8' runs on the lean forward"):
+        for_model(lm, True, "int8", cls=CudaPlatform)
+    assert not for_model(lm, True, cls=CudaPlatform).lean
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,4 +1,4 @@
-"""Decode steps through the lean forward's layers in one C++ call (workers.engine.decode_layers):
+"""Decode steps through the lean forward's layers in one C++ call (workers.engine.cpu.decode_layers):
 the same kernels in the same order as the layer loop in Python, so the same tokens and the same
 log-probabilities bit for bit, in each family (Llama, Mistral's window, Qwen 2's biases, Gemma 3's
 norms, GELU and sliding layers), dtype and weight kind it serves; and the linears it does not serve
@@ -14,7 +14,7 @@ from support.models import tiny
 
 from workers.capability import cpu_capability
 from workers.engine import Engine, EngineConfig
-from workers.engine.decode_layers import FusedDecode, kernel_linear
+from workers.engine.cpu.decode_layers import FusedDecode, kernel_linear
 from workers.engine.params import SamplingParams
 
 

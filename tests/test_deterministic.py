@@ -1,5 +1,5 @@
 """`deterministic: true`: a greedy answer's tokens and log-probabilities are the same bit for bit
-whatever the engine computes beside it (workers.engine.batch_invariant, the runners' token rows,
+whatever the engine computes beside it (workers.engine.cpu.invariant, the runners' token rows,
 the sampler row by row): alone, sent with 31 other requests, after another request cached its
 prefix, and with another `max_batch_tokens` (other chunks). In-process engines of tiny models in
 each dtype and weight kind, then one deployment of real worker processes through the client."""
@@ -18,8 +18,8 @@ from support.models import tiny
 from fusion.local import LocalDeployment
 from routing.client import Client
 from workers.engine import Engine, EngineConfig
-from workers.engine.batch_invariant import TILE_ROWS, in_tiles, invariant_rows
-from workers.engine.linears import Linear
+from workers.engine.cpu.invariant import TILE_ROWS, in_tiles, invariant_rows
+from workers.engine.cpu.linears import Linear
 from workers.engine.params import SamplingParams
 from workers.engine.sampler import SampleSpec, sample
 
@@ -71,22 +71,22 @@ def test_every_linear_takes_one_path_for_any_rows_and_every_token_attends_as_a_d
 
     lm = tiny("llama", dtype="bfloat16")
     eng = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, deterministic=True))
-    assert set(eng.invariant_rows) == {eng.precision.linears} and eng.runner.batch_invariant
+    assert set(eng.runner.lean.invariant_rows) == {eng.precision.linears} and eng.runner.batch_invariant
     # the C++ strips take any number of rows where they are built (AVX2 and above), over the dense
     # weights instead of the packed copy; elsewhere tiles of rows
     if cpu_capability().at_least("avx2"):
-        assert set(eng.invariant_rows.values()) == {0}
+        assert set(eng.runner.lean.invariant_rows.values()) == {0}
         assert all(lin.dense is not None and lin.packed is None and lin.fp16 is None and lin.rows_per_call == 0
                    for lin in eng.runner.lean.linears())
     else:
-        assert set(eng.invariant_rows.values()) <= {1, TILE_ROWS}
+        assert set(eng.runner.lean.invariant_rows.values()) <= {1, TILE_ROWS}
     quantized = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, deterministic=True, quantization="int4"))
-    assert set(quantized.invariant_rows) == {"int4", "int8"}  # the LM head stays int8
+    assert set(quantized.runner.lean.invariant_rows) == {"int4", "int8"}  # the LM head stays int8
     if cpu_capability().at_least("avx2"):
-        assert set(quantized.invariant_rows.values()) == {0}
+        assert set(quantized.runner.lean.invariant_rows.values()) == {0}
         assert all(lin.strips and lin.rows_per_call == 0 for lin in quantized.runner.lean.linears())
     default = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64))
-    assert default.invariant_rows == {} and all(lin.rows_per_call == 0 and lin.dense is None and not lin.strips
+    assert default.runner.lean.invariant_rows == {} and all(lin.rows_per_call == 0 and lin.dense is None and not lin.strips
                                                 for lin in default.runner.lean.linears())
     assert not default.runner.batch_invariant
 
@@ -116,9 +116,9 @@ def test_the_dense_strips_compute_the_product_in_one_order_for_any_rows(weights,
     """The C++ strips over a dense weight: the product within the compute dtype's rounding, and
     each row bit for bit the same for 1 to 37 rows (where they are built: AVX2 and above)."""
     from workers.capability import cpu_capability
-    from workers.engine import cpu_kernels
+    from workers.engine.cpu import extension
 
-    kernels = cpu_kernels.kernel_module()
+    kernels = extension.kernel_module()
     assert kernels.dense_strips_built() == cpu_capability().at_least("avx2")
     if not kernels.dense_strips_built():
         with pytest.raises(RuntimeError, match="not built"):

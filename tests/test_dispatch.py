@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from routing import protocol as P
 from routing.dispatch import BACK, FRONT, Dispatch, ModelEntry, RouterConfig
+from wire import protocol as P
 from workers.spec import ModelSpec, WorkerSpec
 
 A, B = ModelSpec("a", "tiny:llama"), ModelSpec("b", "tiny:gpt2")

@@ -7,8 +7,8 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing import protocol as P
 from routing.dispatch import Dispatch, ModelEntry, RouterConfig
+from wire import protocol as P
 from workers.spec import ModelSpec, WorkerSpec
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()

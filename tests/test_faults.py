@@ -19,8 +19,8 @@ from support.cluster import (
     wait_for,
 )
 
-from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
+from wire import protocol as P
 
 
 def test_worker_killed_mid_stream_is_redispatched_without_duplicates():

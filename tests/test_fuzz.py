@@ -16,9 +16,9 @@ import zmq
 from support.cluster import ANY_PORT
 from support.models import tiny
 
-from routing import protocol as P
 from routing.client import Client
 from routing.entrypoints import ROUTER, WORKER, command
+from wire import protocol as P
 from workers.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.spec import ModelSpec, WorkerSpec

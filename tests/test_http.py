@@ -17,7 +17,6 @@ from support.cluster import ROOT, TINY, Deployment, engine_reference, one_worker
 from support.cluster import TINY_CONFIG as CONFIG
 from support.models import plain_logits, tiny
 
-from routing import protocol as P
 from routing.client import Client, RouterError
 from routing.entrypoints import CLI, GATEWAY, command
 from routing.http import openai as O
@@ -25,6 +24,7 @@ from routing.http.app import GatewaySettings
 from routing.http.server import GatewayError, GatewayThread, api_keys, check_listen, parse_listen
 from routing.router import ModelEntry, Router, RouterConfig
 from routing.tenants import parse_tenants, tenant_keys
+from wire import protocol as P
 from workers.tasks import chat_prompt, end_of_turn_ids
 
 GREEDY = {"temperature": 0.0}

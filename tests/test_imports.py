@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("workers", "routing", "fusion")
+PACKAGES = ("wire", "workers", "routing", "fusion")
 
 
 def modules() -> dict[str, Path]:
@@ -85,24 +85,68 @@ def test_the_command_line_gateway_and_clients_start_without_torch():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-# what the worker takes from routing/: the wire protocol and the CurveZMQ helpers, which are the
-# bottom layer both sides share and import nothing of either
-WIRE = {"routing.protocol", "routing.security"}
-
-
 def _package_edges() -> list[tuple[str, str]]:
     known = modules()
     return [(m, dep) for m, path in known.items() for dep, _ in imports(path, known)]
 
 
-def test_workers_take_only_the_wire_from_routing():
+def test_workers_import_nothing_of_routing_and_the_wire_nothing_of_either():
     edges = _package_edges()
-    taken = sorted({f"{m} -> {dep}" for m, dep in edges
-                    if m.startswith("workers") and dep.split(".")[0] == "routing" and dep not in WIRE | {"routing"}})
+    taken = sorted({f"{m} -> {dep}" for m, dep in edges if m.startswith("workers") and dep.split(".")[0] == "routing"})
     assert not taken, taken
-    wire_deps = sorted({f"{m} -> {dep}" for m, dep in edges if m in WIRE and dep.split(".")[0] in ("workers", "fusion")})
+    wire_deps = sorted({f"{m} -> {dep}" for m, dep in edges
+                        if m.split(".")[0] == "wire" and dep.split(".")[0] in ("workers", "routing", "fusion")})
     assert not wire_deps, wire_deps
+    assert any(m.startswith("workers") and dep.startswith("wire") for m, dep in edges)  # the worker speaks the wire
     # the rest of routing/ may use workers/ (the specs it assigns, the checks it shares); never the reverse
     both = {(m, dep) for m, dep in edges if m.split(".")[0] != dep.split(".")[0]
             and (dep, m) in set(edges)}
     assert not both, sorted(both)
+
+
+def _reached(start: str, edges: list[tuple[str, str]]) -> set[str]:
+    graph: dict[str, set[str]] = {}
+    for m, dep in edges:
+        parts = dep.split(".")
+        graph.setdefault(m, set()).update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph.get(m, ()))
+    return seen
+
+
+CPU_ROOM, CUDA_ROOM = "workers.engine.cpu", "workers.engine.cuda"
+
+
+def test_a_device_room_imports_nothing_of_another():
+    """What runs on one device never imports the other's modules, at any depth: the CPU's runner
+    reaches no CUDA module and the CUDA runner no CPU module; the shared engine imports neither (the
+    runners are found by name, workers.engine.runners.ROOMS)."""
+    edges = _package_edges()
+    known = modules()
+    for room, other in ((CPU_ROOM, CUDA_ROOM), (CUDA_ROOM, CPU_ROOM)):
+        for m in [m for m in known if m.startswith(room)]:
+            crossed = sorted(r for r in _reached(m, edges) if r.startswith(other))
+            assert not crossed, f"{m} reaches {crossed}"
+    for m in ("workers.engine.engine", "workers.engine.runners", "workers.worker", "workers.platform"):
+        assert not {r for r in _reached(m, edges) if r.startswith((CPU_ROOM, CUDA_ROOM))}, m
+
+
+def test_an_engine_on_the_cpu_loads_no_cuda_module():
+    """At run time as well: a CPU engine serving a request has imported no module of the CUDA room."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom workers.models import load_model\nfrom workers.engine import Engine, EngineConfig\n"
+             "from workers.engine.params import SamplingParams\n"
+             "eng = Engine(load_model('tiny:llama', dtype='float32'), EngineConfig(max_batch_size=2))\n"
+             "eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2))\n"
+             "print(sorted(m for m in sys.modules if m.startswith('workers.engine.')))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    loaded = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert any(m.startswith(CPU_ROOM) for m in loaded), loaded
+    assert not [m for m in loaded if m.startswith(CUDA_ROOM)], loaded

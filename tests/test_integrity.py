@@ -31,10 +31,10 @@ from support.cluster import (
     worker_threads,
 )
 
-from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
 from routing.entrypoints import WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
+from wire import protocol as P
 from workers.thread_messages import Submit
 
 GREEDY = dict(ignore_eos=True, temperature=0.0)

@@ -11,9 +11,10 @@ import torch
 from support.models import hf_greedy, tiny
 
 from workers.capability import cpu_capability
-from workers.engine import Engine, EngineConfig, attention, cpu_kernels
+from workers.engine import Engine, EngineConfig, attention
 from workers.engine.attention_backend import AttentionBackend
-from workers.engine.linears import PACK_ROWS, Linear
+from workers.engine.cpu import extension
+from workers.engine.cpu.linears import PACK_ROWS, Linear
 from workers.engine.params import SamplingParams
 from workers.models import load_model
 from workers.precision import onednn_packs
@@ -126,9 +127,9 @@ def _pairs(lengths: list[int], block: int, window: int | None, num_blocks: int, 
 # 64, 128, 256: the AVX512-BF16 path in bfloat16 where the CPU has it, the AVX2 path in float32;
 # 16 rows: a work item takes a row's KV heads together, 2 rows: one KV head each
 def test_cpu_decode_kernel_matches_the_pytorch_reference(dtype, tol, window, d, rows):
-    assert cpu_kernels.decode_kernel() is not None, cpu_kernels.build_error()
-    assert ("bf16_avx512" in cpu_kernels.kernel_paths()) == cpu_capability().bf16_arith
-    assert ("f32_avx2" in cpu_kernels.kernel_paths()) == cpu_capability().at_least("avx2")
+    assert extension.decode_kernel() is not None, extension.build_error()
+    assert ("bf16_avx512" in extension.kernel_paths()) == cpu_capability().bf16_arith
+    assert ("f32_avx2" in extension.kernel_paths()) == cpu_capability().at_least("avx2")
     rng = random.Random(0)
     block, kvh, heads = (8 if d == 32 else 32), 2, 6  # 32: a block of two 16-position chunks
     lengths = ([1, 7, 8, 9, 40, 130] + [rng.randint(1, 200) for _ in range(10)])[-rows:]
@@ -139,7 +140,7 @@ def test_cpu_decode_kernel_matches_the_pytorch_reference(dtype, tol, window, d, 
     q = torch.randn(len(lengths), heads, d, generator=gen).to(dtype)
     gs = _pairs(lengths, block, window, num_blocks, rng)
     ref = attention.decode_attention(gs, q.double(), key.double(), value.double(), 0.2, None)
-    out = cpu_kernels.paged_decode_cpu(gs, q, key, value, 0.2, None)
+    out = extension.paged_decode_cpu(gs, q, key, value, 0.2, None)
     assert out.dtype == dtype and out.shape == ref.shape
     assert (out.double() - ref).abs().max() < tol
 
@@ -177,11 +178,11 @@ def test_the_avx512_bf16_paths_compile_on_any_cpu(tmp_path, march):
 
     check = tmp_path / "avx512_bf16.cpp"
     missing = " || ".join(f"!defined({m})" for m in BF16_PATHS)
-    check.write_text(f'#include "{cpu_kernels.KERNELS / "kernels.cpp"}"\n#if {missing}\n'
+    check.write_text(f'#include "{extension.KERNELS / "kernels.cpp"}"\n#if {missing}\n'
                      '#error "an AVX512-BF16 path was left out"\n#endif\n')
     includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]]
     cmd = [cpp_extension.get_cxx_compiler(), "-std=c++20", "-fsyntax-only", f"-march={march}",
-           *cpu_kernels.CFLAGS, *includes, str(check)]
+           *extension.CFLAGS, *includes, str(check)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
 
@@ -192,8 +193,8 @@ def _prefill_kernel(head_dim: int, dtype: torch.dtype = torch.bfloat16):
     need = "avx512_bf16" if dtype == torch.bfloat16 else "avx2"
     if not cpu_capability().at_least(need):
         pytest.skip(f"the {dtype} prefill kernel needs the {need} level; this run is at {cpu_capability().level}")
-    kernel = cpu_kernels.prefill_kernel(dtype, head_dim)
-    assert kernel is not None, cpu_kernels.build_error()
+    kernel = extension.prefill_kernel(dtype, head_dim)
+    assert kernel is not None, extension.build_error()
     return kernel
 
 
@@ -241,8 +242,8 @@ def test_cpu_prefill_kernel_matches_a_float64_reference(dtype, tol, window, bloc
 def test_cpu_rope_write_is_bit_equal_to_torch_and_fills_the_cache(dtype):
     """The C++ rotation of q and k equals torch's `x * cos + roll(x) * sin` bit for bit, and each
     token's rotated k and its v land in its (block, offset) of the cache."""
-    kernels = cpu_kernels.kernel_module()
-    assert kernels is not None, cpu_kernels.build_error()
+    kernels = extension.kernel_module()
+    assert kernels is not None, extension.build_error()
     gen = torch.Generator().manual_seed(3)
     n, heads, kvh, d, block, num_blocks = 7, 6, 2, 64, 4, 9
     qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=gen).to(dtype)
@@ -267,8 +268,8 @@ def test_cpu_rope_write_is_bit_equal_to_torch_and_fills_the_cache(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width", [(1, 576), (5, 100), (64, 576)])  # 100: a part-vector tail
 def test_cpu_norms_match_torch(dtype, rows, width):
-    norms = cpu_kernels.kernel_module()
-    assert norms is not None, cpu_kernels.build_error()
+    norms = extension.kernel_module()
+    assert norms is not None, extension.build_error()
     gen = torch.Generator().manual_seed(rows)
     h = torch.randn(rows, width, generator=gen).to(dtype)
     delta = torch.randn(rows, width, generator=gen).to(dtype)
@@ -285,8 +286,8 @@ def test_cpu_norms_match_torch(dtype, rows, width):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,inter", [(1, 1536), (7, 1000), (64, 1536)])  # 1000: a part-vector tail
 def test_cpu_silu_mul_rounds_as_torch(dtype, rows, inter):
-    kernels = cpu_kernels.kernel_module()
-    assert kernels is not None, cpu_kernels.build_error()
+    kernels = extension.kernel_module()
+    assert kernels is not None, extension.build_error()
     gen = torch.Generator().manual_seed(rows)
     gu = (4 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
     gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # exp's overflow and the zeros
@@ -304,7 +305,7 @@ def _chunked_prompt_logprobs(lm, prompt, prefill_kernel: bool) -> torch.Tensor:
     """Prompt log-probabilities with the prompt computed in chunks of 96: later chunks read the
     earlier ones from the cache's blocks."""
     # without the prefill kernel: the C++ decode kernel beside the PyTorch prefill path
-    backend = None if prefill_kernel else AttentionBackend("cpu-decode", cpu_kernels.decode_kernel())
+    backend = None if prefill_kernel else AttentionBackend("cpu-decode", extension.decode_kernel())
     eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=96), attention=backend)
     out = eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
     return torch.tensor(out.prompt_logprobs[1:], dtype=torch.float64)
@@ -354,9 +355,9 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared(tmp_path):
     import time
 
     lock = tmp_path / "lock"
-    assert cpu_kernels.clear_stale_lock(lock) is False  # none
+    assert extension.clear_stale_lock(lock) is False  # none
     lock.write_text("")
-    assert cpu_kernels.clear_stale_lock(lock) is False and lock.exists()  # a build may be running
-    old = time.time() - cpu_kernels.STALE_BUILD_LOCK_S - 60
+    assert extension.clear_stale_lock(lock) is False and lock.exists()  # a build may be running
+    old = time.time() - extension.STALE_BUILD_LOCK_S - 60
     os.utime(lock, (old, old))
-    assert cpu_kernels.clear_stale_lock(lock) is True and not lock.exists()
+    assert extension.clear_stale_lock(lock) is True and not lock.exists()

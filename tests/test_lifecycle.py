@@ -8,9 +8,9 @@ import msgpack
 import pytest
 
 from fusion.catalog import PlanPlacer
-from routing import protocol as P
 from routing.dispatch import BACK, FRONT, SUPER, Catalog, Dispatch, ModelEntry, RouterConfig
 from routing.residency import CopySize, NoMemory, Residency, Resident
+from wire import protocol as P
 from workers.spec import ModelSpec, WorkerSpec
 
 SPECS = {n: ModelSpec(n, f"tiny:{arch}") for n, arch in

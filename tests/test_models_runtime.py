@@ -20,9 +20,9 @@ from fusion.catalog import PlanPlacer, make_catalog
 from fusion.deploy import build_fusion
 from fusion.local import LocalDeployment
 from fusion.plan import make_plan
-from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
 from routing.entrypoints import CLIENT, command
+from wire import protocol as P
 from workers.spec import ModelSpec
 
 ARCHS = {"llama": "llama", "gpt2": "gpt2", "mistral": "mistral", "opt": "opt"}

@@ -12,7 +12,8 @@ from support.models import tiny
 
 from workers.devices import CPU, CUDA, check_device, device_kind, resolve_devices
 from workers.engine import Engine, EngineConfig
-from workers.engine.runners import CompatRunner, CpuRunner
+from workers.engine.cpu.runner import CpuRunner
+from workers.engine.runners import CompatRunner
 from workers.platform import CpuPlatform, CudaPlatform, for_model, for_source, platform_class
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,8 @@ import torch
 from support.models import hf_greedy, tiny
 
 from workers.capability import AVX2_ENV, ISA_ENV, cpu_capability, decide
-from workers.engine import Engine, EngineConfig, cpu_kernels
+from workers.engine import Engine, EngineConfig
+from workers.engine.cpu import extension
 from workers.engine.params import SamplingParams
 from workers.models import load_model
 from workers.platform import CpuPlatform, CudaPlatform, weights_dtype
@@ -125,11 +126,11 @@ def test_the_switch_builds_and_decides_as_an_avx2_cpu():
         pytest.skip(f"this CPU is below AVX2 ({cpu_capability().native})")
     code = ("import json, torch\n"
             "from workers.capability import cpu_capability\n"
-            "from workers.engine import cpu_kernels\n"
+            "from workers.engine.cpu import extension\n"
             "from workers.precision import onednn_packs\n"
             "from workers.platform import load_dtype\n"
             "c = cpu_capability()\n"
-            "print(json.dumps({'level': c.level, 'paths': cpu_kernels.kernel_paths(), 'error': cpu_kernels.build_error(),"
+            "print(json.dumps({'level': c.level, 'paths': extension.kernel_paths(), 'error': extension.build_error(),"
             " 'pack_bf16': onednn_packs(torch.bfloat16), 'cflags': list(c.cflags),"
             " 'auto': str(load_dtype('auto', 'cpu', True, 'tiny:llama'))}))\n")
     env = {**os.environ, **AVX2_ENV, "PYTHONPATH": str(ROOT)}
@@ -144,7 +145,7 @@ def test_the_switch_builds_and_decides_as_an_avx2_cpu():
     assert got["cflags"][0] == march and not got["pack_bf16"]
     assert got["auto"] == ("torch.float16" if cpu_capability().fp16_gemm else "torch.float32")
     # this process's own build is for its own level, in another cache entry
-    assert ("bf16_avx512" in cpu_kernels.kernel_paths()) == cpu_capability().bf16_arith
+    assert ("bf16_avx512" in extension.kernel_paths()) == cpu_capability().bf16_arith
 
 
 @pytest.mark.slow
@@ -177,7 +178,7 @@ def test_the_long_prompt_price_is_measured_on_this_machine():
     """attention_span (what a position of a long prompt's attention costs, in tokens' linears) is
     measured at load on the attention path that serves; where every layer is windowed there is
     nothing to measure and the model's shapes give it."""
-    from workers.engine import calibrate
+    from workers.engine.cpu import calibrate
     from workers.engine.runners.base import estimated_attention_span
 
     lm = tiny("llama", dtype="float32")
@@ -195,7 +196,7 @@ def test_the_measured_price_is_kept_for_the_next_load(tmp_path, monkeypatch):
     """The measurement is a large part of a warm reload: it is kept in the cache under a key of all
     it depends on, read back by the next load with that key, and measured again for another key
     or when the kept file is unreadable."""
-    from workers.engine import calibrate
+    from workers.engine.cpu import calibrate
 
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
     calls = []

@@ -1,4 +1,4 @@
-"""Weight-only quantized linears (workers.quantized, kernels/qlinear.cpp, `quantization`): the C++
+"""Weight-only quantized linears (workers.quant, kernels/qlinear.cpp, `quantization`): the C++
 kernels against their float32 reference on every row count and dtype, a GGUF file's blocks kept bit
 for bit, fresh quantization's error bound, and the engine's greedy tokens against transformers on
 the same (dequantized) weights. Run again on the AVX2 path by `make test`."""
@@ -12,20 +12,22 @@ import pytest
 import torch
 from support.models import dequantized_reference, hf_greedy, tiny
 
-from workers.engine import Engine, EngineConfig, cpu_kernels
+from workers.engine import Engine, EngineConfig
+from workers.engine.cpu import extension
 from workers.engine.params import SamplingParams
 from workers.platform import for_source
-from workers.quantized import BLOCK, INT4, INT8, QuantizedWeight, concat, from_gguf_blocks, quantize
+from workers.quant.formats import BLOCK
+from workers.quant.gguf import from_gguf_blocks
+from workers.quant.weight import INT4, INT8, QuantizedWeight, concat, quantize
 from workers.weights.gguf_blocks import _rows_order
 
-KERNELS = cpu_kernels.kernel_module()
-needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"no C++ kernels: {cpu_kernels.build_error()}")
+KERNELS = extension.kernel_module()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"no C++ kernels: {extension.build_error()}")
 
 
 def _call(qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if qw.kind == INT4:
-        return KERNELS.qlinear_int4(x, qw.qs, qw.scales, qw.offsets, bias)
-    return KERNELS.qlinear_int8(x, qw.qs, qw.scales, bias)
+    """The format's own C++ kernel, named by its registry row."""
+    return getattr(KERNELS, qw.format.cpu_kernel)(x, qw.qs, qw.scales, qw.offsets, bias)
 
 
 @needs_kernels
@@ -346,7 +348,7 @@ def test_sharing_copies_map_one_file_of_quantized_linears():
 def test_without_the_kernels_the_blocks_run_as_a_dense_weight():
     """Where the C++ kernels could not be built, a quantized linear multiplies its blocks' values as
     a dense weight, the precision's way: the same outputs as the blocks' float32 reference."""
-    from workers.engine.linears import quantized
+    from workers.engine.cpu.linears import quantized
     from workers.precision import PLAIN
 
     m = torch.nn.Linear(64, 10, bias=True)
@@ -409,7 +411,7 @@ def test_gemma3s_k_quants_run_quantized_within_their_rounding(gemma3_fp32):
     float32 one; its Q6_K downs run as int8 quantized afresh from the file's values, each within
     half an int8 step. With `auto` the prompt's log-probabilities are closer to transformers'
     float32 forward on the file than transformers' own bfloat16 forward is."""
-    from workers.quantized import rounding_bound
+    from workers.quant.gguf import rounding_bound
     from workers.weights.gguf_blocks import gguf_blocks
     from workers.weights.sources import source_gguf
 

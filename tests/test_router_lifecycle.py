@@ -8,10 +8,10 @@ import time
 import pytest
 from support.cluster import ROOT, one_worker, start_router, start_worker, wait_for, wait_loaded
 
-from routing import protocol as P
 from routing.client import Client, RouterError
 from routing.entrypoints import CLIENT, command
 from routing.router import ModelEntry, Router, RouterConfig
+from wire import protocol as P
 from workers.spec import ModelSpec
 
 

@@ -10,8 +10,8 @@ import pytest
 from support.cluster import Deployment, engine_reference
 from support.models import tiny
 
-from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
+from wire import protocol as P
 from workers.engine import Engine, EngineConfig
 from workers.request_params import sampling_params
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from routing import protocol as P
 from routing.client import AsyncClient, Client, RouterError
 from routing.entrypoints import CLI, KEYS, WORKER, command
 from routing.router import ModelEntry, Router, RouterConfig
-from routing.security import SecurityError, generate, is_loopback
+from wire import protocol as P
+from wire.security import SecurityError, generate, is_loopback
 from workers.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from routing import protocol as P
 from routing.dispatch import Dispatch, ModelEntry, RouterConfig
 from routing.tenants import FairQueue, Tenant, TenantBook, parse_tenants, request_tokens, tenant_keys
 from tests.test_dispatch import client_errors, ready, sent, worker_requests
+from wire import protocol as P
 from workers.spec import ModelSpec, WorkerSpec
 
 

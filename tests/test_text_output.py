@@ -10,7 +10,7 @@ import pytest
 from support.cluster import TINY, wait_for, worker_threads
 from support.models import tiny
 
-from routing import protocol as P
+from wire import protocol as P
 from workers.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
 from workers.engine.text_output import RequestText

@@ -7,9 +7,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from routing import protocol as P
 from routing.dispatch import FRONT, Dispatch, ModelEntry, RouterConfig
 from tests.test_dispatch import ready, worker_requests
+from wire import protocol as P
 from workers.spec import ModelSpec, WorkerSpec
 
 A = ModelSpec("a", "tiny:llama")

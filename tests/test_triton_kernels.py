@@ -12,8 +12,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from workers.engine import paged_ops, triton_invariant, triton_kernels, triton_qlinear  # noqa: E402
-from workers.quantized import INT4, INT8, QuantizedWeight, quantize  # noqa: E402
+from workers.engine.cuda import ops as paged_ops  # noqa: E402
+from workers.engine.cuda import triton_attention, triton_invariant, triton_qlinear  # noqa: E402
+from workers.quant.weight import INT4, INT8, QuantizedWeight, quantize  # noqa: E402
 
 BS = 4  # positions a block: small, so that sequences cross several block boundaries
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -68,7 +69,7 @@ def test_decode_attention_matches_the_reference(dtype, tol, heads, kvh, d):
             vc[tables[r, n // BS], :, n % BS:] = float("nan")
     for window in (0, 3, BS + 2):
         want = paged_ops.reference_attention(q, kc, vc, tables, rows, lens, d ** -0.5, window)
-        got = _kernel(triton_kernels.paged_attention, q, kc, vc, tables, rows, lens, d ** -0.5, window)
+        got = _kernel(triton_attention.paged_attention, q, kc, vc, tables, rows, lens, d ** -0.5, window)
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
         assert not got[4].any()  # the padded row
@@ -94,7 +95,7 @@ def test_extend_attention_matches_the_reference(dtype, tol):
     q = torch.randn(len(rows), heads, d, generator=gen).to(dtype)
     for window in (0, 5):
         want = paged_ops.reference_attention(q, kc, vc, tables, rows, lens, 0.3, window)
-        got = _kernel(triton_kernels.paged_attention, q, kc, vc, tables, rows, lens, 0.3, window)
+        got = _kernel(triton_attention.paged_attention, q, kc, vc, tables, rows, lens, 0.3, window)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
         assert not got[-1].any()
 
@@ -111,7 +112,7 @@ def test_kv_write_matches_the_reference(dtype):
     slots = torch.tensor([BS - 1, BS, 2 * BS + 1, -1, 5 * BS + 3])
     want_k, want_v = kc.clone(), vc.clone()
     paged_ops.reference_kv_write(key, value, want_k, want_v, slots)
-    _kernel(triton_kernels.kv_write, key, value, kc, vc, slots)
+    _kernel(triton_attention.kv_write, key, value, kc, vc, slots)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     assert torch.equal(kc[1, :, 0], key[1]) and torch.equal(vc[5, :, 3], value[4])
 
@@ -142,7 +143,7 @@ def test_the_ops_are_custom_ops_that_compile_and_check():
 @pytest.mark.parametrize("kind", [INT8, INT4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_only_linear_matches_the_reference(kind, dtype):
-    """The weight-only quantized linear (workers.engine.triton_qlinear) against the blocks' float32
+    """The weight-only quantized linear (workers.engine.cuda.triton_qlinear) against the blocks' float32
     values multiplied in float32: one row (decode), rows and output sizes that leave partial tiles,
     with and without a bias. bfloat16 results agree to their last bit or one rounding apart (the
     sums' order differs)."""
@@ -162,7 +163,7 @@ def test_weight_only_linear_matches_the_reference(kind, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariant_kernels_give_a_row_the_same_bits_in_any_batch(dtype):
-    """`deterministic` on a GPU (workers.engine.triton_invariant, triton_qlinear.qlinear_invariant):
+    """`deterministic` on a GPU (workers.engine.cuda.triton_invariant, triton_qlinear.qlinear_invariant):
     a row computed alone, among 5 rows and among 37 has the same bits, and is within rounding of
     the reference."""
     gen = torch.Generator().manual_seed(4)

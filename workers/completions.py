@@ -20,7 +20,7 @@ def _logprobs_block(tokenizer, token_ids, logprobs, tops, start_offset: int):
 
 
 def completion_result(out: RequestOutput, model_name: str, tokenizer, echo: bool, with_logprobs: bool) -> dict:
-    """A finished request's result, as the worker sends it (routing/protocol.py): per sample its
+    """A finished request's result, as the worker sends it (wire/protocol.py): per sample its
     text, token IDs, logprobs and finish reason, and the usage. The clients make OpenAI objects of
     it (routing/openai_objects.py)."""
     prompt_text = "" if not echo else out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)

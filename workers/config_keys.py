@@ -11,12 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from workers.quant.formats import FORMATS
 from workers.validate import is_int, is_number
 
+# `quantization`'s values: auto, none, and each format's name (workers.quant.formats)
+QUANTIZATIONS = ("auto", "none", *FORMATS)
+
 REQUIRED = object()  # the default of a key that must be given
-# `prepack_weights`: the transformers classes the lean forward (workers.engine.lean) runs
+# `prepack_weights`: the transformers classes the lean forward (workers.engine.cpu.lean) runs
 LEAN_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM")
-# of those, the ones whose lean forward computes only in float32 (workers.engine.lean)
+# of those, the ones whose lean forward computes only in float32 (workers.engine.cpu.lean)
 FLOAT32_LEAN = ("Gemma3ForCausalLM",)
 # `kv_cache_memory: auto`: the share of a device's available memory that its workers' KV caches
 # take, less the weights and process overheads planned there (an engine without a plan: its own)
@@ -130,7 +134,7 @@ MODEL_KEYS: tuple[Key, ...] = (
         "(docs/benchmarks.md). CUDA: `int8` and `int4` on the device's lean forward (the Llama family) "
         "through a Triton kernel, not yet run on a GPU; the 16-bit weights stay loaded beside the blocks, "
         "and `auto` is `none` there",
-        lambda x: x in ("auto", "none", "int8", "int4")),
+        lambda x: x in QUANTIZATIONS),
     Key("deterministic", False, "`true`, `false`",
         "batch-invariant computation: a request's logits, so its greedy tokens and log-probabilities, "
         "are the same bit for bit whatever else the engine computes with it (the other requests of a "

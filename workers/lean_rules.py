@@ -1,4 +1,4 @@
-"""Which models the lean forward (workers.engine.lean) runs: its families, and the configs of theirs
+"""Which models the lean forward (workers.engine.cpu.lean) runs: its families, and the configs of theirs
 it computes exactly. The platform asks this at load (workers.platform.for_model)."""
 
 from __future__ import annotations
@@ -8,10 +8,13 @@ import torch
 from workers.config_keys import FLOAT32_LEAN, LEAN_ARCHITECTURES
 
 
-def unsupported(model, compute: torch.dtype) -> str | None:
+def unsupported(model, compute: torch.dtype, one_window: bool = False) -> str | None:
     """Why `model` cannot run the lean forward computing in `compute` (the dtype its platform would
-    compute its weights in on the lean forward), or None when it can."""
+    compute its weights in on the lean forward), or None when it can. `one_window`: the device's
+    lean forward takes one attention window for all the layers (one cache group)."""
     name = type(model).__name__
+    if one_window and len(set(layer_windows(model, attention_modules(model)))) > 1:
+        return "its layers attend over windows of several sizes (caches of several windows)"
     if name not in LEAN_ARCHITECTURES:
         return f"{name} has no lean forward (it has for {', '.join(LEAN_ARCHITECTURES)})"
     cfg = model.config.get_text_config()
@@ -50,3 +53,19 @@ def unquantizable(model) -> str | None:
              "num_attention_heads x head_dim": heads * head_dim}
     bad = [f"{name} {size}" for name, size in sizes.items() if size % 32]
     return f"its linears' input sizes are not multiples of 32 ({', '.join(bad)})" if bad else None
+
+
+def attention_modules(model) -> list:
+    """The model's attention modules (those that carry a layer index and projections)."""
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and (hasattr(m, "q_proj") or hasattr(m, "c_attn"))]
+
+
+def layer_windows(model, attention_modules: list) -> list[int | None]:
+    """The sliding window of each layer (None: full attention), as its attention module passes
+    it: Gemma 3 and Qwen 2 modules carry `sliding_window`; Mistral's pass the config's."""
+    cfg = model.config.get_text_config()
+    windows: list[int | None] = [None] * (max(m.layer_idx for m in attention_modules) + 1)
+    for mod in attention_modules:
+        w = mod.sliding_window if hasattr(mod, "sliding_window") else getattr(cfg, "sliding_window", None)
+        windows[mod.layer_idx] = int(w) if w else None
+    return windows

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from routing import protocol as P
+from wire import protocol as P
 from workers.completions import completion_result
 from workers.engine.detok import IncrementalText
 from workers.engine.params import SamplingParams

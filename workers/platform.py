@@ -1,19 +1,20 @@
 """The device decided once: one Platform per model and device answers everything that depends on
 the device, so that nothing else works it out again.
 
-A platform is made from (source, dtype, device, prepack_weights): before loading, from the
-source alone (`for_source`: the plan, the weight loader), and at load from the model itself
-(`for_model`: the engine). It says
+A platform is made from (source, dtype, device, prepack_weights, quantization, deterministic):
+before loading, from the source alone (`for_source`: the plan, the weight loader), and at load
+from the model itself (`for_model`: the engine). It says
 - the precision: the weights' dtype, the compute dtype (activations, KV cache, logits), how the
   linears run (workers.precision);
-- whether the lean forward on packed weights runs (workers.engine.lean);
+- whether the lean forward on packed weights runs (workers.engine.cpu.lean);
 - the KV budget where none is given, and the share of the pool the prefix cache keeps touched;
-- the attention kernels (`attention`, a name workers.engine.attention_backend.select resolves) and
-  the runner (its kind's name, which workers.engine.runners.RUNNERS resolves);
+- the runner: its kind's room (workers.engine.runners.ROOMS), whose kernel chooser picks the
+  attention and linear kernels;
 - whether compiled graphs are captured as CUDA graphs, and what else they are keyed by.
 
-A new device is a Platform here, named in PLATFORMS, a runner file of its own
-(workers/engine/runners/) named in RUNNERS, and a DeviceKind (workers.devices) for the deployment.
+A new device is a Platform here, named in PLATFORMS, a room of its own (workers/engine/<kind>/,
+with its runner and kernel chooser) named in workers.engine.runners.ROOMS, and a DeviceKind
+(workers.devices) for the deployment.
 
 The platform imports nothing of the engine: the planner decides precision without loading
 transformers, and the engine's modules may all ask it.
@@ -27,18 +28,18 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from workers.config_keys import FLOAT32_LEAN, KV_AUTO_SHARE, LEAN_ARCHITECTURES
+from workers.config_keys import FLOAT32_LEAN, KV_AUTO_SHARE, LEAN_ARCHITECTURES, QUANTIZATIONS
 from workers.devices import CPU, CUDA, DeviceKind, device_kind
 from workers.precision import (
     FUSED,
     NO_QUANTIZATION,
     PLAIN,
-    QUANTIZATIONS,
     Precision,
     cpu_auto_weights,
     cpu_precision,
     named_dtype,
 )
+from workers.quant.formats import quant_format
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -55,18 +56,20 @@ class Platform(ABC):
     device: torch.device
     precision: Precision
     lean: bool  # the lean forward on packed weights runs the model
+    # `deterministic`: the runner builds its batch-invariant kernel set (else the usual one)
+    deterministic: bool = False
     kind: ClassVar[DeviceKind]
-    # the paged attention kernels (workers.engine.attention_backend.select): "torch" is the PyTorch path
-    attention: ClassVar[str] = "torch"
     # each bucket's compiled layer graph is captured and replayed as a CUDA graph
     # (workers.engine.compiled.GraphReplay)
     cuda_graphs: ClassVar[bool] = False
     # the model classes whose lean forward this device runs (prepack_weights)
     lean_architectures: ClassVar[tuple[str, ...]] = ()
-    # the lean forward's linears can read weight-only int8/int4 blocks here (`quantization`)
-    quantizes: ClassVar[bool] = False
+    # the device's lean forward takes one attention window for all the layers (one cache group)
+    lean_one_window: ClassVar[bool] = False
     # `quantization: auto` keeps a GGUF file's blocks here (else auto is none)
     auto_keeps_blocks: ClassVar[bool] = False
+    # what `deterministic: true` asks of a model here, when the lean forward does not run it
+    deterministic_needs: ClassVar[str] = ""
 
     # --- the rules, before anything loads --------------------------------------------------------
     @staticmethod
@@ -83,10 +86,10 @@ class Platform(ABC):
     @classmethod
     def quantized(cls, prec: Precision, quantization: str, lean: bool, model: str, gguf: Path | None = None) -> Precision:
         """`prec` with the `quantization` setting applied. `auto`: a GGUF file (`gguf`) whose layers
-        are mostly kept blocks (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0) keeps them where this device's `auto` does
-        (auto_keeps_blocks) and the lean forward runs (`Precision.file_classes`); anything else is none. int8 and int4 need
-        this device's kernels and the lean forward, and a model that cannot have them is refused
-        here, by name."""
+        are mostly blocks a format keeps (workers.quant.formats) keeps them where this device's `auto`
+        does (auto_keeps_blocks) and the lean forward runs (`Precision.file_classes`); anything else is
+        none. A format needs this device's kernels (its row's `devices`) and the lean forward, and a
+        model that cannot have them is refused here, by name."""
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         if quantization == "auto":
@@ -98,7 +101,7 @@ class Platform(ABC):
             return prec if kind is None else replace(prec, quantization=kind, file_classes=True)
         if quantization == NO_QUANTIZATION:
             return prec
-        if not cls.quantizes:
+        if cls.kind.name not in quant_format(quantization).devices:
             raise ValueError(f"quantization {quantization!r} is not available on {cls.kind.name} yet: "
                              "set quantization: none (or auto)")
         if not lean:
@@ -132,10 +135,9 @@ class Platform(ABC):
 @dataclass(frozen=True, slots=True)
 class CpuPlatform(Platform):
     kind: ClassVar[DeviceKind] = CPU
-    quantizes: ClassVar[bool] = True
     auto_keeps_blocks: ClassVar[bool] = True
-    attention: ClassVar[str] = "cpu"  # the C++ kernels (workers.engine.cpu_kernels)
     lean_architectures: ClassVar[tuple[str, ...]] = LEAN_ARCHITECTURES
+    deterministic_needs: ClassVar[str] = "a Llama-family model, or Gemma 3 in float32, with prepack_weights: true"
 
     @staticmethod
     def auto_weights(lean: bool, float32_lean: bool = False) -> torch.dtype:
@@ -163,16 +165,18 @@ class CpuPlatform(Platform):
 @dataclass(frozen=True, slots=True)
 class CudaPlatform(Platform):
     """Not yet run on a GPU in this form (docs/operations.md): the Llama family runs the device's
-    lean forward with each decode step one CUDA graph (workers.engine.runners.cuda); other models
+    lean forward with each decode step one CUDA graph (workers.engine.cuda.runner); other models
     run transformers' modules with piecewise CUDA graphs, on the PyTorch attention path."""
 
     kind: ClassVar[DeviceKind] = CUDA
     cuda_graphs: ClassVar[bool] = True
-    # int8 and int4 on the device's lean forward (workers.engine.triton_qlinear). Not yet run on a
-    # GPU, so `auto` keeps 16-bit weights here until the kernel has been measured against cuBLAS
-    quantizes: ClassVar[bool] = True
-    # the Llama family (workers.engine.device_lean); Gemma 3 keeps transformers' modules here
+    # the formats' Triton kernel (workers.engine.cuda.triton_qlinear) is not yet measured against
+    # cuBLAS, so `auto` keeps 16-bit weights here
+    # the Llama family (workers.engine.cuda.lean), one cache group; Gemma 3 keeps transformers' modules here
     lean_architectures: ClassVar[tuple[str, ...]] = tuple(a for a in LEAN_ARCHITECTURES if a not in FLOAT32_LEAN)
+    lean_one_window: ClassVar[bool] = True
+    deterministic_needs: ClassVar[str] = ("a Llama-family model (one attention window for all its layers) with "
+                                          "prepack_weights: true")
 
     @staticmethod
     def auto_weights(lean: bool, float32_lean: bool = False) -> torch.dtype:
@@ -224,7 +228,7 @@ def load_dtype(dtype: str | torch.dtype, device: torch.device | str, prepack: bo
 
 
 def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str, prepack: bool,
-               quantization: str = NO_QUANTIZATION) -> Platform:
+               quantization: str = NO_QUANTIZATION, deterministic: bool = False) -> Platform:
     """The platform a worker of `source` will have, decided before loading it. A source whose
     family is unknown before loading counts as the lean forward's: the plan errs high (packed
     linears counted)."""
@@ -237,29 +241,37 @@ def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str
     prec = cls.compute(weights, lean)
     if lean and prec.compute != torch.float32 and arch in FLOAT32_LEAN:
         lean, prec = False, cls.compute(weights, False)  # that family's lean forward is float32 only
-    return cls(torch.device(device), cls.quantized(prec, quantization, lean, source, source_gguf(source)), lean)
+    return cls(torch.device(device), cls.quantized(prec, quantization, lean, source, source_gguf(source)), lean,
+               deterministic)
 
 
-def for_model(lm: LoadedModel, prepack: bool, quantization: str = NO_QUANTIZATION) -> Platform:
+def for_model(lm: LoadedModel, prepack: bool, quantization: str = NO_QUANTIZATION,
+              deterministic: bool = False, cls: type[Platform] | None = None) -> Platform:
     """The platform of a loaded model: the lean forward runs where `prepack` asks, the device has
-    it, and the model's own class and config allow it (workers.lean_rules.unsupported)."""
-    cls = platform_class(lm.device)
-    lean = (prepack and type(lm.model).__name__ in cls.lean_architectures
-            and getattr(lm.model, "_supports_attention_backend", False))
-    if lean:
-        from workers.lean_rules import unsupported
+    it, and the model's own class and config allow it (workers.lean_rules.unsupported). A setting
+    the model cannot have here (`quantization`, `deterministic`) is a ValueError that says why.
+    `cls`: another device's rules for the model where it is (a test of them off that device)."""
+    from workers.lean_rules import unquantizable, unsupported
 
-        lean = unsupported(lm.model, cls.compute(lm.dtype, True).compute) is None
+    cls = cls or platform_class(lm.device)
+    why = None if prepack else "prepack_weights is false"
+    if why is None and not getattr(lm.model, "_supports_attention_backend", False):
+        why = f"{type(lm.model).__name__} keeps an attention of its own"
+    if why is None and type(lm.model).__name__ not in cls.lean_architectures:
+        why = f"{type(lm.model).__name__} has no lean forward on {cls.kind.name}"
+    if why is None:
+        why = unsupported(lm.model, cls.compute(lm.dtype, True).compute, cls.lean_one_window)
+    lean = why is None
+    if deterministic and not lean:
+        raise ValueError(f"deterministic: true runs on {cls.kind.name} through the lean forward, which does not run "
+                         f"this copy ({why}): use {cls.deterministic_needs}")
     from workers.weights.sources import source_gguf
 
     name = f"{lm.source} ({type(lm.model).__name__})"
     base = cls.compute(lm.dtype, lean)
     prec = cls.quantized(base, quantization, lean, name, source_gguf(lm.source))
-    if prec.quantized:
-        from workers.lean_rules import unquantizable
-
-        if (why := unquantizable(lm.model)) is not None:
-            if prec.file_classes:  # auto: what cannot be quantized runs as it loaded
-                return cls(lm.device, base, lean)
+    if prec.quantized and (why := unquantizable(lm.model)) is not None:
+        if not prec.file_classes:
             raise ValueError(f"quantization {quantization!r} cannot run {name}: {why}; set quantization: none")
-    return cls(lm.device, prec, lean)
+        prec = base  # auto: what cannot be quantized runs as it loaded
+    return cls(lm.device, prec, lean, deterministic)

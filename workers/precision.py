@@ -19,7 +19,7 @@ compute in their weights' dtype.
     float32      float32    float32, oneDNN packed (lean forward)
 
 Gemma 3's lean forward computes only in float32: where its weights would compute in bfloat16, it
-runs transformers' modules (workers.engine.lean), so its `auto` is the float32-math choice of a
+runs transformers' modules (workers.engine.cpu.lean), so its `auto` is the float32-math choice of a
 CPU without bf16 arithmetic.
 """
 
@@ -36,9 +36,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 HALF = (torch.bfloat16, torch.float16)
 ONEDNN, FP16, PLAIN = "onednn", "fp16", "plain"  # how the lean forward's linears run
 FUSED = "fused"  # on a GPU: fused copies of the q/k/v and gate/up weights, in the weights' dtype
-# the lean forward's linears as weight-only quantized blocks (workers.quantized), or not
+# the lean forward's linears as weight-only quantized blocks (workers.quant), or not
 NO_QUANTIZATION = "none"
-QUANTIZATIONS = ("auto", NO_QUANTIZATION, "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)

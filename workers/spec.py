@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from routing.protocol import out_of_range, range_error
+from wire.protocol import out_of_range, range_error
 from workers.buckets import Buckets, compile_mode
 from workers.config_keys import MODEL, REQUIRED, SAMPLING_DEFAULTS, parse_size
 from workers.devices import check_device

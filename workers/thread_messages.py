@@ -1,5 +1,5 @@
 """What a worker's threads hand each other through their queues (workers/worker.py,
-workers/output_thread.py). The wire messages to the router are routing/protocol.py's."""
+workers/output_thread.py). The wire messages to the router are wire/protocol.py's."""
 
 from __future__ import annotations
 

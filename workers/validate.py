@@ -1,7 +1,7 @@
 """Checks of settings and request values, shared by every entry point: a bool is never a number
 here (YAML and JSON `true` must not pass as 1), and an error names the parameter and what to give.
 
-Predicates (`is_int`, `is_number`) answer where the caller words its own error; the `check_*`
+Predicates (`is_int`, the wire's, and `is_number`) answer where the caller words its own error; the `check_*`
 functions raise `ParamError` (a ValueError) with the parameter's name and return the value.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+from wire.protocol import is_int  # the wire's one definition, which the workers' checks share
 
 
 class ParamError(ValueError):
@@ -18,11 +20,6 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
-
-
-def is_int(x: Any, low: int | None = None) -> bool:
-    """An int (not a bool), at least `low` when given."""
-    return isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)
 
 
 def is_number(x: Any) -> bool:

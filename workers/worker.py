@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from routing import protocol as P
-from routing.security import ClientKeys, connect_curve
+from wire import protocol as P
+from wire.security import ClientKeys, connect_curve
 from workers.low_priority import at_low_priority
 from workers.output_thread import OutputThread
 from workers.thread_messages import Assign, Cancel, EngineMessage, FinishSample, Submit

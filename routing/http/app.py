@@ -23,13 +23,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from routing import openai_objects, openai_requests
-from routing import protocol as P
 from routing.client import AsyncClient, RouterError
 from routing.http import openai as O
 from routing.http.bodies import ClientGone, read_json, send_json
 from routing.http.metrics import Metrics
 from routing.http.models_admin import model_admin_routes
 from routing.http.streaming import stream_response
+from wire import protocol as P
 
 log = logging.getLogger("mmfusion.http")
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key (probes, scrapers)
@@ -100,10 +100,9 @@ def timing_headers(answer) -> dict[str, str] | None:
     return {header: f"{timing[key]:.6f}" for key, header in TIMING_HEADERS.items() if key in timing}
 
 
-def with_tenant(scope, params: dict) -> dict:
-    """A request's parameters for the router, naming the tenant of its API key (if it has one)."""
-    tenant = scope.get(TENANT)
-    return params if tenant is None else {**params, "tenant": tenant}
+def tenant_of(scope) -> str | None:
+    """The tenant of the request's API key (None: it has none)."""
+    return scope.get(TENANT)
 
 
 class FastPath:
@@ -297,12 +296,13 @@ class Gateway:
             path_model = scope.get("path_params", {}).get("model")
             target = await self.target_for(path_model or body.get("model"), scope["path"])
             job = openai_requests.completion_job(body)
-            params = with_tenant(scope, job.params)
+            tenant = tenant_of(scope)
             if job.stream.stream:
                 return await stream_response(self.client, self.metrics, self.error_response, target, job.prompts,
-                                             params, job.n, job.stream.include_usage, P.GENERATE, t0), target.name
+                                             job.params, job.n, job.stream.include_usage, P.GENERATE, t0,
+                                             tenant), target.name
             results = await until_cancelled_by_client(receive, all_of(
-                self.client.result(target.router_model, p, **params) for p in job.prompts))
+                self.client.result(target.router_model, p, tenant=tenant, **job.params) for p in job.prompts))
             out = openai_objects.merge_completions(results, target.name, job.n)
             self.metrics.observe_usage(target.name, out["usage"])
             return out, target.name
@@ -318,14 +318,14 @@ class Gateway:
             body = await read_json(request.scope, request.receive, self.settings.max_body_bytes)
             target = await self.target(request, body)
             job = openai_requests.chat_job(body)
-            params = with_tenant(request.scope, job.params)
+            tenant = tenant_of(request.scope)
             try:
                 if job.stream.stream:
                     return await stream_response(self.client, self.metrics, self.error_response, target,
-                                                 [job.messages], params, job.n, job.stream.include_usage, P.CHAT,
-                                                 t0), target.name
-                result = await until_cancelled_by_client(
-                    request.receive, self.client.result(target.router_model, job.messages, task=P.CHAT, **params))
+                                                 [job.messages], job.params, job.n, job.stream.include_usage, P.CHAT,
+                                                 t0, tenant), target.name
+                result = await until_cancelled_by_client(request.receive, self.client.result(
+                    target.router_model, job.messages, task=P.CHAT, tenant=tenant, **job.params))
             except RouterError as exc:
                 raise job.error(O.error_for(exc)) from None
             self.metrics.observe_usage(target.name, result["usage"])
@@ -339,7 +339,7 @@ class Gateway:
             target = await self.target(request, body)
             prompt, task_params = build(body)
             answer = await until_cancelled_by_client(request.receive, self.client.result(
-                target.router_model, prompt, task=task, **with_tenant(request.scope, task_params)))
+                target.router_model, prompt, task=task, tenant=tenant_of(request.scope), **task_params))
             return answer, target.name
         return await self.handle(endpoint, work)
 

@@ -9,9 +9,9 @@ import logging
 import math
 from dataclasses import dataclass
 
-from routing import protocol as P
 from routing.client import RouterError
 from routing.openai_requests import OpenAIError, bad
+from wire import protocol as P
 
 log = logging.getLogger("mmfusion.http")
 

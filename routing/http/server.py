@@ -20,9 +20,9 @@ from pathlib import Path
 
 import uvicorn
 
-from routing import protocol as P
 from routing.http.app import MAX_BODY_BYTES, Gateway, GatewaySettings
-from routing.security import is_loopback
+from wire import protocol as P
+from wire.security import is_loopback
 
 KEYS_ENV = "MMFUSION_API_KEYS"
 TENANT_KEYS_ENV = "MMFUSION_TENANT_KEYS"  # JSON {API key: tenant name}: keys accepted, each naming its tenant

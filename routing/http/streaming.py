@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from routing import protocol as P
 from routing.client import AsyncClient
 from routing.http import openai as O
 from routing.http.metrics import Metrics
 from routing.openai_objects import StreamState, chat_chunk, completion_chunk, new_id, usage_chunk
+from wire import protocol as P
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -29,11 +29,11 @@ def _sse(obj) -> bytes:
 
 async def stream_response(client: AsyncClient, metrics: Metrics, error_response: Callable[[Exception], JSONResponse],
                           target: O.Target, prompts: list, params: dict, n: int, include_usage: bool, task: str,
-                          t0: float) -> Response:
-    """The SSE response of a streaming request of `prompts` (n samples each) to `target`."""
+                          t0: float, tenant: str | None = None) -> Response:
+    """The SSE response of a streaming request of `prompts` (n samples each) to `target`, for `tenant`."""
     chat = task == P.CHAT
     state = StreamState(new_id("chatcmpl" if chat else "cmpl"), int(time.time()), target.name)
-    events = merged_events(client, target, prompts, params, task)
+    events = merged_events(client, target, prompts, params, task, tenant)
     try:
         first = await events.__anext__()
     except BaseException:
@@ -43,10 +43,11 @@ async def stream_response(client: AsyncClient, metrics: Metrics, error_response:
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def merged_events(client: AsyncClient, target: O.Target, prompts: list, params: dict, task: str):
+async def merged_events(client: AsyncClient, target: O.Target, prompts: list, params: dict, task: str,
+                        tenant: str | None = None):
     """(prompt index, router message) of every prompt's stream, as they come."""
     if len(prompts) == 1:  # the common case: no pump task, no queue between the two
-        async with contextlib.aclosing(client.events(target.router_model, prompts[0], True, task, **params)) as msgs:
+        async with contextlib.aclosing(client.events(target.router_model, prompts[0], True, task, tenant=tenant, **params)) as msgs:
             async for msg in msgs:
                 yield 0, msg
         return
@@ -55,7 +56,7 @@ async def merged_events(client: AsyncClient, target: O.Target, prompts: list, pa
 
     async def pump(i, prompt):
         try:
-            async for msg in client.events(target.router_model, prompt, True, task, **params):
+            async for msg in client.events(target.router_model, prompt, True, task, tenant=tenant, **params):
                 await queue.put((i, msg))
             await queue.put((i, done))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it

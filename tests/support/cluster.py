@@ -18,10 +18,10 @@ from fusion.launcher import WorkerProcess
 from fusion.local import LocalDeployment
 from fusion.params import load_params
 from fusion.plan import make_plan
-from routing import protocol as P
 from routing.client import Client
 from routing.router import ModelEntry, Router, RouterConfig
 from support.models import tiny
+from wire import protocol as P
 from workers.engine import Engine, EngineConfig
 from workers.request_params import sampling_params
 from workers.spec import ModelSpec, WorkerSpec

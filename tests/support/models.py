@@ -91,10 +91,10 @@ def engine_with_pool(lm, blocks: int, block_size: int = 4, **kw):
 def dequantized_reference(model, kind: str):
     """A copy of `model` whose linears hold the values the engine's `quantization: kind` computes
     with, quantized afresh (the LM head int8; int4 gives q/k/v, fused with v, and down int8:
-    workers.engine.lean.linear_kind)."""
+    workers.engine.cpu.lean.linear_kind)."""
     import copy
 
-    from workers.quantized import INT4, INT8, quantize
+    from workers.quant.weight import INT4, INT8, quantize
 
     ref = copy.deepcopy(model)
     wider = ("lm_head", "q_proj", "k_proj", "v_proj", "down_proj") if kind == INT4 else ("lm_head",)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from workers.engine.block_manager import CacheGroups
+from workers.lean_rules import attention_modules, layer_windows
 
 ATTN_NAME = "mmfusion"
 KV_KWARG = "mmfusion_kv"  # the model call's keyword argument that carries (keys, values) of the paged cache
@@ -409,11 +410,6 @@ class ContextHolder:
             self.current = None
 
 
-def attention_modules(model) -> list:
-    """The model's attention modules (those that carry a layer index and projections)."""
-    return [m for m in model.modules() if hasattr(m, "layer_idx") and (hasattr(m, "q_proj") or hasattr(m, "c_attn"))]
-
-
 def install(model) -> ContextHolder | None:
     """Switch `model` to the paged-cache attention. Returns None if the model can't use it.
 
@@ -435,17 +431,6 @@ def install(model) -> ContextHolder | None:
     AttentionInterface.register(name, functools.partial(mmfusion_attention, holder))
     model.set_attn_implementation(name)
     return holder
-
-
-def layer_windows(model, attention_modules: list) -> list[int | None]:
-    """The sliding window of each layer (None: full attention), as its attention module passes
-    it: Gemma 3 and Qwen 2 modules carry `sliding_window`; Mistral's pass the config's."""
-    cfg = model.config.get_text_config()
-    windows: list[int | None] = [None] * (max(m.layer_idx for m in attention_modules) + 1)
-    for mod in attention_modules:
-        w = mod.sliding_window if hasattr(mod, "sliding_window") else getattr(cfg, "sliding_window", None)
-        windows[mod.layer_idx] = int(w) if w else None
-    return windows
 
 
 def index_layers(model) -> None:

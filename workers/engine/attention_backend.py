@@ -1,5 +1,5 @@
-"""The attention kernels a runner uses, chosen once at load by its platform (workers.platform) into
-one object, and the step metadata they read, which the backend builds.
+"""The attention kernels a runner uses, chosen once at load by its device's room into one object
+(the CPU's: workers.engine.cpu.backend), and the step metadata they read, which the backend builds.
 
 A backend is its decode kernel, its prefill kernel (or none: the PyTorch paths of
 workers.engine.attention serve), and `metadata`: each step's block tables, write slots and
@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine import attention, cpu_kernels
+from workers.engine import attention
 from workers.engine.block_manager import first_block
 
 if TYPE_CHECKING:
     from workers.engine.block_manager import SeqBlocks
     from workers.engine.scheduler import Chunk
     from workers.engine.sequence import Sequence
-    from workers.platform import Platform
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,28 +74,9 @@ class AttentionBackend:
                                      position=holder.position, windows=holder.windows, backend=self)
 
 
+# the PyTorch paths of workers.engine.attention: every device's fallback, and the CUDA runner's for
+# transformers' modules; a device's own kernels are its room's backend (workers.engine.cpu.backend)
 TORCH = AttentionBackend("torch", attention.decode_attention)
-
-
-def cpu_backend(compute: torch.dtype, head_dim: int) -> AttentionBackend:
-    """The CPU's C++ kernels (workers.engine.cpu_kernels) for a model computing in `compute` with
-    heads of `head_dim`; the PyTorch paths where they could not be built."""
-    decode = cpu_kernels.decode_kernel()
-    if decode is None:
-        return TORCH
-    prefill = cpu_kernels.prefill_kernel(compute, head_dim)
-    return AttentionBackend(CPU_KERNELS, decode, prefill, own_positions_only=prefill is not None)
-
-
-CPU_KERNELS = "cpu"
-# Platform.attention -> the backend for (compute dtype, head dim)
-BACKENDS: dict[str, Callable[[torch.dtype, int], AttentionBackend]] = {
-    TORCH.name: lambda compute, head_dim: TORCH, CPU_KERNELS: cpu_backend}
-
-
-def select(platform: Platform, head_dim: int) -> AttentionBackend:
-    """The kernels the platform names, for its compute dtype and heads of `head_dim`."""
-    return BACKENDS[platform.attention](platform.precision.compute, head_dim)
 
 
 def _group_steps(windows: list, decode: list[Sequence], chunks: list[Chunk], pos: list[int], bs: int,

@@ -18,7 +18,7 @@ import torch
 from workers.buckets import Buckets, compile_mode, default_buckets
 from workers.config_keys import MODEL
 from workers.engine import attention
-from workers.engine.attention_backend import AttentionBackend, select
+from workers.engine.attention_backend import AttentionBackend
 from workers.engine.block_manager import BlockManager, CacheGroups
 from workers.engine.compiled import prepare
 from workers.engine.kv_cache import CacheLayout
@@ -96,19 +96,20 @@ class EngineConfig:
 class Engine:
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None,
                  attention: AttentionBackend | None = None, platform: Platform | None = None):
-        """`attention`: the attention kernels to run instead of those the platform chooses for the
-        device (a device's own kernel, a checked one in a test); `platform`: the device's decisions,
-        made here from the model when not given (workers.platform.for_model)."""
+        """`attention`: the attention kernels to run instead of those the device's room chooses (a
+        checked one in a test); `platform`: the device's decisions, made here from the model and
+        the config when not given (workers.platform.for_model), `deterministic` among them."""
         self.config = cfg = config or EngineConfig()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.lm = lm
         self.tokenizer = lm.tokenizer
         # everything that depends on the device, decided once (workers.platform)
-        self.platform: Platform = platform or for_model(lm, cfg.prepack_weights, cfg.quantization)
+        self.platform: Platform = platform or for_model(lm, cfg.prepack_weights, cfg.quantization, cfg.deterministic)
+        if self.platform.deterministic != cfg.deterministic:
+            raise ValueError(f"the platform given was decided for deterministic: {self.platform.deterministic}, "
+                             f"the config asks for {cfg.deterministic}")
         self.runner = self._runner(lm, attention)
-        # `deterministic`: the rows each linear path multiplies a call (empty: any number)
-        self.invariant_rows: dict[str, int] = self.runner.make_batch_invariant() if cfg.deterministic else {}
         layout = self.runner.layout
         blocks = BlockManager(layout.num_blocks, layout.block_size, layout.groups, cfg.max_batch_tokens,
                               enable_prefix_caching=layout.prefix_caching, cache_reserve=layout.reserve)
@@ -136,8 +137,6 @@ class Engine:
         layout = CacheLayout.sized(self.platform, groups, kv_dims(lm), cfg.kv_block_size, cfg.kv_cache_memory,
                                    cfg.max_batch_size, cfg.max_batch_tokens, lm.max_model_len,
                                    prefix_caching=holder is not None)
-        if holder is not None and backend is None:
-            backend = select(self.platform, kv_dims(lm)[1])
         return make_runner(self.platform, lm, holder, layout, backend, cfg.max_batch_size)
 
     @property

@@ -1,5 +1,5 @@
 """A GGUF file's quantized blocks, kept as they are for the lean forward's quantized linears
-(workers.quantized): the linears of the Llama family and Gemma 3 by transformers' module names,
+(workers.quant): the linears of the Llama family and Gemma 3 by transformers' module names,
 their output rows in transformers' order.
 
 transformers dequantizes a GGUF file at load and, for the Llama architecture, reorders the rows
@@ -26,17 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.quantized import (
-    GGUF_KEPT,
-    GGUF_REQUANTIZED,
-    GGUF_ROUNDED,
-    INT8,
-    K_BLOCK,
-    QuantizedWeight,
-    from_gguf_blocks,
-    quantize,
-    rounding_bound,
-)
+from workers.quant.formats import BLOCK, GGUF_TYPES, REQUANTIZED, ROUNDED
+from workers.quant.gguf import from_gguf_blocks, rounding_bound
+from workers.quant.weight import QuantizedWeight, quantize
 
 log = logging.getLogger("mmfusion.gguf")
 
@@ -47,10 +39,9 @@ LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "at
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
-# GGUF metadata value types -> bytes (8: string, 9: array); tensor types kept -> (name, bytes a block of 32)
+# GGUF metadata value types -> bytes (8: string, 9: array); the tensor types kept are
+# workers.quant.formats.GGUF_TYPES
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_KEPT_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 6: ("Q5_0", 22), 8: ("Q8_0", 34), 12: ("Q4_K", 18),
-               13: ("Q5_K", 22), 14: ("Q6_K", 26.25)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +145,7 @@ def file_class(path: Path) -> str | None:
     for t in tensors:
         m = _LAYER.fullmatch(t.name)
         if m is not None and m.group(2) in LAYER_MODULES and len(t.dims) == 2:
-            kind = GGUF_KEPT[_KEPT_TYPES[t.type_id][0]] if t.type_id in _KEPT_TYPES else None
+            kind = GGUF_TYPES[t.type_id][1].name if t.type_id in GGUF_TYPES else None
             counts[kind] = counts.get(kind, 0) + t.dims[0] * t.dims[1]
     return max(counts, key=counts.get) if counts else None
 
@@ -171,22 +162,23 @@ def gguf_blocks(path: Path, model) -> dict[str, QuantizedWeight]:
     out: dict[str, QuantizedWeight] = {}
     for t in tensors:
         name = _module_name(t.name, tied)
-        if name is None or t.type_id not in _KEPT_TYPES or name not in modules or len(t.dims) != 2:
+        if name is None or t.type_id not in GGUF_TYPES or name not in modules or len(t.dims) != 2:
             continue
-        type_name, block_bytes = _KEPT_TYPES[t.type_id]
+        gtype, fmt = GGUF_TYPES[t.type_id]
+        type_name = gtype.name
         weight = modules[name].weight
         k, n = t.dims
-        if (n, k) != tuple(weight.shape) or k % (K_BLOCK if type_name in GGUF_ROUNDED else 32):
+        if (n, k) != tuple(weight.shape) or k % gtype.row_multiple:
             continue
-        if type_name in GGUF_REQUANTIZED:  # the file's values (the model's weight), int8 afresh
-            out[name] = quantize(weight.detach(), INT8)
+        if gtype.conversion == REQUANTIZED:  # the file's values (the model's weight), afresh in its format
+            out[name] = quantize(weight.detach(), fmt.name)
             continue
-        raw = np.frombuffer(mm, dtype=np.uint8, count=n * k // 32 * block_bytes, offset=t.offset)
+        raw = np.frombuffer(mm, dtype=np.uint8, count=int(n * k // BLOCK * gtype.block_bytes), offset=t.offset)
         qw = from_gguf_blocks(type_name, raw.reshape(n, -1), (n, k))
         if arch == "llama" and name.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if name.endswith("q_proj") else (cfg.num_key_value_heads or cfg.num_attention_heads)
             qw = qw.rows(_rows_order(qw.out_features, heads))
-        if not _equal(qw, weight.detach(), type_name in GGUF_ROUNDED):
+        if not _equal(qw, weight.detach(), gtype.conversion == ROUNDED):
             log.warning("GGUF tensor %s (%s) does not equal %s's weight: quantized afresh", t.name, type_name, name)
             continue
         out[name] = qw

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from workers.files import atomic_replace, cache_root
-from workers.quantized import QuantizedWeight
+from workers.quant.weight import QuantizedWeight
 from workers.weights.shared import map_tensors
 from workers.weights.sources import source_key
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from workers.engine.kv_cache import CacheLayout
     from workers.platform import Platform
 
-# Where attention_span cannot be measured (workers.engine.calibrate), prefill attention is assumed
+# Where attention_span cannot be measured (workers.engine.cpu.calibrate), prefill attention is assumed
 # to run at about 40% of the linears' FLOP rate (the C++ kernel's 75-90 GFLOP/s a thread against
 # oneDNN's ~190 in bfloat16 on an AVX512-BF16 CPU).
 ATTENTION_RATE = 0.4
@@ -71,7 +71,8 @@ class Runner(ABC):
         self.platform = platform
         self.layout = layout  # the KV pool: the engine's block manager counts these blocks
         self.forward_seconds = 0.0  # time inside forward passes (the rest of a step is bookkeeping)
-        self.batch_invariant = False  # `deterministic`: set by make_batch_invariant
+        # `deterministic`: the batch-invariant kernel set, chosen by the platform before this was built
+        self.batch_invariant = platform.deterministic
 
     @property
     def backend(self) -> AttentionBackend | None:
@@ -104,19 +105,6 @@ class Runner(ABC):
     def min_long_chunk(self) -> int:
         """The fewest tokens of a long prompt's chunk worth a step beside the streams."""
         return 1
-
-    def make_batch_invariant(self) -> dict[str, int]:
-        """`deterministic`: from now on compute each row the same way whatever else a step holds.
-        Returns the rows a call of each linear path; a ValueError says why this runner cannot."""
-        if not self.platform.kind.host:
-            raise ValueError(f"deterministic: true runs on {self.platform.kind.name} through the device's lean forward, "
-                             "which does not run this copy: use a Llama-family model (one attention window for all "
-                             "its layers) with prepack_weights: true")
-        from workers.lean_rules import unsupported
-
-        why = unsupported(self.model, self.platform.precision.compute) or "prepack_weights is false"
-        raise ValueError(f"deterministic: true runs on a CPU through the lean forward, which does not run this copy "
-                         f"({why}): use a Llama-family model, or Gemma 3 in float32, with prepack_weights: true")
 
     def compile_refusal(self) -> str | None:
         """Why this runner does not run compiled (None: it can, through enable_compile)."""

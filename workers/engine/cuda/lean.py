@@ -3,9 +3,9 @@ weights and math over tensors of fixed shape, so a decode step is capturable as 
 
 Per layer: one fused q/k/v linear and one fused gate/up linear in the weights' dtype (bfloat16
 for `auto`; with `quantization: int8` or `int4`, weight-only blocks multiplied by the runner's
-PagedOps.qlinear, by the same rules as the CPU's lean forward: lean.linear_kind), the rotary embedding from a table of every position (looked up, not computed, so no
+PagedOps.qlinear, by the same rules as the CPU's lean forward: workers.quant.fuse.linear_kind), the rotary embedding from a table of every position (looked up, not computed, so no
 shape depends on the step), the KV write and paged attention as the runner's PagedOps
-(workers.engine.paged_ops: the Triton kernels on CUDA), and RMS norms as transformers computes
+(workers.engine.cuda.ops: the Triton kernels on CUDA), and RMS norms as transformers computes
 them. The step's layout is tensors only: each token's position, KV slot, block-table row and
 attended length.
 """
@@ -13,16 +13,16 @@ attended length.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from workers.engine.lean import AttentionShape, linear_kind, rotation
-from workers.engine.linears import all_kept, fused_bias, quantized_weight
-from workers.engine.paged_ops import PagedOps
+from workers.engine.cuda.ops import PagedOps
+from workers.engine.lean_parts import AttentionShape, fused_bias, rotation
 from workers.precision import Precision
-from workers.quantized import QuantizedWeight
+from workers.quant.fuse import all_kept, linear_kind, quantized_weight
+from workers.quant.weight import QuantizedWeight
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,10 +41,6 @@ class DeviceLinear:
         if self.quant is not None:
             return self.qlinear(x, self.quant, self.bias)
         return self.dense(x, self.weight, self.bias)
-
-    def through(self, ops: PagedOps) -> DeviceLinear:
-        """The same linear through `ops`' kernels."""
-        return replace(self, qlinear=ops.qlinear if self.quant is not None else None, dense=ops.linear)
 
     @property
     def own_bytes(self) -> int:
@@ -79,7 +75,8 @@ class DeviceStep:
 
 
 class DeviceLean:
-    """forward(step, kv) -> logits of every row (or of `keep`)."""
+    """forward(step, kv) -> logits of every row (or of `keep`). Every linear, norm and attention call
+    goes through `ops`: under `deterministic` their batch-invariant set (workers.engine.cuda.ops)."""
 
     def __init__(self, model, ops: PagedOps, cache_index: dict[int, int], window: int | None, max_positions: int,
                  precision: Precision | None = None, blocks: dict[str, QuantizedWeight] | None = None):
@@ -120,10 +117,10 @@ class DeviceLean:
         if kind is not None:
             device = modules[0].weight.device
             qw = quantized_weight(modules, kind, self._blocks).to(device)
-            return DeviceLinear(None, qw, bias, self.ops.qlinear, own=True)
+            return DeviceLinear(None, qw, bias, self.ops.qlinear, own=True, dense=self.ops.linear)
         if len(modules) == 1:
-            return DeviceLinear(modules[0].weight.detach(), None, bias)
-        return DeviceLinear(torch.cat([m.weight.detach() for m in modules]), None, bias, own=True)
+            return DeviceLinear(modules[0].weight.detach(), None, bias, dense=self.ops.linear)
+        return DeviceLinear(torch.cat([m.weight.detach() for m in modules]), None, bias, own=True, dense=self.ops.linear)
 
     def linears(self) -> list[DeviceLinear]:
         return [self.lm_head] + [x for lay in self.layers for x in (lay.qkv, lay.o, lay.gate_up, lay.down)]
@@ -133,15 +130,6 @@ class DeviceLean:
         """Memory of its own: the fused or quantized linears and the rotary tables."""
         return (sum(lin.own_bytes for lin in self.linears())
                 + sum(t.numel() * t.element_size() for t in (self.cos, self.sin)))
-
-    def make_batch_invariant(self, ops: PagedOps) -> None:
-        """`deterministic`: every kernel from `ops` (paged_ops.batch_invariant), so that each row is
-        computed in one order whatever rows come with it."""
-        self.ops = ops
-        self.lm_head = self.lm_head.through(ops)
-        for layer in self.layers:
-            layer.qkv, layer.o = layer.qkv.through(ops), layer.o.through(ops)
-            layer.gate_up, layer.down = layer.gate_up.through(ops), layer.down.through(ops)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, weight, self.eps)

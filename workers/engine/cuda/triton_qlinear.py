@@ -1,4 +1,4 @@
-"""A Triton kernel for weight-only quantized linears (workers.quantized's blocks of 32) on a GPU:
+"""A Triton kernel for weight-only quantized linears (workers.quant's blocks of 32) on a GPU:
 y = x @ W.T + bias with W read as int4 or int8 blocks and widened in registers, so a decode step
 reads a quarter (int4) or half (int8) of bfloat16's weight bytes.
 
@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.quantized import BLOCK, INT4, QuantizedWeight
+from workers.quant.formats import BLOCK
+from workers.quant.weight import INT4, QuantizedWeight
 
 HALF = BLOCK // 2
 

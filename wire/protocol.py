@@ -237,7 +237,7 @@ class CompleteRequest:
             if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
                 raise ProtocolError("messages must be a non-empty list of {role, content} objects", request_id=rid)
         elif task == DETOKENIZE:
-            if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
+            if not isinstance(prompt, list) or not all(is_int(t) for t in prompt):
                 raise ProtocolError("tokens must be a list of integer token IDs", request_id=rid)
         elif task == TOKENIZE:
             if not isinstance(prompt, str):
@@ -245,7 +245,7 @@ class CompleteRequest:
                                     request_id=rid)
         elif task == GENERATE:
             if isinstance(prompt, list):
-                if not all(_is_int(t) for t in prompt):
+                if not all(is_int(t) for t in prompt):
                     raise ProtocolError("prompt must be text or a list of integer token IDs", request_id=rid)
             elif not isinstance(prompt, str):
                 raise ProtocolError("prompt must be text or a list of integer token IDs", request_id=rid)
@@ -261,8 +261,9 @@ class CompleteRequest:
         return cls(rid, model, prompt, params, bool(msg.get("stream", False)), task, tenant)
 
 
-def _is_int(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
+def is_int(x: Any, low: int | None = None) -> bool:
+    """An int (not a bool), at least `low` when given: the one definition every side checks with."""
+    return isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)
 
 
 def header(mtype: str, key: str, tokens: int | list = 0) -> bytes:

@@ -34,9 +34,7 @@ KERNELS = Path(__file__).with_name("kernels")
 # their Python bindings
 SOURCES = [KERNELS / "kernels.cpp", KERNELS / "bindings.cpp"]
 # part of the build's hash: a change rebuilds
-INCLUDED = [KERNELS / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "rms_norm.cpp", "rope_write.cpp", "silu_mul.cpp", "qlinear.cpp", "decode_layers.cpp",
-                                        "decode_layers.h", "fixed_decode.h",
-                                        "avx512_math.h", "avx2_math.h", "head_dims.h", "torch_lite.h")]
+INCLUDED = sorted(path for path in KERNELS.iterdir() if path.suffix in (".cpp", ".h") and path not in SOURCES)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # query rows of one KV head in one pass of the prefill kernel (kernels/paged_prefill.cpp), per dtype
 PREFILL_LANES = {torch.bfloat16: 16, torch.float32: 8}

@@ -11,7 +11,7 @@
 
 #include <vector>
 
-// One linear of the C++ kernels, as workers/engine/linears.py's Linear holds it.
+// One linear of the C++ kernels, as workers/engine/cpu/linears.py's Linear holds it.
 struct KernelLinear {
   static constexpr int64_t kInt4 = 0, kInt8 = 1, kDense = 2;
   int64_t kind;

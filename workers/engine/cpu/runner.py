@@ -1,8 +1,9 @@
 """The CPU runner: the packed runner with the CPU's own paths. Where its platform says so, the
-lean forward on packed weights replaces transformers' modules (workers.engine.lean: oneDNN or
-FBGEMM linears, the C++ norms and rotary writes); attention runs the C++ kernels of its backend
-(workers.engine.attention_backend.cpu_backend); and what a position of a long prompt's attention
-costs is measured at load on that path (workers.engine.calibrate)."""
+lean forward on packed weights replaces transformers' modules (workers.engine.cpu.lean: oneDNN or
+FBGEMM linears, the C++ norms and rotary writes), with the batch-invariant kernel set from the start
+where the platform says `deterministic`; attention runs the kernels the CPU's chooser picks
+(workers.engine.cpu.backend); and what a position of a long prompt's attention costs is measured
+at load on that path (workers.engine.cpu.calibrate)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.capability import cpu_capability
-from workers.engine import attention, calibrate, cpu_kernels
-from workers.engine.attention_backend import CPU_KERNELS
-from workers.engine.lean import LeanLlama, lean_forward
+from workers.engine import attention
+from workers.engine.cpu import calibrate, extension
+from workers.engine.cpu.backend import CPU_KERNELS, attention_kernels
+from workers.engine.cpu.lean import LeanLlama, lean_forward
 from workers.engine.runners.base import kv_dims, num_layers
 from workers.engine.runners.paged import PagedRunner
 from workers.weights.gguf_blocks import gguf_blocks
@@ -33,30 +35,37 @@ LEAN_NOT_COMPILED = ("the lean forward runs this model (prepack_weights), faster
 
 class CpuRunner(PagedRunner):
     def __init__(self, lm: LoadedModel, platform: Platform, holder: attention.ContextHolder, layout: CacheLayout,
-                 backend: AttentionBackend, max_batch_size: int = 64):
+                 backend: AttentionBackend | None = None, max_batch_size: int = 64):
+        """`backend`: attention kernels to run instead of those the CPU's chooser picks."""
+        backend = backend or attention_kernels(platform.precision.compute, kv_dims(lm)[1])
+        if platform.deterministic and backend.name != CPU_KERNELS:
+            raise ValueError("deterministic: true needs the C++ attention kernels, which could not be built here "
+                             "(the log says why at the first load)")
         super().__init__(lm, platform, holder, layout, backend, max_batch_size)
         # the lean forward on packed (or quantized) weights, where the platform runs it (the model's
         # family has one); quantized, it keeps a GGUF file's own blocks
         self.lean: LeanLlama | None = None
         if platform.lean:
-            self.lean = self._lean(lm, platform.precision)
+            self.lean = self._lean(lm, platform.precision, platform.deterministic)
 
     @staticmethod
-    def _lean(lm: LoadedModel, precision) -> LeanLlama:
-        """The lean forward. Quantized, it keeps a GGUF file's own blocks, and copies that share
-        their weights map one file of the quantized linears (workers.weights.quantized_cache)."""
-        kernels = cpu_kernels.kernel_module()
+    def _lean(lm: LoadedModel, precision, invariant: bool) -> LeanLlama:
+        """The lean forward (`invariant`: with the batch-invariant linears). Quantized, it keeps a GGUF
+        file's own blocks, and copies that share their weights map one file of the quantized linears
+        (workers.weights.quantized_cache)."""
+        kernels = extension.kernel_module()
         if not precision.quantized:
-            return lean_forward(lm.model, precision, kernels)
+            return lean_forward(lm.model, precision, kernels, invariant=invariant)
 
-        def build() -> LeanLlama:
+        def build(invariant: bool) -> LeanLlama:
             path = source_gguf(lm.source)
-            return lean_forward(lm.model, precision, kernels, gguf_blocks(path, lm.model) if path else None)
+            return lean_forward(lm.model, precision, kernels, gguf_blocks(path, lm.model) if path else None,
+                                invariant=invariant)
 
         if not (lm.weights is not None and lm.weights.shared):
-            return build()
-        fused = shared_quantized(lm.source, lm.dtype, precision.quantized_key, lambda: build().quantized_weights())
-        lean = lean_forward(lm.model, precision, kernels, fused=fused)
+            return build(invariant)
+        fused = shared_quantized(lm.source, lm.dtype, precision.quantized_key, lambda: build(False).quantized_weights())
+        lean = lean_forward(lm.model, precision, kernels, fused=fused, invariant=invariant)
         # the 16-bit linears of the shared mapping are not read from now on (the embedding is, also
         # where the LM head is tied to it): their pages leave this process's resident memory
         embed = lm.model.get_input_embeddings().weight.data_ptr()
@@ -64,23 +73,13 @@ class CpuRunner(PagedRunner):
                     if isinstance(m, torch.nn.Linear) and m.weight.data_ptr() != embed])
         return lean
 
-    def make_batch_invariant(self) -> dict[str, int]:
-        if self.lean is None:
-            return super().make_batch_invariant()
-        if self.backend.name != CPU_KERNELS:
-            raise ValueError("deterministic: true needs the C++ attention kernels, which could not be built here "
-                             "(the log says why at the first load)")
-        rows = self.lean.make_batch_invariant(self.model)
-        self.batch_invariant = True
-        return rows
-
     def min_long_chunk(self) -> int:
         """The tokens whose query rows fill one pass of the C++ prefill kernel over the context (16
         rows of one KV head in bfloat16, 8 in float32): a chunk of fewer costs as much."""
         if self.backend.prefill is None:
             return 1
         heads, kv_heads = self.model.config.get_text_config().num_attention_heads, kv_dims(self.lm)[0]
-        return max(1, cpu_kernels.PREFILL_LANES[self.platform.precision.compute] // max(1, heads // kv_heads))
+        return max(1, extension.PREFILL_LANES[self.platform.precision.compute] // max(1, heads // kv_heads))
 
     def compile_refusal(self) -> str | None:
         # the lean forward is one fused pass per layer on packed weights: eager, it runs about twice
@@ -98,7 +97,7 @@ class CpuRunner(PagedRunner):
 
     def measured_attention_span(self) -> int | None:
         """attention_span measured on this machine on the attention path and linears that serve
-        (workers.engine.calibrate); None where it cannot be measured."""
+        (workers.engine.cpu.calibrate); None where it cannot be measured."""
         cfg = self.model.config.get_text_config()
         kvh, dk, _ = kv_dims(self.lm)
         layers = num_layers(self.lm)
@@ -117,3 +116,6 @@ class CpuRunner(PagedRunner):
         return calibrate.remembered(key, lambda: calibrate.attention_span(
             self.holder, self.backend, linears, layers, cfg.num_attention_heads, kvh, dk, self.block_size,
             self.cache.keys.dtype, self.lm.device))
+
+
+DeviceRunner = CpuRunner  # the room's runner (workers.engine.runners.ROOMS)

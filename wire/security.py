@@ -1,6 +1,6 @@
 """CurveZMQ for connections off loopback: key generation, the router's side, the peers' side.
 
-A keys directory, as `python -m routing.security DIR` writes it:
+A keys directory, as `python -m wire.security DIR` writes it:
 
     DIR/server.key, DIR/server.key_secret      the router's keypair (give server.key to peers)
     DIR/clients/NAME.key, NAME.key_secret      one keypair per client or worker (give each its own)
@@ -48,14 +48,14 @@ def check_bind(address: str, curve_keys: str | None, insecure: bool) -> None:
     if is_loopback(address) or curve_keys or insecure:
         return
     raise SecurityError(f"binding {address} would accept connections from other machines: give a CurveZMQ keys "
-                        "directory (--curve_keys DIR, made by `python -m routing.security DIR`) or pass --insecure "
+                        "directory (--curve_keys DIR, made by `python -m wire.security DIR`) or pass --insecure "
                         "explicitly")
 
 
 def _keys(dir_: str | Path) -> Path:
     d = Path(dir_)
     if not (d / "server.key_secret").exists():
-        raise SecurityError(f"{d}: no server.key_secret; make a keys directory with `python -m routing.security {d}`")
+        raise SecurityError(f"{d}: no server.key_secret; make a keys directory with `python -m wire.security {d}`")
     return d
 
 
@@ -111,7 +111,7 @@ def connect_curve(sock: zmq.Socket, keys: str | Path | ClientKeys, name: str) ->
     server_public, _ = zmq.auth.load_certificate(str(d / "server.key"))
     secret_file = d / "clients" / f"{name}.key_secret"
     if not secret_file.exists():
-        raise SecurityError(f"{secret_file} does not exist: make it with `python -m routing.security {d} --client "
+        raise SecurityError(f"{secret_file} does not exist: make it with `python -m wire.security {d} --client "
                             f"{name}` (and keep its public key in authorized_clients)")
     public, secret = zmq.auth.load_certificate(str(secret_file))
     sock.curve_serverkey = server_public

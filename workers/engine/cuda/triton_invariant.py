@@ -6,7 +6,7 @@ cuBLAS picks its tiles and split-K reductions by the matrix sizes, and torch's r
 their layout by the number of rows, so a row's bits change with the batch. Here one tile shape is
 fixed for every call: a program computes a [16, 64] tile of the output, walking the inputs in
 blocks of 32 in order, in float32 at IEEE precision; the norm is one program a row over the whole
-row. The paged attention kernel (workers.engine.triton_kernels) already walks each row's own
+row. The paged attention kernel (workers.engine.cuda.triton_attention) already walks each row's own
 positions in block order, so it needs no second version.
 
 Set TRITON_INTERPRET before this module is imported (the tests run it on the CPU in Triton's

@@ -1,4 +1,4 @@
-"""Triton kernels of the paged ops (workers.engine.paged_ops): the KV write through a slot mapping,
+"""Triton kernels of the paged ops (workers.engine.cuda.ops): the KV write through a slot mapping,
 and paged attention with the query heads of one KV head packed together.
 
 `paged_attention` runs one program per (query row, KV head). It loads the row's G query heads of

@@ -1,5 +1,5 @@
 """Sampling as tensor operations of fixed shape, on the logits' device: what a captured decode graph
-runs (workers.engine.runners.cuda). Every row's settings are tensors, so one graph serves every
+runs (workers.engine.cuda.runner). Every row's settings are tensors, so one graph serves every
 mix of greedy and random rows, with no `.item()` or `.tolist()` inside.
 
 The tokens are workers.engine.sampler's, by the same rule: greedy rows take the first maximal

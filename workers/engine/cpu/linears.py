@@ -11,7 +11,7 @@ Two packings, chosen per model at load (workers.precision):
   goes in as float16 when every value converts exactly (7 mantissa bits fit in 10 over float16's
   range); one that does not is multiplied in float32 through oneDNN instead.
 
-- weight-only int8 or int4 blocks (workers.quantized, `quantization`): the C++ kernels
+- weight-only int8 or int4 blocks (workers.quant, `quantization`): the C++ kernels
   (kernels/qlinear.cpp) widen each block to float32 in registers and multiply the activations in
   float32, reading a third (int4) or a half (int8) of bfloat16's bytes. Where the kernels could not
   be built, the blocks' float32 values are multiplied as a dense weight (`linears`' way).
@@ -26,9 +26,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.engine.batch_invariant import in_tiles, invariant_any, invariant_rows
+from workers.engine.cpu.invariant import in_tiles, invariant_any, invariant_rows
+from workers.engine.lean_parts import fused_bias
 from workers.precision import FP16, ONEDNN, PLAIN
-from workers.quantized import INT4, INT8, QuantizedWeight, concat, quantize
+from workers.quant.fuse import quantized_weight
+from workers.quant.weight import QuantizedWeight
 
 # FBGEMM packs a float16 weight of a few thousand rows at ~50M values/s on one thread here, and
 # a taller one at ~12M/s (a 262,144-token LM head: 12 s; SmolLM2's: 2.5 s). Slices of PACK_ROWS
@@ -145,10 +147,8 @@ class Linear:
         if self.dense is not None:
             return self.kernels.dense_strips(x, self.dense, self.bias)
         if self.quant is not None:
-            q = self.quant
-            if q.kind == INT4:
-                return self.kernels.qlinear_int4(x, q.qs, q.scales, q.offsets, self.bias, self.strips)
-            return self.kernels.qlinear_int8(x, q.qs, q.scales, self.bias, self.strips)
+            q = self.quant  # its format's C++ kernel (workers.quant.formats)
+            return getattr(self.kernels, q.format.cpu_kernel)(x, q.qs, q.scales, q.offsets, self.bias, self.strips)
         if self.fp16 is not None:
             if len(self.fp16) == 1:
                 return torch.ops.quantized.linear_dynamic_fp16(x, self.fp16[0])
@@ -171,34 +171,6 @@ def fused(modules: list[torch.nn.Linear], kind: str | bool, compute: torch.dtype
     read and one call instead of several. Its weight is a new tensor of this process."""
     weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight
     return Linear(weight, fused_bias(modules), kind, len(modules) > 1, compute)
-
-
-def all_kept(modules: list[torch.nn.Linear], blocks: dict[int, QuantizedWeight]) -> bool:
-    """Every module has a GGUF file's own blocks in `blocks` (by id), all of one kind: they fuse as
-    they are."""
-    kept = [blocks.get(id(m)) for m in modules]
-    return all(k is not None for k in kept) and len({k.kind for k in kept}) == 1
-
-
-def quantized_weight(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, QuantizedWeight]) -> QuantizedWeight:
-    """The outputs of `modules` side by side as one weight of blocks: a GGUF file's own blocks
-    (`blocks`, by id(module)) where every module has them, of one kind; otherwise the modules'
-    weights quantized afresh to `kind`, or to int8 where a part's blocks are int8 (the wider of its
-    parts': a Q4_K file's q and k beside its Q6_K v)."""
-    kept = [blocks.get(id(m)) for m in modules]
-    if all_kept(modules, blocks):
-        return concat(kept) if len(kept) > 1 else kept[0]
-    wider = any(k is not None and k.kind == INT8 for k in kept)
-    return quantize(torch.cat([m.weight.detach() for m in modules]), INT8 if wider else kind)
-
-
-def fused_bias(modules: list[torch.nn.Linear]) -> torch.Tensor | None:
-    """The biases of `modules` side by side (zeros for a module without one), or None if none has one."""
-    biases = [m.bias for m in modules]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                      for m, b in zip(modules, biases)])
 
 
 def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, QuantizedWeight], compute: torch.dtype,

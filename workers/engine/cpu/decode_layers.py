@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.engine import attention
-from workers.engine.attention_backend import CPU_KERNELS
-from workers.engine.cpu_kernels import KERNEL_DTYPES
-from workers.quantized import INT4
+from workers.engine.cpu.backend import CPU_KERNELS
+from workers.engine.cpu.extension import KERNEL_DTYPES
 
 if TYPE_CHECKING:
-    from workers.engine.linears import Linear
+    from workers.engine.cpu.linears import Linear
 
-# KernelLinear's kinds (kernels/decode_layers.h)
-_INT4, _INT8, _DENSE = 0, 1, 2
+# KernelLinear's kind of a dense weight through the strips (kernels/decode_layers.h); a quantized
+# weight's is its format's (workers.quant.formats: QuantFormat.kernel_kind)
+_DENSE = 2
 
 
 def kernel_linear(lin: Linear, kernels):
@@ -41,9 +41,7 @@ def kernel_linear(lin: Linear, kernels):
     q = lin.quant
     if q is None:
         return None
-    if q.kind == INT4:
-        return kernels.KernelLinear(_INT4, q.qs, q.scales, q.offsets, lin.bias, lin.strips)
-    return kernels.KernelLinear(_INT8, q.qs, q.scales, None, lin.bias, lin.strips)
+    return kernels.KernelLinear(q.format.kernel_kind, q.qs, q.scales, q.offsets, lin.bias, lin.strips)
 
 
 class FusedDecode:

@@ -3,8 +3,8 @@
 Where its platform runs the lean forward (the Llama family, one cache group), the runner keeps
 persistent input buffers sized to its largest decode bucket (1, 2, 4, ... up to max_batch_size)
 and, for each bucket, the whole decode step (embedding, every layer with its KV write and paged
-attention, the final norm, the LM head and sampling: workers.engine.device_lean,
-workers.engine.device_sampler) captured once as a CUDA graph. A decode step is then one
+attention, the final norm, the LM head and sampling: workers.engine.cuda.lean,
+workers.engine.cuda.sampler) captured once as a CUDA graph. A decode step is then one
 host-to-device copy of every input (one pinned buffer), a replay, and one device-to-host copy of
 the sampled tokens. Rows past the batch are padding: token 0 at position 0, its KV written to a
 reserved dummy block past the pool's, attending nothing (length 0), sampled greedily and dropped.
@@ -20,7 +20,7 @@ eagerly (the latter replay the graph and sample on the host from its logits). Mo
 lean forward keep transformers' modules, compiled with piecewise CUDA graphs (PagedRunner).
 
 Off a GPU the same step function runs eagerly with the reference paged ops
-(workers.engine.paged_ops): tests/test_cuda_runner.py runs it on the CPU. Not yet run on a GPU
+(workers.engine.cuda.ops): tests/test_cuda_runner.py runs it on the CPU. Not yet run on a GPU
 (docs/operations.md).
 """
 
@@ -34,10 +34,11 @@ import numpy as np
 import torch
 
 from workers.engine import attention
+from workers.engine.attention_backend import TORCH
 from workers.engine.block_manager import NO_BLOCK
-from workers.engine.device_lean import DeviceLean, DeviceStep
-from workers.engine.device_sampler import SamplingRows, sample_tokens
-from workers.engine.paged_ops import PagedOps, batch_invariant, select_ops
+from workers.engine.cuda.lean import DeviceLean, DeviceStep
+from workers.engine.cuda.ops import PagedOps, select_ops
+from workers.engine.cuda.sampler import SamplingRows, sample_tokens
 from workers.engine.runners.base import Launched, chunk_tokens, kept_rows
 from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
@@ -137,22 +138,22 @@ class InFlight:
 
 class CudaRunner(PagedRunner):
     def __init__(self, lm: LoadedModel, platform: Platform, holder: attention.ContextHolder, layout: CacheLayout,
-                 backend: AttentionBackend, max_batch_size: int = 64, ops: PagedOps | None = None,
+                 backend: AttentionBackend | None = None, max_batch_size: int = 64, ops: PagedOps | None = None,
                  graphs: bool | None = None, overlap: bool | None = None):
-        """`ops`: the paged kernels (None: the device's, paged_ops.select_ops); `graphs`: capture
-        the decode steps (None: on a CUDA device); `overlap`: start a decode step before the last
-        one's tokens reach the host (None: where graphs run, since a replay returns at once)."""
-        lean = platform.lean and len(holder.windows) == 1
+        """`backend`: the attention of transformers' modules (None: the PyTorch paths); `ops`: the
+        paged kernels of the lean forward (None: what the CUDA room's chooser picks, ops.select_ops,
+        batch-invariant where the platform says `deterministic`); `graphs`: capture the decode steps
+        (None: on a CUDA device); `overlap`: start a decode step before the last one's tokens reach
+        the host (None: where graphs run and tokens are sampled on the device)."""
+        lean = platform.lean  # the platform runs it only where one cache group serves every layer
         # the dummy block that padded rows write to lies past the pool the scheduler counts
-        super().__init__(lm, platform, holder, layout, backend, max_batch_size, extra_blocks=1 if lean else 0)
-        self.ops = ops or select_ops(lm.device)
+        super().__init__(lm, platform, holder, layout, backend or TORCH, max_batch_size,
+                         extra_blocks=1 if lean else 0)
+        self.ops = ops or select_ops(lm.device, platform.deterministic)
         self.device_lean: DeviceLean | None = None
         self.overlap = False
         prec = platform.precision
         if not lean:
-            if prec.quantized:
-                raise ValueError(f"quantization {prec.quantization!r} runs on the GPU's lean forward, which does not "
-                                 "take a model whose layers keep caches of several windows: set quantization: none")
             return
         self.dummy = layout.num_blocks
         self.width = -(-lm.max_model_len // layout.block_size)
@@ -163,7 +164,8 @@ class CudaRunner(PagedRunner):
         self.buckets = decode_buckets(max_batch_size)
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, lm.vocab_size, lm.dtype, lm.device)
         self.graphs_on = lm.device.type == "cuda" if graphs is None else graphs
-        self.overlap = self.graphs_on if overlap is None else overlap
+        # `deterministic` samples on the host row by row: a step started ahead takes the device sampler's tokens
+        self.overlap = (self.graphs_on if overlap is None else overlap) and not platform.deterministic
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         # decode steps; their time filling the inputs (the host), launching them, and waiting for
@@ -173,18 +175,6 @@ class CudaRunner(PagedRunner):
 
     def compile_refusal(self) -> str | None:
         return GRAPHS_NOT_COMPILED if self.device_lean is not None else None
-
-    def make_batch_invariant(self) -> dict[str, int]:
-        """`deterministic` on the device's lean forward: its kernels in their batch-invariant form
-        (paged_ops.batch_invariant), and every token sampled by the host sampler row by row (the
-        device sampler's softmax reduces as the batch's shape decides)."""
-        if self.device_lean is None:
-            return super().make_batch_invariant()
-        self.ops = batch_invariant(self.ops)
-        self.device_lean.make_batch_invariant(self.ops)
-        self.batch_invariant = True
-        self.overlap = False  # a step started ahead takes the device sampler's tokens
-        return {self.ops.name: 0}
 
     def bucket(self, n: int) -> int | None:
         """The smallest decode bucket that holds n rows (None: more than the largest)."""
@@ -376,3 +366,6 @@ class CudaRunner(PagedRunner):
         step = DeviceStep(tensor(ids), tensor(pos), tensor([tables[r][p // bs] * bs + p % bs for r, p in zip(rows, pos)]),
                           tensor(rows), tensor([p + 1 for p in pos]), table.to(dev))
         return self.device_lean.forward(step, (self.cache.keys, self.cache.values), tensor(keep))
+
+
+DeviceRunner = CudaRunner  # the room's runner (workers.engine.runners.ROOMS)

@@ -1,5 +1,5 @@
 """Paged attention and the KV write as tensor ops whose shapes never depend on the step's layout,
-for the CUDA runner's captured decode graph (workers.engine.runners.cuda) and its eager steps.
+for the CUDA runner's captured decode graph (workers.engine.cuda.runner) and its eager steps.
 
 Every argument is a tensor of a fixed shape: the step's layout is data (block tables, lengths,
 slots), never Python lists or branches, so one graph serves every step of a bucket.
@@ -11,14 +11,14 @@ slots), never Python lists or branches, so one graph serves every step of a buck
   position + 1 as `len`). A row of length 0 (a padded row) gives zeros.
 
 Two implementations, chosen once into a PagedOps object: the Triton kernels
-(workers.engine.triton_kernels: the query heads of a KV head packed together, float32
+(workers.engine.cuda.triton_attention: the query heads of a KV head packed together, float32
 accumulation, an online softmax over the row's blocks), and the PyTorch reference below, which
 the kernels are tested against (on the CPU under TRITON_INTERPRET=1) and which serves where Triton
 is not installed. Both are registered as torch custom ops (`mmfusion::paged_attention`,
 `mmfusion::kv_write`) that run the kernels on CUDA tensors and the reference elsewhere.
 
 The same object carries the device lean forward's weight-only quantized linear (`qlinear`): the
-Triton kernel of workers.engine.triton_qlinear, or `reference_qlinear` (the blocks' values
+Triton kernel of workers.engine.cuda.triton_qlinear, or `reference_qlinear` (the blocks' values
 widened to float32, then one matmul).
 """
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from workers.quantized import QuantizedWeight
+from workers.quant.weight import QuantizedWeight
 
 
 def reference_kv_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -126,7 +126,7 @@ def batch_invariant(ops: PagedOps) -> PagedOps:
     if ops.invariant:
         return ops
     if ops.name == "triton":
-        from workers.engine import triton_invariant, triton_qlinear
+        from workers.engine.cuda import triton_invariant, triton_qlinear
 
         return replace(ops, name="triton-invariant", qlinear=triton_qlinear.qlinear_invariant,
                        linear=triton_invariant.linear, rms_norm=triton_invariant.rms_norm, invariant=True)
@@ -143,14 +143,16 @@ def have_triton() -> bool:
 @functools.cache
 def triton_ops() -> PagedOps:
     """The Triton kernels (imported here, once: TRITON_INTERPRET is read when they are defined)."""
-    from workers.engine import triton_kernels, triton_qlinear
+    from workers.engine.cuda import triton_attention, triton_qlinear
 
-    return PagedOps("triton", triton_kernels.kv_write, triton_kernels.paged_attention, triton_qlinear.qlinear)
+    return PagedOps("triton", triton_attention.kv_write, triton_attention.paged_attention, triton_qlinear.qlinear)
 
 
-def select_ops(device: torch.device) -> PagedOps:
-    """The kernels on a CUDA device where Triton is installed; the reference elsewhere."""
-    return triton_ops() if device.type == "cuda" and have_triton() else REFERENCE
+def select_ops(device: torch.device, invariant: bool = False) -> PagedOps:
+    """The CUDA room's kernel chooser: the Triton kernels on a CUDA device where Triton is installed,
+    the reference elsewhere; `invariant` (`deterministic`): their batch-invariant set."""
+    ops = triton_ops() if device.type == "cuda" and have_triton() else REFERENCE
+    return batch_invariant(ops) if invariant else ops
 
 
 @torch.library.custom_op("mmfusion::kv_write", mutates_args=("key_cache", "value_cache"))

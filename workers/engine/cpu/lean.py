@@ -5,7 +5,7 @@ A decode step of a small model is mostly not its matmuls: transformers' modules 
 sixty tensor operations per layer (norms in five steps, rotary embeddings for q and k apart,
 three projections where one would do), and at a few rows each operation costs its dispatch.
 Here a layer is one fused q/k/v projection, one fused gate/up projection (both prepacked for
-oneDNN on CPU, workers.engine.linears), the rotary embedding of q and k together, the paged
+oneDNN on CPU, workers.engine.cpu.linears), the rotary embedding of q and k together, the paged
 attention op, and fused norms: about twenty operations.
 
 Gemma 3 adds a norm after attention and after the MLP, q and k norms, GELU (tanh) for SiLU, a
@@ -27,63 +27,25 @@ import torch.nn.functional as F
 
 from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
-from workers.engine.decode_layers import FusedDecode
-from workers.engine.linears import Linear, all_kept, fused, quantized
+from workers.engine.cpu.decode_layers import FusedDecode
+from workers.engine.cpu.linears import Linear, fused, quantized
+from workers.engine.lean_parts import AttentionShape, rotation
+from workers.lean_rules import layer_windows
 from workers.precision import Precision
-from workers.quantized import INT4, INT8, QuantizedWeight
+from workers.quant.fuse import all_kept, linear_kind
+from workers.quant.weight import QuantizedWeight
 
 
 def lean_forward(model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None,
-                 fused: dict[str, QuantizedWeight] | None = None) -> LeanLlama:
+                 fused: dict[str, QuantizedWeight] | None = None, invariant: bool = False) -> LeanLlama:
     """The lean forward of this model's family, its linears packed (or quantized) as `precision` says
     and computing in its compute dtype (the platform decided that it applies: workers.platform);
-    `norms`: the C++ kernels' module (workers.engine.cpu_kernels), or None for torch's norms;
+    `norms`: the C++ kernels' module (workers.engine.cpu.extension), or None for torch's norms;
     `blocks`: a GGUF file's own quantized blocks by module name (workers.weights.gguf_blocks);
-    `fused`: its quantized linears as built before (LeanLlama.quantized_weights), by their keys."""
+    `fused`: its quantized linears as built before (LeanLlama.quantized_weights), by their keys;
+    `invariant`: `deterministic`'s batch-invariant linears (LeanLlama's docstring)."""
     family = LeanGemma3 if type(model).__name__ in FLOAT32_LEAN else LeanLlama
-    return family(model, precision, norms=norms, blocks=blocks, fused=fused)
-
-
-def linear_kind(precision: Precision, names: list[str], kept: bool, head: bool = False) -> str | None:
-    """The weight-only kind (INT4, INT8) of the linear fusing the modules `names`, or None where it
-    runs as loaded. `kept`: each has a GGUF file's own blocks, of one kind; `head`: the LM head.
-    - `quantization: auto` quantizes only what the file holds as kept blocks: the file's own values.
-    - The LM head stays 8-bit even for int4, as llama.cpp's 4-bit mixes keep it: in 4 bits it alone
-      raised SmolLM2's perplexity by 8% (tests/test_quantized.py).
-    - Quantized afresh to int4, the attention's values (so the fused q/k/v) and the MLP's down
-      projection take int8, as llama.cpp's Q4_K_M mix gives them more bits: in int4 throughout,
-      Gemma 3 270M's perplexity rose 11%, with these in int8 3.4%. A GGUF file's own blocks stay as
-      they are (linears.quantized_weight keeps them whatever the kind)."""
-    if not precision.quantized or (precision.file_classes and not kept):
-        return None
-    more_bits = any(name.endswith(("v_proj", "down_proj")) for name in names)
-    return INT8 if head or (precision.quantization == INT4 and more_bits) else precision.quantization
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionShape:
-    """The Llama family's attention as its config and first layer give it."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scaling: float
-    eps: float  # the RMS norms'
-
-    @classmethod
-    def of(cls, model) -> AttentionShape:
-        cfg = model.config.get_text_config()
-        first = model.model.layers[0].self_attn
-        heads = cfg.num_attention_heads
-        return cls(heads, getattr(cfg, "num_key_value_heads", None) or heads, first.head_dim, first.scaling,
-                   cfg.rms_norm_eps)
-
-
-def rotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of rows [N, head_dim] as the rotation takes them: rotate_half(x) * sin ==
-    roll(x, half) * [-sin_low, sin_high], one roll and no cat of halves."""
-    half = cos.shape[-1] // 2
-    return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+    return family(model, precision, norms=norms, blocks=blocks, fused=fused, invariant=invariant)
 
 
 @dataclass(slots=True)
@@ -98,10 +60,13 @@ class _Layer:
 
 
 class LeanLlama:
-    """forward(ids, positions, keep, kv, ctx) -> logits of the kept rows, over the paged cache."""
+    """forward(ids, positions, keep, kv, ctx) -> logits of the kept rows, over the paged cache.
+
+    `invariant` (`deterministic`): every linear multiplies each row the same way whatever rows come
+    with it (Linear.make_invariant, checked on this machine once per path and shape), from the start."""
 
     def __init__(self, model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None,
-                 fused: dict[str, QuantizedWeight] | None = None):
+                 fused: dict[str, QuantizedWeight] | None = None, invariant: bool = False):
         cfg = model.config.get_text_config()
         self.compute = precision.compute
         self.precision = precision
@@ -122,11 +87,13 @@ class LeanLlama:
         self.rotary = inner.rotary_emb
         self.final_norm = self._norm_weight(inner.norm)
         self.lm_head = self._linear([model.lm_head], head=True)
-        windows = attention.layer_windows(model, [layer.self_attn for layer in inner.layers])
+        windows = layer_windows(model, [layer.self_attn for layer in inner.layers])
         self.layers = [self._layer(layer, windows[i]) for i, layer in enumerate(inner.layers)]
         # a GGUF file's blocks of q, k, v, gate and up are now in their fused linears: held on here,
         # they would keep those linears' bytes twice
         self._blocks = {}
+        # `deterministic`: the rows each linear path (as packed) multiplies a call (0: any number)
+        self.invariant_rows: dict[str, int] = self._invariant_linears(model) if invariant else {}
         self.decode_layers = self._fused_decode()
 
     def _fused_decode(self) -> FusedDecode:
@@ -172,11 +139,10 @@ class LeanLlama:
         """Memory this process holds of its own for the fused and packed weights."""
         return sum(x.own_bytes for x in self.linears())
 
-    def make_batch_invariant(self, model) -> dict[str, int]:
-        """Every linear multiplies each row the same way whatever rows come with it, from now on
-        (`deterministic`: Linear.make_invariant, checked on this machine once per path and shape).
-        `model`: the model it was built from, whose weights the dense linears' strips read.
-        Returns the rows a call by path (0: any number, through the C++ kernels' strips)."""
+    def _invariant_linears(self, model) -> dict[str, int]:
+        """`deterministic`'s linears, as they are made: `model` is the one the lean forward is built
+        from, whose weights the dense linears' strips read. Returns the rows a call by the path each
+        linear was packed for (0: any number, through the C++ kernels' strips)."""
         modules = dict(model.named_modules())
         checked: dict[tuple, int] = {}
         for key, lin in self._keyed.items():
@@ -184,7 +150,6 @@ class LeanLlama:
             weight = torch.cat([w.detach() for w in parts]) if len(parts) > 1 else parts[0] if parts else None
             sig = (lin.path, lin.shape)
             checked[sig] = lin.make_invariant(self.compute, checked.get(sig), self.norms, weight, own=len(parts) > 1)
-        self.decode_layers = self._fused_decode()  # the linears it holds changed
         return {path: max(r for (p, _), r in checked.items() if p == path) for path, _ in checked}
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -275,10 +240,10 @@ class LeanGemma3(LeanLlama):
     """Gemma 3 (text) on LeanLlama's pass, computing in float32 (see the module's docstring)."""
 
     def __init__(self, model, precision: Precision, norms=None, blocks: dict[str, QuantizedWeight] | None = None,
-                 fused: dict[str, QuantizedWeight] | None = None):
+                 fused: dict[str, QuantizedWeight] | None = None, invariant: bool = False):
         cfg = model.config.get_text_config()
         self.layer_types = list(cfg.layer_types)
-        super().__init__(model, precision, norms, blocks, fused)
+        super().__init__(model, precision, norms, blocks, fused, invariant)
         # transformers multiplies by the buffer in the weights' dtype; widened, the same value
         self.embed_scale = model.model.embed_tokens.embed_scale.to(self.compute)
         self.softcap = cfg.final_logit_softcapping

@@ -1,5 +1,5 @@
 // One decode step through a Llama-family model's layers (decode_layers.h): the lean forward's
-// layer loop (workers/engine/lean.py) over the same kernels, without the interpreter between them.
+// layer loop (workers/engine/cpu/lean.py) over the same kernels, without the interpreter between them.
 #include "decode_layers.h"
 
 #include <ATen/ops/add.h>
@@ -22,7 +22,7 @@ KernelLinear::KernelLinear(int64_t kind, at::Tensor weight, c10::optional<at::Te
 at::Tensor KernelLinear::operator()(const at::Tensor& x) const {
   switch (kind) {
     case kInt4: return qlinear_int4(x, weight, *scales, *offsets, bias, strips);
-    case kInt8: return qlinear_int8(x, weight, *scales, bias, strips);
+    case kInt8: return qlinear_int8(x, weight, *scales, c10::nullopt, bias, strips);
     default: return dense_strips(x, weight, bias);
   }
 }

@@ -1,4 +1,4 @@
-// The module workers/engine/cpu_kernels.py builds from the kernels beside this file.
+// The module workers/engine/cpu/extension.py builds from the kernels beside this file.
 #include <torch/csrc/utils/pybind.h>
 
 #include "decode_layers.h"
@@ -19,7 +19,8 @@ torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor w
 torch::Tensor silu_mul(torch::Tensor gu);
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
                         c10::optional<at::Tensor> bias, bool strips);
-at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> bias, bool strips);
+at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
+                        c10::optional<at::Tensor> bias, bool strips);
 at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 bool dense_strips_built();
 
@@ -37,7 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
         pybind11::arg("strips") = false);
   m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math", pybind11::arg("x"),
-        pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("bias"), pybind11::arg("strips") = false);
+        pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
+        pybind11::arg("strips") = false);
   m.def("dense_strips", &dense_strips, "x @ W.T for a dense W through the strips: one order for any number of rows");
   pybind11::class_<KernelLinear>(m, "KernelLinear", "one linear of these kernels: kind 0 int4, 1 int8, 2 dense strips")
       .def(pybind11::init<int64_t, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,

@@ -2,25 +2,23 @@
 #pragma once
 #include <immintrin.h>
 
+#include "exp_math.h"
+
 namespace mmfusion {
 
-// e^x for x <= 0 (Cephes' expf: 2^n e^r with |r| <= ln2/2, relative error ~2e-7). Inputs below
-// -88, -inf and NaN give a tiny positive number: every caller masks the lanes that see nothing.
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+// e^x for x <= 0, 16 lanes (exp_math.h). Inputs below -88, -inf and NaN give a tiny positive
+// number: every caller masks the lanes that see nothing.
+struct Avx512Ops {
+  MMFUSION_FLOAT_OPS(__m512, _mm512)
+  using Mask = __mmask16;
+  static constexpr float kFloor = -88.f;
+  static V broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V keep(Mask live, V v) { return _mm512_maskz_mov_ps(live, v); }
+  static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V p, V n) { return _mm512_scalef_ps(p, n); }
+};
+
+inline __m512 exp_neg(__m512 x) { return exp_neg_with<Avx512Ops>(x); }
 
 #ifdef __AVX512BF16__
 // 16 bfloat16 values (their bits) to float32, exactly
