@@ -25,12 +25,11 @@ the router's I/O loop (routing/router.py) writes to its sockets and empties.
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from routing.inflight import BACK, FRONT, SUPER, Outbox, Pending, Requests, Send, timed
 from routing.lifecycle import Catalog, Lifecycle, ModelLifecycle, StaticLifecycle
 from routing.registry import ModelEntry, WorkerRegistry, WorkerState
 from routing.tenants import DEFAULT_TENANT, Tenant, TenantBook, request_tokens
@@ -38,8 +37,6 @@ from wire import protocol as P
 from workers.config_keys import DEFAULT_MAX_TOKENS
 from workers.spec import WorkerSpec
 
-FRONT, BACK = "front", "back"
-SUPER = "super"  # the supervisor (routing/lifecycle.py's start_worker and stop_worker)
 __all__ = ["BACK", "FRONT", "SUPER", "Catalog", "Dispatch", "ModelEntry", "Pending", "RouterConfig", "Send",
            "WorkerState"]
 
@@ -96,59 +93,6 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.idle_unload_s must be > 0 seconds or None, got {self.idle_unload_s!r}")
 
 
-@dataclass(slots=True)
-class Pending:
-    key: str
-    client: bytes
-    client_id: str
-    model_id: int
-    frame: bytes  # the client's request (seed fixed), forwarded to the worker as is
-    queued_at: float
-    candidates: list[int] = field(default_factory=list)  # model IDs that may serve it
-    worker: bytes | None = None
-    streamed: dict = field(default_factory=dict)  # sample index -> tokens the client already has
-    resends: int = 0
-    tenant: str = DEFAULT_TENANT
-    cost: int = 1  # the completion tokens it may be served (its tenant's reservation, its fair-queue cost)
-    weight: float = 1.0  # its tenant's
-    served: int = 0  # completion tokens its result reported
-    arrived: float = 0.0  # when the router took it (queued_at moves when it is sent again)
-    dispatched: float = 0.0  # when it was last sent to a worker
-    load_wait: float = 0.0  # of the time before that, what it spent waiting for its model to load
-    for_load: bool = False  # queued while its copy had no loaded worker
-
-
-@dataclass(slots=True)
-class Send:
-    side: str  # FRONT (a client), BACK (a worker) or SUPER (the supervisor: frames is [message])
-    frames: list[bytes]  # [peer identity, *message frames]
-    key: str | None = None  # the request a frontend data message belongs to
-
-
-class Outbox:
-    """What the dispatch sends, in order, until the router's I/O loop takes it."""
-
-    def __init__(self) -> None:
-        self.sends: list[Send] = []
-
-    def take(self) -> list[Send]:
-        out, self.sends = self.sends, []
-        return out
-
-    def client(self, client: bytes, msg: dict) -> None:
-        self.sends.append(Send(FRONT, [client, P.pack(msg)]))
-
-    def data(self, client: bytes, body: bytes, key: str) -> None:
-        """A worker's data message for a request, forwarded as is."""
-        self.sends.append(Send(FRONT, [client, body], key))
-
-    def worker(self, ident: bytes, *frames: bytes) -> None:
-        self.sends.append(Send(BACK, [ident, *frames]))
-
-    def supervisor(self, msg: dict) -> None:
-        self.sends.append(Send(SUPER, [P.pack(msg)]))
-
-
 class Dispatch:
     def __init__(self, models: list[ModelEntry], config: RouterConfig | None = None,
                  worker_specs: list[WorkerSpec] | None = None, log=None, catalog: Catalog | None = None):
@@ -162,14 +106,9 @@ class Dispatch:
         self.registry = WorkerRegistry(self.models, worker_specs or [], self.config.keep_dead)
         self.workers = self.registry.workers  # live workers only, by socket identity
         self.log = log or (lambda line: None)
-        self.epoch = uuid.uuid4().hex[:12]
         self.wall = time.time() - time.monotonic()  # the models reply gives last_use as a Unix time
         self.outbox = Outbox()
         self.take = self.outbox.take  # the router's I/O loop empties it after every input
-        self.pending: dict[str, Pending] = {}
-        self.client_keys: dict[tuple[bytes, str], str] = {}
-        self._keys = itertools.count()
-        self.resent = 0  # requests sent again after losing their worker
         self.undeliverable = 0  # messages the frontend could not deliver (slow or vanished client)
         self.stray = 0  # data from a worker the request was not given to, or from a dropped one (refused)
         self.no_worker = 0  # queued requests failed because no worker came for their model
@@ -177,6 +116,10 @@ class Dispatch:
         self.tenants = TenantBook(self.config.tenants)
         self.fair = self.tenants.configured  # workers hold at most a batch; the rest queue here
         self.now = 0.0  # the time of the input being handled (a request's quota settles at it)
+        # the requests held from arrival to answer (routing/inflight.py)
+        self.requests = Requests(self.models, self.registry, self.outbox, self.tenants, self.config.max_inflight,
+                                 self.fair)
+        self.pending, self.client_keys, self.epoch = self.requests.pending, self.requests.client_keys, self.requests.epoch
         # load and unload at run time: only with a supervisor to start and stop workers (its catalog)
         self.lifecycle: ModelLifecycle = (StaticLifecycle(self) if catalog is None
                                           else Lifecycle(catalog, self.config, self))
@@ -192,7 +135,7 @@ class Dispatch:
             elif mtype == P.CANCEL:
                 key = self.client_keys.get((client, msg.get("id"))) if isinstance(msg.get("id"), str) else None
                 if key is not None:
-                    self._cancel(key)
+                    self.requests.cancel(key, now)
             elif mtype == P.MODELS:
                 self.outbox.client(client, {"type": P.REPLY, "id": msg.get("id"), "data": self.models_info()})
             elif mtype == P.STATUS:
@@ -261,7 +204,7 @@ class Dispatch:
         model_id = min(candidates, key=self.registry.load)
         self.models[model_id].last_use = now
         self.lifecycle.touch(model_id, now)
-        key = f"{self.epoch}-{next(self._keys)}"
+        key = self.requests.new_key()
         if req.params.get("seed") is None and req.params.get("temperature") != 0:
             # fixed here, once: a resent or retried request then gives the same tokens anywhere
             msg["params"] = {**req.params, "seed": random.getrandbits(63)}
@@ -276,52 +219,12 @@ class Dispatch:
             p.for_load = not self.registry.has_loaded(model_id)
             q.append(p)
         else:
-            self._dispatch(p, worker)
-        return p
-
-    def _dispatch(self, p: Pending, w: WorkerState) -> None:
-        if p.for_load:  # it came while no worker of its copy had loaded: it waited for a load until one had
-            p.load_wait += max(0.0, min(self.models[p.model_id].ready_at, self.now) - p.queued_at)
-            p.for_load = False
-        p.dispatched = self.now
-        p.worker = w.ident
-        w.inflight.add(p.key)
-        self.outbox.worker(w.ident, P.header(P.REQUEST, p.key), p.frame)
-
-    def _drain_queue(self, model_id: int) -> None:
-        q = self.models[model_id].queue
-        while q:
-            w = self.registry.pick(model_id, self.config.max_inflight, self.fair)
-            if w is None:
-                return
-            self._dispatch(q.popleft(), w)
-
-    def _cancel(self, key: str) -> None:
-        p = self._finish(key)
-        if p is None:
-            return
-        if p.worker is not None and p.worker in self.workers:
-            self.outbox.worker(p.worker, P.pack({"type": P.CANCEL, "id": key}))
-        else:
-            q = self.models[p.model_id].queue
-            if p in q:
-                q.remove(p)
-
-    def _finish(self, key: str) -> Pending | None:
-        p = self.pending.pop(key, None)
-        if p is None:
-            return None
-        self.client_keys.pop((p.client, p.client_id), None)
-        self.tenants.settle(p.tenant, p.cost, p.served or sum(p.streamed.values()), self.now)
-        w = self.workers.get(p.worker) if p.worker else None
-        if w is not None:
-            w.inflight.discard(key)
-            self._drain_queue(w.model_id)
+            self.requests.dispatch(p, worker, now)
         return p
 
     def fail(self, p: Pending, code: str, message: str) -> None:
-        self._finish(p.key)
-        self.outbox.client(p.client, P.error(p.client_id, code, message))
+        """Answer a pending request with an error and forget it (the lifecycle's LifecycleHost.fail)."""
+        self.requests.fail(p, code, message, self.now)
 
     def undeliverable_send(self, send: Send, why: str, now: float) -> None:
         """The socket could not deliver `send` (full queue, peer gone): never lose it silently."""
@@ -335,7 +238,7 @@ class Dispatch:
         p = self.pending.get(send.key) if send.key else None
         if p is not None:
             self.log(f"router: cannot deliver to client of request {p.client_id!r} ({why}); cancelling it")
-            self._cancel(p.key)
+            self.requests.cancel(p.key, now)
         else:
             self.log(f"router: cannot deliver a reply to a client ({why})")
 
@@ -370,7 +273,7 @@ class Dispatch:
             if isinstance(msg.get("compile"), dict):
                 w.compile = dict(msg["compile"])
             self.lifecycle.loaded(w.model_id, now)
-            self._drain_queue(w.model_id)
+            self.requests.drain(w.model_id, now)
         elif mtype == P.LOAD_FAILED:
             # shown in status; the model's queue waits restart_wait for a worker that can load it
             w.load_error = str(msg.get("message"))[:2000]
@@ -406,19 +309,10 @@ class Dispatch:
         elif mtype == P.ERROR:
             w.errors += 1
         if mtype != P.CHUNK:
-            self._finish(key)
+            self.requests.finish(key, now)
         if mtype == P.RESULT:
-            body = self._timed(p, body, now)
+            body = timed(p, body, now)
         self.outbox.data(p.client, body, key)
-
-    def _timed(self, p: Pending, body: bytes, now: float) -> bytes:
-        """The result with the router's timing of it (wire/protocol.py)."""
-        queued = max(0.0, p.dispatched - p.arrived - p.load_wait)
-        try:
-            return P.with_field(body, "timing", {"queued_s": round(queued, 6), "load_s": round(p.load_wait, 6),
-                                                 "run_s": round(max(0.0, now - p.dispatched), 6)})
-        except P.ProtocolError:
-            return body  # not a map: the client refuses it as it would have
 
     def _drop(self, w: WorkerState, why: str, now: float) -> None:
         self.registry.remove(w, why, now)
@@ -432,7 +326,7 @@ class Dispatch:
             live = [mid for mid in p.candidates if self.registry.has_loaded(mid)]
             room = [mid for mid in live if len(self.models[mid].queue) < self.config.max_queue]
             if room and p.resends < self.config.max_redispatch:
-                self._resend(p, min(room, key=self.registry.load), now)
+                self.requests.resend(p, min(room, key=self.registry.load), now)
                 requeued.add(p.model_id)
                 continue
             more = ("; no other live worker serves it" if not live else
@@ -441,20 +335,8 @@ class Dispatch:
             self.fail(p, P.WORKER_LOST, lost + more)
         w.inflight.clear()
         for mid in requeued:
-            self._drain_queue(mid)
+            self.requests.drain(mid, now)
         self.lifecycle.exited(None, now)
-
-    def _resend(self, p: Pending, model_id: int, now: float) -> None:
-        p.resends += 1
-        self.resent += 1
-        p.model_id = model_id
-        p.queued_at = now
-        p.for_load = not self.registry.has_loaded(model_id)
-        if p.streamed:
-            msg = P.unpack(p.frame, {P.COMPLETE})
-            msg["resume"] = [[i, n] for i, n in sorted(p.streamed.items())]
-            p.frame = P.pack(msg)
-        self.models[model_id].queue.appendleft(p)  # ahead of new requests: it was admitted earlier
 
     def control(self, frame: bytes, now: float) -> None:
         """The local supervisor: worker_exited {pid, host, slot, restart}."""
@@ -528,7 +410,7 @@ class Dispatch:
             "workers": self.registry.status(),
             "queued": {str(m.model_id): len(m.queue) for m in self.models.values()},
             "pending": len(self.pending),
-            "resent": self.resent,
+            "resent": self.requests.resent,
             "undeliverable": self.undeliverable,
             "stray": self.stray,
             "no_worker": self.no_worker,

@@ -233,7 +233,7 @@ class Lifecycle:
         self.waiters = Waiters(self.outbox)
         self.deferred: list[int] = []  # loading copies waiting for room (model IDs, in order)
         self.guarded: set[int] = set()  # of those, the ones requests started (the thrash guard applies)
-        self.started: deque[float] = deque()  # when request-started loads were placed, over the last minute
+        self.guard = LoadGuard(config.min_resident_s, config.max_loads_per_minute)
         self.reload_s: dict[str, float] = {}  # a model's load seconds, measured (its copies' reload cost)
         self.placed_at: dict[int, float] = {}  # loading copies: when they were placed (their load began)
         self.blocked: dict[int, set[int]] = {}  # slot -> the leaving copies it starts after
@@ -245,7 +245,7 @@ class Lifecycle:
     def load(self, client: bytes, msg: dict, now: float) -> None:
         rid, name = msg.get("id"), msg.get("model")
         copies, pin = msg.get("copies", 1), msg.get("pin", False)
-        spec = self._known(name, rid)
+        spec = known_spec(self.catalog, name, rid)
         if not is_int(copies, 1):
             raise P.ProtocolError(f"copies must be an integer >= 1 (the copies wanted in all), got {copies!r}",
                                   request_id=rid)
@@ -272,7 +272,7 @@ class Lifecycle:
                 raise P.ProtocolError(f"model ID {model} is not loaded", P.UNKNOWN_MODEL, rid)
             name, ids = m.name, [model]
         else:
-            self._known(model, rid)
+            known_spec(self.catalog, model, rid)
             name, ids = model, sorted(self.by_name.get(model, []), reverse=True)
         if copies is not None and not is_int(copies, 1):
             raise P.ProtocolError(f"copies must be an integer >= 1 (how many to unload) or null (all), got {copies!r}",
@@ -308,26 +308,16 @@ class Lifecycle:
             r.use(now)
 
     # --- loading -----------------------------------------------------------------------------------
-    def _protect_s(self, guarded: bool) -> float:
-        return self.config.min_resident_s if guarded else 0.0
-
-    def _over_rate(self, p: Placement, guarded: bool, now: float) -> bool:
-        """A request-started load that would evict, with the minute's loads used up: it waits."""
-        cap = self.config.max_loads_per_minute
-        while self.started and self.started[0] <= now - 60.0:
-            self.started.popleft()
-        return guarded and cap is not None and bool(p.evict) and len(self.started) >= cap
-
     def _start(self, spec: ModelSpec, n: int, pin: bool, now: float, rid, guarded: bool = False) -> list[int]:
         if n <= 0:
             return []
         placer = self.catalog.placer
         sizes = [placer.size(spec, d) for d in placer.devices]
-        protect = self._protect_s(guarded)
+        protect = self.guard.protect_s(guarded)
         try:
             placements: list[Placement | None] = self.residency.choose_many(spec.name, sizes, n, self._busy,
                                                                             now=now, protect_s=protect)
-            if any(self._over_rate(p, guarded, now) for p in placements):
+            if any(self.guard.holds(p, guarded, now) for p in placements):
                 placements = [None] * n
                 self.stats.held += 1
         except NoMemory as exc:
@@ -366,10 +356,10 @@ class Lifecycle:
             guarded = m.model_id in self.guarded
             try:
                 p = self.residency.choose(m.name, [placer.size(m.spec, d) for d in placer.devices], self._busy,
-                                          now=now, protect_s=self._protect_s(guarded))
+                                          now=now, protect_s=self.guard.protect_s(guarded))
             except NoMemory:
                 return
-            if self._over_rate(p, guarded, now):
+            if self.guard.holds(p, guarded, now):
                 return
             self.deferred.pop(0)
             self.guarded.discard(m.model_id)
@@ -388,7 +378,7 @@ class Lifecycle:
         self.residency.copies[mid].reload_s = self.reload_s.get(spec.name, 0.0)
         self.placed_at[mid] = now
         if guarded:
-            self.started.append(now)
+            self.guard.placed(now)
         slot = self.registry.add_slot(wspec)
         for i in p.evict:
             if self.models[i].state != P.STATE_UNLOADING:
@@ -544,19 +534,46 @@ class Lifecycle:
                            "models": {str(mid): res.resident_bytes(mid) for mid in sorted(res.copies)}}}
 
     # --- helpers -----------------------------------------------------------------------------------
-    def _known(self, name, rid) -> ModelSpec:
-        spec = self.catalog.specs.get(name) if isinstance(name, str) else None
-        if spec is None:
-            raise P.ProtocolError(f"unknown model {name!r}; this deployment's variants: {sorted(self.catalog.specs)}",
-                                  P.UNKNOWN_MODEL, rid)
-        return spec
-
     def _busy(self, model_id: int) -> bool:
         m = self.models.get(model_id)
         return bool(m is not None and m.queue) or any(w.inflight for w in self.registry.of_model(model_id))
 
     def _answer(self) -> None:
         self.waiters.answer(self.models, self.info)
+
+
+class LoadGuard:
+    """Against thrash, for loads that requests start (an operator's load is never held back): a copy
+    that began serving less than `min_resident_s` ago is not evicted for one, and beyond
+    `max_loads_per_minute` such loads in the last minute one that would evict waits."""
+
+    def __init__(self, min_resident_s: float, max_loads_per_minute: int | None):
+        self.min_resident_s, self.max_loads_per_minute = min_resident_s, max_loads_per_minute
+        self.started: deque[float] = deque()  # when request-started loads were placed, over the last minute
+
+    def protect_s(self, guarded: bool) -> float:
+        """How long a copy that began serving is kept from eviction by this load."""
+        return self.min_resident_s if guarded else 0.0
+
+    def holds(self, p: Placement, guarded: bool, now: float) -> bool:
+        """A request-started load that would evict, with the minute's loads used up: it waits."""
+        cap = self.max_loads_per_minute
+        while self.started and self.started[0] <= now - 60.0:
+            self.started.popleft()
+        return guarded and cap is not None and bool(p.evict) and len(self.started) >= cap
+
+    def placed(self, now: float) -> None:
+        """A request-started load was placed now."""
+        self.started.append(now)
+
+
+def known_spec(catalog: Catalog, name, rid) -> ModelSpec:
+    """The variant `name` of the catalog; a ProtocolError names the deployment's variants."""
+    spec = catalog.specs.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise P.ProtocolError(f"unknown model {name!r}; this deployment's variants: {sorted(catalog.specs)}",
+                              P.UNKNOWN_MODEL, rid)
+    return spec
 
 
 def start_order(slot: int, spec: WorkerSpec, size: CopySize) -> dict:

@@ -155,7 +155,7 @@ def test_resends_count_against_max_queue():
     d.tick(2.6)  # w0 silent for 2.6 s > 4 x 0.5 s: dropped; its request can't be queued again
     errs = client_errors(sent(d))
     assert len(errs) == 1 and errs[0]["code"] == P.WORKER_LOST and "queue is full" in errs[0]["message"]
-    assert len(d.models[0].queue) == 2 and d.resent == 0
+    assert len(d.models[0].queue) == 2 and d.requests.resent == 0
 
 
 def test_dead_workers_are_pruned():
@@ -201,7 +201,7 @@ def test_re_registration_drops_the_old_state_and_resends_its_work():
     # the same identity says READY again: whatever it held is gone, and it is sent to the other copy
     d.worker(peer, P.pack({"type": P.READY, "capabilities": {"slot": 0 if peer == b"w0" else 2}}), 1.0)
     (peer2, key2, _), = worker_requests(sent(d))
-    assert key2 == key and peer2 != peer and d.resent == 1
+    assert key2 == key and peer2 != peer and d.requests.resent == 1
 
 
 @pytest.mark.parametrize("frame", [b"", b"\xc1", P.pack({"type": P.COMPLETE, "id": "x"}),
