@@ -195,7 +195,7 @@ class _Base:
         return f"{self._prefix}-{next(self._ids)}"
 
     @staticmethod
-    def _complete_msg(rid: str, model, prompt, stream: bool, params: dict, tenant: str | None) -> dict:
+    def _complete_msg(rid: str, model, prompt, stream: bool, params: dict, tenant: str | None = None) -> dict:
         """`params`: the request's parameters; `tenant`: whose request it is (routing/tenants.py)."""
         msg = {"type": P.COMPLETE, "id": rid, "model": model, "prompt": prompt, "params": params, "stream": stream}
         if tenant is not None:
@@ -248,7 +248,7 @@ class Client(_Base):
             if self._answers(msg, rid):
                 return _check(msg)["data"]
 
-    def _run(self, model, prompt, stream: bool, params: dict, tenant: str | None):
+    def _run(self, model, prompt, stream: bool, params: dict, tenant: str | None = None):
         rid = self._new_id()
         self._forget_stale_events()
         self.sock.send(_frame(self._complete_msg(rid, model, prompt, stream, params, tenant)))
