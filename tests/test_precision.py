@@ -149,6 +149,7 @@ def test_the_switch_builds_and_decides_as_an_avx2_cpu():
 
 
 @pytest.mark.slow
+@pytest.mark.avx2
 @FP16_GEMM
 def test_smollm2_in_bfloat16_without_bf16_arithmetic_equals_transformers_on_its_weights(smollm2_fp32):
     """`dtype: bfloat16` on a CPU whose oneDNN has no bf16 path (AVX2): SmolLM2 loads, keeps its
