@@ -277,7 +277,7 @@ def _deterministic_cases(lm, device: str = "cpu", quantization: str = "none") ->
 
 @pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("float32", "int4")])
 def test_deterministic_gives_an_answer_the_same_bits_whatever_runs_beside_it(dtype, quantization):
-    """`deterministic` on the device's lean forward (paged_ops.batch_invariant: here the reference
+    """`deterministic` on the device's lean forward (workers.engine.cuda.ops.batch_invariant: here the reference
     ops a row at a time; the Triton kernels' invariance is tests/test_triton_kernels.py's), tokens
     sampled by the host row by row: the same tokens and log-probabilities bit for bit."""
     lm = tiny("llama", dtype=dtype)

@@ -91,7 +91,7 @@ def engine_with_pool(lm, blocks: int, block_size: int = 4, **kw):
 def dequantized_reference(model, kind: str):
     """A copy of `model` whose linears hold the values the engine's `quantization: kind` computes
     with, quantized afresh (the LM head int8; int4 gives q/k/v, fused with v, and down int8:
-    workers.engine.cpu.lean.linear_kind)."""
+    workers.quant.fuse.linear_kind)."""
     import copy
 
     from workers.quant.weight import INT4, INT8, quantize

@@ -8,7 +8,7 @@ attention does. It is compiled at first use with torch's extension builder into 
 and the CPU capability; tens of seconds, once), for the level workers.capability decides:
 `-march=native` at the CPU's own level, an ISA target such as x86-64-v3 (AVX2, FMA, F16C) under
 MMFUSION_CPU_ISA, and an engine on CPU hands it to its model's attention
-(attention_backend.cpu_backend). Where it cannot be built (no compiler) or does not apply
+(workers.engine.cpu.backend). Where it cannot be built (no compiler) or does not apply
 (float64, softcapped scores), attention.decode_attention serves.
 """
 

@@ -75,7 +75,7 @@ class LeanLlama:
         self._blocks = {id(modules[name]): qw for name, qw in (blocks or {}).items() if name in modules}
         self._fused = fused or {}
         self._keyed: dict[str, Linear] = {}  # every linear by its modules' names
-        self.norms = norms  # the C++ norms (cpu_kernels), or None for F.rms_norm
+        self.norms = norms  # the C++ norms (workers.engine.cpu.extension), or None for F.rms_norm
         inner = model.model
         shape = AttentionShape.of(model)
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim

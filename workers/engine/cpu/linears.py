@@ -113,8 +113,8 @@ class Linear:
         The C++ kernels' strips sum each row in one order for any number of rows: the quantized
         kernels' own, and for a dense linear `kernels.dense_strips` over `weight` (its [out, in]
         values; `own`: a tensor of this process, not a view of the model's), which then replaces
-        the packed copy. They serve where batch_invariant.invariant_any finds them so here;
-        otherwise fixed tiles of rows (batch_invariant.invariant_rows). `compute`: the activations'
+        the packed copy. They serve where invariant.invariant_any finds them so here;
+        otherwise fixed tiles of rows (invariant.invariant_rows). `compute`: the activations'
         dtype; `like`: what this returned for a linear of the same path and shape, taken without
         checking again. Returns the rows a call (0: any number)."""
         if self.quant is not None and not like:

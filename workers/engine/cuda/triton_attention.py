@@ -43,7 +43,7 @@ def _kv_write_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slots_p
 
 def kv_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """paged_ops.reference_kv_write's contract."""
+    """ops.reference_kv_write's contract."""
     n, kvh, d = key.shape
     if n == 0:
         return
@@ -107,7 +107,7 @@ def _paged_attention_kernel(q_ptr, key_cache_ptr, value_cache_ptr, tables_ptr, r
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, scale: float,
                     window: int) -> torch.Tensor:
-    """paged_ops.reference_attention's contract."""
+    """ops.reference_attention's contract."""
     t, heads, d = query.shape
     kvh, bs, dv = key_cache.shape[1], key_cache.shape[2], value_cache.shape[-1]
     out = torch.empty(t, heads, dv, dtype=query.dtype, device=query.device)

@@ -71,7 +71,7 @@ def qlinear_invariant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tens
 
 def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
             block_m: int | None = None) -> torch.Tensor:
-    """paged_ops.reference_qlinear's contract: x [M, K] -> [M, N] in x's dtype. `block_m`: the
+    """ops.reference_qlinear's contract: x [M, K] -> [M, N] in x's dtype. `block_m`: the
     rows a tile (None: by the number of rows)."""
     m, k = x.shape
     n = weight.out_features
