@@ -10,8 +10,12 @@
                  graphs); the engine's decode graphs' capture time, and a decode step's host share
                  (filling the inputs) against its device share (the copy in, the replay, the tokens out);
   quantized:     one stream and the workload with `quantization` none, int8 and int4 (the weight-only
-                 Triton linears of workers.engine.cuda.triton_qlinear), eager;
+                 Triton linears of workers.engine.cuda.triton_qlinear), eager; quantized_stream:
+                 one stream only;
   deterministic: the same with `deterministic` off and on (the batch-invariant Triton kernels);
+  census:        the CUDA kernels a decode step launches (torch.profiler over the decode graphs'
+                 replays), by name, a step and a layer, and the device time a step by group
+                 (attention, GEMM, norm, KV and rotary, elementwise, sampling): one stream and 64;
   deployment:    `run_mm.py --mode serve` with the HTTP gateway, --copies copies of the model in bf16
                  on one GPU sharing one weight owner: the plan (`validate_only`), the workload as
                  concurrent streaming HTTP requests (tokens/s), each copy's greedy answer to one
@@ -21,7 +25,9 @@
 
 --random-weights builds a model of the source's shape with random weights (they run at the speed
 of the real ones), for a machine where the model's files are not at hand; parity then compares
-the engine with transformers on those weights.
+the engine with transformers on those weights. Its shapes: SmolLM2-135M's (`--model smollm2-135m`)
+and Llama 3.2 1B's (`--model llama-3.2-1b`: 16 layers, 2048 wide, 32/8 heads, 8192 intermediate,
+a vocabulary of 128,256, tied).
 """
 
 from __future__ import annotations
@@ -55,7 +61,19 @@ from workers.models import load_model  # noqa: E402
 SHAPES = {"smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
                                max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                               rope_parameters={"rope_type": "default", "rope_theta": 100000.0})}
+                               rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+          # Llama 3.2 1B (its rope scaling left out: the same work a token)
+          "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                               max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                               rope_parameters={"rope_type": "default", "rope_theta": 500000.0})}
+# the kernel census's groups: a kernel's group is the first whose words its name holds
+KERNEL_GROUPS = (("attention", ("attention", "_segment_kernel", "_merge_kernel", "flash", "fmha")),
+                 ("sampling", ("argmax", "sort", "scan", "cumsum", "topk", "softmax", "multinomial")),
+                 ("norm", ("norm",)),
+                 ("kv_rotary", ("rope", "kv_write", "roll")),
+                 ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "sm80", "matmul", "_linear_kernel",
+                           "qlinear", "splitk", "xmma", "ampere", "cublas")))
 
 
 def random_weights(name: str, dest: Path) -> str:
@@ -154,9 +172,12 @@ def speed(args) -> None:
              hf_static32_tokens_per_s=round(useful / hf, 1),
              eager_vs_hf_static32=round(hf / rows["false"], 2), compiled_vs_hf_static32=round(hf / rows["true"], 2),
              repeats=args.repeats, **common)
-    if "quantized" in args.parts:  # the weight-only Triton linears against the 16-bit weights
-        emit(part="quantized", **settings_rows(lm, prompts, max_tokens, args,
-                                               {q: {"quantization": q} for q in ("none", "int8", "int4")}), **common)
+    quantizations = {q: {"quantization": q} for q in ("none", "int8", "int4")}
+    if "quantized" in args.parts:  # the weight-only linears against the 16-bit weights
+        emit(part="quantized", **settings_rows(lm, prompts, max_tokens, args, quantizations), **common)
+    if "quantized_stream" in args.parts:  # the same, one stream only (a bigger shape's quick look)
+        emit(part="quantized_stream", **settings_rows(lm, prompts, max_tokens, args, quantizations, workload=False),
+             **common)
     if "deterministic" in args.parts:  # the batch-invariant kernels' cost
         emit(part="deterministic", **settings_rows(lm, prompts, max_tokens, args,
                                                    {"off": {"deterministic": False}, "on": {"deterministic": True}}),
@@ -189,17 +210,19 @@ def speed(args) -> None:
              model=args.model, dtype="bfloat16", device=device_name(args.device))
 
 
-def settings_rows(lm, prompts, max_tokens, args, settings: dict[str, dict]) -> dict:
-    """One stream's ms/token and the workload's tokens/s under each of `settings` (engine
-    config keys by label), eager, best of the repeats."""
+def settings_rows(lm, prompts, max_tokens, args, settings: dict[str, dict], workload: bool = True) -> dict:
+    """One stream's ms/token and (`workload`) the workload's tokens/s under each of `settings`
+    (engine config keys by label), eager, best of the repeats."""
     prompt, new, useful = single_prompt(lm.vocab_size), 128, sum(max_tokens)
     row: dict = {"repeats": args.repeats}
     for label, cfg in settings.items():
         one = min(timed_engine(lm, [prompt], [new], "false", args.device, batch=1, tokens=128, **cfg)
                   for _ in range(args.repeats))
-        many = min(timed_engine(lm, prompts, max_tokens, "false", args.device, **cfg) for _ in range(args.repeats))
         row[f"{label}_single_stream_ms_per_token"] = round(one / new * 1e3, 2)
-        row[f"{label}_workload_tokens_per_s"] = round(useful / many, 1)
+        if workload:
+            many = min(timed_engine(lm, prompts, max_tokens, "false", args.device, **cfg)
+                       for _ in range(args.repeats))
+            row[f"{label}_workload_tokens_per_s"] = round(useful / many, 1)
     return row
 
 
@@ -233,6 +256,51 @@ def decode_split(lm, prompt: list[int], new: int) -> dict:
                 f"{tag}_wait_ms": round(runner.wait_seconds / steps * 1e3, 3)}
     out["steps_ahead"] = eng.steps_ahead
     return out
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    return next((group for group, words in KERNEL_GROUPS if any(w in low for w in words)), "elementwise")
+
+
+def census(args) -> None:
+    """The CUDA kernels a decode step launches (torch.profiler over the replays of the decode
+    graphs), by name, and the device time a step by group: one stream, and 64 streams."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lm = load_model(args.model, dtype="bfloat16", device=args.device)
+    layers = lm.model.config.num_hidden_layers
+    eng = Engine(lm, EngineConfig(max_batch_size=64, max_batch_tokens=512))
+    if not getattr(eng.runner, "graphs", None):
+        emit(part="census", decode_graphs=False, model=args.model)
+        return
+    for rows in (1, 64):
+        prompts = workload(rows, lm.vocab_size, seed=5)[0]
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        eng.generate(prompts, params)  # warm
+        steps_before = eng.runner.decode_steps
+        sync(args.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.generate(prompts, params)
+            sync(args.device)
+        steps = max(1, eng.runner.decode_steps - steps_before)
+        kernels: dict[str, list] = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA" and e.device_time > 0 and "memcpy" not in e.name.lower():
+                k = kernels.setdefault(e.name, [0, 0.0])
+                k[0] += 1
+                k[1] += e.device_time
+        # the prefill steps are eager and few: a name's count below the decode steps' is theirs
+        decode = {n: c for n, c in kernels.items() if c[0] >= steps}
+        per_step = sum(c for c, _ in decode.values()) / steps
+        groups: dict[str, float] = {}
+        for n, (_, us) in decode.items():
+            groups[kernel_group(n)] = groups.get(kernel_group(n), 0.0) + us / steps
+        emit(part="census", rows=rows, decode_steps=steps, kernels_per_step=round(per_step, 1),
+             kernels_per_layer=round(per_step / layers, 2), layers=layers,
+             device_us_per_step={g: round(us, 1) for g, us in sorted(groups.items())},
+             kernels={n[:80]: round(c / steps, 2) for n, (c, _) in sorted(decode.items(), key=lambda x: -x[1][1])},
+             model=args.model, dtype="bfloat16", device=device_name(args.device))
 
 
 def gpu_memory_by_pid() -> dict[int, int]:
@@ -339,7 +407,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=49152, help="deployment: token ids of the workload below this")
-    ap.add_argument("--parts", default="parity,workload,single_stream,quantized,deterministic,deployment")
+    ap.add_argument("--parts", default="parity,workload,single_stream,quantized,deterministic,census,deployment")
     ap.add_argument("--random-weights", action="store_true", help="a model of --model's shape, random weights")
     args = ap.parse_args()
     args.parts = args.parts.split(",")
@@ -354,8 +422,10 @@ def main() -> None:
         emit(random_weights=True, shape=args.shape)
     if "parity" in args.parts:
         parity(args)
-    if {"workload", "single_stream", "quantized", "deterministic"} & set(args.parts):
+    if {"workload", "single_stream", "quantized", "quantized_stream", "deterministic"} & set(args.parts):
         speed(args)
+    if "census" in args.parts:
+        census(args)
     if "deployment" in args.parts:
         deployment(args)
 

@@ -92,10 +92,12 @@ def configure(args) -> tuple[dict, object, object, object]:
         # of what may load (serve: every variant, at run time too) for each copy it starts
         specs = variant_specs(params).values() if mode == "serve" else [m.spec for m in fusion.models]
         launcher.start_server([s.source for s in specs])
+    elif mode == "compile_only":
+        launcher.start_server()  # its loads and measurements run in processes forked from it
     plan_args = (fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
     if mode in ("predict", "infer", "eval") and run["router"]:
         plan = None  # the router's workers are already placed
-    elif mode in ("predict", "infer", "eval") and local:
+    elif mode == "compile_only" or (mode in ("predict", "infer", "eval") and local):
         # planned where torch is imported already: this process only starts workers and sends requests
         plan = launcher.call_in_server("fusion.plan:plan_to_read_without_torch", *plan_args)
     else:

@@ -6,21 +6,20 @@ stays eager.
 
 A GGUF model is saved as safetensors on its first load (workers.models.write_gguf_cache) and
 loaded again from there, so the report gives the start time before and after the cache. Each
-measurement runs in a fresh process, as a worker would, without router: the memory measured is
-the process's peak above its footprint before the load (on CUDA, the peak allocated).
+conversion and measurement runs in a process of its own forked from the preloaded server, as a
+worker starts (fusion.launcher), without router: the memory measured is the process's peak above
+its footprint before the load (on CUDA, the peak allocated). This process imports no torch.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import resource
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import psutil
-import torch
 
+from fusion import launcher
 from fusion.data.files import DataError
 from fusion.inputs import variant_samples
 from fusion.jobs import variant_groups
@@ -68,15 +67,16 @@ def first_batch(fusion: MultiModelFusion, name: str, batch_size: int) -> list:
     return (prompts * batch_size)[:batch_size]  # a short input is repeated to fill the batch
 
 
-def _in_fresh_process(fn, *args):
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        try:
-            return pool.submit(fn, *args).result()
-        except ValueError as exc:  # the loader's errors name the source and what to do
-            raise DataError(str(exc)) from None
+def _in_own_process(fn: str, *args):
+    """fn(*args) ("function" of this module) in a process forked from the preloaded server: its
+    memory is its own, and it imports nothing (the server has torch and transformers already)."""
+    try:
+        return launcher.call_in_server(f"fusion.compile:{fn}", *args)
+    except ValueError as exc:  # the loader's errors name the source and what to do
+        raise DataError(str(exc)) from None
 
 
-def _convert(source: str) -> float:
+def convert(source: str) -> float:
     """First load of a GGUF (dequantizing it), then the safetensors cache. Returns the load time.
     In float32 on CPU whatever the variant serves in: the cache keeps the dequantized values
     exactly, for every dtype that loads it later (a bfloat16 load would round them first)."""
@@ -90,8 +90,10 @@ def _convert(source: str) -> float:
     return took
 
 
-def _measure(spec: WorkerSpec, prompts: list, max_tokens: int) -> dict:
+def measure(spec: WorkerSpec, prompts: list, max_tokens: int) -> dict:
     """Load as the worker of `spec` would and run one batch; the memory it took and the times."""
+    import torch
+
     from workers.engine import Engine, EngineConfig
     from workers.engine.params import SamplingParams
     from workers.models import load_model
@@ -138,11 +140,11 @@ def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -
     gguf = source_gguf(info.source)
     before = None
     if gguf is not None and gguf_cache_dir(gguf) is None:
-        before = round(_in_fresh_process(_convert, info.source), 3)
+        before = round(_in_own_process("convert", info.source), 3)
     # compile_only is where the artifacts are made: `auto` compiles here
     compiled = "false" if compile_mode(model.compile) == "false" else "true"
     spec = w.spec.placed(model=replace(model, compile=compiled))
-    m = _in_fresh_process(_measure, spec, prompts, max_tokens)
+    m = _in_own_process("measure", spec, prompts, max_tokens)
     cache = gguf_cache_dir(gguf) if gguf is not None else None
     return CompileReport(name, info.source, w.device, m["dtype"], m["load_s"], before,
                          str(cache) if cache else None, len(prompts), max_tokens, m["batch_s"], m["tokens_generated"],

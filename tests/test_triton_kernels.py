@@ -13,7 +13,13 @@ import torch
 triton = pytest.importorskip("triton")
 
 from workers.engine.cuda import ops as paged_ops  # noqa: E402
-from workers.engine.cuda import triton_attention, triton_invariant, triton_qlinear  # noqa: E402
+from workers.engine.cuda import (  # noqa: E402
+    triton_attention,
+    triton_decode,
+    triton_fused,
+    triton_invariant,
+    triton_qlinear,
+)
 from workers.quant.weight import INT4, INT8, QuantizedWeight, quantize  # noqa: E402
 
 BS = 4  # positions a block: small, so that sequences cross several block boundaries
@@ -176,9 +182,84 @@ def test_batch_invariant_kernels_give_a_row_the_same_bits_in_any_batch(dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for fn, args, ref in ((triton_invariant.linear, (w, bias), torch.nn.functional.linear),
                           (triton_qlinear.qlinear_invariant, (qw, None), paged_ops.reference_qlinear),
-                          (triton_invariant.rms_norm, (norm_w, 1e-6), paged_ops.reference_rms_norm)):
+                          (triton_fused.rms_norm, (norm_w, 1e-6), paged_ops.reference_rms_norm)):
         full = _kernel(fn, x, *args)
         for rows in (x[3:4], x[:5]):
             part = _kernel(fn, rows, *args)
             assert torch.equal(part, full[: part.shape[0]] if rows.shape[0] == 5 else full[3:4]), fn.__name__
         torch.testing.assert_close(full.float(), ref(x, *args).float(), atol=tol, rtol=tol)
+
+
+SEGMENT = 2 * BS  # the split decode kernel's segment in these tests: two blocks
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kvh,d", [(4, 2, 16), (3, 1, 24)])
+def test_split_decode_attention_matches_the_reference_and_ignores_the_batch(dtype, tol, heads, kvh, d):
+    """Decode split over the context (workers.engine.cuda.triton_decode) in segments of two blocks:
+    lengths of 1, a segment -1, +0 and +1, several segments, a padded row (zeros), windows that
+    start inside a segment or leave whole segments out. A row alone, among the others, or with a
+    wider block table (more segments in the grid) has the same bits."""
+    gen = torch.Generator().manual_seed(heads * 10 + d)
+    lengths = [1, SEGMENT - 1, SEGMENT, SEGMENT + 1, 0, 3 * SEGMENT + 2, 2 * SEGMENT]
+    width = 7
+    kc, vc = _pool(48, kvh, d, dtype, gen)
+    tables = _tables(lengths, width, 48, gen)
+    q = torch.randn(len(lengths), heads, d, generator=gen).to(dtype)
+    rows = torch.arange(len(lengths), dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    for r, n in enumerate(lengths):  # stale memory past each row's length is never read
+        if n % BS:
+            kc[tables[r, n // BS], :, n % BS:] = float("nan")
+    for window in (0, 3, SEGMENT + 3):
+        want = paged_ops.reference_attention(q, kc, vc, tables, rows, lens, d ** -0.5, window)
+        got = _kernel(triton_decode.decode_attention, q, kc, vc, tables, rows, lens, d ** -0.5, window, SEGMENT)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        assert not got[4].any()
+        alone = _kernel(triton_decode.decode_attention, q[5:6], kc, vc, tables, rows[5:6], lens[5:6], d ** -0.5,
+                        window, SEGMENT)
+        wider = torch.cat([tables, torch.zeros(len(lengths), 5, dtype=tables.dtype)], 1)
+        spread = _kernel(triton_decode.decode_attention, q, kc, vc, wider, rows, lens, d ** -0.5, window, SEGMENT)
+        assert torch.equal(alone[0], got[5]) and torch.equal(spread, got)
+    assert triton_decode.segments_for(width, BS, SEGMENT) == 4 and triton_decode.segments_for(1, 16) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_kernels_match_their_references(dtype):
+    """The residual add with the RMS norm, the rotary embedding with the KV write (a skipped slot
+    writes nothing) and SiLU x up (workers.engine.cuda.triton_fused) against the PyTorch
+    references the CPU runs: within one rounding of the activations' dtype, and the cache written
+    where the reference writes it."""
+    gen = torch.Generator().manual_seed(11)
+    n, heads, kvh, d, width, inter = 5, 4, 2, 16, 48, 40
+    # bfloat16: Triton's interpreter rounds a float32 to bfloat16 towards zero where a GPU rounds to
+    # nearest, and a norm rounds three times: a few places apart
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2 ** -5)
+    x, res = (torch.randn(n, width, generator=gen).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+    want_x, want_h = paged_ops.reference_add_rms_norm(x, res, w, 1e-6)
+    got_x, got_h = _kernel(triton_fused.add_rms_norm, x, res, w, 1e-6)
+    assert got_x.dtype == want_x.dtype and got_h.dtype == want_h.dtype
+    torch.testing.assert_close(got_h.float(), want_h.float(), **tol)
+    torch.testing.assert_close(got_x.float(), want_x.float(), **tol)
+    torch.testing.assert_close(_kernel(triton_fused.rms_norm, x, w, 1e-6).float(),
+                               paged_ops.reference_rms_norm(x, w, 1e-6).float(), **tol)
+
+    angles = torch.arange(32)[:, None] * (1e-2 ** (torch.arange(d // 2) / (d // 2)))[None]
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=gen).to(dtype)
+    positions = torch.tensor([0, 3, 4, 17, 31])
+    slots = torch.tensor([BS - 1, BS, -1, 2 * BS + 1, 5 * BS + 3])
+    kc, vc = _pool(6, kvh, d, dtype, gen)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want_q = paged_ops.reference_rope_kv_write(qkv, cos, sin, positions, want_kc, want_vc, slots, heads, kvh)
+    got_q = _kernel(triton_fused.rope_kv_write, qkv, cos, sin, positions, kc, vc, slots, heads, kvh)
+    torch.testing.assert_close(got_q.float(), want_q.float(), **tol)
+    torch.testing.assert_close(kc.float(), want_kc.float(), **tol)
+    assert torch.equal(vc, want_vc)
+
+    gu = torch.randn(n, 2 * inter, generator=gen).to(dtype)
+    torch.testing.assert_close(_kernel(triton_fused.silu_mul, gu).float(),
+                               paged_ops.reference_silu_mul(gu).float(), **tol)

@@ -1,13 +1,18 @@
 """The lean forward of the Llama family (Llama, SmolLM2, Mistral, Qwen 2) on a GPU: transformers'
 weights and math over tensors of fixed shape, so a decode step is capturable as one CUDA graph.
 
-Per layer: one fused q/k/v linear and one fused gate/up linear in the weights' dtype (bfloat16
-for `auto`; with `quantization: int8` or `int4`, weight-only blocks multiplied by the runner's
-PagedOps.qlinear, by the same rules as the CPU's lean forward: workers.quant.fuse.linear_kind), the rotary embedding from a table of every position (looked up, not computed, so no
-shape depends on the step), the KV write and paged attention as the runner's PagedOps
-(workers.engine.cuda.ops: the Triton kernels on CUDA), and RMS norms as transformers computes
-them. The step's layout is tensors only: each token's position, KV slot, block-table row and
-attended length.
+Per layer, about ten kernels on a GPU (the runner's PagedOps, workers.engine.cuda.ops: the Triton
+kernels on CUDA, their PyTorch references elsewhere):
+- one fused q/k/v linear and one fused gate/up linear in the weights' dtype (bfloat16 for `auto`;
+  with `quantization: int8` or `int4`, weight-only blocks multiplied by PagedOps.qlinear, by the
+  same rules as the CPU's lean forward: workers.quant.fuse.linear_kind), and the o and down linears;
+- the rotary embedding, looked up in a table of every position (no shape depends on the step),
+  with the KV write, in one op;
+- paged attention: split over the context in decode steps, one row a token in prefill and extend;
+- the residual add with the next RMS norm in one op (transformers' arithmetic, rounded where it
+  rounds), and SiLU times up in one.
+The step's layout is tensors only: each token's position, KV slot, block-table row and attended
+length.
 """
 
 from __future__ import annotations
@@ -131,30 +136,23 @@ class DeviceLean:
         return (sum(lin.own_bytes for lin in self.linears())
                 + sum(t.numel() * t.element_size() for t in (self.cos, self.sin)))
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, weight, self.eps)
-
     def forward(self, step: DeviceStep, kv: tuple[torch.Tensor, torch.Tensor],
-                keep: torch.Tensor | None = None) -> torch.Tensor:
-        n, heads, kvh, d = step.ids.shape[0], self.heads, self.kv_heads, self.head_dim
+                keep: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
+        """`decode`: one row a sequence (the decode graphs), whose attention is split over the context."""
+        ops, n, heads, kvh, d = self.ops, step.ids.shape[0], self.heads, self.kv_heads, self.head_dim
         key_cache, value_cache = kv
+        attend = ops.decode_attention if decode else ops.attention
         h = F.embedding(step.ids, self.embed)
-        cos, sin = self.cos[step.positions][:, None, :], self.sin[step.positions][:, None, :]
-        for layer in self.layers:
-            x = self._norm(h, layer.input_norm)
-            qkv = layer.qkv(x)
-            qk = qkv[:, : (heads + kvh) * d].view(n, heads + kvh, d)
-            qk = qk * cos + qk.roll(d // 2, -1) * sin
-            v = qkv[:, (heads + kvh) * d:].view(n, kvh, d)
+        x = ops.rms_norm(h, self.layers[0].input_norm, self.eps) if self.layers else h
+        # each layer: x, the normed input of its attention; h, the residual stream it adds to
+        for i, layer in enumerate(self.layers):
             kc, vc = key_cache[layer.cache_index], value_cache[layer.cache_index]
-            self.ops.kv_write(qk[:, heads:], v, kc, vc, step.slots)
-            a = self.ops.attention(qk[:, :heads], kc, vc, step.tables, step.rows, step.lengths, self.scaling,
-                                   self.window)
-            h = h + layer.o(a.reshape(n, heads * d))
-            x = self._norm(h, layer.post_norm)
-            gu = layer.gate_up(x)
-            inter = gu.shape[1] // 2
-            h = h + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            q = ops.rope_kv_write(layer.qkv(x), self.cos, self.sin, step.positions, kc, vc, step.slots, heads, kvh)
+            a = attend(q, kc, vc, step.tables, step.rows, step.lengths, self.scaling, self.window)
+            x, h = ops.add_rms_norm(layer.o(a.reshape(n, heads * d)), h, layer.post_norm, self.eps)
+            delta = layer.down(ops.silu_mul(layer.gate_up(x)))
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x, h = ops.add_rms_norm(delta, h, after, self.eps)
         if keep is not None:
-            h = h.index_select(0, keep)
-        return self.lm_head(self._norm(h, self.final_norm))
+            x = x.index_select(0, keep)
+        return self.lm_head(x)

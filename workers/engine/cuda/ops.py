@@ -17,9 +17,17 @@ the kernels are tested against (on the CPU under TRITON_INTERPRET=1) and which s
 is not installed. Both are registered as torch custom ops (`mmfusion::paged_attention`,
 `mmfusion::kv_write`) that run the kernels on CUDA tensors and the reference elsewhere.
 
-The same object carries the device lean forward's weight-only quantized linear (`qlinear`): the
-Triton kernel of workers.engine.cuda.triton_qlinear, or `reference_qlinear` (the blocks' values
-widened to float32, then one matmul).
+The same object carries the rest of a decode layer, so that a layer is about ten kernels on a GPU:
+- `decode_attention`: attention of one row a sequence, split over the context in fixed segments
+  (workers.engine.cuda.triton_decode); `attention` keeps prefill and extend;
+- `rms_norm` and `add_rms_norm` (the residual add fused in), `rope_kv_write` (the rotary
+  embedding and the KV write in one), `silu_mul` (workers.engine.cuda.triton_fused);
+- the weight-only quantized linear (`qlinear`): the Triton kernel of
+  workers.engine.cuda.triton_qlinear, or `reference_qlinear` (the blocks' values widened to
+  float32, then one matmul).
+The Triton set's functions but the weight-only linear are registered as torch custom ops
+(`mmfusion::triton_*`): one op a kernel to torch's dispatcher, so a count of dispatched ops counts
+kernels (tests/test_census.py).
 """
 
 from __future__ import annotations
@@ -86,18 +94,51 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(x.dtype)
 
 
+def reference_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream's add, then the next norm."""
+    summed = x + residual
+    return reference_rms_norm(summed, weight, eps), summed
+
+
+def reference_rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                            key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, heads: int,
+                            kv_heads: int) -> torch.Tensor:
+    """qkv [N, (heads + 2 kv_heads) x d], the fused q/k/v output; cos/sin: the rotary tables of every
+    position [P, d] (sin with its first half's sign folded in: workers.engine.lean_parts.rotation).
+    Rotates the q and k heads of each row at its position, writes k and v to the pool through
+    `slots` (reference_kv_write) and returns the rotated q [N, heads, d]."""
+    n, d = qkv.shape[0], key_cache.shape[-1]
+    qk = qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d)
+    cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
+    qk = qk * cos + qk.roll(d // 2, -1) * sin
+    v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
+    reference_kv_write(qk[:, heads:], v, key_cache, value_cache, slots)
+    return qk[:, :heads]
+
+
+def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2 x inter] -> silu(gate) x up [N, inter]."""
+    inter = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
 @dataclass(frozen=True, slots=True)
 class PagedOps:
     """The paged ops a runner calls, chosen once at load, and its weight-only quantized linear."""
 
     name: str
     kv_write: Callable[..., None]
-    attention: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]  # prefill and extend: one row a token
     qlinear: Callable[..., torch.Tensor]  # reference_qlinear's contract
-    # a dense linear (F.linear's contract) and an RMS norm (rows, weight, eps): under
-    # `deterministic` (batch_invariant), ones that compute each row in one order
+    decode_attention: Callable[..., torch.Tensor] = reference_attention  # one row a sequence
+    # a dense linear (F.linear's contract): under `deterministic` (batch_invariant), one that
+    # computes each row in one order
     linear: Callable[..., torch.Tensor] = F.linear
     rms_norm: Callable[..., torch.Tensor] = reference_rms_norm
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference_add_rms_norm
+    rope_kv_write: Callable[..., torch.Tensor] = reference_rope_kv_write
+    silu_mul: Callable[..., torch.Tensor] = reference_silu_mul
     invariant: bool = False
 
 
@@ -118,34 +159,62 @@ def _attention_each_row(query, key_cache, value_cache, block_tables, rows, lengt
                                                               scale, window), (query, rows, lengths))
 
 
+def _add_rms_norm_each_row(x, residual, weight, eps):
+    summed = x + residual  # elementwise: each element alone already
+    return _each_row(reference_rms_norm, (summed,), weight, eps), summed
+
+
 def batch_invariant(ops: PagedOps) -> PagedOps:
     """`deterministic`: the same ops, every row computed in an order that does not depend on the
-    other rows of the call. The Triton kernels: fixed tiles for the linears (weight-only and dense)
-    and one program a row for the norm; the paged attention kernel walks each row's own positions
-    already. The reference: each row in a call of its own (slow; it is the CPU's stand-in)."""
+    other rows of the call. The Triton kernels: fixed tiles for the linears (weight-only and dense);
+    the norms (one program a row) and both attention kernels (a row's own positions, in segments
+    fixed by position) are so already. The reference: each row in a call of its own (slow; it is
+    the CPU's stand-in)."""
     if ops.invariant:
         return ops
     if ops.name == "triton":
         from workers.engine.cuda import triton_invariant, triton_qlinear
 
         return replace(ops, name="triton-invariant", qlinear=triton_qlinear.qlinear_invariant,
-                       linear=triton_invariant.linear, rms_norm=triton_invariant.rms_norm, invariant=True)
+                       linear=triton_invariant.linear, invariant=True)
     return replace(ops, name=f"{ops.name}-invariant", attention=_attention_each_row,
+                   decode_attention=_attention_each_row,
                    qlinear=lambda x, w, b=None: _each_row(ops.qlinear, (x,), w, b),
                    linear=lambda x, w, b=None: _each_row(ops.linear, (x,), w, b),
-                   rms_norm=lambda x, w, eps: _each_row(ops.rms_norm, (x,), w, eps), invariant=True)
+                   rms_norm=lambda x, w, eps: _each_row(reference_rms_norm, (x,), w, eps),
+                   add_rms_norm=_add_rms_norm_each_row, invariant=True)
 
 
 def have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# the Triton set's functions: (module, function, the arguments it writes)
+_TRITON = {"kv_write": ("triton_attention", "kv_write", ("key_cache", "value_cache")),
+           "attention": ("triton_attention", "paged_attention", ()),
+           "decode_attention": ("triton_decode", "decode_attention", ()),
+           "rms_norm": ("triton_fused", "rms_norm", ()),
+           "add_rms_norm": ("triton_fused", "add_rms_norm", ()),
+           "rope_kv_write": ("triton_fused", "rope_kv_write", ("key_cache", "value_cache")),
+           "silu_mul": ("triton_fused", "silu_mul", ())}
+
+
+@functools.cache
+def _triton_op(name: str) -> Callable:
+    """A Triton function as the custom op `mmfusion::triton_<name>` (registered once a process; its
+    module imported then: TRITON_INTERPRET is read when the kernels are defined)."""
+    module, fn, mutates = _TRITON[name]
+    impl = getattr(importlib.import_module(f"workers.engine.cuda.{module}"), fn)
+    return torch.library.custom_op(f"mmfusion::triton_{name}", impl, mutates_args=mutates)
+
+
 @functools.cache
 def triton_ops() -> PagedOps:
-    """The Triton kernels (imported here, once: TRITON_INTERPRET is read when they are defined)."""
-    from workers.engine.cuda import triton_attention, triton_qlinear
+    """The Triton kernels, each one custom op; the weight-only linear, whose weight is no tensor,
+    a function."""
+    from workers.engine.cuda import triton_qlinear
 
-    return PagedOps("triton", triton_attention.kv_write, triton_attention.paged_attention, triton_qlinear.qlinear)
+    return PagedOps("triton", qlinear=triton_qlinear.qlinear, **{name: _triton_op(name) for name in _TRITON})
 
 
 def select_ops(device: torch.device, invariant: bool = False) -> PagedOps:

@@ -4,7 +4,8 @@ Where its platform runs the lean forward (the Llama family, one cache group), th
 persistent input buffers sized to its largest decode bucket (1, 2, 4, ... up to max_batch_size)
 and, for each bucket, the whole decode step (embedding, every layer with its KV write and paged
 attention, the final norm, the LM head and sampling: workers.engine.cuda.lean,
-workers.engine.cuda.sampler) captured once as a CUDA graph. A decode step is then one
+workers.engine.cuda.sampler) captured once as a CUDA graph, twice in fact: a step whose rows are
+all greedy replays the graph that takes the argmax, and sorts nothing. A decode step is then one
 host-to-device copy of every input (one pinned buffer), a replay, and one device-to-host copy of
 the sampled tokens. Rows past the batch are padding: token 0 at position 0, its KV written to a
 reserved dummy block past the pool's, attending nothing (length 0), sampled greedily and dropped.
@@ -166,7 +167,7 @@ class CudaRunner(PagedRunner):
         self.graphs_on = lm.device.type == "cuda" if graphs is None else graphs
         # `deterministic` samples on the host row by row: a step started ahead takes the device sampler's tokens
         self.overlap = (self.graphs_on if overlap is None else overlap) and not platform.deterministic
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, all greedy) -> graph
         self.capture_seconds = 0.0
         # decode steps; their time filling the inputs (the host), launching them, and waiting for
         # their tokens (what the device took past the host's work in the meantime): bench/gpu.py
@@ -181,12 +182,13 @@ class CudaRunner(PagedRunner):
         return next((b for b in self.buckets if b >= n), None) if self.device_lean is not None else None
 
     # --- the decode graph -------------------------------------------------------------------------
-    def _decode_body(self, n: int) -> None:
-        """The whole decode step of n (bucket) rows, from the input buffers to the sampled tokens."""
+    def _decode_body(self, n: int, greedy: bool = False) -> None:
+        """The whole decode step of n (bucket) rows, from the input buffers to the sampled tokens.
+        `greedy`: every row is (padding is), so the tokens are the logits' argmax: no sort."""
         buf = self.buffers
-        logits = self.device_lean.forward(buf.step(n), (self.cache.keys, self.cache.values))
+        logits = self.device_lean.forward(buf.step(n), (self.cache.keys, self.cache.values), decode=True)
         buf.logits[:n].copy_(logits)
-        buf.tokens[:n].copy_(sample_tokens(logits, buf.sampling(n)))
+        buf.tokens[:n].copy_(torch.argmax(logits, dim=-1) if greedy else sample_tokens(logits, buf.sampling(n)))
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -202,14 +204,16 @@ class CudaRunner(PagedRunner):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in self.buckets:  # warm-up runs: kernels compiled, allocator settled, outside capture
-                self._decode_body(b)
+                for greedy in (True, False):
+                    self._decode_body(b, greedy)
         torch.cuda.current_stream().wait_stream(stream)
         for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its memory pool
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self._decode_body(b)
-            pool = g.pool()
-            self.graphs[b] = g
+            for greedy in (True, False):  # a graph for all-greedy steps, and one that samples
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._decode_body(b, greedy)
+                pool = g.pool()
+                self.graphs[b, greedy] = g
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t
 
@@ -260,10 +264,11 @@ class CudaRunner(PagedRunner):
         self._fill(host, seqs, n, ahead)
         t1 = time.perf_counter()
         buf.device_inputs.copy_(host.inputs, non_blocking=True)  # the step's one copy in
-        if n in self.graphs:
-            self.graphs[n].replay()
+        greedy = all(s.group.params.temperature == 0 for s in seqs)
+        if (n, greedy) in self.graphs:
+            self.graphs[n, greedy].replay()
         else:
-            self._decode_body(n)
+            self._decode_body(n, greedy)
         host.tokens[:n].copy_(buf.tokens[:n], non_blocking=True)  # and its one copy out
         event = None
         if self.graphs_on:

@@ -1,13 +1,13 @@
-"""Triton kernels for `deterministic` on a GPU: a dense linear and an RMS norm whose every row is
-computed in one order, whatever the number of rows (vLLM's batch-invariant mode and "Defeating
+"""A Triton kernel for `deterministic` on a GPU: a dense linear whose every row is computed in one
+order, whatever the number of rows (vLLM's batch-invariant mode and "Defeating
 Nondeterminism in LLM Inference" do the same).
 
 cuBLAS picks its tiles and split-K reductions by the matrix sizes, and torch's row reductions pick
 their layout by the number of rows, so a row's bits change with the batch. Here one tile shape is
 fixed for every call: a program computes a [16, 64] tile of the output, walking the inputs in
-blocks of 32 in order, in float32 at IEEE precision; the norm is one program a row over the whole
-row. The paged attention kernel (workers.engine.cuda.triton_attention) already walks each row's own
-positions in block order, so it needs no second version.
+blocks of 32 in order, in float32 at IEEE precision. The norms (workers.engine.cuda.triton_fused,
+one program a row) and the attention kernels (a row's own positions, in block order, in segments
+fixed by position) need no second version.
 
 Set TRITON_INTERPRET before this module is imported (the tests run it on the CPU in Triton's
 interpreter).
@@ -57,28 +57,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _linear_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0),
                          out.stride(0), HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
-    return out
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, stride_x, stride_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    h = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    # as LlamaRMSNorm: rounded to the input's dtype, then scaled by the weight in its dtype
-    y = w.to(tl.float32) * h.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm of each row of x [M, N] (the device lean forward's _norm contract), one program a row."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    if x.shape[0] == 0:
-        return out
-    _rms_norm_kernel[(x.shape[0],)](x, weight.contiguous(), out, x.shape[1], float(eps), x.stride(0), out.stride(0),
-                                    BLOCK=triton.next_power_of_2(x.shape[1]))
     return out
