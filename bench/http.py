@@ -12,11 +12,15 @@ on the same deployment in the same run.
     on the shared cores is what its latency pays.
 (b) engine: the bench/engine.py workload (SmolLM2-135M, 64 requests) as 64 concurrent
     streaming HTTP requests, against the same 64 requests through the ZeroMQ AsyncClient.
-Both parts alternate the two paths `--repeats` times and keep each one's best run (run-to-run noise
+(c) stream: 64 greedy streams of 256 tokens on tiny:llama (fast enough that the path, not the
+    model, is measured): streamed tokens/s of the engine in-process, through serve's router over
+    ZeroMQ (AsyncClient.stream) and over HTTP SSE, in one run; every stream's tokens checked
+    against the in-process ones, in order.
+The parts alternate the two paths `--repeats` times and keep each one's best run (run-to-run noise
 on a 2-core VM is 15-50%). --dtype auto is bfloat16 where the CPU has native bf16 (AVX512-BF16 or
 AMX), else float32 (bf16 GEMMs without it run ~5x slower than fp32).
 
-    python bench/http.py [--seconds 5] [--repeats 2] [--skip-engine]
+    python bench/http.py [--parts short,engine,stream] [--seconds 5] [--repeats 2] [--streams 64]
 """
 
 from __future__ import annotations
@@ -251,6 +255,94 @@ def bench_engine(n: int, model: str, dtype: str, repeats: int) -> None:
          ratio=round(best["zmq"] / best["http"], 3), repeats=repeats)
 
 
+# --- (c) streamed tokens through the path ---------------------------------------------------------
+
+async def _zmq_streams(front: str, prompts, new: int) -> tuple[float, list[list[int]]]:
+    from routing.client import AsyncClient
+
+    async def one(c, p):
+        got: list[int] = []
+        async for out in c.stream("m", p, max_tokens=new, temperature=0.0, ignore_eos=True, return_token_ids=True):
+            got.extend(out["token_ids"])
+        return got
+
+    async with AsyncClient(front, timeout=900) as c:
+        t = time.perf_counter()
+        got = await asyncio.gather(*[one(c, p) for p in prompts])
+        return time.perf_counter() - t, got
+
+
+async def _sse_streams(url: str, prompts, new: int) -> tuple[float, list[str], int]:
+    import httpx
+
+    events = 0
+
+    async def one(h, p):
+        nonlocal events
+        body = {"model": "m", "prompt": p, "max_tokens": new, "temperature": 0.0, "ignore_eos": True, "stream": True}
+        got: list[str] = []
+        async with h.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    events += 1
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        got.append(choice.get("text") or "")
+        return "".join(got)
+
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as h:
+        t = time.perf_counter()
+        got = await asyncio.gather(*[one(h, p) for p in prompts])
+        return time.perf_counter() - t, got, events
+
+
+def bench_stream(streams: int, new: int, repeats: int) -> None:
+    """`streams` greedy streams of `new` tokens each on tiny:llama (float32: fast enough that the
+    path, not the model, is what is measured): the engine in-process, then through serve's router
+    over ZeroMQ (AsyncClient.stream) and over HTTP SSE, every stream's tokens checked against the
+    in-process ones, in order. Best of `repeats`."""
+    import random
+
+    from workers.engine import Engine, EngineConfig
+    from workers.engine.params import SamplingParams
+    from workers.models import load_model
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 250) for _ in range(rng.randint(4, 24))] for _ in range(streams)]
+    cfg = dict(max_batch_size=streams, max_batch_tokens=512)
+    eng = Engine(load_model("tiny:llama", dtype="float32"), EngineConfig(**cfg))
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    eng.generate(prompts[:2], params)  # warm
+    inproc, want, text = float("inf"), None, None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        outs = eng.generate(prompts, params)
+        inproc = min(inproc, time.perf_counter() - t)
+        want, text = [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
+    del eng
+    total = streams * new
+    proc, front, url, path = serve({"variants": {"m": {"model": {"source": "tiny:llama", "dtype": "float32", **cfg}}}},
+                                   "m,1", 1)
+    best = {"zmq": float("inf"), "http": float("inf")}
+    sse_events, lost = 0, 0
+    try:
+        asyncio.run(_zmq_streams(front, prompts[:2], 4))  # warm-up
+        for _ in range(repeats):
+            wall, got = asyncio.run(_zmq_streams(front, prompts, new))
+            lost += sum(g != w for g, w in zip(got, want))
+            best["zmq"] = min(best["zmq"], wall)
+            wall, got, events = asyncio.run(_sse_streams(url, prompts, new))
+            lost += sum(g != w for g, w in zip(got, text))
+            best["http"], sse_events = min(best["http"], wall), events
+    finally:
+        stop(proc, path)
+    emit(bench="http_stream", model="tiny:llama", dtype="float32", streams=streams, new_tokens=new,
+         inprocess_tokens_per_s=round(total / inproc, 1), zmq_tokens_per_s=round(total / best["zmq"], 1),
+         http_sse_tokens_per_s=round(total / best["http"], 1), zmq_vs_inprocess=round(inproc / best["zmq"], 3),
+         http_vs_inprocess=round(inproc / best["http"], 3), sse_events_last_run=sse_events,
+         streams_not_equal_in_order=lost, repeats=repeats)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0)
@@ -259,6 +351,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1000.0,
                     help="offered requests/s (all clients) for the added-latency line at a set load")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--parts", default="short,engine,stream", help="short, engine, stream (comma-separated)")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
@@ -266,9 +361,13 @@ def main() -> None:
     print(json.dumps(describe("http", sys.argv)), flush=True)
     if args.seconds <= 0 or args.clients < 1 or args.repeats < 1:
         ap.error("--seconds must be > 0, --clients and --repeats >= 1")
-    bench_short(args.seconds, args.clients, args.rate, args.repeats)
-    if not args.skip_engine:
+    parts = args.parts.split(",")
+    if "short" in parts:
+        bench_short(args.seconds, args.clients, args.rate, args.repeats)
+    if "engine" in parts and not args.skip_engine:
         bench_engine(args.n, args.model, args.dtype, args.repeats)
+    if "stream" in parts:
+        bench_stream(args.streams, args.stream_tokens, args.repeats)
 
 
 if __name__ == "__main__":

@@ -93,11 +93,13 @@ def configure(args) -> tuple[dict, object, object, object]:
         specs = variant_specs(params).values() if mode == "serve" else [m.spec for m in fusion.models]
         launcher.start_server([s.source for s in specs])
     elif mode == "compile_only":
-        launcher.start_server()  # its loads and measurements run in processes forked from it
+        # its loads and measurements run in processes forked from the server, whose imports overlap
+        # the plan made here (which also finds bad data in a moment, before the server is needed)
+        launcher.start_server()
     plan_args = (fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
     if mode in ("predict", "infer", "eval") and run["router"]:
         plan = None  # the router's workers are already placed
-    elif mode == "compile_only" or (mode in ("predict", "infer", "eval") and local):
+    elif mode in ("predict", "infer", "eval") and local:
         # planned where torch is imported already: this process only starts workers and sends requests
         plan = launcher.call_in_server("fusion.plan:plan_to_read_without_torch", *plan_args)
     else:

@@ -8,7 +8,7 @@ A GGUF model is saved as safetensors on its first load (workers.models.write_ggu
 loaded again from there, so the report gives the start time before and after the cache. Each
 conversion and measurement runs in a process of its own forked from the preloaded server, as a
 worker starts (fusion.launcher), without router: the memory measured is the process's peak above
-its footprint before the load (on CUDA, the peak allocated). This process imports no torch.
+its footprint before the load (on CUDA, the peak allocated).
 """
 
 from __future__ import annotations

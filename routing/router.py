@@ -142,9 +142,20 @@ class Router:
                 self._guarded(d.client, frames[0], frames[1], now)
             elif sock is self.backend and len(frames) == 2:
                 self._guarded(d.worker, frames[0], frames[1], now)
-            elif sock is self.backend and len(frames) == 3:
-                self._guarded(d.worker_data, frames[0], frames[1], frames[2], now)
+            elif sock is self.backend and len(frames) >= 3 and len(frames) % 2:
+                self._guarded(self._worker_turn, frames, now)
             # anything else is a peer speaking another protocol: nothing sensible to answer
+
+    def _worker_turn(self, frames: list[bytes], now: float) -> None:
+        """A worker's turn of data messages, [ident, header, body, header, body, ...]: each forwarded
+        by its header (the body is never decoded); a bad one costs itself only."""
+        d = self.dispatch
+        for i in range(1, len(frames), 2):
+            try:
+                d.worker_data(frames[0], frames[i], frames[i + 1], now)
+            except Exception:
+                d.internal_errors += 1
+                traceback.print_exc()
 
     def _flush(self) -> None:
         """Write what the dispatch queued; a failed write goes back to it (which may queue more)."""

@@ -11,7 +11,7 @@ from support.cluster import TINY, wait_for, worker_threads
 from support.models import tiny
 
 from wire import protocol as P
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine, EngineConfig, detok
 from workers.engine.params import SamplingParams
 from workers.engine.text_output import RequestText
 from workers.thread_messages import Submit
@@ -87,20 +87,24 @@ def _recv_until_result(pair, key: str) -> tuple[list[dict], dict]:
             chunks.append(msg)
 
 
-def test_the_worker_makes_text_on_its_output_thread_and_stops_the_engine_there(lm):
+def test_the_worker_makes_text_on_its_output_thread_and_stops_the_engine_there(lm, monkeypatch):
     with worker_threads(TINY, "inproc://text-test") as (th, pair):
         greedy = {"temperature": 0.0, "ignore_eos": True}
         full = _engine(lm).generate([PROMPT], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
         stop = full.outputs[0].text[8:11]
         decoders: set[str] = set()
-        tok = th.engine.tokenizer
-        real_decode = tok.decode
+        real_text_of = detok.text_of
 
-        def decode(*a, **kw):
-            decoders.add(threading.current_thread().name)
-            return real_decode(*a, **kw)
+        def text_of(tokenizer):  # every decoder a stream makes, recording the thread it runs on
+            decode = real_text_of(tokenizer)
 
-        tok.decode = decode
+            def recorded(ids):
+                decoders.add(threading.current_thread().name)
+                return decode(ids)
+
+            return recorded
+
+        monkeypatch.setattr(detok, "text_of", text_of)
         th.inbox.put(Submit("k", {"id": "c1", "prompt": PROMPT, "stream": True,
                                    "params": {"max_tokens": 400, "stop": [stop], **greedy}}))
         chunks, result = _recv_until_result(pair, "k")
@@ -115,4 +119,3 @@ def test_the_worker_makes_text_on_its_output_thread_and_stops_the_engine_there(l
         wait_for(lambda: not th.engine.has_unfinished(), 10)
         assert th.engine.tokens_generated < 40
         assert decoders == {"output"}  # detokenization never ran on the engine thread
-        del tok.decode

@@ -195,8 +195,8 @@ class OutputThread(threading.Thread):
         self.outbox += (P.header(mtype, key, tokens), P.pack(body))
 
     def _flush(self, out) -> None:
-        """A turn's data messages cross to the I/O thread as one message (it sends them on one by
-        one): one wake-up of that thread per turn instead of one per request."""
+        """A turn's data messages cross to the I/O thread as one message, which it sends to the
+        router as one: one wake-up of each per turn (an engine step) instead of one per request."""
         if self.outbox:
             frames, self.outbox = self.outbox, []
             self._put(out, frames)

@@ -331,10 +331,9 @@ class Worker:
                 if self.pair in events:
                     while self.pair.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         frames = self.pair.recv_multipart()
-                        if len(frames) == 1:  # a control message (LOADED, LOAD_FAILED)
-                            self._send(sock, frames)
-                        for i in range(0, len(frames) - 1, 2):  # data messages: [header, body] pairs
-                            self._send(sock, frames[i: i + 2])
+                        # a control message (LOADED, LOAD_FAILED), or a turn's data messages as
+                        # [header, body] pairs: one message to the router either way
+                        self._send(sock, frames)
                 if not self._parent_alive():
                     return
                 if now >= next_beat:

@@ -10,11 +10,23 @@ incomplete UTF-8 sequence, so it never changes after it is taken.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+
+
+def text_of(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, as one call into the tokenizers library
+    where that is what transformers' decode comes to (a fast tokenizer that cleans up no spaces):
+    its checks of the ids' types cost a stream more than the decode itself, once per new token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) and hasattr(backend, "decode"):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class IncrementalText:
     def __init__(self, tokenizer, token_ids: list[int] | tuple[int, ...] = ()):
         self.tokenizer = tokenizer
+        self._text_of = text_of(tokenizer)
         self.ids: list[int] = []
         self.text = ""  # the stable text so far
         self.ends: list[int] = []  # per token, len(self.text) once it was added (non-decreasing)
@@ -39,7 +51,7 @@ class IncrementalText:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
+        return self._text_of(self.ids[start:end])
 
 
 def tokens_within(tokenizer, token_ids: list[int], chars: int) -> int:
