@@ -106,6 +106,10 @@ def configure(args) -> tuple[dict, object, object, object]:
         from fusion.plan import make_plan  # torch, the model sources: serve sizes copies at run time
 
         plan = make_plan(*plan_args)
+    if plan is not None and local and mode in (*WORKER_MODES, "validate_only"):
+        from fusion.gpu_sharing import decide
+
+        decide(run["gpu_sharing"], plan)  # an `mps` that cannot be is refused here, before anything starts
     catalog = None
     if mode in ("validate_only", "serve") and not run["router"]:
         from fusion.catalog import make_catalog
@@ -233,6 +237,10 @@ def run(args) -> int:
         return 2
     if args.mode == "validate_only":
         print(plan.describe())
+        if not params["runconfig"]["ray"]:
+            from fusion.gpu_sharing import decide
+
+            print(decide(params["runconfig"]["gpu_sharing"], plan).describe())
         if catalog is not None:
             print("\n".join(catalog.placer.describe(catalog.specs)))
         return 0

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import zmq
 
 from fusion.deploy import model_entries
+from fusion.gpu_sharing import MpsDaemon, Sharing, decide
 from fusion.launcher import WorkerProcess, start_worker
 from fusion.model_info import MultiModelFusion
 from fusion.owners import WeightOwners
@@ -64,10 +65,12 @@ class LocalDeployment:
     def __init__(self, fusion: MultiModelFusion, plan: DeploymentPlan, frontend: str, backend: str,
                  supervisor: SupervisorConfig | None = None, log=None, curve_keys: str | None = None,
                  insecure: bool = False, restart_wait: float = P.RESTART_WAIT, catalog: Catalog | None = None,
-                 router: dict | None = None):
+                 router: dict | None = None, sharing: Sharing | None = None):
+        """`sharing`: how workers on one GPU share it (fusion.gpu_sharing; None: timeslice)."""
         self.fusion, self.plan, self.catalog = fusion, plan, catalog
+        self.sharing = sharing or Sharing("timeslice", "as set")
         self.config = RouterConfig(frontend=frontend, backend=backend, curve_keys=curve_keys, insecure=insecure,
-                                   restart_wait=restart_wait, **(router or {}))
+                                   restart_wait=restart_wait, gpu_sharing=self.sharing.mode, **(router or {}))
         self.supervisor = supervisor or SupervisorConfig()
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.router: Router | None = None
@@ -79,12 +82,22 @@ class LocalDeployment:
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
         self.owners = WeightOwners(fusion, plan, self.log, self.supervisor.max_restarts)
+        self.mps = MpsDaemon(log=self.log) if self.sharing.mode == "mps" else None
 
     def __enter__(self) -> LocalDeployment:
-        self.owners.start()
-        owners = self.owners.addresses()
-        self._start_router([w.spec.placed(weights_owner=owners[k]) if k in owners else w.spec
-                            for k, w in enumerate(self.plan.workers)])
+        if self.mps is not None:  # first: the owners' and the workers' CUDA contexts go through it
+            self.mps.start()
+            self.owners.extra_env = self.mps.env()
+        try:
+            self.owners.start()
+            owners = self.owners.addresses()
+            self._start_router([w.spec.placed(weights_owner=owners[k]) if k in owners else w.spec
+                                for k, w in enumerate(self.plan.workers)])
+        except BaseException:
+            self.owners.stop()
+            if self.mps is not None:
+                self.mps.stop()
+            raise
         self.procs = [self._spawn(i) for i in range(len(self.plan.workers))]
         self.restarts = [0] * len(self.procs)
         self._watcher = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
@@ -121,7 +134,7 @@ class LocalDeployment:
                                   "max_loads_per_minute")}
         return cls(fusion, plan, run["frontend"], run["backend"], SupervisorConfig(max_restarts=run["max_restarts"]),
                    curve_keys=run["curve_keys"], insecure=run["insecure"], restart_wait=run["restart_wait"],
-                   catalog=catalog, router=router)
+                   catalog=catalog, router=router, sharing=decide(run["gpu_sharing"], plan))
 
     def client_kw(self) -> dict:
         """What a client of this deployment needs besides the address."""
@@ -132,7 +145,8 @@ class LocalDeployment:
         if self.config.curve_keys:
             argv += ["--curve-keys", self.config.curve_keys]
         # per-tensor GGUF conversion bars from every worker would bury the run's own progress
-        return start_worker(argv, {**self.owners.env, "TQDM_DISABLE": "1"})
+        mps = self.mps.env() if self.mps is not None else {}
+        return start_worker(argv, {**self.owners.env, **mps, "TQDM_DISABLE": "1"})
 
     def _supervise(self) -> None:
         tell = self.router.ctx.socket(zmq.PUSH)  # the router's control socket: "this worker exited"
@@ -251,7 +265,9 @@ class LocalDeployment:
         if self.thread is not None:
             self.thread.join(timeout=10)
         self._stop_workers()
-        self.owners.stop()  # last: no worker uses the weights any more
+        self.owners.stop()  # no worker uses the weights any more
+        if self.mps is not None:  # last: no CUDA process of the deployment is left
+            self.mps.stop()
 
     def _stop_workers(self) -> None:
         """The router told every worker to shut down; wait for them, then kill what remains."""

@@ -45,6 +45,7 @@ class WeightOwners:
         self.procs: dict[tuple, subprocess.Popen] = {}
         self.address: dict[tuple, str] = {}
         self.pids: list[int] = []
+        self.extra_env: dict[str, str] = {}  # the deployment's besides the key (its MPS directories)
 
     @property
     def env(self) -> dict:
@@ -68,7 +69,7 @@ class WeightOwners:
         cmd = entrypoints.command(entrypoints.WEIGHT_OWNER, "--source", source, "--dtype", str(dtype), "--device", device,
                                   "--address", self.address[g], "--parent-pid", str(os.getpid()))
         Path(self.address[g]).unlink(missing_ok=True)
-        self.procs[g] = subprocess.Popen(cmd, env={**os.environ, **self.env, "TQDM_DISABLE": "1"})
+        self.procs[g] = subprocess.Popen(cmd, env={**os.environ, **self.env, **self.extra_env, "TQDM_DISABLE": "1"})
         self.pids.append(self.procs[g].pid)
 
     def check(self) -> None:

@@ -87,6 +87,11 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
         "(tokens, default 1); `tokens_per_minute` and `max_inflight` are optional quotas, over which a request is "
         "refused at once (HTTP 429 with Retry-After); `api_keys` are the gateway keys of the tenant (accepted "
         "besides `api_keys`). A request with no tenant is the `default` tenant's"),
+    Key("gpu_sharing", "auto", "`auto`, `mps`, `timeslice`",
+        "how workers on one CUDA GPU share it (fusion/gpu_sharing.py): `mps` starts the deployment's own NVIDIA "
+        "Multi-Process Service daemon, so their kernels run at once; `timeslice`: the GPU takes them in turns; "
+        "`auto`: `mps` where `nvidia-cuda-mps-control` is on PATH and a GPU has two or more workers",
+        lambda x: x in ("auto", "mps", "timeslice")),
     Key("ray", None, "`auto`, `HOST:PORT`, `ray://...`, or null", "place the workers as actors on that Ray cluster"),
     Key("placement", "spread", "`spread`, `pack`",
         "Ray: a variant's copies on different nodes where possible (`spread`), or on as few as possible (`pack`)"),

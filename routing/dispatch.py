@@ -70,6 +70,7 @@ class RouterConfig:
     min_resident_s: float = 0.0
     max_loads_per_minute: int | None = None
     tenants: tuple[Tenant, ...] = ()  # weights and quotas by tenant (routing/tenants.py); () : one default tenant
+    gpu_sharing: str = "timeslice"  # how the deployment's workers on one GPU share it (fusion/gpu_sharing.py)
 
     def __post_init__(self) -> None:
         self.tenants = tuple(self.tenants or ())
@@ -416,6 +417,7 @@ class Dispatch:
             "no_worker": self.no_worker,
             "internal_errors": self.internal_errors,
             "tenants": self.tenants.status(self._queued_by_tenant(), self.now),
+            "gpu_sharing": self.config.gpu_sharing,
             **self.lifecycle.status(),
         }
 
