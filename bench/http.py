@@ -300,8 +300,11 @@ def bench_stream(streams: int, new: int, repeats: int) -> None:
     """`streams` greedy streams of `new` tokens each on tiny:llama (float32: fast enough that the
     path, not the model, is what is measured): the engine in-process, then through serve's router
     over ZeroMQ (AsyncClient.stream) and over HTTP SSE, every stream's tokens checked against the
-    in-process ones, in order. Best of `repeats`."""
+    in-process ones, in order. The worker has as many torch threads as the engine in-process. Best
+    of `repeats`."""
     import random
+
+    import torch
 
     from workers.engine import Engine, EngineConfig
     from workers.engine.params import SamplingParams
@@ -322,7 +325,7 @@ def bench_stream(streams: int, new: int, repeats: int) -> None:
     del eng
     total = streams * new
     proc, front, url, path = serve({"variants": {"m": {"model": {"source": "tiny:llama", "dtype": "float32", **cfg}}}},
-                                   "m,1", 1)
+                                   "m,1", torch.get_num_threads())
     best = {"zmq": float("inf"), "http": float("inf")}
     sse_events, lost = 0, 0
     try:

@@ -24,29 +24,37 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
 at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 bool dense_strips_built();
 
+// Every kernel call lets go of the GIL while it runs (its arguments are converted before and its
+// result after, under the GIL; the kernels touch no Python object): a worker's other threads, its
+// I/O thread's heartbeats among them, go on during a long call, as they do during torch's own ops.
+using Unlocked = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged prefill attention of a step's chunks (CPU, bf16); false where it has no kernel");
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", Unlocked());
+  m.def("paged_prefill", &paged_prefill, "paged prefill attention of a step's chunks (CPU, bf16); false where it has no kernel",
+        Unlocked());
   m.def("paths", &paths, "the specialised paths compiled into this build");
-  m.def("rope_write", &rope_write, "rotary embedding of q and k in place, k and v written into the paged cache");
-  m.def("rms_norm", &rms_norm, "RMS norm of contiguous rows");
-  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then the RMS norm of h");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate/up rows");
+  m.def("rope_write", &rope_write, "rotary embedding of q and k in place, k and v written into the paged cache",
+        Unlocked());
+  m.def("rms_norm", &rms_norm, "RMS norm of contiguous rows", Unlocked());
+  m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then the RMS norm of h", Unlocked());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate/up rows", Unlocked());
   // strips: every row count through the strips (where the output rows are whole vectors), whose sum
   // for a row is the same whatever rows come with it (`deterministic`)
   m.def("qlinear_int4", &qlinear_int4, "x @ W.T over int4 blocks of 32 (scale, offset), float32 math", pybind11::arg("x"),
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
-        pybind11::arg("strips") = false);
+        pybind11::arg("strips") = false, Unlocked());
   m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math", pybind11::arg("x"),
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
-        pybind11::arg("strips") = false);
-  m.def("dense_strips", &dense_strips, "x @ W.T for a dense W through the strips: one order for any number of rows");
+        pybind11::arg("strips") = false, Unlocked());
+  m.def("dense_strips", &dense_strips, "x @ W.T for a dense W through the strips: one order for any number of rows",
+        Unlocked());
   pybind11::class_<KernelLinear>(m, "KernelLinear", "one linear of these kernels: kind 0 int4, 1 int8, 2 dense strips")
       .def(pybind11::init<int64_t, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
                           c10::optional<at::Tensor>, bool>(),
            pybind11::arg("kind"), pybind11::arg("weight"), pybind11::arg("scales"), pybind11::arg("offsets"),
            pybind11::arg("bias"), pybind11::arg("strips"))
-      .def("__call__", &KernelLinear::operator());
+      .def("__call__", &KernelLinear::operator(), Unlocked());
   pybind11::class_<DecodeLayers>(m, "DecodeLayers", "a decode step through a Llama-family model's layers in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>(), pybind11::arg("heads"),
            pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"), pybind11::arg("eps"),
@@ -56,6 +64,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("place", &DecodeLayers::place)
       .def("placed", &DecodeLayers::placed)
       .def("__len__", &DecodeLayers::size)
-      .def("run", &DecodeLayers::run);
+      .def("run", &DecodeLayers::run, Unlocked());
   m.def("dense_strips_built", &dense_strips_built, "whether dense_strips is built at this CPU level");
 }
