@@ -289,7 +289,7 @@ def test_losing_a_node_moves_its_requests_and_workers_to_the_survivor(cluster, t
             while len(got) < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
             try:
-                assert [w["slot"] for w in cl.status()["workers"] if w["inflight"]] == sorted([on_a, on_b])
+                assert sorted(w["slot"] for w in cl.status()["workers"] if w["inflight"]) == sorted([on_a, on_b])
             finally:
                 placed.set()
             c.remove_node(next(iter(c.worker_nodes)))  # node_b, its raylet and every worker on it
