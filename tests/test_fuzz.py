@@ -165,8 +165,10 @@ def test_fuzz_worker_directly():
         end = time.monotonic() + 60
         while time.monotonic() < end:
             frames = recv()
-            if len(frames) == 3 and P.unpack_header(frames[1])[1] == key:
-                return msgpack.unpackb(frames[2])
+            if len(frames) >= 3 and len(frames) % 2:  # a turn of data messages: [header, body] pairs
+                for head, body in zip(frames[1::2], frames[2::2]):
+                    if P.unpack_header(head)[1] == key:
+                        return msgpack.unpackb(body)
         raise TimeoutError(key)
 
     try:

@@ -184,7 +184,7 @@ def test_four_copies_map_one_set_of_pages_and_survive_a_killed_copy(cache):
             rss = max(m["Rss"] for m in maps)
             assert sum(m["Pss"] for m in maps) <= rss + 4 * 4  # each page counted once in all (+ rounding)
 
-            victim = workers[1]
+            victim = next(w for w in workers if w["model_id"] == 1)  # status lists them in the order they registered
             os.kill(victim["pid"], signal.SIGKILL)
             # the other copies keep serving while it is gone; then a new process maps the same file
             assert [_answers(c, 4, ids=(0, 2, 3))] == [[want] * 3]
