@@ -123,12 +123,15 @@ class Router:
             self.shutdown()
 
     def _guarded(self, fn, *args) -> None:
+        self._safely(fn, *args)
+        self._flush()
+
+    def _safely(self, fn, *args) -> None:
         try:
             fn(*args)
         except Exception:  # a bug here must cost one message, never the router
             self.dispatch.internal_errors += 1
             traceback.print_exc()
-        self._flush()
 
     def _drain(self, sock: zmq.Socket) -> None:
         d = self.dispatch
@@ -143,19 +146,12 @@ class Router:
             elif sock is self.backend and len(frames) == 2:
                 self._guarded(d.worker, frames[0], frames[1], now)
             elif sock is self.backend and len(frames) >= 3 and len(frames) % 2:
-                self._guarded(self._worker_turn, frames, now)
+                # a worker's turn of data messages, [ident, header, body, header, body, ...]: each
+                # forwarded by its header (the body is never decoded); a bad one costs itself only
+                for i in range(1, len(frames), 2):
+                    self._safely(d.worker_data, frames[0], frames[i], frames[i + 1], now)
+                self._flush()
             # anything else is a peer speaking another protocol: nothing sensible to answer
-
-    def _worker_turn(self, frames: list[bytes], now: float) -> None:
-        """A worker's turn of data messages, [ident, header, body, header, body, ...]: each forwarded
-        by its header (the body is never decoded); a bad one costs itself only."""
-        d = self.dispatch
-        for i in range(1, len(frames), 2):
-            try:
-                d.worker_data(frames[0], frames[i], frames[i + 1], now)
-            except Exception:
-                d.internal_errors += 1
-                traceback.print_exc()
 
     def _flush(self) -> None:
         """Write what the dispatch queued; a failed write goes back to it (which may queue more)."""

@@ -55,6 +55,19 @@ def _tables(lengths: list[int], width: int, blocks: int, gen) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32)
 
 
+def _decode_case(lengths: list[int], width: int, blocks: int, heads: int, kvh: int, d: int, dtype, gen):
+    """A pool, block tables, one query row a sequence, its rows and lengths; the stale memory past
+    each row's length is NaN (at its worst), which the kernels must never read."""
+    kc, vc = _pool(blocks, kvh, d, dtype, gen)
+    tables = _tables(lengths, width, blocks, gen)
+    q = torch.randn(len(lengths), heads, d, generator=gen).to(dtype)
+    for r, n in enumerate(lengths):
+        if n % BS:
+            kc[tables[r, n // BS], :, n % BS:] = float("nan")
+            vc[tables[r, n // BS], :, n % BS:] = float("nan")
+    return kc, vc, tables, q, torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kvh,d", [(4, 2, 16), (3, 1, 24), (2, 2, 8)])
 def test_decode_attention_matches_the_reference(dtype, tol, heads, kvh, d):
@@ -64,15 +77,7 @@ def test_decode_attention_matches_the_reference(dtype, tol, heads, kvh, d):
     gen = torch.Generator().manual_seed(heads * 100 + d)
     lengths = [1, BS, BS + 1, 3 * BS - 1, 0, 2 * BS]
     width = 4
-    kc, vc = _pool(32, kvh, d, dtype, gen)
-    tables = _tables(lengths, width, 32, gen)
-    q = torch.randn(len(lengths), heads, d, generator=gen).to(dtype)
-    rows = torch.arange(len(lengths), dtype=torch.int32)
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    for r, n in enumerate(lengths):  # stale memory past each row's length (NaN at its worst) is never read
-        if n % BS:
-            kc[tables[r, n // BS], :, n % BS:] = float("nan")
-            vc[tables[r, n // BS], :, n % BS:] = float("nan")
+    kc, vc, tables, q, rows, lens = _decode_case(lengths, width, 32, heads, kvh, d, dtype, gen)
     for window in (0, 3, BS + 2):
         want = paged_ops.reference_attention(q, kc, vc, tables, rows, lens, d ** -0.5, window)
         got = _kernel(triton_attention.paged_attention, q, kc, vc, tables, rows, lens, d ** -0.5, window)
@@ -203,14 +208,7 @@ def test_split_decode_attention_matches_the_reference_and_ignores_the_batch(dtyp
     gen = torch.Generator().manual_seed(heads * 10 + d)
     lengths = [1, SEGMENT - 1, SEGMENT, SEGMENT + 1, 0, 3 * SEGMENT + 2, 2 * SEGMENT]
     width = 7
-    kc, vc = _pool(48, kvh, d, dtype, gen)
-    tables = _tables(lengths, width, 48, gen)
-    q = torch.randn(len(lengths), heads, d, generator=gen).to(dtype)
-    rows = torch.arange(len(lengths), dtype=torch.int32)
-    lens = torch.tensor(lengths, dtype=torch.int32)
-    for r, n in enumerate(lengths):  # stale memory past each row's length is never read
-        if n % BS:
-            kc[tables[r, n // BS], :, n % BS:] = float("nan")
+    kc, vc, tables, q, rows, lens = _decode_case(lengths, width, 48, heads, kvh, d, dtype, gen)
     for window in (0, 3, SEGMENT + 3):
         want = paged_ops.reference_attention(q, kc, vc, tables, rows, lens, d ** -0.5, window)
         got = _kernel(triton_decode.decode_attention, q, kc, vc, tables, rows, lens, d ** -0.5, window, SEGMENT)

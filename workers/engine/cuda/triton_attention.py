@@ -58,6 +58,32 @@ def kv_write(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
 
 
 @triton.jit
+def walk_blocks(q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, tables_ptr, row, kv_head, first, last, lo, length,
+                stride_cb, stride_ch, stride_cp, stride_vb, stride_vh, stride_vp, stride_table, scale, block_size,
+                offs_n, offs_d, offs_v, D: tl.constexpr, DV: tl.constexpr):
+    """The online softmax of q [G, D] (one KV head's query heads, float32) over the row's blocks
+    [first, last) of its table, the positions [lo, length) visible: the running max, sum and
+    output (m_i, l_i, acc), carried on from the ones given."""
+    for b in range(first, last):
+        block = tl.load(tables_ptr + row * stride_table + b)
+        pos = b * block_size + offs_n
+        visible = (offs_n < block_size) & (pos < length) & (pos >= lo)
+        k = tl.load(key_cache_ptr + block * stride_cb + kv_head * stride_ch + offs_n[:, None] * stride_cp
+                    + offs_d[None, :], mask=visible[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+        v = tl.load(value_cache_ptr + block * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vp
+                    + offs_v[None, :], mask=visible[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK_N]
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # every walked block has a visible position: finite
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(q_ptr, key_cache_ptr, value_cache_ptr, tables_ptr, rows_ptr, lengths_ptr, out_ptr,
                             stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_cb, stride_ch, stride_cp, stride_vb, stride_vh, stride_vp, stride_table,
@@ -81,24 +107,10 @@ def _paged_attention_kernel(q_ptr, key_cache_ptr, value_cache_ptr, tables_ptr, r
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.full([G_PAD], 0.0, tl.float32)
     acc = tl.full([G_PAD, DV_PAD], 0.0, tl.float32)
-    first = lo // block_size
-    last = (length + block_size - 1) // block_size
-    for b in range(first, last):
-        block = tl.load(tables_ptr + row * stride_table + b)
-        pos = b * block_size + offs_n
-        visible = (offs_n < block_size) & (pos < length) & (pos >= lo)
-        k = tl.load(key_cache_ptr + block * stride_cb + kv_head * stride_ch + offs_n[:, None] * stride_cp
-                    + offs_d[None, :], mask=visible[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        v = tl.load(value_cache_ptr + block * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vp
-                    + offs_v[None, :], mask=visible[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK_N]
-        s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # every walked block has a visible position: finite
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m_i = m_new
+    m_i, l_i, acc = walk_blocks(q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, tables_ptr, row, kv_head,
+                                lo // block_size, (length + block_size - 1) // block_size, lo, length,
+                                stride_cb, stride_ch, stride_cp, stride_vb, stride_vh, stride_vp, stride_table,
+                                scale, block_size, offs_n, offs_d, offs_v, D, DV)
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
     tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_v[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(offs_g[:, None] < G) & (offs_v[None, :] < DV))

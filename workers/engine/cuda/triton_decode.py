@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.engine.cuda.triton_attention import walk_blocks
+
 SEGMENT = 256  # positions a program walks: a multiple of every block size the pool uses (16, 32, ...)
 
 
@@ -56,22 +58,9 @@ def _segment_kernel(q_ptr, key_cache_ptr, value_cache_ptr, tables_ptr, rows_ptr,
     if first < last:
         q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=live[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        for b in range(first, last):
-            block = tl.load(tables_ptr + row * stride_table + b)
-            pos = b * block_size + offs_n
-            visible = (offs_n < block_size) & (pos < length) & (pos >= lo)
-            k = tl.load(key_cache_ptr + block * stride_cb + kv_head * stride_ch + offs_n[:, None] * stride_cp
-                        + offs_d[None, :], mask=visible[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-            v = tl.load(value_cache_ptr + block * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vp
-                        + offs_v[None, :], mask=visible[:, None] & (offs_v[None, :] < DV), other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK_N]
-            s = tl.where(visible[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # every walked block has a visible position: finite
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
+        m_i, l_i, acc = walk_blocks(q, m_i, l_i, acc, key_cache_ptr, value_cache_ptr, tables_ptr, row, kv_head,
+                                    first, last, lo, length, stride_cb, stride_ch, stride_cp, stride_vb, stride_vh,
+                                    stride_vp, stride_table, scale, block_size, offs_n, offs_d, offs_v, D, DV)
     tl.store(part_ptr + stat[:, None] * DV + offs_v[None, :], acc, mask=live[:, None] & (offs_v[None, :] < DV))
     tl.store(max_ptr + stat, m_i, mask=live)
     tl.store(sum_ptr + stat, l_i, mask=live)
