@@ -27,7 +27,10 @@ $(STAMP): pyproject.toml $(LOCK) $(NO_DEPS) | $(PY)
 	$(PIP) install -q --no-deps -r $(NO_DEPS)
 	touch $(STAMP)
 
+# the C++ kernels are built for this CPU at install, as a package's native code is (about half a
+# minute once; a no-op when built): the first worker then loads them instead of compiling them
 install: $(STAMP)
+	$(PY) -m workers.engine.cpu.extension
 
 run: install
 	$(PY) -m fusion.demo

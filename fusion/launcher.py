@@ -60,7 +60,13 @@ def fork_servers(pid: int) -> list:
     """The fork servers of process `pid` (psutil Processes)."""
     import psutil
 
-    return [c for c in psutil.Process(pid).children() if "forkserver" in " ".join(c.cmdline())]
+    def command(child) -> str:
+        try:
+            return " ".join(child.cmdline())
+        except psutil.Error:  # exited since (a zombie not yet reaped has no command line): no server
+            return ""
+
+    return [c for c in psutil.Process(pid).children() if "forkserver" in command(c)]
 
 
 def forked_workers(pid: int) -> list:

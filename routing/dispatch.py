@@ -273,6 +273,8 @@ class Dispatch:
                 w.weights = {k: v for k, v in msg["weights"].items() if k in ("bytes", "shared", "path")}
             if isinstance(msg.get("compile"), dict):
                 w.compile = dict(msg["compile"])
+            if isinstance(msg.get("kernels"), dict):
+                w.kernels = {str(k): str(v) for k, v in msg["kernels"].items()}
             self.lifecycle.loaded(w.model_id, now)
             self.requests.drain(w.model_id, now)
         elif mtype == P.LOAD_FAILED:

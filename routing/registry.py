@@ -50,6 +50,7 @@ class WorkerState:
     engine: dict = field(default_factory=dict)  # the worker's own counters, from its heartbeats
     weights: dict = field(default_factory=dict)  # {"bytes", "shared", "path"} from its LOADED
     compile: dict = field(default_factory=dict)  # {"compiled", "reason", "warm", "seconds", ...} from its LOADED
+    kernels: dict = field(default_factory=dict)  # the kernels it picked by the step's rows, from its LOADED
 
 
 class WorkerRegistry:
@@ -175,4 +176,4 @@ class WorkerRegistry:
                  "host": w.capabilities.get("host"), "placement": w.capabilities.get("placement"),
                  "device": self.spec_for(w).device if w.alive else None,
                  "load_error": w.load_error, "lost": w.lost, "engine": w.engine,
-                 "weights": w.weights, "compile": w.compile} for w in ws]
+                 "weights": w.weights, "compile": w.compile, "kernels": w.kernels} for w in ws]

@@ -23,8 +23,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / f"test-{version('torch')}-{version('transformers')}"
 os.environ["MMFUSION_CACHE"] = str(CACHE)
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE / f"inductor-{os.environ.get('MMFUSION_CPU_ISA', 'native')}")
-# the C++ decode kernel is built once for the session, also for tests that start from an empty cache
-os.environ["MMFUSION_KERNEL_CACHE"] = str(CACHE / "kernels")
+# the C++ kernels are not in that cache: they live beside their sources (built by `make install`, or
+# at the first load), also for tests that start from an empty cache
 # Without a GPU, Triton's kernels (workers.engine.cuda.triton_attention) run in its interpreter on the CPU.
 # Triton reads this when its language is defined, and importing the engine imports Triton (torch's
 # compiler does), so it is set here, before anything imports either.

@@ -141,3 +141,25 @@ def test_predict_finishes_correctly_when_a_worker_crashes(tmp_path, crash_case):
     assert proc.returncode == 0, err
     assert err.count("killed by SIGKILL") == 2 and err.count("started again") == 2
     _same_outputs(pred, clean)
+
+
+def test_a_zombie_child_is_no_fork_server_and_breaks_nothing():
+    """A child that exited and is not reaped yet has no command line: looking for the fork server
+    (the CLI's stop_server at exit) passes over it instead of failing."""
+    import os
+    import time
+
+    import psutil
+
+    from fusion.launcher import fork_servers, stop_server
+
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+        assert all(s.pid != child.pid for s in fork_servers(os.getpid()))
+        stop_server()
+    finally:
+        child.wait()

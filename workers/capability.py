@@ -51,6 +51,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (/proc/cpuinfo), or the architecture where
+    unreadable: machines of one kind differ in it, and a kernel choice measured on one is not
+    taken on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def native_level(flags: frozenset[str]) -> str:
     """The highest level these flags support."""
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:

@@ -158,6 +158,10 @@ class EngineThread(threading.Thread):
                 self.engine, self.spec = at_low_priority(build), spec
                 if self.engine.compile_info.compiled:
                     print(f"worker: {spec.name}: {self.engine.compile_info.summary()}", file=sys.stderr, flush=True)
+                if self.engine.kernels:
+                    chosen = "; ".join(f"{k}: {v}" for k, v in self.engine.kernels.items())
+                    print(f"worker: {spec.name}: quantized linears by the step's rows: {chosen}", file=sys.stderr,
+                          flush=True)
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
             traceback.print_exc()
             self.output.put_control({"type": P.LOAD_FAILED, "model_id": assign.model_id, "worker_id": assign.worker_id,
@@ -166,7 +170,7 @@ class EngineThread(threading.Thread):
         self.output.put_model(spec.name, self.engine.tokenizer, self.engine.lm.eos_token_ids)
         self.output.put_control({"type": P.LOADED, "model_id": assign.model_id, "worker_id": assign.worker_id,
                                  "weights": self.engine.lm.weights.as_dict(),
-                                 "compile": self.engine.compile_info.as_dict()})
+                                 "compile": self.engine.compile_info.as_dict(), "kernels": self.engine.kernels})
 
     def _task(self, task: str, prompt, params: dict) -> dict:
         """A tokenizer task's answer, computed here and now (no engine step)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers import kernel_notes
 from workers.buckets import Buckets, compile_mode, default_buckets
 from workers.config_keys import MODEL
 from workers.engine import attention
@@ -113,6 +114,12 @@ class Engine:
         layout = self.runner.layout
         blocks = BlockManager(layout.num_blocks, layout.block_size, layout.groups, cfg.max_batch_tokens,
                               enable_prefix_caching=layout.prefix_caching, cache_reserve=layout.reserve)
+        # the kernels picked by the step's rows, measured at load where the runner has a choice
+        max_rows = max(cfg.max_batch_tokens, cfg.max_batch_size)
+        self.kernels: dict[str, str] = self.runner.pick_kernels(max_rows)
+        if self.kernels:  # for validate_only to show before the next deployment's workers start
+            kernel_notes.remember(kernel_notes.note_key(lm.source, self.precision, torch.get_num_threads(), max_rows),
+                                  self.kernels)
         # what a position of a long prompt's attention costs, measured at load where the runner can
         self.attention_span = self.runner.attention_span()
         self.scheduler = Scheduler(cfg.scheduler_config(self.attention_span, self.runner.min_long_chunk()), blocks)

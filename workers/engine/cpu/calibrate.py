@@ -23,6 +23,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -34,25 +35,26 @@ NEAR, FAR = 128, 2048  # the chunk's first positions in the two measurements
 REPEATS = 3  # best of: the timings of a loaded machine are noisy
 COLD_BYTES = 96 << 20  # more than a CPU's last-level cache: the scratch layers' keys and values
 SPAN_LIMITS = (16, 1 << 20)
+T = TypeVar("T")
 
 
-def remembered(key: str, measure: Callable[[], int | None]) -> int | None:
-    """The span measured earlier under `key` (everything the figure depends on: model, dtype,
-    kernels, threads, CPU), else `measure()`, kept for the next load. A missing or unreadable
-    file is measured again."""
+def remembered(key: str, measure: Callable[[], T]) -> T:
+    """The figure measured earlier under `key` (everything it depends on: model, dtype, kernels,
+    threads, CPU), else `measure()`, kept for the next load. A missing or unreadable file is
+    measured again. The figure is anything JSON keeps (a number, a list of names)."""
     path = cache_root() / "calibration" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
     try:
         kept = json.loads(path.read_text())
         if kept.get("key") == key:
-            return kept["span"]
+            return kept["value"]
     except (OSError, ValueError, KeyError, AttributeError):
         pass
-    span = measure()
+    value = measure()
     try:
-        atomic_replace(path, lambda tmp: tmp.write_text(json.dumps({"key": key, "span": span})))
+        atomic_replace(path, lambda tmp: tmp.write_text(json.dumps({"key": key, "value": value})))
     except OSError:  # a read-only cache: measured again next time
         pass
-    return span
+    return value
 
 
 def best_seconds(fn, repeats: int = REPEATS) -> float:

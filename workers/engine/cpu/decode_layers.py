@@ -48,13 +48,16 @@ class FusedDecode:
     """The layers of a LeanLlama as one C++ call for decode steps; `layers` None where it does not
     apply to the model (then `applies` is always false)."""
 
-    __slots__ = ("layers", "windows", "rope_types", "_position")
+    __slots__ = ("layers", "windows", "rope_types", "widened_from", "_position")
 
     def __init__(self, layers=None, windows: list[int | None] | None = None, rope_types: list[str] | None = None):
         self.layers = layers
         self.windows = windows or []
         # Gemma 3: the layer types whose rotary tables `run` takes, in this order (None: one table)
         self.rope_types = rope_types
+        # the fewest rows at which a layer linear takes the widened GEMM, not its blocks
+        # (LeanLlama.pick_row_kernels): such steps take the layer loop in Python
+        self.widened_from: int | None = None
         self._position = None  # the ContextHolder's layer placement the layers were placed by
 
     @classmethod
@@ -77,10 +80,11 @@ class FusedDecode:
 
     def applies(self, ctx: attention.StepContext, h: torch.Tensor, cos: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        """Whether this step is one it serves: decode rows alone, through the C++ decode kernel, with
-        the rotary tables in the rows' dtype (the C++ rotary write's condition)."""
+        """Whether this step is one it serves: decode rows alone, fewer than widened_from, through the
+        C++ decode kernel, with the rotary tables in the rows' dtype (the C++ rotary write's condition)."""
         n = h.shape[0]
-        return (self.layers is not None and n > 0 and not ctx.segments and ctx.num_decode == ctx.num_tokens == n
+        return (self.layers is not None and n > 0 and (self.widened_from is None or n < self.widened_from)
+                and not ctx.segments and ctx.num_decode == ctx.num_tokens == n
                 and ctx.backend is not None and ctx.backend.name == CPU_KERNELS and kv[0].dtype in KERNEL_DTYPES
                 and cos.dtype == h.dtype)
 

@@ -3,9 +3,12 @@
 Decode attention in PyTorch operations costs a few dozen small operations per layer, and their
 dispatch, not their arithmetic, is most of a decode step's attention time. The C++ kernel
 does one pass per (row, KV head) over only the positions the row sees, as vLLM's CPU paged
-attention does. It is compiled at first use with torch's extension builder into the cache
-(`$MMFUSION_KERNEL_CACHE`, default `$MMFUSION_CACHE/kernels`, under a hash of the source, its folder, torch
-and the CPU capability; tens of seconds, once), for the level workers.capability decides:
+attention does. It is compiled with torch's extension builder under a hash of the source, its
+folder, torch and the CPU capability (about half a minute, once): by `make install` (`python -m
+workers.engine.cpu.extension`), as a package's native code is built when it is installed, else at
+first use. It goes beside the sources (`kernels/build/`, as an in-place build would put it), where
+that folder is writable, else under `$MMFUSION_CACHE/kernels`; `$MMFUSION_KERNEL_CACHE` names
+another place. It is built for the level workers.capability decides:
 `-march=native` at the CPU's own level, an ISA target such as x86-64-v3 (AVX2, FMA, F16C) under
 MMFUSION_CPU_ISA, and an engine on CPU hands it to its model's attention
 (workers.engine.cpu.backend). Where it cannot be built (no compiler) or does not apply
@@ -44,7 +47,7 @@ PREFILL_PATHS = {torch.bfloat16: "bf16_avx512", torch.float32: "f32_avx2"}  # th
 # the dot products and exponentials vectorize (glibc's libmvec holds the vector exp)
 CFLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp")
 LDFLAGS = ("-lmvec", "-fopenmp")
-# where built kernels go, when not under $MMFUSION_CACHE/kernels (tests keep one across cold caches)
+# where built kernels go, when not beside the sources (build_root)
 KERNEL_CACHE_ENV = "MMFUSION_KERNEL_CACHE"
 # a build takes under a minute: a lock older than this was left by a process killed while building
 STALE_BUILD_LOCK_S = 900.0
@@ -69,11 +72,26 @@ def _build():
     # the sources' folder too: torch's builder writes their paths into build.ninja, so two checkouts
     # sharing one folder rebuilt it for each other in turn
     tag = hashlib.sha1(src + torch.__version__.encode() + cap.tag().encode() + str(KERNELS).encode()).hexdigest()[:16]
-    build = Path(os.environ.get(KERNEL_CACHE_ENV) or cache_root() / "kernels") / tag
+    build = build_root() / tag
     build.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build / "lock")
     return cpp_extension.load(name=f"mmfusion_paged_decode_{tag}", sources=[str(path) for path in SOURCES], build_directory=str(build),
                               extra_cflags=[*CFLAGS, *cap.cflags], extra_ldflags=list(LDFLAGS), verbose=False)
+
+
+def build_root() -> Path:
+    """Where builds go: $MMFUSION_KERNEL_CACHE, else beside the sources where that is writable
+    (a read-only install), else under the cache."""
+    if os.environ.get(KERNEL_CACHE_ENV):
+        return Path(os.environ[KERNEL_CACHE_ENV])
+    beside = KERNELS / "build"
+    try:
+        beside.mkdir(exist_ok=True)
+        if os.access(beside, os.W_OK):
+            return beside
+    except OSError:
+        pass
+    return cache_root() / "kernels"
 
 
 def clear_stale_lock(lock: Path, max_age: float = STALE_BUILD_LOCK_S) -> bool:
@@ -140,3 +158,11 @@ def prefill_kernel(dtype: torch.dtype, head_dim: int) -> Callable | None:
 def decode_kernel() -> Callable | None:
     """The CPU decode kernel (built once), or None when it could not be built."""
     return paged_decode_cpu if _built()[0] is not None else None
+
+
+if __name__ == "__main__":  # `make install`: build the kernels for this CPU now, not at the first load
+    started = time.perf_counter()
+    if kernel_module() is None:
+        raise SystemExit(f"the C++ kernels could not be built ({build_error()}); PyTorch's operations will serve")
+    print(f"C++ kernels for this CPU ({cpu_capability().level}) in {build_root()}: {', '.join(kernel_paths())} "
+          f"({time.perf_counter() - started:.1f} s)")

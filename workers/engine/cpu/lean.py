@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
+from workers.engine.cpu import row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
 from workers.engine.cpu.linears import Linear, fused, quantized
 from workers.engine.lean_parts import AttentionShape, rotation
@@ -93,6 +94,7 @@ class LeanLlama:
         # they would keep those linears' bytes twice
         self._blocks = {}
         # `deterministic`: the rows each linear path (as packed) multiplies a call (0: any number)
+        self.invariant = invariant
         self.invariant_rows: dict[str, int] = self._invariant_linears(model) if invariant else {}
         self.decode_layers = self._fused_decode()
 
@@ -125,6 +127,30 @@ class LeanLlama:
             lin = fused(modules, self.precision.linears, self.compute)
         self._keyed[key] = lin
         return lin
+
+    def pick_row_kernels(self, max_rows: int) -> dict[str, str]:
+        """Each quantized layer linear's kernel by the step's row count, measured on this machine for
+        steps of up to `max_rows` rows (row_kernels); the LM head keeps its blocks (it multiplies the
+        kept rows, one a sequence). Not under `deterministic`, whose strips take every row count.
+        Returns the choice by linear, as the worker logs it and status shows it."""
+        kernels = self.norms
+        if (self.invariant or kernels is None or not hasattr(kernels, "qlinear_widened")
+                or self.compute not in (torch.float32, torch.bfloat16)):
+            return {}
+        chosen: dict[tuple, row_kernels.RowChoice] = {}
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if lin.quant is None or lin.kernels is None:
+                    continue
+                sig = (lin.quant.kind, lin.shape)
+                if sig not in chosen:
+                    chosen[sig] = row_kernels.choose(sig[0], lin.shape, self.compute,
+                                                     {row_kernels.BLOCKS: lin.blocks, row_kernels.WIDENED: lin.widened},
+                                                     max_rows, kernels.__name__)
+                lin.rows = chosen[sig]
+        starts = [c.widened_from for c in chosen.values() if c.widened_from is not None]
+        self.decode_layers.widened_from = min(starts) if starts else None
+        return {f"{kind} {out}x{width}": c.describe() for (kind, (out, width)), c in chosen.items()}
 
     def quantized_weights(self) -> dict[str, QuantizedWeight]:
         """Its weight-only quantized linears by key (the modules' names they fuse), as `fused` takes them."""

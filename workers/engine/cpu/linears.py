@@ -13,8 +13,10 @@ Two packings, chosen per model at load (workers.precision):
 
 - weight-only int8 or int4 blocks (workers.quant, `quantization`): the C++ kernels
   (kernels/qlinear.cpp) widen each block to float32 in registers and multiply the activations in
-  float32, reading a third (int4) or a half (int8) of bfloat16's bytes. Where the kernels could not
-  be built, the blocks' float32 values are multiplied as a dense weight (`linears`' way).
+  float32, reading a third (int4) or a half (int8) of bfloat16's bytes. A step of many rows may
+  instead take ATen's GEMM on the blocks widened to the compute dtype, where the machine measured
+  it faster for that row count (`rows`, workers.engine.cpu.row_kernels). Where the kernels could
+  not be built, the blocks' float32 values are multiplied as a dense weight (`linears`' way).
 
 Packed weights are tensors of this process (an opaque layout, not a plain buffer), so they cannot
 live in the shared-weights file: each process that packs holds its own copy, which the plan counts
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.engine.cpu.invariant import in_tiles, invariant_any, invariant_rows
+from workers.engine.cpu.row_kernels import WIDENED
 from workers.engine.lean_parts import fused_bias
 from workers.precision import FP16, ONEDNN, PLAIN
 from workers.quant.fuse import quantized_weight
@@ -53,7 +56,7 @@ class Linear:
     "plain"); the result is in the compute dtype (float32 for "fp16")."""
 
     __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels", "shape", "rows_per_call",
-                 "strips", "dense")
+                 "strips", "dense", "rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | bool, own: bool = False,
                  compute: torch.dtype | None = None):
@@ -66,6 +69,7 @@ class Linear:
         self.rows_per_call = 0  # any number (make_invariant fixes one)
         self.strips = False
         self.dense = None  # the weight the C++ strips read (make_invariant)
+        self.rows = None  # quantized: the kernel by the step's row count (row_kernels.RowChoice; None: the blocks')
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
         self.packed = self.fp16 = self.quant = self.kernels = None
@@ -98,6 +102,7 @@ class Linear:
         lin.bias = None if bias is None else bias.detach().to(compute)
         lin.quant, lin.kernels, lin.own_bytes = qw, kernels, qw.nbytes
         lin.shape, lin.rows_per_call, lin.strips, lin.dense = (qw.out_features, qw.in_features), 0, False, None
+        lin.rows = None
         return lin
 
     @property
@@ -106,6 +111,16 @@ class Linear:
         if self.quant is not None:
             return self.quant.kind
         return FP16 if self.fp16 is not None else ONEDNN if self.packed is not None else PLAIN
+
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """A quantized linear through its format's C++ kernel on the blocks (workers.quant.formats)."""
+        q = self.quant
+        return getattr(self.kernels, q.format.cpu_kernel)(x, q.qs, q.scales, q.offsets, self.bias, self.strips)
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """A quantized linear through ATen's GEMM on its blocks widened to x's dtype (row_kernels)."""
+        q = self.quant
+        return self.kernels.qlinear_widened(x, q.qs, q.scales, q.offsets, self.bias)
 
     def make_invariant(self, compute: torch.dtype, like: int | None = None, kernels=None,
                        weight: torch.Tensor | None = None, own: bool = False) -> int:
@@ -147,8 +162,9 @@ class Linear:
         if self.dense is not None:
             return self.kernels.dense_strips(x, self.dense, self.bias)
         if self.quant is not None:
-            q = self.quant  # its format's C++ kernel (workers.quant.formats)
-            return getattr(self.kernels, q.format.cpu_kernel)(x, q.qs, q.scales, q.offsets, self.bias, self.strips)
+            if self.rows is not None and self.rows.way(x.shape[0]) == WIDENED:
+                return self.widened(x)
+            return self.blocks(x)
         if self.fp16 is not None:
             if len(self.fp16) == 1:
                 return torch.ops.quantized.linear_dynamic_fp16(x, self.fp16[0])

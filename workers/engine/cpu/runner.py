@@ -73,6 +73,10 @@ class CpuRunner(PagedRunner):
                     if isinstance(m, torch.nn.Linear) and m.weight.data_ptr() != embed])
         return lean
 
+    def pick_kernels(self, max_rows: int) -> dict[str, str]:
+        """The quantized linears' kernel by the step's rows, measured here (workers.engine.cpu.row_kernels)."""
+        return self.lean.pick_row_kernels(max_rows) if self.lean is not None else {}
+
     def min_long_chunk(self) -> int:
         """The tokens whose query rows fill one pass of the C++ prefill kernel over the context (16
         rows of one KV head in bfloat16, 8 in float32): a chunk of fewer costs as much."""

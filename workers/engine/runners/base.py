@@ -102,6 +102,11 @@ class Runner(ABC):
         """attention_span measured on this machine on the path that serves; None: not measured."""
         return None
 
+    def pick_kernels(self, max_rows: int) -> dict[str, str]:
+        """Choose the kernels whose speed depends on the step's rows by measuring them here, for steps
+        of up to `max_rows` rows; returns the choice by what it applies to (empty: nothing to choose)."""
+        return {}
+
     def min_long_chunk(self) -> int:
         """The fewest tokens of a long prompt's chunk worth a step beside the streams."""
         return 1

@@ -22,6 +22,8 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
 at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
                         c10::optional<at::Tensor> bias, bool strips);
 at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+at::Tensor qlinear_widened(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
+                           c10::optional<at::Tensor> bias);
 bool dense_strips_built();
 
 // Every kernel call lets go of the GIL while it runs (its arguments are converted before and its
@@ -47,6 +49,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math", pybind11::arg("x"),
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
         pybind11::arg("strips") = false, Unlocked());
+  m.def("qlinear_widened", &qlinear_widened, "x @ W.T over int4 or int8 blocks through ATen's GEMM on widened weights",
+        pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"),
+        pybind11::arg("bias"), Unlocked());
   m.def("dense_strips", &dense_strips, "x @ W.T for a dense W through the strips: one order for any number of rows",
         Unlocked());
   pybind11::class_<KernelLinear>(m, "KernelLinear", "one linear of these kernels: kind 0 int4, 1 int8, 2 dense strips")

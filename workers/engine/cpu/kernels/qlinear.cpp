@@ -322,3 +322,56 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
 #endif
   });
 }
+
+// x [M, K] (float32 or bfloat16) against int4 (qs uint8 [N, K / 2], offsets) or int8 (qs int8
+// [N, K], no offsets) blocks through ATen's GEMM on the weights widened to x's dtype in panels (the
+// values the other paths take): oneDNN's GEMM, AMX tiles where the CPU has them. The blocks' own
+// paths above win at few rows, this one may at many; which, and from how many rows, is measured on
+// the machine (workers.engine.cpu.row_kernels). Returns [M, N] in x's dtype.
+at::Tensor qlinear_widened(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
+                           c10::optional<at::Tensor> bias) {
+  const bool int4 = qs.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 || qs.scalar_type() == at::kChar, "qlinear_widened: qs must be uint8 (int4) or int8 blocks");
+  TORCH_CHECK(qs.is_contiguous(), "qlinear_widened: qs must be contiguous");
+  const int64_t n = qs.size(0), k = int4 ? qs.size(1) * 2 : qs.size(1), blocks = k / kBlock;
+  check(x, scales, n, k, "qlinear_widened");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "qlinear_widened: x must be float32 or bfloat16, got ", x.scalar_type());
+  const bool has_offsets = offsets.has_value() && offsets->defined();
+  TORCH_CHECK(has_offsets == int4, "qlinear_widened: int4 blocks take offsets, int8 blocks none");
+  if (int4) {
+    TORCH_CHECK(offsets->scalar_type() == at::kHalf && offsets->is_contiguous() && offsets->numel() == scales.numel(),
+                "qlinear_widened: offsets must be float16 like scales");
+  }
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == n, "qlinear_widened: bias must have ", n, " values");
+  if (x.size(0) == 0) return at::empty({0, n}, x.options());
+  const at::Tensor xc = x.contiguous();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* o = int4 ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr;
+  const void* q = qs.data_ptr();
+  const at::Tensor b = has_bias ? bias->to(xc.scalar_type()).contiguous() : at::Tensor();
+  const auto widen_f32 = [=](int64_t row, float* w) {
+    if (int4) {
+      widen_int4(static_cast<const uint8_t*>(q) + row * (k / 2), s + row * blocks, o + row * blocks, k, w);
+    } else {
+      widen_int8(static_cast<const int8_t*>(q) + row * k, s + row * blocks, k, w);
+    }
+  };
+  if (xc.scalar_type() == at::kFloat) return panels<float>(xc, n, b, widen_f32);
+  return panels<c10::BFloat16>(xc, n, b, [=](int64_t row, c10::BFloat16* w) {
+#ifdef MMFUSION_QLINEAR_BF16
+    if (int4) {
+      widen_row_bf16(static_cast<const uint8_t*>(q) + row * (k / 2), s + row * blocks, o + row * blocks, k, w);
+    } else {
+      widen_row_bf16(static_cast<const int8_t*>(q) + row * k, s + row * blocks, nullptr, k, w);
+    }
+#else
+    // the same values rounded to bfloat16 as the AVX512-BF16 widening rounds them (to nearest even)
+    thread_local std::vector<float> f;
+    f.resize(k);
+    widen_f32(row, f.data());
+    for (int64_t i = 0; i < k; ++i) w[i] = static_cast<c10::BFloat16>(f[i]);
+#endif
+  });
+}

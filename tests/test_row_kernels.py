@@ -1,0 +1,174 @@
+"""The quantized linears' kernel picked by the step's row count (workers.engine.cpu.row_kernels): the
+picking on stand-in timings (the fastest wins its buckets through one crossover, the same timings
+give the same choice, the cache is keyed by the machine), the widened GEMM against the blocks'
+reference, and an engine whose linears take it answering as the blocks do."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import yaml
+from support.models import tiny
+
+from workers.engine import Engine, EngineConfig
+from workers.engine.cpu import extension, row_kernels
+from workers.engine.cpu.decode_layers import FusedDecode
+from workers.engine.cpu.row_kernels import BLOCKS, BUCKETS, WIDENED, RowChoice, pick
+from workers.engine.params import SamplingParams
+from workers.quant.weight import INT4, INT8, quantize
+
+KERNELS = extension.kernel_module()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"no C++ kernels: {extension.build_error()}")
+
+
+def _timings(blocks: dict[int, float], widened: dict[int, float]) -> dict[int, dict[str, float]]:
+    return {r: {BLOCKS: blocks[r], WIDENED: widened[r]} for r in blocks}
+
+
+def test_the_fastest_stand_in_takes_its_buckets_through_one_crossover():
+    flat = dict.fromkeys(BUCKETS, 1.0)
+    # the blocks win everywhere: no crossover
+    assert pick(_timings(flat, dict.fromkeys(BUCKETS, 2.0))) == RowChoice(None)
+    # the GEMM wins from 64 rows on: rows above the 16-row bucket take it
+    gemm = {1: 9.0, 4: 5.0, 16: 1.5, 64: 0.5, 256: 0.4, 512: 0.3}
+    choice = pick(_timings(flat, gemm))
+    assert choice == RowChoice(17)
+    assert [choice.way(r) for r in (1, 16, 17, 64, 100, 512, 4096)] == [BLOCKS] * 2 + [WIDENED] * 5
+    assert choice.describe() == "blocks up to 16 rows, widened from 17"
+    # everywhere: from one row on
+    assert pick(_timings(flat, dict.fromkeys(BUCKETS, 0.5))).way(1) == WIDENED
+    # a bucket where the GEMM wins but a larger one where it does not: no flip back and forth
+    noisy = {1: 9.0, 4: 0.5, 16: 1.5, 64: 0.5, 256: 0.4, 512: 0.3}
+    assert pick(_timings(flat, noisy)) == RowChoice(17)
+    # within the margin the blocks stay (they hold a quarter of the bytes)
+    near = dict.fromkeys(BUCKETS, 1 - row_kernels.MARGIN / 2)
+    assert pick(_timings(flat, near)) == RowChoice(None)
+    # the same timings, the same choice
+    assert all(pick(_timings(flat, gemm)) == choice for _ in range(5))
+    # fewer buckets measured (a small max_batch_tokens): the last measured holds beyond it
+    assert row_kernels.bucket_rows(64) == (1, 4, 16, 64) and row_kernels.bucket_rows(65) == BUCKETS[:5]
+    assert row_kernels.bucket_rows(10_000) == BUCKETS
+    with pytest.raises(ValueError, match="widened_from must be a row count of at least 1"):
+        RowChoice(0)
+
+
+def test_a_choice_is_measured_once_per_machine_and_again_on_another(tmp_path, monkeypatch):
+    """Stand-in kernels that take a set time: the blocks 1 ms up to 16 rows and 6 ms above, the
+    GEMM 3 ms at any rows. Measured through the real timer; read back from the cache after."""
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
+    calls: list[str] = []
+
+    def way(name: str, small: float, large: float):
+        def run(x: torch.Tensor) -> None:
+            calls.append(name)
+            time.sleep(small if x.shape[0] <= 16 else large)
+        return run
+
+    ways = {BLOCKS: way(BLOCKS, 0.001, 0.006), WIDENED: way(WIDENED, 0.003, 0.003)}
+    choice = row_kernels.choose(INT4, (64, 32), torch.float32, ways, 512, "build-a")
+    assert choice == RowChoice(17) and {BLOCKS, WIDENED} <= set(calls)
+    calls.clear()
+    assert row_kernels.choose(INT4, (64, 32), torch.float32, ways, 512, "build-a") == choice and calls == []
+    # another CPU model, another kernel build or another shape: measured again
+    for change in ("cpu", "build", "shape"):
+        calls.clear()
+        if change == "cpu":
+            monkeypatch.setattr(row_kernels, "cpu_model", lambda: "Another CPU")
+        build, shape = ("build-b", (64, 32)) if change == "build" else ("build-a", (64, 64) if change == "shape" else (64, 32))
+        assert row_kernels.choose(INT4, shape, torch.float32, ways, 512, build) == choice
+        assert calls, change
+    # a step never has more rows than max_batch_tokens: the buckets above it are not measured
+    calls.clear()
+    sizes: list[int] = []
+    ways_small = {name: (lambda x, fn=fn: (sizes.append(x.shape[0]), fn(x))) for name, fn in ways.items()}
+    row_kernels.choose(INT8, (64, 32), torch.float32, ways_small, 64, "build-a")
+    assert max(sizes) == 64
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", [INT4, INT8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_widened_gemm_takes_the_blocks_values(kind, dtype):
+    gen = torch.Generator().manual_seed(0)
+    qw = quantize(torch.randn(80, 96, generator=gen), kind)
+    bias = torch.randn(80, generator=gen)
+    for rows in (0, 1, 5, 130):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        got = KERNELS.qlinear_widened(x, qw.qs, qw.scales, qw.offsets, bias)
+        w = qw.dequantize().to(dtype)  # the values the blocks' kernels widen to
+        want = (x.double() @ w.double().T + bias.to(dtype).double())
+        assert got.dtype == dtype and got.shape == (rows, 80)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * 10)
+    with pytest.raises(RuntimeError, match="int4 blocks take offsets, int8 blocks none"):
+        KERNELS.qlinear_widened(x, qw.qs, qw.scales, None if kind == INT4 else qw.scales, None)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        KERNELS.qlinear_widened(x.half(), qw.qs, qw.scales, qw.offsets, None)
+
+
+def _greedy(eng: Engine) -> list[list[int]]:
+    prompts = [[5, 6, 7, 8], [9] * 13, [3, 100, 42], list(range(10, 40))]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", [INT4, INT8])
+def test_an_engine_whose_linears_take_the_widened_gemm_answers_as_the_blocks(kind, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
+    lm = tiny("llama", dtype="float32")
+    blocks = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=kind))
+    # measured at load for every layer linear (the LM head keeps its blocks), shown by shape
+    # (int4: a part whose blocks would be int8 makes its fused linear int8)
+    assert blocks.kernels and any(k.startswith(f"{kind} ") for k in blocks.kernels)
+    lean = blocks.runner.lean
+    assert all(lin.rows is not None for layer in lean.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert lean.lm_head.rows is None
+    want = _greedy(blocks)
+    widened = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=kind))
+    wl = widened.runner.lean
+    for layer in wl.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            lin.rows = RowChoice(1)
+    wl.decode_layers.widened_from = 1
+    assert _greedy(widened) == want
+    assert wl.decode_layers._position is None  # no decode step took the C++ layers: their linears are the blocks'
+    # a decode step below the crossover still takes them
+    fused = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=kind))
+    fused.runner.lean.decode_layers.widened_from = 64
+    assert _greedy(fused) == want and fused.runner.lean.decode_layers._position is not None
+
+
+@needs_kernels
+def test_deterministic_keeps_one_kernel_for_every_row_count():
+    lm = tiny("llama", dtype="float32")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=INT4, deterministic=True))
+    assert eng.kernels == {}
+    assert all(lin.rows is None for lin in eng.runner.lean.linears())
+    assert isinstance(eng.runner.lean.decode_layers, FusedDecode) and eng.runner.lean.decode_layers.widened_from is None
+
+
+@needs_kernels
+def test_validate_only_shows_what_a_load_on_this_machine_picked(tmp_path, monkeypatch, capsys):
+    from fusion.cli import main
+
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "cache"))
+    params = tmp_path / "p.yaml"
+    params.write_text(yaml.safe_dump({
+        "variants": {"llama": {"model": {"source": "tiny:llama", "dtype": "float32", "quantization": "int4",
+                                         "max_batch_size": 4, "max_batch_tokens": 64}}},
+        "runconfig": {"threads_per_worker": 1, "devices": "cpu"}}))
+    argv = ["--mode", "validate_only", "--params", str(params), "--variants", "llama,1"]
+    assert main(argv) == 0
+    assert "worker 0: measured at its first load on this CPU" in capsys.readouterr().out
+    threads = torch.get_num_threads()
+    try:  # the worker's load: one thread, the planned batch
+        eng = Engine(tiny("llama", dtype="float32"), EngineConfig(max_batch_size=4, max_batch_tokens=64,
+                                                                   quantization="int4", num_threads=1))
+    finally:
+        torch.set_num_threads(threads)
+    assert main(argv) == 0
+    shown = capsys.readouterr().out
+    assert all(f"{k}: {v}" in shown for k, v in eng.kernels.items()), shown

@@ -1,0 +1,111 @@
+"""Which kernel multiplies a weight-only quantized linear at each row count, measured on this machine.
+
+A step of a few rows (decode of a few streams) is bound by the bytes of weights it reads, and the
+C++ kernels that read the int4 or int8 blocks as they are win it. A step of many rows (a prompt's
+chunk, a large batch) is bound by arithmetic, where ATen's GEMM on the weights widened to the
+compute dtype (`qlinear_widened`: oneDNN, with AMX tiles where the CPU has them) may win instead.
+Which one wins, and from how many rows, depends on the CPU: on an AVX512-BF16 CPU without AMX the
+blocks' own strips held level with oneDNN at 64 rows, while on an AMX CPU oneDNN did the batch 3x
+faster. A choice measured on one machine was wrong on another, so each worker measures it at load:
+every candidate on each distinct linear shape at the row counts of BUCKETS (up to the most rows a
+step of the engine can have), best of a few calls. The result is cached under a key of the machine,
+torch, the kernels' build, the threads and the shape, so a later load on the same machine reads it.
+
+The choice is one crossover per shape: the blocks below it, the widened GEMM from it on, taken
+only where the GEMM wins at that bucket and every larger one measured by MARGIN. So a noisy bucket
+in the middle does not flip a linear back and forth, and the same timings always give the same choice.
+`deterministic` takes none of this: its strips multiply every row count one way (Linear.make_invariant).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from workers.capability import cpu_capability, cpu_model
+from workers.engine.cpu import calibrate
+
+BUCKETS = (1, 4, 16, 64, 256, 512)  # the step sizes (rows) measured
+BLOCKS, WIDENED = "blocks", "widened"  # the quantized blocks' own kernels; ATen's GEMM on widened weights
+WAYS = (BLOCKS, WIDENED)
+# the widened GEMM replaces the blocks only where it is this much faster: timings on a busy machine
+# are noisy, and the blocks hold a quarter of the bytes
+MARGIN = 0.10
+
+
+@dataclass(frozen=True, slots=True)
+class RowChoice:
+    """The blocks below `widened_from` rows, the widened GEMM from there on (None: never)."""
+
+    widened_from: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.widened_from is not None and self.widened_from < 1:
+            raise ValueError(f"widened_from must be a row count of at least 1 or None, got {self.widened_from}")
+
+    def way(self, rows: int) -> str:
+        return WIDENED if self.widened_from is not None and rows >= self.widened_from else BLOCKS
+
+    def describe(self) -> str:
+        if self.widened_from is None:
+            return BLOCKS
+        if self.widened_from == 1:
+            return WIDENED
+        return f"{BLOCKS} up to {self.widened_from - 1} rows, {WIDENED} from {self.widened_from}"
+
+
+def bucket_rows(max_rows: int) -> tuple[int, ...]:
+    """The buckets a step of at most `max_rows` rows can fall in: those up to the first that holds it."""
+    i = bisect_left(BUCKETS, max(1, max_rows))
+    return BUCKETS[: i + 1] if i < len(BUCKETS) else BUCKETS
+
+
+def pick(seconds: dict[int, dict[str, float]]) -> RowChoice:
+    """The choice from the timings of each bucket ({rows: {way: seconds}}, every way timed at every
+    bucket): the widened GEMM from the smallest bucket at and above which it beats the blocks by
+    MARGIN at every bucket timed. A step of rows between two buckets takes the larger one's way."""
+    rows = sorted(seconds)
+    start = None
+    for i in range(len(rows) - 1, -1, -1):
+        t = seconds[rows[i]]
+        if t[WIDENED] < (1 - MARGIN) * t[BLOCKS]:
+            start = i
+        else:
+            break
+    if start is None:
+        return RowChoice()
+    return RowChoice(1 if start == 0 else rows[start - 1] + 1)
+
+
+def measure(ways: dict[str, Callable[[torch.Tensor], torch.Tensor]], width: int, dtype: torch.dtype,
+            rows: tuple[int, ...], timer: Callable[[Callable[[], object]], float] = calibrate.best_seconds
+            ) -> dict[int, dict[str, float]]:
+    """Seconds of each way's call on random rows [r, width] of `dtype`, for each r of `rows`."""
+    gen = torch.Generator().manual_seed(0)
+    out: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for r in rows:
+            x = torch.randn(r, width, generator=gen).to(dtype)
+            out[r] = {name: timer(lambda fn=fn, x=x: fn(x)) for name, fn in ways.items()}
+    return out
+
+
+def machine_key() -> str:
+    """What a measurement depends on besides the shape: the CPU (its model and flags, as the
+    kernels were built for them), torch and the threads a step runs on."""
+    return "|".join((cpu_model(), cpu_capability().tag(), torch.__version__,
+                     f"{torch.get_num_threads()} threads"))
+
+
+def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+           max_rows: int, build: str) -> RowChoice:
+    """The choice for a quantized linear of `kind` ("int4", "int8") and `shape` (out, in) computing in
+    `dtype`, read from the cache or measured now over `ways` (a callable per way of WAYS) for the
+    buckets a step of at most `max_rows` rows falls in. `build`: the kernels' build (its tag)."""
+    rows = bucket_rows(max_rows)
+    key = "|".join(map(str, ("row kernels", kind, shape, dtype, rows, build, machine_key())))
+    widened_from = calibrate.remembered(key, lambda: pick(measure(ways, shape[1], dtype, rows)).widened_from)
+    return RowChoice(widened_from)

@@ -1,0 +1,42 @@
+"""The kernels a model's workers picked by measuring at load (workers.engine.cpu.row_kernels), kept
+per machine in the cache so that `validate_only` shows them before any worker starts. A note is
+keyed by all the choice depends on: the model's weights, its precision, the threads, the most rows
+a step has, the CPU and torch; a deployment that changes any of them is measured again at load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from workers.capability import cpu_capability, cpu_model
+from workers.files import atomic_replace, cache_root
+from workers.precision import Precision
+from workers.weights.sources import source_key
+
+
+def note_key(source: str, precision: Precision, threads: int, max_rows: int) -> str:
+    return "|".join(map(str, ("kernels", source_key(source), precision, f"{threads} threads", f"{max_rows} rows",
+                              cpu_model(), cpu_capability().tag(), torch.__version__)))
+
+
+def _path(key: str):
+    return cache_root() / "calibration" / f"note-{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
+
+
+def remember(key: str, kernels: dict[str, str]) -> None:
+    """Keep what was picked under `key` (a read-only cache keeps nothing)."""
+    try:
+        atomic_replace(_path(key), lambda tmp: tmp.write_text(json.dumps({"key": key, "kernels": kernels})))
+    except OSError:
+        pass
+
+
+def recall(key: str) -> dict[str, str] | None:
+    """What was picked under `key` at an earlier load on this machine, or None."""
+    try:
+        kept = json.loads(_path(key).read_text())
+        return dict(kept["kernels"]) if kept.get("key") == key else None
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None
