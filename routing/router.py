@@ -17,6 +17,7 @@ import traceback
 import zmq
 
 from routing.dispatch import BACK, SUPER, Catalog, Dispatch, ModelEntry, RouterConfig, Send
+from wire.frames import readable, recv_frames, send_frames
 from wire.security import check_bind, serve_curve
 from workers.spec import ModelSpec
 
@@ -136,10 +137,9 @@ class Router:
     def _drain(self, sock: zmq.Socket) -> None:
         d = self.dispatch
         for _ in range(1000):  # bounded, so one busy side cannot starve the other
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            if not readable(sock):
                 return
+            frames = recv_frames(sock)
             now = time.monotonic()
             if sock is self.frontend and len(frames) == 2:
                 self._guarded(d.client, frames[0], frames[1], now)
@@ -172,7 +172,7 @@ class Router:
             return
         sock = self.backend if send.side == BACK else self.frontend
         try:
-            sock.send_multipart(send.frames, zmq.NOBLOCK)
+            send_frames(sock, send.frames)
         except zmq.Again:
             self.dispatch.undeliverable_send(send, "its receive queue is full", time.monotonic())
         except zmq.ZMQError as exc:
@@ -185,7 +185,7 @@ class Router:
             self.dispatch.shutdown_messages()
             for send in self.dispatch.take():
                 try:
-                    self.backend.send_multipart(send.frames, zmq.NOBLOCK)
+                    send_frames(self.backend, send.frames)
                 except zmq.ZMQError:
                     pass  # a worker that cannot hear us exits when our heartbeats stop
         self._close()

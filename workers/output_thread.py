@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from wire import protocol as P
+from wire.frames import send_frames
 from workers.completions import completion_result
 from workers.engine.detok import IncrementalText
 from workers.engine.params import SamplingParams
@@ -204,7 +205,7 @@ class OutputThread(threading.Thread):
     def _put(self, out, frames: list[bytes]) -> None:
         while not self.stop.is_set():  # the main thread drains the pair; it may be exiting
             try:
-                out.send_multipart(frames, zmq.NOBLOCK)
+                send_frames(out, frames)
                 return
             except zmq.Again:
                 time.sleep(0.001)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import zmq
 
 from wire import protocol as P
+from wire.frames import readable, recv_frames, send_frames
 from wire.security import ClientKeys, connect_curve
 from workers.low_priority import at_low_priority
 from workers.output_thread import OutputThread
@@ -283,7 +284,7 @@ class Worker:
         """Never blocks: with the router gone (or not reading) the message is lost, which the router
         handles (it resends a lost worker's requests), where blocking would hang this worker."""
         try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(sock, frames)
         except zmq.Again:
             self.unsent += 1
 
@@ -325,16 +326,16 @@ class Worker:
                 events = dict(poller.poll(timeout * 1000))
                 now = time.monotonic()
                 if sock in events:
-                    while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    while readable(sock):
                         last_heard, backoff = now, cfg.reconnect_initial
-                        frames = sock.recv_multipart()
+                        frames = recv_frames(sock)
                         if len(frames) == 2:
                             self._on_request(sock, frames[0], frames[1])
                         elif not self._on_router(sock, frames[0]):
                             return
                 if self.pair in events:
-                    while self.pair.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        frames = self.pair.recv_multipart()
+                    while readable(self.pair):
+                        frames = recv_frames(self.pair)
                         # a control message (LOADED, LOAD_FAILED), or a turn's data messages as
                         # [header, body] pairs: one message to the router either way
                         self._send(sock, frames)
