@@ -47,6 +47,9 @@ def test_the_fastest_stand_in_takes_its_buckets_through_one_crossover():
     assert pick(_timings(flat, near)) == RowChoice(None)
     # the same timings, the same choice
     assert all(pick(_timings(flat, gemm)) == choice for _ in range(5))
+    # the buckets below the largest one where the blocks won are not timed: the same choice
+    assert pick({r: t for r, t in _timings(flat, gemm).items() if r >= 16}) == choice
+    assert pick({512: {BLOCKS: 1.0, WIDENED: 2.0}}) == RowChoice(None)
     # fewer buckets measured (a small max_batch_tokens): the last measured holds beyond it
     assert row_kernels.bucket_rows(64) == (1, 4, 16, 64) and row_kernels.bucket_rows(65) == BUCKETS[:5]
     assert row_kernels.bucket_rows(10_000) == BUCKETS
@@ -79,12 +82,13 @@ def test_a_choice_is_measured_once_per_machine_and_again_on_another(tmp_path, mo
         build, shape = ("build-b", (64, 32)) if change == "build" else ("build-a", (64, 64) if change == "shape" else (64, 32))
         assert row_kernels.choose(INT4, shape, torch.float32, ways, 512, build) == choice
         assert calls, change
-    # a step never has more rows than max_batch_tokens: the buckets above it are not measured
+    # a step never has more rows than max_batch_tokens: the buckets above it are not measured;
+    # timed from the largest down, the first bucket where the blocks win is the last timed
     calls.clear()
     sizes: list[int] = []
     ways_small = {name: (lambda x, fn=fn: (sizes.append(x.shape[0]), fn(x))) for name, fn in ways.items()}
     row_kernels.choose(INT8, (64, 32), torch.float32, ways_small, 64, "build-a")
-    assert max(sizes) == 64
+    assert max(sizes) == 64 and min(sizes) == 16  # 64 went to the GEMM, 16 to the blocks: 4 and 1 untimed
 
 
 @needs_kernels

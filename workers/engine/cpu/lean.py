@@ -137,16 +137,20 @@ class LeanLlama:
         if (self.invariant or kernels is None or not hasattr(kernels, "qlinear_widened")
                 or self.compute not in (torch.float32, torch.bfloat16)):
             return {}
-        chosen: dict[tuple, row_kernels.RowChoice] = {}
+        groups: dict[tuple, list] = {}
         for layer in self.layers:
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                if lin.quant is None or lin.kernels is None:
-                    continue
-                sig = (lin.quant.kind, lin.shape)
-                if sig not in chosen:
-                    chosen[sig] = row_kernels.choose(sig[0], lin.shape, self.compute,
-                                                     {row_kernels.BLOCKS: lin.blocks, row_kernels.WIDENED: lin.widened},
-                                                     max_rows, kernels.__name__)
+                if lin.quant is not None and lin.kernels is not None:
+                    groups.setdefault((lin.quant.kind, lin.shape), []).append(lin)
+        chosen: dict[tuple, row_kernels.RowChoice] = {}
+        for sig, lins in groups.items():
+            # every layer's linear of the shape in turn, as a step multiplies them: their weights
+            # stream from memory as they do in serving, not from a cache one linear would fit in
+            ways = {row_kernels.BLOCKS: lambda x, lins=lins: [lin.blocks(x) for lin in lins],
+                    row_kernels.WIDENED: lambda x, lins=lins: [lin.widened(x) for lin in lins]}
+            chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows,
+                                             f"{kernels.__name__}|{len(lins)} layers")
+            for lin in lins:
                 lin.rows = chosen[sig]
         starts = [c.widened_from for c in chosen.values() if c.widened_from is not None]
         self.decode_layers.widened_from = min(starts) if starts else None

@@ -7,8 +7,9 @@ compute dtype (`qlinear_widened`: oneDNN, with AMX tiles where the CPU has them)
 Which one wins, and from how many rows, depends on the CPU: on an AVX512-BF16 CPU without AMX the
 blocks' own strips held level with oneDNN at 64 rows, while on an AMX CPU oneDNN did the batch 3x
 faster. A choice measured on one machine was wrong on another, so each worker measures it at load:
-every candidate on each distinct linear shape at the row counts of BUCKETS (up to the most rows a
-step of the engine can have), best of a few calls. The result is cached under a key of the machine,
+every candidate on each distinct linear shape (every layer's linear of that shape in turn, so
+their weights stream from memory as in a step) at the row counts of BUCKETS up to the most rows a
+step of the engine can have, from the largest down while the GEMM wins, best of a few calls. The result is cached under a key of the machine,
 torch, the kernels' build, the threads and the shape, so a later load on the same machine reads it.
 
 The choice is one crossover per shape: the blocks below it, the widened GEMM from it on, taken
@@ -64,32 +65,38 @@ def bucket_rows(max_rows: int) -> tuple[int, ...]:
 
 
 def pick(seconds: dict[int, dict[str, float]]) -> RowChoice:
-    """The choice from the timings of each bucket ({rows: {way: seconds}}, every way timed at every
-    bucket): the widened GEMM from the smallest bucket at and above which it beats the blocks by
-    MARGIN at every bucket timed. A step of rows between two buckets takes the larger one's way."""
+    """The choice from the timings of buckets of BUCKETS ({rows: {way: seconds}}): the widened GEMM
+    from the smallest bucket at and above which it beats the blocks by MARGIN at every bucket
+    timed. A step of rows between two buckets takes the larger one's way; buckets below the
+    largest timed one that are missing were not worth timing (a larger one kept the blocks)."""
     rows = sorted(seconds)
     start = None
     for i in range(len(rows) - 1, -1, -1):
         t = seconds[rows[i]]
         if t[WIDENED] < (1 - MARGIN) * t[BLOCKS]:
-            start = i
+            start = rows[i]
         else:
             break
     if start is None:
         return RowChoice()
-    return RowChoice(1 if start == 0 else rows[start - 1] + 1)
+    below = [b for b in BUCKETS if b < start]
+    return RowChoice(below[-1] + 1 if below else 1)
 
 
-def measure(ways: dict[str, Callable[[torch.Tensor], torch.Tensor]], width: int, dtype: torch.dtype,
+def measure(ways: dict[str, Callable[[torch.Tensor], object]], width: int, dtype: torch.dtype,
             rows: tuple[int, ...], timer: Callable[[Callable[[], object]], float] = calibrate.best_seconds
             ) -> dict[int, dict[str, float]]:
-    """Seconds of each way's call on random rows [r, width] of `dtype`, for each r of `rows`."""
+    """Seconds of each way's call on random rows [r, width] of `dtype`, from the largest r of `rows`
+    down, until a bucket where the widened GEMM does not win (no smaller bucket can then start
+    the crossover: `pick`), so a CPU where the blocks win times one bucket."""
     gen = torch.Generator().manual_seed(0)
     out: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
-        for r in rows:
+        for r in sorted(rows, reverse=True):
             x = torch.randn(r, width, generator=gen).to(dtype)
             out[r] = {name: timer(lambda fn=fn, x=x: fn(x)) for name, fn in ways.items()}
+            if not out[r][WIDENED] < (1 - MARGIN) * out[r][BLOCKS]:
+                break
     return out
 
 
@@ -100,7 +107,7 @@ def machine_key() -> str:
                      f"{torch.get_num_threads()} threads"))
 
 
-def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways: dict[str, Callable[[torch.Tensor], object]],
            max_rows: int, build: str) -> RowChoice:
     """The choice for a quantized linear of `kind` ("int4", "int8") and `shape` (out, in) computing in
     `dtype`, read from the cache or measured now over `ways` (a callable per way of WAYS) for the
