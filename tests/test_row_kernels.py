@@ -12,6 +12,7 @@ import torch
 import yaml
 from support.models import tiny
 
+from workers import capability
 from workers.engine import Engine, EngineConfig
 from workers.engine.cpu import extension, row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
@@ -78,7 +79,7 @@ def test_a_choice_is_measured_once_per_machine_and_again_on_another(tmp_path, mo
     for change in ("cpu", "build", "shape"):
         calls.clear()
         if change == "cpu":
-            monkeypatch.setattr(row_kernels, "cpu_model", lambda: "Another CPU")
+            monkeypatch.setattr(capability, "cpu_model", lambda: "Another CPU")
         build, shape = ("build-b", (64, 32)) if change == "build" else ("build-a", (64, 64) if change == "shape" else (64, 32))
         assert row_kernels.choose(INT4, shape, torch.float32, ways, 512, build) == choice
         assert calls, change

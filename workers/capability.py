@@ -40,28 +40,33 @@ AVX512_BF16_ENV = {ISA_ENV: "avx512_bf16", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF
 MARCH = {"baseline": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4", "avx512_bf16": "cooperlake"}
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo); empty where unreadable."""
+def _cpuinfo(*fields: str) -> str | None:
+    """The value of the first of `fields` in /proc/cpuinfo (the first CPU's), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.startswith(fields):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo); empty where unreadable."""
+    return frozenset((_cpuinfo("flags", "Features") or "").split())
 
 
 def cpu_model() -> str:
     """The CPU's model name as the kernel reports it (/proc/cpuinfo), or the architecture where
     unreadable: machines of one kind differ in it, and a kernel choice measured on one is not
     taken on another."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
+    return _cpuinfo("model name") or platform.machine()
+
+
+def machine_tag() -> str:
+    """What a figure measured on this machine depends on besides the model: the CPU's model, its
+    level and flags (cpu_capability().tag) and torch."""
+    return f"{cpu_model()}|{cpu_capability().tag()}|{torch.__version__}"
 
 
 def native_level(flags: frozenset[str]) -> str:

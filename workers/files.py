@@ -10,6 +10,7 @@ version or the whole new one, never a part.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -22,6 +23,25 @@ CACHE_ENV = "MMFUSION_CACHE"
 def cache_root() -> Path:
     """The root of everything the project caches: `$MMFUSION_CACHE`, default `~/.cache/mmfusion`."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mmfusion")
+
+
+def read_keyed(path: Path, key: str, missing=None):
+    """The value kept in the JSON file `path` under exactly `key` (write_keyed), or `missing` where
+    the file is missing, unreadable or kept for another key."""
+    try:
+        kept = json.loads(path.read_text())
+        return kept["value"] if kept.get("key") == key else missing
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return missing
+
+
+def write_keyed(path: Path, key: str, value) -> None:
+    """Keep `value` (anything JSON holds) under `key` in the file `path`, replaced whole; a
+    read-only cache keeps nothing."""
+    try:
+        atomic_replace(path, lambda tmp: tmp.write_text(json.dumps({"key": key, "value": value})))
+    except OSError:
+        pass
 
 
 def fsync_dir(path: Path) -> None:

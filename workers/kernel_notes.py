@@ -6,19 +6,16 @@ a step has, the CPU and torch; a deployment that changes any of them is measured
 from __future__ import annotations
 
 import hashlib
-import json
 
-import torch
-
-from workers.capability import cpu_capability, cpu_model
-from workers.files import atomic_replace, cache_root
+from workers.capability import machine_tag
+from workers.files import cache_root, read_keyed, write_keyed
 from workers.precision import Precision
 from workers.weights.sources import source_key
 
 
 def note_key(source: str, precision: Precision, threads: int, max_rows: int) -> str:
     return "|".join(map(str, ("kernels", source_key(source), precision, f"{threads} threads", f"{max_rows} rows",
-                              cpu_model(), cpu_capability().tag(), torch.__version__)))
+                              machine_tag())))
 
 
 def _path(key: str):
@@ -27,16 +24,10 @@ def _path(key: str):
 
 def remember(key: str, kernels: dict[str, str]) -> None:
     """Keep what was picked under `key` (a read-only cache keeps nothing)."""
-    try:
-        atomic_replace(_path(key), lambda tmp: tmp.write_text(json.dumps({"key": key, "kernels": kernels})))
-    except OSError:
-        pass
+    write_keyed(_path(key), key, kernels)
 
 
 def recall(key: str) -> dict[str, str] | None:
     """What was picked under `key` at an earlier load on this machine, or None."""
-    try:
-        kept = json.loads(_path(key).read_text())
-        return dict(kept["kernels"]) if kept.get("key") == key else None
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        return None
+    kept = read_keyed(_path(key), key)
+    return dict(kept) if isinstance(kept, dict) else None

@@ -20,7 +20,6 @@ under a key of all it depends on, and a later load reads it back.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -28,7 +27,7 @@ from typing import TypeVar
 import torch
 
 from workers.engine import attention
-from workers.files import atomic_replace, cache_root
+from workers.files import cache_root, read_keyed, write_keyed
 
 CHUNK = 16  # query tokens of the measured chunk
 NEAR, FAR = 128, 2048  # the chunk's first positions in the two measurements
@@ -36,6 +35,7 @@ REPEATS = 3  # best of: the timings of a loaded machine are noisy
 COLD_BYTES = 96 << 20  # more than a CPU's last-level cache: the scratch layers' keys and values
 SPAN_LIMITS = (16, 1 << 20)
 T = TypeVar("T")
+_MISSING = object()  # nothing kept (a kept figure may be None)
 
 
 def remembered(key: str, measure: Callable[[], T]) -> T:
@@ -43,17 +43,11 @@ def remembered(key: str, measure: Callable[[], T]) -> T:
     threads, CPU), else `measure()`, kept for the next load. A missing or unreadable file is
     measured again. The figure is anything JSON keeps (a number, a list of names)."""
     path = cache_root() / "calibration" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
-    try:
-        kept = json.loads(path.read_text())
-        if kept.get("key") == key:
-            return kept["value"]
-    except (OSError, ValueError, KeyError, AttributeError):
-        pass
+    kept = read_keyed(path, key, _MISSING)
+    if kept is not _MISSING:
+        return kept
     value = measure()
-    try:
-        atomic_replace(path, lambda tmp: tmp.write_text(json.dumps({"key": key, "value": value})))
-    except OSError:  # a read-only cache: measured again next time
-        pass
+    write_keyed(path, key, value)
     return value
 
 

@@ -134,8 +134,7 @@ class LeanLlama:
         kept rows, one a sequence). Not under `deterministic`, whose strips take every row count.
         Returns the choice by linear, as the worker logs it and status shows it."""
         kernels = self.norms
-        if (self.invariant or kernels is None or not hasattr(kernels, "qlinear_widened")
-                or self.compute not in (torch.float32, torch.bfloat16)):
+        if self.invariant or kernels is None or self.compute not in (torch.float32, torch.bfloat16):
             return {}
         groups: dict[tuple, list] = {}
         for layer in self.layers:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.capability import cpu_capability, cpu_model
+from workers.capability import machine_tag
 from workers.engine.cpu import calibrate
 
 BUCKETS = (1, 4, 16, 64, 256, 512)  # the step sizes (rows) measured
@@ -103,8 +103,7 @@ def measure(ways: dict[str, Callable[[torch.Tensor], object]], width: int, dtype
 def machine_key() -> str:
     """What a measurement depends on besides the shape: the CPU (its model and flags, as the
     kernels were built for them), torch and the threads a step runs on."""
-    return "|".join((cpu_model(), cpu_capability().tag(), torch.__version__,
-                     f"{torch.get_num_threads()} threads"))
+    return f"{machine_tag()}|{torch.get_num_threads()} threads"
 
 
 def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways: dict[str, Callable[[torch.Tensor], object]],
