@@ -61,8 +61,19 @@ def test_buckets_pad_up_and_reject_bad_sets():
     assert compile_mode(True) == "true" and compile_mode(False) == "false"
 
 
+@pytest.fixture
+def copy_threads():
+    """The torch threads each of compile_only's two copies gets here (test_batch_modes): inductor
+    generates its C++ kernels for a thread count and keys its cache by it, so the tiny Llama's
+    graphs are compiled once in the suite only at the same count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("arch", PACKED)
-def test_compiled_greedy_matches_transformers_in_mixed_batches(arch, cache_dir):
+def test_compiled_greedy_matches_transformers_in_mixed_batches(arch, cache_dir, copy_threads):
     """fp32, compiled: token for token equal to transformers generate, while prefill chunks and
     decodes share steps (in one graph, or one of two for Llama); chosen-token logprobs within 1e-4
     of the eager engine; and serving the whole workload builds no graph beyond the warm-up's one

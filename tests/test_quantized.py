@@ -6,6 +6,7 @@ the same (dequantized) weights. Run again on the AVX2 path by `make test`."""
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -205,15 +206,14 @@ def test_auto_keeps_a_gguf_files_class_where_it_can():
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_blocks_kept_and_greedy_equals_transformers_float32():
+def test_smollm2_gguf_blocks_kept_and_greedy_equals_transformers_float32(smollm2_fp32):
     """SmolLM2's Q4_1 file: every linear (and the Q8_0 LM head) kept as the file's blocks, and in
     float32 the engine's greedy tokens equal transformers' on the file (which dequantizes it), with
     `quantization: auto` (the default) as with int4."""
-    from workers.models import load_model
     from workers.weights.gguf_blocks import gguf_blocks
     from workers.weights.sources import source_gguf
 
-    lm = load_model("smollm2-135m", dtype="float32")
+    lm = smollm2_fp32
     blocks = gguf_blocks(source_gguf("smollm2-135m"), lm.model)
     assert len(blocks) == 30 * 7 + 1 and blocks["lm_head"].kind == INT8
     assert {b.kind for name, b in blocks.items() if name != "lm_head"} == {INT4}
@@ -237,8 +237,8 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["smollm2-135m", "gemma3-270m"])  # each family of the lean forward
-def test_fresh_quantization_keeps_perplexity(tmp_path, source):
+@pytest.mark.parametrize("fixture", ["smollm2_fp32", "gemma3_fp32"])  # each family of the lean forward
+def test_fresh_quantization_keeps_perplexity(tmp_path, fixture, request):
     """The model from a Hugging Face directory (no GGUF blocks to keep: every linear quantized
     afresh), in float32: the perplexity of a fixed text within 1% (int8) and 4% (int4) of the
     unquantized model's, from the engine's prompt log-probabilities. (SmolLM2's 16-bit weights are
@@ -247,13 +247,11 @@ def test_fresh_quantization_keeps_perplexity(tmp_path, source):
     import math
 
     from workers.models import load_model
-    from workers.weights.hf_loader import load_private
 
-    model, tok = load_private(source, torch.float32)
-    model.config.__dict__.pop("quantization_config", None)  # the loader's GGUF marker
-    model.hf_quantizer = None
-    model.save_pretrained(str(tmp_path), safe_serialization=True)
-    tok.save_pretrained(str(tmp_path))
+    converted = request.getfixturevalue(fixture)  # the embedded model as the session converted it
+    converted.model.save_pretrained(str(tmp_path), safe_serialization=True)
+    converted.tokenizer.save_pretrained(str(tmp_path))
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())  # no GGUF marker
     lm = load_model(str(tmp_path), dtype="float32")
     ids = lm.tokenizer(TEXT).input_ids
     ppl = {}

@@ -6,6 +6,7 @@ reference, and an engine whose linears take it answering as the blocks do."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from support.models import tiny
 
 from workers import capability
 from workers.engine import Engine, EngineConfig
-from workers.engine.cpu import extension, row_kernels
+from workers.engine.cpu import calibrate, extension, row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
 from workers.engine.cpu.row_kernels import BLOCKS, BUCKETS, WIDENED, RowChoice, pick
 from workers.engine.params import SamplingParams
@@ -90,6 +91,41 @@ def test_a_choice_is_measured_once_per_machine_and_again_on_another(tmp_path, mo
     ways_small = {name: (lambda x, fn=fn: (sizes.append(x.shape[0]), fn(x))) for name, fn in ways.items()}
     row_kernels.choose(INT8, (64, 32), torch.float32, ways_small, 64, "build-a")
     assert max(sizes) == 64 and min(sizes) == 16  # 64 went to the GEMM, 16 to the blocks: 4 and 1 untimed
+
+
+def test_long_calls_are_timed_fewer_times():
+    """A call that takes BUDGET_SECONDS already (many rows over every layer) is timed once after its
+    warm-up; a quick one the best of calibrate.REPEATS."""
+    calls = {BLOCKS: 0, WIDENED: 0}
+
+    def way(name: str, seconds: float):
+        def run(x: torch.Tensor) -> None:
+            calls[name] += 1
+            time.sleep(seconds)
+        return run
+
+    slow = row_kernels.BUDGET_SECONDS * 1.2
+    row_kernels.measure({BLOCKS: way(BLOCKS, slow), WIDENED: way(WIDENED, slow)}, 8, torch.float32, (512,))
+    assert calls == {BLOCKS: 2, WIDENED: 2}
+    calls.update(dict.fromkeys(calls, 0))
+    row_kernels.measure({BLOCKS: way(BLOCKS, 0.001), WIDENED: way(WIDENED, 0.001)}, 8, torch.float32, (512,))
+    assert calls == dict.fromkeys(calls, 1 + calibrate.REPEATS)
+
+
+def test_copies_measuring_together_measure_once(tmp_path, monkeypatch):
+    """Four threads stand for copies starting together (the lock is a file's: threads that open it
+    apart exclude each other as processes do): one measures, the others wait and read its figure."""
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
+    measured: list[int] = []
+
+    def slow() -> int:
+        measured.append(1)
+        time.sleep(0.3)
+        return 257
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: calibrate.remembered("a key", slow), range(4)))
+    assert got == [257] * 4 and len(measured) == 1
 
 
 @needs_kernels

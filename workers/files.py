@@ -10,11 +10,13 @@ version or the whole new one, never a part.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 CACHE_ENV = "MMFUSION_CACHE"
@@ -23,6 +25,23 @@ CACHE_ENV = "MMFUSION_CACHE"
 def cache_root() -> Path:
     """The root of everything the project caches: `$MMFUSION_CACHE`, default `~/.cache/mmfusion`."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mmfusion")
+
+
+@contextlib.contextmanager
+def one_at_a_time(path: Path) -> Iterator[None]:
+    """Held by one process at a time (an exclusive lock on the file `path`, made where missing; the
+    kernel lets go of it when its holder dies): copies starting together build or measure a cached
+    thing once, the others wait and read it. Where `path` cannot be made (a read-only cache), each
+    goes on alone."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "w")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def read_keyed(path: Path, key: str, missing=None):

@@ -8,7 +8,6 @@ the file lives on in the cache beside the shared weights, keyed by the source's 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from workers.files import atomic_replace, cache_root
+from workers.files import atomic_replace, cache_root, one_at_a_time
 from workers.quant.weight import QuantizedWeight
 from workers.weights.shared import map_tensors
 from workers.weights.sources import source_key
@@ -57,16 +56,11 @@ def shared_quantized(source: str, dtype: torch.dtype, kind: str,
     """The quantized linears of (source, dtype, kind) as read-only views of the shared file;
     `build()` makes them when the file does not exist yet (one copy at a time: a file lock)."""
     path = cache_path(source, dtype, kind)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if path.exists():
-                try:
-                    return _read(path)
-                except (ValueError, KeyError, OSError) as exc:
-                    log.warning("quantized linears %s unusable (%s): writing them again", path, exc)
-            _write(path, build())
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with one_at_a_time(path.parent / f".{path.name}.lock"):
+        if path.exists():
+            try:
+                return _read(path)
+            except (ValueError, KeyError, OSError) as exc:
+                log.warning("quantized linears %s unusable (%s): writing them again", path, exc)
+        _write(path, build())
     return _read(path)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import gc
 import json
 import logging
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from workers.files import atomic_replace, cache_root
+from workers.files import atomic_replace, cache_root, one_at_a_time
 from workers.weights.held_tokenizers import held
 from workers.weights.sources import source_key
 
@@ -264,33 +263,29 @@ def _load(source: str, dtype: torch.dtype, load_private, write, copy: bool):
     dest = shared_dir(source, dtype)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tok = None
-    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (dest / WEIGHTS_FILE).exists():
-                try:
-                    model, tok, nbytes = build_attached(dest, dtype, copy=copy)
-                    return model, tok, _info(nbytes, copy, dest)
-                except (SharedWeightsError, OSError, ValueError) as exc:
-                    log.warning("shared weights %s unusable (%s): writing them again", dest, exc)
-                    tok = None
-            if write is not None:
-                made = []
-                try:
-                    atomic_replace(dest, lambda tmp: made.append(write(tmp)), is_dir=True)
-                    tok = made[0]
-                except (ValueError, KeyError, NotImplementedError) as exc:  # a layout it does not know
-                    log.warning("writing %s tensor by tensor failed (%s): loading it whole", dest, exc)
-                    tok = None
-            if tok is None:
-                model, tok = load_private()
-                publish(model, tok, dest)
-                if copy:  # the whole load is a copy of this process's own already
-                    release_heap()
-                    return model, tok, private_info(model)
-                del model
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with one_at_a_time(dest.parent / f".{dest.name}.lock"):
+        if (dest / WEIGHTS_FILE).exists():
+            try:
+                model, tok, nbytes = build_attached(dest, dtype, copy=copy)
+                return model, tok, _info(nbytes, copy, dest)
+            except (SharedWeightsError, OSError, ValueError) as exc:
+                log.warning("shared weights %s unusable (%s): writing them again", dest, exc)
+                tok = None
+        if write is not None:
+            made = []
+            try:
+                atomic_replace(dest, lambda tmp: made.append(write(tmp)), is_dir=True)
+                tok = made[0]
+            except (ValueError, KeyError, NotImplementedError) as exc:  # a layout it does not know
+                log.warning("writing %s tensor by tensor failed (%s): loading it whole", dest, exc)
+                tok = None
+        if tok is None:
+            model, tok = load_private()
+            publish(model, tok, dest)
+            if copy:  # the whole load is a copy of this process's own already
+                release_heap()
+                return model, tok, private_info(model)
+            del model
     release_heap()
     model, tok, nbytes = build_attached(dest, dtype, tok, copy)
     return model, tok, _info(nbytes, copy, dest)

@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 
 from workers.engine import attention
-from workers.files import cache_root, read_keyed, write_keyed
+from workers.files import cache_root, one_at_a_time, read_keyed, write_keyed
 
 CHUNK = 16  # query tokens of the measured chunk
 NEAR, FAR = 128, 2048  # the chunk's first positions in the two measurements
@@ -41,13 +41,19 @@ _MISSING = object()  # nothing kept (a kept figure may be None)
 def remembered(key: str, measure: Callable[[], T]) -> T:
     """The figure measured earlier under `key` (everything it depends on: model, dtype, kernels,
     threads, CPU), else `measure()`, kept for the next load. A missing or unreadable file is
-    measured again. The figure is anything JSON keeps (a number, a list of names)."""
+    measured again. The figure is anything JSON keeps (a number, a list of names). Copies starting
+    together measure it once: the others wait, then read it (and no copy's measurement shares the
+    cores with another's)."""
     path = cache_root() / "calibration" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
     kept = read_keyed(path, key, _MISSING)
     if kept is not _MISSING:
         return kept
-    value = measure()
-    write_keyed(path, key, value)
+    with one_at_a_time(path.parent / f".{path.stem}.lock"):
+        kept = read_keyed(path, key, _MISSING)
+        if kept is not _MISSING:
+            return kept
+        value = measure()
+        write_keyed(path, key, value)
     return value
 
 

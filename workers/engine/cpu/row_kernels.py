@@ -20,6 +20,7 @@ in the middle does not flip a linear back and forth, and the same timings always
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ WAYS = (BLOCKS, WIDENED)
 # the widened GEMM replaces the blocks only where it is this much faster: timings on a busy machine
 # are noisy, and the blocks hold a quarter of the bytes
 MARGIN = 0.10
+# timed calls per way and bucket stop once each way has spent this long: a call of many rows over
+# every layer of a shape takes a tenth of a second or more, and averages over those layers already
+BUDGET_SECONDS = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +88,30 @@ def pick(seconds: dict[int, dict[str, float]]) -> RowChoice:
 
 
 def measure(ways: dict[str, Callable[[torch.Tensor], object]], width: int, dtype: torch.dtype,
-            rows: tuple[int, ...], timer: Callable[[Callable[[], object]], float] = calibrate.best_seconds
-            ) -> dict[int, dict[str, float]]:
-    """Seconds of each way's call on random rows [r, width] of `dtype`, from the largest r of `rows`
-    down, until a bucket where the widened GEMM does not win (no smaller bucket can then start
-    the crossover: `pick`), so a CPU where the blocks win times one bucket."""
+            rows: tuple[int, ...], repeats: int = calibrate.REPEATS) -> dict[int, dict[str, float]]:
+    """Seconds of each way's call on random rows [r, width] of `dtype`, the best of `repeats` after a
+    warm-up (fewer where the calls took BUDGET_SECONDS already), from the largest r of `rows` down,
+    until a bucket where the widened GEMM does not win (no smaller bucket can then start the
+    crossover: `pick`), so a CPU where the blocks win times one bucket. The ways take turns call by
+    call: a machine whose load changes while it measures (another model loading beside this one)
+    slows both alike, not whichever ran then."""
     gen = torch.Generator().manual_seed(0)
     out: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
         for r in sorted(rows, reverse=True):
             x = torch.randn(r, width, generator=gen).to(dtype)
-            out[r] = {name: timer(lambda fn=fn, x=x: fn(x)) for name, fn in ways.items()}
+            for fn in ways.values():
+                fn(x)  # warm-up: first touch of the scratch memory, one-off set-up in the kernels
+            best, spent = dict.fromkeys(ways, float("inf")), dict.fromkeys(ways, 0.0)
+            for _ in range(repeats):
+                for name, fn in ways.items():
+                    t = time.perf_counter()
+                    fn(x)
+                    took = time.perf_counter() - t
+                    best[name], spent[name] = min(best[name], took), spent[name] + took
+                if min(spent.values()) >= BUDGET_SECONDS:
+                    break
+            out[r] = best
             if not out[r][WIDENED] < (1 - MARGIN) * out[r][BLOCKS]:
                 break
     return out
