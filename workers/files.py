@@ -29,13 +29,13 @@ def cache_root() -> Path:
 
 @contextlib.contextmanager
 def one_at_a_time(path: Path) -> Iterator[None]:
-    """Held by one process at a time (an exclusive lock on the file `path`, made where missing; the
-    kernel lets go of it when its holder dies): copies starting together build or measure a cached
-    thing once, the others wait and read it. Where `path` cannot be made (a read-only cache), each
-    goes on alone."""
+    """Held by one process at a time for the cached thing at `path` (an exclusive lock on a hidden
+    file beside it, `.<name>.lock`; the kernel lets go of it when its holder dies): copies starting
+    together build or measure it once, the others wait and read it. Where the lock file cannot be
+    made (a read-only cache), each goes on alone."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path, "w")
+        lock = open(path.parent / f".{path.name}.lock", "w")
     except OSError:
         yield
         return

@@ -56,7 +56,7 @@ def shared_quantized(source: str, dtype: torch.dtype, kind: str,
     """The quantized linears of (source, dtype, kind) as read-only views of the shared file;
     `build()` makes them when the file does not exist yet (one copy at a time: a file lock)."""
     path = cache_path(source, dtype, kind)
-    with one_at_a_time(path.parent / f".{path.name}.lock"):
+    with one_at_a_time(path):
         if path.exists():
             try:
                 return _read(path)

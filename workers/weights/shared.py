@@ -263,7 +263,7 @@ def _load(source: str, dtype: torch.dtype, load_private, write, copy: bool):
     dest = shared_dir(source, dtype)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tok = None
-    with one_at_a_time(dest.parent / f".{dest.name}.lock"):
+    with one_at_a_time(dest):
         if (dest / WEIGHTS_FILE).exists():
             try:
                 model, tok, nbytes = build_attached(dest, dtype, copy=copy)

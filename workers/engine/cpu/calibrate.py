@@ -48,7 +48,7 @@ def remembered(key: str, measure: Callable[[], T]) -> T:
     kept = read_keyed(path, key, _MISSING)
     if kept is not _MISSING:
         return kept
-    with one_at_a_time(path.parent / f".{path.stem}.lock"):
+    with one_at_a_time(path):
         kept = read_keyed(path, key, _MISSING)
         if kept is not _MISSING:
             return kept

@@ -9,8 +9,9 @@ blocks' own strips held level with oneDNN at 64 rows, while on an AMX CPU oneDNN
 faster. A choice measured on one machine was wrong on another, so each worker measures it at load:
 every candidate on each distinct linear shape (every layer's linear of that shape in turn, so
 their weights stream from memory as in a step) at the row counts of BUCKETS up to the most rows a
-step of the engine can have, from the largest down while the GEMM wins, best of a few calls. The result is cached under a key of the machine,
-torch, the kernels' build, the threads and the shape, so a later load on the same machine reads it.
+step of the engine can have, from the largest down while the GEMM wins, best of a few calls. The
+result is cached under a key of the machine, torch, the kernels' build, the threads and the shape,
+so a later load on the same machine reads it.
 
 The choice is one crossover per shape: the blocks below it, the widened GEMM from it on, taken
 only where the GEMM wins at that bucket and every larger one measured by MARGIN. So a noisy bucket
