@@ -31,6 +31,10 @@ $(STAMP): pyproject.toml $(LOCK) $(NO_DEPS) | $(PY)
 # minute once; a no-op when built): the first worker then loads them instead of compiling them
 install: $(STAMP)
 	$(PY) -m workers.engine.cpu.extension
+	# the project's bytecode, as pip writes an installed package's (an editable install gets none):
+	# where PYTHONDONTWRITEBYTECODE is set, every worker, server and command line would otherwise
+	# compile the sources again as it starts
+	$(PY) -m compileall -q workers routing fusion wire
 
 run: install
 	$(PY) -m fusion.demo

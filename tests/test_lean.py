@@ -363,3 +363,27 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared(tmp_path):
     old = time.time() - extension.STALE_BUILD_LOCK_S - 60
     os.utime(lock, (old, old))
     assert extension.clear_stale_lock(lock) is True and not lock.exists()
+
+
+def test_built_kernels_load_as_they_are_and_a_broken_file_is_built_again(tmp_path):
+    """A process loads the kernels built before without torch's builder (which imports setuptools
+    and runs ninja: over a second of CPU in every process that starts a model); a missing file, a
+    build in progress (its lock) or a half-written file goes through the builder instead."""
+    import shutil
+    from pathlib import Path
+
+    built = extension.kernel_module()
+    if built is None:
+        pytest.skip(f"no kernels here: {extension.build_error()}")
+    so = Path(built.__file__)
+    name = so.stem
+    assert extension.load_built(name, tmp_path) is None  # nothing built there
+    shutil.copy(so, tmp_path / so.name)
+    again = extension.load_built(name, tmp_path)
+    assert again is not None and sorted(again.paths()) == sorted(built.paths())
+    (tmp_path / "lock").write_text("")
+    assert extension.load_built(name, tmp_path) is None  # a build holds the folder
+    broken = tmp_path / "broken"  # a file of its own: the one loaded above stays mapped
+    broken.mkdir()
+    (broken / so.name).write_bytes(so.read_bytes()[:4096])
+    assert extension.load_built(name, broken) is None

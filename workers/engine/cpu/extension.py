@@ -66,18 +66,59 @@ def _built() -> tuple[object | None, str | None]:
 
 
 def _build():
-    from torch.utils import cpp_extension
-
     cap = cpu_capability()
     src = b"".join(path.read_bytes() for path in [*SOURCES, *INCLUDED])
     # the sources' folder too: torch's builder writes their paths into build.ninja, so two checkouts
-    # sharing one folder rebuilt it for each other in turn
-    tag = hashlib.sha1(src + torch.__version__.encode() + cap.tag().encode() + str(KERNELS).encode()).hexdigest()[:16]
+    # sharing one folder rebuilt it for each other in turn; the flags, so that a change rebuilds
+    # also where the built module is loaded as it is (below)
+    flags = " ".join([*CFLAGS, *cap.cflags, *LDFLAGS])
+    tag = hashlib.sha1(src + torch.__version__.encode() + cap.tag().encode() + str(KERNELS).encode()
+                       + flags.encode()).hexdigest()[:16]
+    name = f"mmfusion_paged_decode_{tag}"
     build = build_root() / tag
+    built = load_built(name, build)
+    if built is not None:
+        return built
+    from torch.utils import cpp_extension
+
     build.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build / "lock")
-    return cpp_extension.load(name=f"mmfusion_paged_decode_{tag}", sources=[str(path) for path in SOURCES], build_directory=str(build),
+    return cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], build_directory=str(build),
                               extra_cflags=[*CFLAGS, *cap.cflags], extra_ldflags=list(LDFLAGS), verbose=False)
+
+
+def load_built(name: str, build: Path):
+    """The module built before under this tag (it names the sources, torch, the CPU level and the
+    flags), loaded as it is; None where there is none yet, or a build holds its lock. torch's
+    builder would check it again through ninja, and importing the builder imports setuptools: over
+    a second of CPU in every process that starts a model, for a module that cannot be stale."""
+    import importlib.util
+
+    so = build / f"{name}.so"
+    if not so.is_file() or (build / "lock").exists() or not whole_elf(so):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as exc:  # a half-written file (a build killed while linking): build again
+        log.warning("built kernels %s unusable (%s): building them again", so, exc)
+        return None
+    return module
+
+
+def whole_elf(path: Path) -> bool:
+    """Whether `path` is a 64-bit ELF file as long as its header says (its section table, written
+    last, ends inside it): a link killed halfway leaves a shorter file, which the loader would map
+    past its end and the process die of SIGBUS on the first read there."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        size = os.fstat(f.fileno()).st_size
+    if len(head) < 64 or head[:5] != b"\x7fELF\x02":
+        return False
+    shoff = int.from_bytes(head[0x28:0x30], "little")
+    entsize, count = int.from_bytes(head[0x3A:0x3C], "little"), int.from_bytes(head[0x3C:0x3E], "little")
+    return 0 < shoff and shoff + entsize * count <= size
 
 
 def build_root() -> Path:
