@@ -28,12 +28,12 @@ $(STAMP): pyproject.toml $(LOCK) $(NO_DEPS) | $(PY)
 	touch $(STAMP)
 
 # the C++ kernels are built for this CPU at install, as a package's native code is (about half a
-# minute once; a no-op when built): the first worker then loads them instead of compiling them
+# minute once; a no-op when built): the first worker then loads them instead of compiling them.
+# The project's bytecode is written too, as pip writes an installed package's (an editable install
+# gets none): where PYTHONDONTWRITEBYTECODE is set, every worker, server and command line would
+# otherwise compile the sources again as it starts.
 install: $(STAMP)
 	$(PY) -m workers.engine.cpu.extension
-	# the project's bytecode, as pip writes an installed package's (an editable install gets none):
-	# where PYTHONDONTWRITEBYTECODE is set, every worker, server and command line would otherwise
-	# compile the sources again as it starts
 	$(PY) -m compileall -q workers routing fusion wire
 
 run: install
