@@ -71,14 +71,13 @@ def embedded_models(smollm2_fp32, gemma3_fp32) -> None:
 # The modules that take longest, first (their tests' summed time, measured on 2 AVX2 cores): pytest-xdist hands whole modules
 # (--dist loadscope, in collection order: --no-loadscope-reorder) to its workers, so the long ones
 # start at once and the short ones fill in after.
-LONGEST_FIRST = ["test_ray.py", "test_batch_integrity.py", "test_batch_modes.py", "test_quantized.py",
-                 "test_models_runtime.py", "test_compiled.py", "test_parity.py", "test_weight_owner.py",
-                 "test_crash_recovery.py", "test_gguf_stream.py", "test_triton_kernels.py", "test_integrity.py",
-                 "test_predict.py", "test_fuzz.py", "test_precision.py", "test_shared_weights.py", "test_gil.py",
-                 "test_http_lm_eval.py", "test_models.py", "test_cuda_runner.py", "test_http.py", "test_serve.py",
-                 "test_imports.py", "test_faults.py", "test_lean.py", "test_gpu_sharing.py", "test_deterministic.py",
-                 "test_scheduler.py", "test_detok.py", "test_security.py", "test_router_lifecycle.py",
-                 "test_dispatch_props.py", "test_routing.py", "test_fusion.py", "test_logprobs.py", "test_census.py"]
+LONGEST_FIRST = ["test_ray.py", "test_batch_modes.py", "test_batch_integrity.py", "test_quantized.py", "test_parity.py",
+                 "test_integrity.py", "test_weight_owner.py", "test_crash_recovery.py", "test_gguf_stream.py",
+                 "test_models_runtime.py", "test_gil.py", "test_predict.py", "test_shared_weights.py", "test_compiled.py",
+                 "test_fuzz.py", "test_precision.py", "test_triton_kernels.py", "test_lean.py", "test_http_lm_eval.py",
+                 "test_http.py", "test_models.py", "test_cuda_runner.py", "test_imports.py", "test_serve.py",
+                 "test_gpu_sharing.py", "test_security.py", "test_faults.py", "test_router_lifecycle.py", "test_routing.py",
+                 "test_deterministic.py", "test_detok.py", "test_census.py", "test_scheduler.py"]
 
 
 def pytest_collection_modifyitems(items) -> None:
