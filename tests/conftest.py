@@ -7,7 +7,6 @@ new torch or transformers gets a fresh one. Tests of a cold path set their own e
 
 from __future__ import annotations
 
-import fcntl
 import os
 from importlib.metadata import version
 from pathlib import Path
@@ -33,6 +32,7 @@ if not Path("/dev/nvidiactl").exists():
 
 import pytest  # noqa: E402
 
+from workers.files import one_at_a_time  # noqa: E402
 from workers.models import load_model  # noqa: E402
 from workers.weights.hf_loader import write_gguf_cache  # noqa: E402
 from workers.weights.sources import embedded_gguf, gguf_cache_dir  # noqa: E402
@@ -43,9 +43,7 @@ def embedded(name: str):
     loads it from its GGUF file and converts it into the test cache, as compile_only does; every
     later load, in this process or in a worker a test starts, reads the conversion in seconds."""
     gguf = embedded_gguf(name)
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with one_at_a_time(CACHE / name):
         if gguf_cache_dir(gguf) is None:
             lm = load_model(name, dtype="float32", use_cache=False)
             write_gguf_cache(lm.model, lm.tokenizer, gguf)

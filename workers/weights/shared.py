@@ -261,7 +261,6 @@ def load_copied(source: str, dtype: torch.dtype, load_private, write=None):
 
 def _load(source: str, dtype: torch.dtype, load_private, write, copy: bool):
     dest = shared_dir(source, dtype)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tok = None
     with one_at_a_time(dest):
         if (dest / WEIGHTS_FILE).exists():

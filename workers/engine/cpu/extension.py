@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -92,8 +93,6 @@ def load_built(name: str, build: Path):
     flags), loaded as it is; None where there is none yet, or a build holds its lock. torch's
     builder would check it again through ninja, and importing the builder imports setuptools: over
     a second of CPU in every process that starts a model, for a module that cannot be stale."""
-    import importlib.util
-
     so = build / f"{name}.so"
     if not so.is_file() or (build / "lock").exists() or not whole_elf(so):
         return None
