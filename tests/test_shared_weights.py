@@ -263,3 +263,34 @@ def test_the_fork_server_holds_the_tokenizers_of_cached_sources(cache, tmp_path)
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "False"]  # both directories, from one build
+
+
+def test_loads_of_the_same_tokenizer_files_share_one_tokenizer_while_it_is_in_use(cache, tmp_path):
+    """A process that loads a model again (another dtype, a reload after an eviction, the same
+    model saved elsewhere) builds its tokenizer once while a load still uses it (a large vocabulary
+    takes seconds): by the files' content, not their directory. Other files build their own, and
+    one that no load holds any more is let go."""
+    import gc
+    import json
+    import shutil
+    import weakref
+
+    from workers.weights.held_tokenizers import from_directory
+
+    lm = load_model("tiny:llama", dtype="float32")
+    lm.model.save_pretrained(str(tmp_path / "a"))
+    lm.tokenizer.save_pretrained(str(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    config = json.loads((tmp_path / "b" / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0]['content'] }}"
+    (tmp_path / "b" / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "b" / "chat_template.jinja").unlink(missing_ok=True)
+    first, second = load_model(str(tmp_path / "a"), dtype="float32"), load_model(str(tmp_path / "a"), dtype="bfloat16")
+    assert first.tokenizer is second.tokenizer is from_directory(tmp_path / "a")
+    assert first.tokenizer("Hello, world").input_ids == lm.tokenizer("Hello, world").input_ids
+    other = load_model(str(tmp_path / "b"), dtype="float32")
+    assert other.tokenizer is not first.tokenizer and other.tokenizer.chat_template == config["chat_template"]
+    gone = weakref.ref(first.tokenizer)
+    del first, second
+    gc.collect()
+    assert gone() is None

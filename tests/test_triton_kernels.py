@@ -215,6 +215,8 @@ def test_split_decode_attention_matches_the_reference_and_ignores_the_batch(dtyp
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
         assert not got[4].any()
+        if window == 3:  # the batch's independence once without a window, once with one past a segment
+            continue
         alone = _kernel(triton_decode.decode_attention, q[5:6], kc, vc, tables, rows[5:6], lens[5:6], d ** -0.5,
                         window, SEGMENT)
         wider = torch.cat([tables, torch.zeros(len(lengths), 5, dtype=tables.dtype)], 1)

@@ -4,7 +4,6 @@ same path over CUDA IPC."""
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -16,25 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from support.owner_copy import Copy
 
 from routing.entrypoints import WEIGHT_OWNER, command
 from workers.models import load_engine, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 33, 2, 99, 4]
-COPY = """
-import json, sys, torch
-from workers.weights.owner import attach_remote
-model, tok, info, link = attach_remote(sys.argv[1], sys.argv[2].encode(), timeout=120)
-dev = next(model.parameters()).device
-before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-with torch.inference_mode():
-    logits = model(torch.tensor([PROMPT], device=dev)).logits[0].float().cpu()
-print(json.dumps({"logits": logits.tolist(), "shared": info.shared, "bytes": info.bytes, "device": str(dev),
-                  "all_shared": all(p.is_shared() for p in model.parameters()),
-                  "cuda_allocated_by_copy": before, "eos": tok.eos_token_id}), flush=True)
-sys.stdin.readline()  # hold the weights until told to go
-""".replace("PROMPT", str(PROMPT))
 
 
 def _owner(tmp_path: Path, device: str, source: str = "tiny:llama"):
@@ -48,20 +35,14 @@ def _owner(tmp_path: Path, device: str, source: str = "tiny:llama"):
     return proc, addr, key, env
 
 
-def _attached(procs: list[subprocess.Popen]) -> list[tuple[subprocess.Popen, dict]]:
-    """Each started copy with what it printed once attached."""
-    out = []
-    for p in procs:
-        line = p.stdout.readline()
-        assert line, "the copy could not attach"
-        out.append((p, json.loads(line)))
-    return out
+def _attached(copies: list[Copy]) -> list[tuple[Copy, dict]]:
+    """Each started copy with what it reported once attached."""
+    return [(c, c.attached()) for c in copies]
 
 
-def _start_copies(addr: str, key: str, env: dict, n: int) -> list[subprocess.Popen]:
+def _start_copies(addr: str, key: str, n: int) -> list[Copy]:
     """Copies attach once the owner answers (attach_remote waits for it)."""
-    return [subprocess.Popen([sys.executable, "-c", COPY, addr, key], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    return [Copy(addr, key, PROMPT) for _ in range(n)]
 
 
 def _check_owner(tmp_path: Path, device: str) -> None:
@@ -72,7 +53,7 @@ def _check_owner(tmp_path: Path, device: str) -> None:
         want = ref.model(torch.tensor([PROMPT], device=device)).logits[0].float().cpu()
     owner, addr, key, env = _owner(tmp_path, device)
     stopped = False
-    copies = _start_copies(addr, key, env, 2)  # they start while the owner loads
+    copies = _start_copies(addr, key, 2)  # they start while the owner loads
     try:
         assert "weight owner:" in owner.stdout.readline()
         (a, ra), (b, rb) = _attached(copies)
@@ -81,8 +62,7 @@ def _check_owner(tmp_path: Path, device: str) -> None:
             assert torch.equal(torch.tensor(r["logits"]), want)
             assert r["cuda_allocated_by_copy"] < r["bytes"]  # the weights are the owner's memory
         a.kill()  # a copy that dies leaves the weights to the others, and a new copy attaches
-        a.wait()
-        ((c, rc),) = _attached(_start_copies(addr, key, env, 1))
+        ((c, rc),) = _attached(_start_copies(addr, key, 1))
         copies.append(c)
         assert torch.equal(torch.tensor(rc["logits"]), want) and owner.poll() is None
         # a wrong key gets nothing, and the owner goes on serving
@@ -102,9 +82,8 @@ def _check_owner(tmp_path: Path, device: str) -> None:
         time.sleep(1.5)
         assert owner.poll() is None
     finally:
-        for p in copies:
-            if p.poll() is None:
-                p.communicate("\n", timeout=60)
+        for c in copies:
+            c.release()
         if not stopped:
             owner.terminate()
         code = owner.wait(30)

@@ -13,6 +13,14 @@ Only the fork server reads `HOLD_ENV`, at its start; every other process (a work
 hand, on Ray, or before the server) holds nothing and builds its tokenizer as it always did. A
 tokenizer that fails to build here is left out: the copy then builds it itself and reports the
 error where a load error belongs.
+
+Within one process, loads of directories whose tokenizer files are the same (a source's float16
+and float32 directories, its converted GGUF cache, a model saved again) share one tokenizer while
+any of them is in use (`from_directory`): the second load of Gemma 3 in a process costs a file
+digest (tens of milliseconds) instead of a rebuild. Only weak references are kept: an evicted
+model's tokenizer goes with it, as its memory is outside the weights' budget. Nothing here changes a
+tokenizer after it is built, and the engine's tokenizer calls set no padding or truncation (the
+calls that change a Rust tokenizer's state), so sharing one between engines changes no answer.
 """
 
 from __future__ import annotations
@@ -21,21 +29,41 @@ import hashlib
 import json
 import logging
 import os
+import weakref
 from pathlib import Path
 
 HOLD_ENV = "MMFUSION_HOLD_TOKENIZERS"
 log = logging.getLogger("mmfusion.tokenizers")
+# the weights and configs beside a tokenizer: not what it is built from (config.json's fields that
+# choose the tokenizer's class are read on their own)
+NOT_TOKENIZER = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".lock")
+NOT_TOKENIZER_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+# tokenizers built in this process by what they are built from, while something uses them
+_BUILT: weakref.WeakValueDictionary[bytes, object] = weakref.WeakValueDictionary()
+
+
+def from_directory(path_dir: Path | str):
+    """The tokenizer of a Hugging Face directory: the one this process built (or was forked holding)
+    from the same files, while it is in use, else built now."""
+    from transformers import AutoTokenizer
+
+    try:
+        key = _files_digest(Path(path_dir))
+    except (OSError, ValueError):  # unreadable files or config: transformers says what is wrong
+        return AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+    tok = _BUILT.get(key)
+    if tok is None:
+        tok = AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+        _BUILT[key] = tok
+    return tok
 
 
 def build(sources: list[str]) -> dict[str, object]:
     """Tokenizer by shared directory, for each source whose shared weights are in the cache."""
-    from transformers import AutoTokenizer
-
     from workers.files import cache_root
     from workers.weights.sources import source_key
 
-    built: dict[str, object] = {}
-    by_files: dict[bytes, object] = {}  # one tokenizer for the dtypes' directories of one source
+    built: dict[str, object] = {}  # one tokenizer for the dtypes' directories of one source (from_directory)
     for source in sources:
         try:
             dirs = sorted((cache_root() / "shared").glob(f"{source_key(source)}-*"))
@@ -45,21 +73,25 @@ def build(sources: list[str]) -> dict[str, object]:
             if not (d / "tokenizer_config.json").exists():
                 continue
             try:
-                files = _files_digest(d)
-                if files not in by_files:
-                    by_files[files] = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-                built[str(d.resolve())] = by_files[files]
+                built[str(d.resolve())] = from_directory(d)
             except Exception as exc:  # noqa: BLE001 - the copy builds it itself and reports the error
                 log.warning("tokenizer of %s not held: %s", d, exc)
     return built
 
 
 def _files_digest(d: Path) -> bytes:
-    """What a directory's tokenizer is built from: its tokenizer files, by content."""
+    """What a directory's tokenizer is built from, by content: every file but the weights and
+    configs (tokenizer.json, its config, a sentencepiece model, vocab and merges, chat templates),
+    and the config's fields that choose the tokenizer's class."""
     h = hashlib.blake2b(digest_size=16)
     for f in sorted(d.iterdir()):
-        if f.name.startswith(("tokenizer", "special_tokens", "added_tokens", "chat_template")) or f.suffix == ".model":
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        if not f.is_file() or f.name in NOT_TOKENIZER_FILES or f.name.endswith(NOT_TOKENIZER):
+            continue
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    config = d / "config.json"
+    if config.is_file():
+        fields = json.loads(config.read_text())
+        h.update(json.dumps([fields.get("model_type"), fields.get("tokenizer_class")]).encode())
     return h.digest()
 
 

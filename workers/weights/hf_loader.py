@@ -16,6 +16,7 @@ import torch
 
 from workers.files import atomic_replace
 from workers.weights import tiny
+from workers.weights.held_tokenizers import from_directory
 from workers.weights.sources import EMBEDDED, check_source, embedded_gguf, gguf_cache_dir, gguf_cache_path
 
 
@@ -148,7 +149,7 @@ def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ValueError(f"{path} has no config.json: not a Hugging Face model directory")
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = from_directory(path)
         model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
     elif path.suffix == ".gguf":
         for mod in ("gguf", "accelerate"):
@@ -156,7 +157,7 @@ def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
                 raise ValueError(f"loading GGUF needs {mod}: pip install {mod}")
         cached = gguf_cache_dir(path) if use_cache else None
         if cached is not None:
-            tok = AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+            tok = from_directory(cached)
             model = AutoModelForCausalLM.from_pretrained(str(cached), **kw)
         else:
             # Dense weights: the packed-GGUF kernels compute in float32 and are slower here.

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from workers.files import atomic_replace, cache_root, one_at_a_time
-from workers.weights.held_tokenizers import held
+from workers.weights.held_tokenizers import from_directory
 from workers.weights.sources import source_key
 
 log = logging.getLogger("mmfusion.shared_weights")
@@ -218,7 +218,7 @@ def build_meta(path_dir: Path, dtype: torch.dtype, tokenizer=None):
     `tokenizer`: the one the directory was just written with (read again otherwise)."""
     import transformers
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     _, meta, _ = read_header(path_dir / WEIGHTS_FILE)
     cls = getattr(transformers, meta.get("class", ""), None)
@@ -229,7 +229,7 @@ def build_meta(path_dir: Path, dtype: torch.dtype, tokenizer=None):
         model = cls._from_config(config, dtype=dtype)
     if (path_dir / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(str(path_dir), local_files_only=True)
-    tok = tokenizer or held(path_dir) or AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+    tok = tokenizer or from_directory(path_dir)
     return model, tok
 
 
