@@ -11,8 +11,10 @@ import torch
 from fusion.launcher import PRELOAD
 
 
-def _attach(addr: str, key: bytes, prompt: list[int], conn) -> None:
+def _attach(addr: str, key: bytes, prompt: list[int], threads: int, conn) -> None:
     from workers.weights.owner import attach_remote
+
+    torch.set_num_threads(threads)  # as the starter: a sum split across more threads rounds differently
 
     model, tok, info, _link = attach_remote(addr, key, timeout=120)
     dev = next(model.parameters()).device
@@ -26,13 +28,14 @@ def _attach(addr: str, key: bytes, prompt: list[int], conn) -> None:
 
 
 class Copy:
-    """One attached copy: `attached()` is what it reported, `release()` lets it exit."""
+    """One attached copy: `attached()` is what it reported, `release()` lets it exit. It computes
+    with as many threads as the process that starts it, whose reference it is compared with bit for bit."""
 
     def __init__(self, addr: str, key: str, prompt: list[int]):
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         self._conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_attach, args=(addr, key.encode(), prompt, theirs), daemon=True)
+        self.proc = ctx.Process(target=_attach, args=(addr, key.encode(), prompt, torch.get_num_threads(), theirs), daemon=True)
         self.proc.start()
         theirs.close()
 
