@@ -15,7 +15,6 @@ def _attach(addr: str, key: bytes, prompt: list[int], threads: int, conn) -> Non
     from workers.weights.owner import attach_remote
 
     torch.set_num_threads(threads)  # as the starter: a sum split across more threads rounds differently
-
     model, tok, info, _link = attach_remote(addr, key, timeout=120)
     dev = next(model.parameters()).device
     before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0

@@ -50,11 +50,12 @@ def from_directory(path_dir: Path | str):
     try:
         key = _files_digest(Path(path_dir))
     except (OSError, ValueError):  # unreadable files or config: transformers says what is wrong
-        return AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
-    tok = _BUILT.get(key)
+        key = None
+    tok = _BUILT.get(key) if key is not None else None
     if tok is None:
         tok = AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
-        _BUILT[key] = tok
+        if key is not None:
+            _BUILT[key] = tok
     return tok
 
 
