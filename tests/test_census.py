@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 import torch
-from support.models import tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
@@ -22,6 +21,7 @@ from workers.engine.cuda.ops import triton_ops  # noqa: E402
 from workers.engine.cuda.runner import CudaRunner  # noqa: E402
 from workers.engine.kv_cache import CacheLayout  # noqa: E402
 from workers.engine.runners.base import kv_dims  # noqa: E402
+from workers.models import load_model  # noqa: E402
 from workers.platform import CudaPlatform  # noqa: E402
 
 # what ~10 kernels a layer means here: the three linears of the fused q/k/v, o, gate/up and down
@@ -47,11 +47,15 @@ class Census(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# the Triton ops' device: the CPU under the interpreter, else the GPU
+DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+
+
 def _runner(arch: str) -> CudaRunner:
-    """The CUDA runner of a tiny model on the CPU with the Triton ops: what the engine builds on a GPU."""
-    lm = tiny(arch, dtype="float32")
+    """The CUDA runner of a tiny model with the Triton ops: what the engine builds on a GPU."""
+    lm = load_model(f"tiny:{arch}", dtype="float32", device=str(DEVICE))
     prec = CudaPlatform.quantized(CudaPlatform.compute(lm.dtype, True), "none", True, "tiny")
-    platform = CudaPlatform(torch.device("cpu"), prec, lean=True, deterministic=False)
+    platform = CudaPlatform(DEVICE, prec, lean=True, deterministic=False)
     holder = attention.install(lm.model)
     layout = CacheLayout.sized(platform, holder.groups, kv_dims(lm), 16, 4 << 20, 4, 64, lm.max_model_len,
                                prefix_caching=True)

@@ -36,6 +36,8 @@ def _kernel(fn, *args):
     for a, m in zip(args, moved):  # the caches it wrote
         if isinstance(a, torch.Tensor) and m is not a:
             a.copy_(m.cpu())
+    if isinstance(out, tuple):
+        return tuple(o.cpu() for o in out)
     return out.cpu() if isinstance(out, torch.Tensor) else out
 
 
@@ -195,19 +197,20 @@ def test_batch_invariant_kernels_give_a_row_the_same_bits_in_any_batch(dtype):
         torch.testing.assert_close(full.float(), ref(x, *args).float(), atol=tol, rtol=tol)
 
 
-SEGMENT = 2 * BS  # the split decode kernel's segment in these tests: two blocks
+SEGMENT = 4 * BS  # the split decode kernel's segment in these tests (its smallest): four blocks
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kvh,d", [(4, 2, 16), (3, 1, 24)])
 def test_split_decode_attention_matches_the_reference_and_ignores_the_batch(dtype, tol, heads, kvh, d):
-    """Decode split over the context (workers.engine.cuda.triton_decode) in segments of two blocks:
+    """Decode split over the context (workers.engine.cuda.triton_decode) in segments of four blocks:
     lengths of 1, a segment -1, +0 and +1, several segments, a padded row (zeros), windows that
-    start inside a segment or leave whole segments out. A row alone, among the others, or with a
-    wider block table (more segments in the grid) has the same bits."""
+    start inside a segment or leave whole segments out. A row alone, among the others, with a
+    wider block table (more segments) or with one program a row walking every segment has the
+    same bits."""
     gen = torch.Generator().manual_seed(heads * 10 + d)
     lengths = [1, SEGMENT - 1, SEGMENT, SEGMENT + 1, 0, 3 * SEGMENT + 2, 2 * SEGMENT]
-    width = 7
+    width = 13
     kc, vc, tables, q, rows, lens = _decode_case(lengths, width, 48, heads, kvh, d, dtype, gen)
     for window in (0, 3, SEGMENT + 3):
         want = paged_ops.reference_attention(q, kc, vc, tables, rows, lens, d ** -0.5, window)
@@ -221,7 +224,8 @@ def test_split_decode_attention_matches_the_reference_and_ignores_the_batch(dtyp
                         window, SEGMENT)
         wider = torch.cat([tables, torch.zeros(len(lengths), 5, dtype=tables.dtype)], 1)
         spread = _kernel(triton_decode.decode_attention, q, kc, vc, wider, rows, lens, d ** -0.5, window, SEGMENT)
-        assert torch.equal(alone[0], got[5]) and torch.equal(spread, got)
+        one = _kernel(triton_decode.decode_attention, q, kc, vc, tables, rows, lens, d ** -0.5, window, SEGMENT, 1)
+        assert torch.equal(alone[0], got[5]) and torch.equal(spread, got) and torch.equal(one, got)
     assert triton_decode.segments_for(width, BS, SEGMENT) == 4 and triton_decode.segments_for(1, 16) == 1
 
 

@@ -79,7 +79,7 @@ def bound_port(server: uvicorn.Server) -> int:
 
 def make_server(settings: GatewaySettings, host: str, port: int, log_level: str = "warning") -> uvicorn.Server:
     app = Gateway(settings).app()
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="uvloop", http="httptools",
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, loop="auto", http="auto",
                             lifespan="on", access_log=False, timeout_keep_alive=30,
                             # no X-Forwarded-* rewriting: a proxy in front is not assumed (and costs every request)
                             proxy_headers=False)

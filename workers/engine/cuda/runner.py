@@ -165,8 +165,7 @@ class CudaRunner(PagedRunner):
         self.buckets = decode_buckets(max_batch_size)
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, lm.vocab_size, lm.dtype, lm.device)
         self.graphs_on = lm.device.type == "cuda" if graphs is None else graphs
-        # `deterministic` samples on the host row by row: a step started ahead takes the device sampler's tokens
-        self.overlap = (self.graphs_on if overlap is None else overlap) and not platform.deterministic
+        self.overlap = self.graphs_on if overlap is None else overlap
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, all greedy) -> graph
         self.capture_seconds = 0.0
         # decode steps; their time filling the inputs (the host), launching them, and waiting for
@@ -293,13 +292,19 @@ class CudaRunner(PagedRunner):
         tokens = self._end_decode(self._start_decode(seqs))
         return self.buffers.logits[: len(seqs)], tokens
 
+    def _device_tokens(self, decode: list[Sequence]) -> bool:
+        """Whether the device's tokens are the step's: no row asks for log-probabilities (the host
+        computes them), and under `deterministic` every row is greedy (an argmax is the same
+        whatever the batch; a sampled row is drawn on the host, row by row)."""
+        return (not any(s.group.params.wants_logprobs or s.group.params.logprobs is not None for s in decode)
+                and not (self.batch_invariant and any(s.group.params.temperature != 0 for s in decode)))
+
     def _graph_decode(self, plan: SchedulerOutput) -> bool:
         """A step the decode graph serves by itself: decoding only, within a bucket, every token
-        sampled on the device (no log-probabilities to compute on the host)."""
+        sampled on the device."""
         decode = plan.decode
         return (self.device_lean is not None and not plan.prefill and bool(decode)
-                and self.bucket(len(decode)) is not None
-                and not any(s.group.params.wants_logprobs or s.group.params.logprobs is not None for s in decode))
+                and self.bucket(len(decode)) is not None and self._device_tokens(decode))
 
     def can_run_ahead(self, plan: SchedulerOutput) -> bool:
         return self.overlap and self._graph_decode(plan)
@@ -337,8 +342,7 @@ class CudaRunner(PagedRunner):
         t0 = time.perf_counter()
         logits, tokens = self._decode_step(decode)
         self.forward_seconds += time.perf_counter() - t0
-        if self.batch_invariant or any(s.group.params.wants_logprobs or s.group.params.logprobs is not None
-                                       for s in decode):
+        if not self._device_tokens(decode):
             return self._sample(decode, [], logits)  # the host sampler (log-probabilities; row by row)
         result = StepResult()
         result.samples = [(seq, tok, None, None) for seq, tok in zip(decode, tokens)]

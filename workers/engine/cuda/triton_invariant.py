@@ -4,8 +4,10 @@ Nondeterminism in LLM Inference" do the same).
 
 cuBLAS picks its tiles and split-K reductions by the matrix sizes, and torch's row reductions pick
 their layout by the number of rows, so a row's bits change with the batch. Here one tile shape is
-fixed for every call: a program computes a [16, 64] tile of the output, walking the inputs in
-blocks of 32 in order, in float32 at IEEE precision. The norms (workers.engine.cuda.triton_fused,
+fixed for every call: a program computes a [16, 32] tile of the output, walking the inputs in
+blocks of 64 in order. 16-bit inputs meet on the tensor cores (their products are exact in the
+float32 sums, and an output element's sums read its own row and column only, so a row's bits do not
+depend on the rows sharing its tile); float32 inputs multiply in float32 at IEEE precision. The norms (workers.engine.cuda.triton_fused,
 one program a row) and the attention kernels (a row's own positions, in block order, in segments
 fixed by position) need no second version.
 
@@ -15,16 +17,22 @@ interpreter).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 64
+# Triton's interpreter multiplies 16-bit dots as raw bits: there the inputs are widened first (the
+# same products; only the GPU runs the tensor cores' path)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   WIDE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -36,10 +44,13 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_w
     for k0 in range(0, K, BK):
         k = k0 + offs_k
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None] & (k[None, :] < K),
-                    other=0.0).to(tl.float32)
+                    other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + k[None, :], mask=mask_n[:, None] & (k[None, :] < K),
-                    other=0.0).to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                    other=0.0)
+        if WIDE:  # float32: multiply-adds at IEEE precision (not TF32)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -56,5 +67,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x, weight = x.contiguous(), weight.contiguous()
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _linear_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0),
-                         out.stride(0), HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
+                         out.stride(0), HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+                         WIDE=_INTERPRETED or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype)
     return out

@@ -2,19 +2,30 @@
 y = x @ W.T + bias with W read as int4 or int8 blocks and widened in registers, so a decode step
 reads a quarter (int4) or half (int8) of bfloat16's weight bytes.
 
-One program computes a [BLOCK_M, BLOCK_N] tile of y. It walks the input in blocks of 32: each
-block's scale (and offset, int4) per output row, its values widened to float32 as
-`QuantizedWeight.dequantize` gives them (the GGUF file's own values), and two dots of 16 inputs.
+Two kernels:
+- a few rows (decode): one program a row and BLOCK_N outputs, walking the input CHUNK blocks at a
+  time with products and sums in float32 registers (a [16, 64] tile's dot at one row would spend
+  sixteen times the multiplies, and the GPU's float32 dot is multiply-adds). A row's sums take one
+  order whatever the number of rows, so `deterministic` takes this kernel for every row count.
+- many rows: one program a [BLOCK_M, BLOCK_N] tile of y. It walks the input in blocks of 32:
+  each block's scale (and offset, int4) per output row, its values widened to float32 as
+  `QuantizedWeight.dequantize` gives them (the GGUF file's own values), and two dots of 16 inputs.
+  float32 activations: the dots run in float32 at IEEE precision (not TF32), the float32 product
+  of the activations and the file's values, as on the CPU. bfloat16 activations: on the tensor
+  cores, each float32 weight split into two bfloat16 (its leading bits and the rest), whose
+  products are exact in the float32 sums: the weights to about 2^-16, far inside the output's
+  rounding.
 An int4 block holds value j in the low nibble of byte j and value j + 16 in its high nibble, so
 the low nibbles meet the block's first 16 inputs and the high nibbles its last 16, without
-interleaving. The dots run in float32 at IEEE precision (not TF32), so the result is the float32
-product of the activations and the file's values, as on the CPU.
+interleaving.
 
 Set TRITON_INTERPRET before this module is imported: Triton reads it when the kernels are defined
 (the tests run it on the CPU in Triton's interpreter).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -24,13 +35,16 @@ from workers.quant.formats import BLOCK
 from workers.quant.weight import INT4, QuantizedWeight
 
 HALF = BLOCK // 2
+# Triton's interpreter multiplies 16-bit dots as raw bits: there the float32 path runs (the GPU
+# alone runs the tensor cores' path)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _qlinear_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M, N, K,
                     stride_xm, stride_qn, stride_sn, stride_om,
                     INT4_BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT16: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -42,8 +56,8 @@ def _qlinear_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M
     for b in range(0, K // (2 * HALF_K)):
         k0 = b * 2 * HALF_K
         x_rows = x_ptr + offs_m[:, None] * stride_xm + k0 + offs_h[None, :]
-        x_lo = tl.load(x_rows, mask=mask_m[:, None], other=0.0).to(tl.float32)
-        x_hi = tl.load(x_rows + HALF_K, mask=mask_m[:, None], other=0.0).to(tl.float32)
+        x_lo = tl.load(x_rows, mask=mask_m[:, None], other=0.0)
+        x_hi = tl.load(x_rows + HALF_K, mask=mask_m[:, None], other=0.0)
         scale = tl.load(scales_ptr + offs_n * stride_sn + b, mask=mask_n, other=0.0).to(tl.float32)
         if INT4_BLOCKS:
             offset = tl.load(offsets_ptr + offs_n * stride_sn + b, mask=mask_n, other=0.0).to(tl.float32)
@@ -55,24 +69,90 @@ def _qlinear_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M
             w_rows = qs_ptr + offs_n[:, None] * stride_qn + k0 + offs_h[None, :]
             w_lo = tl.load(w_rows, mask=mask_n[:, None], other=0).to(tl.float32) * scale[:, None]
             w_hi = tl.load(w_rows + HALF_K, mask=mask_n[:, None], other=0).to(tl.float32) * scale[:, None]
-        acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
-        acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
+        if SPLIT16:
+            # 16-bit activations on the tensor cores: each float32 weight as the sum of two bfloat16
+            # (its leading 8 bits and the next 8), whose products with the activations are exact
+            # in the float32 sums: the weights' values to 2^-16, against the output's 2^-8
+            w_lo16 = w_lo.to(tl.bfloat16)
+            w_hi16 = w_hi.to(tl.bfloat16)
+            x_lo16 = x_lo.to(tl.bfloat16)
+            x_hi16 = x_hi.to(tl.bfloat16)
+            acc += tl.dot(x_lo16, tl.trans(w_lo16))
+            acc += tl.dot(x_lo16, tl.trans((w_lo - w_lo16.to(tl.float32)).to(tl.bfloat16)))
+            acc += tl.dot(x_hi16, tl.trans(w_hi16))
+            acc += tl.dot(x_hi16, tl.trans((w_hi - w_hi16.to(tl.float32)).to(tl.bfloat16)))
+        else:
+            acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
+            acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _qgemv_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, N, K,
+                  stride_xm, stride_qn, stride_sn, stride_om,
+                  INT4_BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_b = tl.arange(0, CHUNK)
+    offs_h = tl.arange(0, HALF_K)
+    mask_n = offs_n < N
+    blocks = K // (2 * HALF_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c in range(0, blocks, CHUNK):
+        b = c + offs_b
+        mask_b = b < blocks
+        x_at = x_ptr + m * stride_xm + b[:, None] * (2 * HALF_K) + offs_h[None, :]
+        x_lo = tl.load(x_at, mask=mask_b[:, None], other=0.0).to(tl.float32)  # [CHUNK, HALF_K]
+        x_hi = tl.load(x_at + HALF_K, mask=mask_b[:, None], other=0.0).to(tl.float32)
+        nb = mask_n[:, None] & mask_b[None, :]
+        scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + b[None, :], mask=nb,
+                        other=0.0).to(tl.float32)[:, :, None]  # [BLOCK_N, CHUNK, 1]
+        if INT4_BLOCKS:
+            offset = tl.load(offsets_ptr + offs_n[:, None] * stride_sn + b[None, :], mask=nb,
+                             other=0.0).to(tl.float32)[:, :, None]
+            q = tl.load(qs_ptr + offs_n[:, None, None] * stride_qn + b[None, :, None] * HALF_K + offs_h[None, None, :],
+                        mask=nb[:, :, None], other=0)
+            w_lo = (q & 15).to(tl.float32) * scale + offset
+            w_hi = (q >> 4).to(tl.float32) * scale + offset
+        else:
+            w_at = qs_ptr + offs_n[:, None, None] * stride_qn + b[None, :, None] * (2 * HALF_K) + offs_h[None, None, :]
+            w_lo = tl.load(w_at, mask=nb[:, :, None], other=0).to(tl.float32) * scale
+            w_hi = tl.load(w_at + HALF_K, mask=nb[:, :, None], other=0).to(tl.float32) * scale
+        acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+GEMV_ROWS = 16  # up to this many rows, qlinear takes the kernel of one program a row
+GEMV_N, GEMV_CHUNK = 32, 8  # its outputs a program and blocks of 32 inputs an iteration
+
+
+def _qgemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.out_features
+    int4 = weight.kind == INT4
+    _qgemv_kernel[(m, triton.cdiv(n, GEMV_N))](
+        x, weight.qs, weight.scales, weight.offsets if int4 else weight.scales, bias if bias is not None else x, out,
+        n, k, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0),
+        INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_N=GEMV_N, CHUNK=GEMV_CHUNK)
+    return out
+
+
 def qlinear_invariant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """qlinear with one tile shape for every number of rows (`deterministic`): a row's sums do not
-    depend on the rows beside it."""
-    return qlinear(x, weight, bias, block_m=16)
+    """qlinear with the kernel of one program a row for every number of rows (`deterministic`): a
+    row's sums do not depend on the rows beside it."""
+    return qlinear(x, weight, bias, block_m=1)
 
 
 def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
             block_m: int | None = None) -> torch.Tensor:
     """ops.reference_qlinear's contract: x [M, K] -> [M, N] in x's dtype. `block_m`: the
-    rows a tile (None: by the number of rows)."""
+    rows a tile, 1 for the kernel of one program a row (None: by the number of rows)."""
     m, k = x.shape
     n = weight.out_features
     if k != weight.in_features:
@@ -81,12 +161,15 @@ def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None 
     if m == 0:
         return out
     x = x.contiguous()
+    if block_m == 1 or (block_m is None and m <= GEMV_ROWS):
+        return _qgemv(x, weight, bias, out)
     int4 = weight.kind == INT4
-    block_m = block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    block_m = block_m or (32 if m <= 32 else 64)
     block_n = 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _qlinear_kernel[grid](
         x, weight.qs, weight.scales, weight.offsets if int4 else weight.scales, bias if bias is not None else x, out,
         m, n, k, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0),
-        INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_M=block_m, BLOCK_N=block_n)
+        INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLIT16=x.dtype == torch.bfloat16 and not _INTERPRETED)
     return out
