@@ -24,9 +24,9 @@ bench() {  # bench() SECONDS ARGS...: one bench/gpu.py run, its JSON lines appen
     shift
     timeout "$limit" $py bench/gpu.py --random-weights "$@" 2>>"$out/gpu_bench.err" | tee -a "$out/gpu_bench.jsonl"
 }
-bench 120 --repeats 2 --parts parity,single_stream,workload,census
+bench 150 --repeats 2 --parts parity,single_stream,workload,census
 # one process, no xdist: the CUDA tests and the Triton kernels' tests (compiled on the GPU there)
-timeout 120 $py -m pytest -q -o addopts="" -p no:cacheprovider --tb=short -rfE tests/test_triton_kernels.py \
+timeout 150 $py -m pytest -q -o addopts="" -p no:cacheprovider --tb=short -rfE tests/test_triton_kernels.py \
     tests/test_cuda_runner.py tests/test_census.py tests/test_compiled.py tests/test_scheduler.py \
     tests/test_sampling.py tests/test_weight_owner.py -k "cuda or kernel or triton or custom_op or census" \
     >"$out/cuda_tests.txt" 2>&1
@@ -36,5 +36,5 @@ bench 75 --repeats 1 --parts quantized,deterministic
 # a bigger shape, Llama 3.2 1B's: one stream in bf16, int8 and int4
 bench 45 --model llama-3.2-1b --repeats 1 --parts quantized_stream
 # three copies on one GPU sharing one weight owner, behind the HTTP gateway
-bench 75 --repeats 1 --parts deployment
+bench 60 --repeats 1 --parts deployment
 tail -20 "$out/gpu_bench.err"

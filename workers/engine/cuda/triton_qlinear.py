@@ -12,9 +12,9 @@ Two kernels:
   `QuantizedWeight.dequantize` gives them (the GGUF file's own values), and two dots of 16 inputs.
   float32 activations: the dots run in float32 at IEEE precision (not TF32), the float32 product
   of the activations and the file's values, as on the CPU. bfloat16 activations: on the tensor
-  cores, each float32 weight split into two bfloat16 (its leading bits and the rest), whose
-  products are exact in the float32 sums: the weights to about 2^-16, far inside the output's
-  rounding.
+  cores, each float32 weight split into three bfloat16 whose sum is exactly it, so the products
+  are the same (two bfloat16, the leading 16 bits, part a sum of many terms by up to 2^-17 of each
+  weight: past the output's rounding where the terms cancel).
 An int4 block holds value j in the low nibble of byte j and value j + 16 in its high nibble, so
 the low nibbles meet the block's first 16 inputs and the high nibbles its last 16, without
 interleaving.
@@ -35,16 +35,40 @@ from workers.quant.formats import BLOCK
 from workers.quant.weight import INT4, QuantizedWeight
 
 HALF = BLOCK // 2
-# Triton's interpreter multiplies 16-bit dots as raw bits: there the float32 path runs (the GPU
-# alone runs the tensor cores' path)
+# Triton's interpreter multiplies 16-bit dots as raw bits: there the tensor cores' path multiplies
+# its bfloat16 parts in float32
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _split_dot(acc, x, w, EMULATE: tl.constexpr):
+    """acc + x @ w.T for bfloat16 x [M, k] and float32 w [N, k] on the tensor cores: w as the sum of
+    three bfloat16 (its leading 8 bits, the next 8, the rest), which is w exactly, so the products
+    are x times w's own values, exact in the float32 sums. EMULATE: the same parts multiplied in
+    float32 (Triton's interpreter multiplies 16-bit dots as raw bits)."""
+    a = w.to(tl.bfloat16)
+    rest = w - a.to(tl.float32)
+    b = rest.to(tl.bfloat16)
+    c = (rest - b.to(tl.float32)).to(tl.bfloat16)
+    if EMULATE:
+        xf = x.to(tl.float32)
+        acc += tl.dot(xf, tl.trans(a.to(tl.float32)), input_precision="ieee")
+        acc += tl.dot(xf, tl.trans(b.to(tl.float32)), input_precision="ieee")
+        acc += tl.dot(xf, tl.trans(c.to(tl.float32)), input_precision="ieee")
+    else:
+        x16 = x.to(tl.bfloat16)
+        acc += tl.dot(x16, tl.trans(a))
+        acc += tl.dot(x16, tl.trans(b))
+        acc += tl.dot(x16, tl.trans(c))
+    return acc
 
 
 @triton.jit
 def _qlinear_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M, N, K,
                     stride_xm, stride_qn, stride_sn, stride_om,
                     INT4_BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT16: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT16: tl.constexpr,
+                    EMULATE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,17 +94,8 @@ def _qlinear_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M
             w_lo = tl.load(w_rows, mask=mask_n[:, None], other=0).to(tl.float32) * scale[:, None]
             w_hi = tl.load(w_rows + HALF_K, mask=mask_n[:, None], other=0).to(tl.float32) * scale[:, None]
         if SPLIT16:
-            # 16-bit activations on the tensor cores: each float32 weight as the sum of two bfloat16
-            # (its leading 8 bits and the next 8), whose products with the activations are exact
-            # in the float32 sums: the weights' values to 2^-16, against the output's 2^-8
-            w_lo16 = w_lo.to(tl.bfloat16)
-            w_hi16 = w_hi.to(tl.bfloat16)
-            x_lo16 = x_lo.to(tl.bfloat16)
-            x_hi16 = x_hi.to(tl.bfloat16)
-            acc += tl.dot(x_lo16, tl.trans(w_lo16))
-            acc += tl.dot(x_lo16, tl.trans((w_lo - w_lo16.to(tl.float32)).to(tl.bfloat16)))
-            acc += tl.dot(x_hi16, tl.trans(w_hi16))
-            acc += tl.dot(x_hi16, tl.trans((w_hi - w_hi16.to(tl.float32)).to(tl.bfloat16)))
+            acc = _split_dot(acc, x_lo, w_lo, EMULATE)
+            acc = _split_dot(acc, x_hi, w_hi, EMULATE)
         else:
             acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
             acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
@@ -171,5 +186,5 @@ def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None 
         x, weight.qs, weight.scales, weight.offsets if int4 else weight.scales, bias if bias is not None else x, out,
         m, n, k, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0),
         INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT16=x.dtype == torch.bfloat16 and not _INTERPRETED)
+        SPLIT16=x.dtype == torch.bfloat16, EMULATE=_INTERPRETED)
     return out
