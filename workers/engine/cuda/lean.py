@@ -138,10 +138,12 @@ class DeviceLean:
 
     def forward(self, step: DeviceStep, kv: tuple[torch.Tensor, torch.Tensor],
                 keep: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
-        """`decode`: one row a sequence (the decode graphs), whose attention is split over the context."""
+        """`decode`: one row a sequence (the decode graphs), whose attention is split over the
+        context. Under `deterministic` every row's attention is split so (a decode row's bits may
+        not depend on whether a prompt's chunk shares its step)."""
         ops, n, heads, kvh, d = self.ops, step.ids.shape[0], self.heads, self.kv_heads, self.head_dim
         key_cache, value_cache = kv
-        attend = ops.decode_attention if decode else ops.attention
+        attend = ops.decode_attention if decode or ops.invariant else ops.attention
         h = F.embedding(step.ids, self.embed)
         x = ops.rms_norm(h, self.layers[0].input_norm, self.eps) if self.layers else h
         # each layer: x, the normed input of its attention; h, the residual stream it adds to
