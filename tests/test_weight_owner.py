@@ -105,6 +105,29 @@ def test_owner_shares_weights_over_cuda_ipc(tmp_path):
     _check_owner(tmp_path, "cuda:0")
 
 
+def test_an_owner_whose_copies_let_go_frees_its_memory_and_exits_cleanly(tmp_path):
+    """Copies that let go of the tensors before they exit leave the owner the last user of its
+    shared memory: stopping, it frees the tensors (torch removes those files), removes what is
+    left, and exits 0. Removing the files before letting go aborts it at exit, on the CPU as on a
+    GPU ("could not unlink the shared memory file")."""
+    from workers.weights.owner_ipc import ipc_files
+
+    owner, addr, key, _env = _owner(tmp_path, "cpu")
+    copies = _start_copies(addr, key, 2)
+    try:
+        assert "weight owner:" in owner.stdout.readline()
+        for _c, report in _attached(copies):
+            assert report["shared"] and report["all_shared"]
+        assert ipc_files(owner.pid)  # the owner's tensors in shared memory
+    finally:
+        for c in copies:
+            c.release()
+        owner.terminate()
+        code = owner.wait(30)
+    assert code == 0 and [c.proc.exitcode for c in copies] == [0, 0]
+    assert ipc_files(owner.pid) == []
+
+
 def test_owner_exits_with_its_parent(tmp_path):
     key = secrets.token_hex(16)
     env = {**os.environ, "MMFUSION_OWNER_KEY": key, "MMFUSION_CACHE": str(tmp_path / "cache")}

@@ -132,8 +132,9 @@ MODEL_KEYS: tuple[Key, ...] = (
         "(16-bit, Q2_K, Q3_K) as loaded; any other source is `none`. SmolLM2's Q4_1 file: one stream about 2.5x "
         "faster than bfloat16, 0.36x its linears' bytes, a batched workload about 1.02-1.05x bfloat16's "
         "(docs/benchmarks.md). CUDA: `int8` and `int4` on the device's lean forward (the Llama family) "
-        "through a Triton kernel, not yet run on a GPU; the 16-bit weights stay loaded beside the blocks, "
-        "and `auto` is `none` there",
+        "through Triton kernels, slower than bfloat16 there so far (an H200: one stream int4 4.5 against "
+        "1.3 ms/token, docs/operations.md); the 16-bit weights stay loaded beside the blocks, and `auto` is "
+        "`none` there",
         lambda x: x in QUANTIZATIONS),
     Key("deterministic", False, "`true`, `false`",
         "batch-invariant computation: a request's logits, so its greedy tokens and log-probabilities, "
@@ -143,7 +144,7 @@ MODEL_KEYS: tuple[Key, ...] = (
         "of 16 rows below AVX2); every token's attention runs the decode kernel's one order over its context; "
         "the sampler reduces each row on its own. CPU with the lean forward (`prepack_weights`, "
         "Llama family, or Gemma 3 in float32); CUDA with the device's lean forward (Llama family: "
-        "batch-invariant Triton kernels, not yet run on a GPU); it costs throughput (docs/serving.md, "
+        "batch-invariant Triton kernels; an H200: one stream 1.20x the time); it costs throughput (docs/serving.md, "
         "\"Reproducibility\")",
         lambda x: isinstance(x, bool)),
     Key("compile", "auto", "`auto`, `true`, `false`",

@@ -10,10 +10,11 @@ user is gone.
 
 A copy keeps its connection open while it holds the tensors (OwnerLink) and closes it once it has
 let them go (Engine.close), or the kernel closes it when the copy's process ends. Told to stop
-(SIGTERM), the owner waits, for a bounded time, until every copy's connection is closed: torch's
-producer then exits without "Producer process has been terminated before all shared CUDA tensors
-released". It ignores SIGINT, which a terminal's Ctrl-C sends to the whole process group: the
-deployment stops it after its copies.
+(SIGTERM), the owner waits, for a bounded time, until every copy's connection is closed, lets go
+of its tensors (torch removes the shared-memory files they were the last user of), removes what
+is left of its IPC files, and exits without torch's exit handlers, which would close those files
+again and abort. It ignores SIGINT, which a terminal's Ctrl-C sends to the whole process group:
+the deployment stops it after its copies.
 
 The one seam is `export_tensor` / `import_tensor`: torch.multiprocessing's reductions, which use
 CUDA IPC for CUDA tensors. CPU tensors take the same path through torch's `file_system` sharing
@@ -27,11 +28,13 @@ Handles are torch's own picklable reductions, so they travel over a local, authe
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
@@ -118,16 +121,22 @@ class WeightOwner:
         os.kill(os.getpid(), signal.SIGTERM)  # the deployment is gone: so are the copies that used these weights
 
     def serve(self) -> None:
-        # a clean exit on SIGTERM: torch and the CUDA driver then remove their IPC bookkeeping
-        # files from /dev/shm, which a process killed outright would leave behind
+        """Serve until SIGTERM (or the parent's end), then let go of the tensors: the caller ends
+        the process with `leave`."""
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             self._serve()
-        finally:  # its parent may be gone (SIGKILLed): nobody else would remove these
+        finally:
             self.wait_detached(DETACH_WAIT_S)
-            collect_exported(self.device)
-            remove_ipc_files(os.getpid())
+            self.release()
+
+    def release(self) -> None:
+        """Drop this process's references to its tensors, so that torch frees them now and removes
+        the shared-memory files whose last user they were, before `leave` removes the rest."""
+        self.model = self.tensors = None
+        gc.collect()
+        collect_exported(self.device)
 
     def wait_detached(self, timeout: float) -> bool:
         """Wait until no copy holds a connection (True), or `timeout` seconds (False)."""
@@ -214,10 +223,29 @@ def main(argv: list[str] | None = None) -> None:
     key = os.environ.get(KEY_ENV, "").encode()
     if not key:
         sys.exit(f"weight owner: set {KEY_ENV} to the deployment's key")
+    code = 0
     try:
         WeightOwner(args.source, args.dtype, args.device, args.address, key, args.parent_pid).serve()
+    except SystemExit as exc:  # SIGTERM
+        code = exc.code if isinstance(exc.code, int) else 1
     except (ValueError, OSError, S.SharedWeightsError) as exc:  # a bad source, a missing file: say which
-        sys.exit(f"weight owner: cannot serve {args.source} on {args.device}: {exc}")
+        print(f"weight owner: cannot serve {args.source} on {args.device}: {exc}", file=sys.stderr)
+        code = 1
+    except BaseException:  # noqa: BLE001 - said, then the same ending
+        traceback.print_exc()
+        code = 1
+    leave(code)
+
+
+def leave(code: int) -> None:
+    """End the owner: remove what its IPC left in /dev/shm (its parent may be gone, SIGKILLed, and
+    nobody else would), then exit without the interpreter's and torch's exit handlers. Those would
+    close torch's CUDA IPC reference-counter files again, find them removed and abort ("could not
+    unlink the shared memory file"); the tensors were let go of already (WeightOwner.release)."""
+    remove_ipc_files(os.getpid())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
