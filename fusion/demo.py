@@ -25,15 +25,20 @@ PARAMS = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
 def decoder(source: str):
     """Something with `decode(ids, skip_special_tokens=True)` for an embedded model: the
-    tokenizers library on the tokenizer saved beside its converted weights (a moment), else the
-    transformers tokenizer (importing torch and transformers first: seconds)."""
-    from workers.weights.sources import embedded_gguf, gguf_cache_dir
+    tokenizers library on a tokenizer saved beside its converted or shared weights (a moment; the
+    demo's workers just wrote the shared ones), else the transformers tokenizer (importing torch
+    and transformers first: seconds)."""
+    from workers.files import cache_root
+    from workers.weights.sources import embedded_gguf, gguf_cache_dir, source_key
 
     converted = gguf_cache_dir(embedded_gguf(source))
-    if converted is not None and (converted / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
+    saved = [converted / "tokenizer.json"] if converted is not None else []
+    saved += sorted((cache_root() / "shared").glob(f"{source_key(source)}-*/tokenizer.json"))
+    for path in saved:
+        if path.is_file():
+            from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(converted / "tokenizer.json"))
+            return Tokenizer.from_file(str(path))
     from fusion.data.prepare import tokenize_only
 
     return tokenize_only(source)
