@@ -19,7 +19,8 @@
   deployment:    `run_mm.py --mode serve` with the HTTP gateway, --copies copies of the model in bf16
                  on one GPU sharing one weight owner: the plan (`validate_only`), the workload as
                  concurrent streaming HTTP requests (tokens/s), each copy's greedy answer to one
-                 prompt (all equal?), and the GPU memory of every process (nvidia-smi) against the plan.
+                 prompt (all equal?), the GPU memory of every process (nvidia-smi) against the plan,
+                 and whether any of its processes aborted at exit (`deployment_exit`).
 
     python bench/gpu.py [--model smollm2-135m] [--device cuda:0] [--copies 3] [--parts ...] [--random-weights]
 
@@ -44,6 +45,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -67,6 +69,9 @@ SHAPES = {"smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate
                                num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
                                max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                rope_parameters={"rope_type": "default", "rope_theta": 500000.0})}
+# what a process that aborts at exit prints (torch's CUDA IPC teardown, a C++ exception in a destructor)
+ABORT_MARKS = ("terminate called", "could not unlink the shared memory file",
+               "Producer process has been terminated before all shared CUDA tensors released")
 # the kernel census's groups: a kernel's group is the first whose words its name holds
 KERNEL_GROUPS = (("attention", ("attention", "_segment_kernel", "_merge_kernel", "flash", "fmha")),
                  ("sampling", ("argmax", "sort", "scan", "cumsum", "topk", "softmax", "multinomial")),
@@ -357,9 +362,11 @@ def deployment(args) -> None:
                            cwd=ROOT, capture_output=True, text=True)
     emit(part="validate_only", rc=shown.returncode, output=shown.stdout.strip().splitlines()[-12:])
     front, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    # the deployment's stderr (its workers' and owners' too), read for aborts once it has stopped
+    log = tempfile.NamedTemporaryFile(prefix="mmfusion-gpu-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants", variants,
                              "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}", "--http", http],
-                            cwd=ROOT, stdout=subprocess.DEVNULL)
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://{http}"
     try:
         t0 = time.perf_counter()
@@ -398,6 +405,12 @@ def deployment(args) -> None:
         proc.terminate()
         proc.wait(timeout=120)
         cfg.unlink(missing_ok=True)
+        log.close()
+        text = Path(log.name).read_text(errors="replace")
+        Path(log.name).unlink()
+        sys.stderr.write(text)
+        aborts = [line for line in text.splitlines() if any(mark in line for mark in ABORT_MARKS)]
+        emit(part="deployment_exit", rc=proc.returncode, aborted=bool(aborts), abort_lines=aborts[:6])
 
 
 def main() -> None:
@@ -415,8 +428,6 @@ def main() -> None:
         sys.exit("bench/gpu.py needs a CUDA device (--device cpu runs its parts on the CPU)")
     emit(**describe("gpu", sys.argv), gpu=device_name(args.device))
     if args.random_weights:
-        import tempfile
-
         tmp = tempfile.TemporaryDirectory(prefix="mmfusion-random-")
         args.shape, args.model = args.model, random_weights(args.model, Path(tmp.name))
         emit(random_weights=True, shape=args.shape)
