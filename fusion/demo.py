@@ -28,12 +28,10 @@ def decoder(source: str):
     tokenizers library on a tokenizer saved beside its converted or shared weights (a moment; the
     demo's workers just wrote the shared ones), else the transformers tokenizer (importing torch
     and transformers first: seconds)."""
-    from workers.files import cache_root
-    from workers.weights.sources import embedded_gguf, gguf_cache_dir, source_key
+    from workers.weights.sources import embedded_gguf, gguf_cache_dir, shared_dirs
 
     converted = gguf_cache_dir(embedded_gguf(source))
-    saved = [converted / "tokenizer.json"] if converted is not None else []
-    saved += sorted((cache_root() / "shared").glob(f"{source_key(source)}-*/tokenizer.json"))
+    saved = [d / "tokenizer.json" for d in ([converted] if converted is not None else []) + shared_dirs(source)]
     for path in saved:
         if path.is_file():
             from tokenizers import Tokenizer

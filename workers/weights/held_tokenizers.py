@@ -7,7 +7,7 @@ every reload after an eviction included. The serving command names the sources i
 `HOLD_ENV` (a JSON list) while it starts the fork server (fusion.launcher.start_server); the server
 imports this module among its preloads and builds the tokenizer of each source whose shared
 weights are in the cache already (workers.weights.shared). A forked copy inherits them, copy on
-write, and `held(path)` hands it the one built from its own shared directory.
+write, and `from_directory` hands it the one built from the same files.
 
 Only the fork server reads `HOLD_ENV`, at its start; every other process (a worker started by
 hand, on Ray, or before the server) holds nothing and builds its tokenizer as it always did. A
@@ -61,13 +61,12 @@ def from_directory(path_dir: Path | str):
 
 def build(sources: list[str]) -> dict[str, object]:
     """Tokenizer by shared directory, for each source whose shared weights are in the cache."""
-    from workers.files import cache_root
-    from workers.weights.sources import source_key
+    from workers.weights.sources import shared_dirs
 
     built: dict[str, object] = {}  # one tokenizer for the dtypes' directories of one source (from_directory)
     for source in sources:
         try:
-            dirs = sorted((cache_root() / "shared").glob(f"{source_key(source)}-*"))
+            dirs = shared_dirs(source)
         except (OSError, ValueError):  # a source that does not exist: its load will say so
             continue
         for d in dirs:
@@ -107,14 +106,9 @@ def _from_env() -> dict[str, object]:
     return build(sources)
 
 
-# built once, at import, in the fork server only (the only process started with HOLD_ENV set);
-# read-only afterwards
+# built once, at import, in the fork server only (the only process started with HOLD_ENV set),
+# and kept alive here: from_directory finds them by their files
 _HELD = _from_env()
-
-
-def held(path_dir: Path):
-    """The tokenizer this process was forked holding for shared directory `path_dir`, or None."""
-    return _HELD.get(str(Path(path_dir).resolve()))
 
 
 def held_count() -> int:

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from workers.files import atomic_replace, cache_root, one_at_a_time
+from workers.files import atomic_replace, one_at_a_time
 from workers.weights.held_tokenizers import from_directory
-from workers.weights.sources import source_key
+from workers.weights.sources import shared_path
 
 log = logging.getLogger("mmfusion.shared_weights")
 WEIGHTS_FILE = "model.safetensors"
@@ -60,7 +60,7 @@ class WeightsInfo:
 
 
 def shared_dir(source: str, dtype: torch.dtype) -> Path:
-    return cache_root() / "shared" / f"{source_key(source)}-{str(dtype).removeprefix('torch.')}"
+    return shared_path(source, str(dtype).removeprefix("torch."))
 
 
 # --- writing ---------------------------------------------------------------------------------------------

@@ -139,6 +139,18 @@ def gguf_cache_dir(gguf: Path) -> Path | None:
     return cand if (cand / "config.json").exists() else None
 
 
+def shared_path(source: str, dtype: str) -> Path:
+    """Where `source`'s weights in `dtype` (by name: "float16", ...) are shared in the cache
+    (workers.weights.shared)."""
+    return cache_root() / "shared" / f"{source_key(source)}-{dtype}"
+
+
+def shared_dirs(source: str) -> list[Path]:
+    """The shared directories of `source` in the cache, one a dtype."""
+    pattern = shared_path(source, "*")
+    return sorted(pattern.parent.glob(pattern.name))
+
+
 def source_key(source: str) -> str:
     """A name for a source's weights that changes when they may: GGUF and HF files by size and
     modification time, tiny models by seed and the library versions that initialise them."""

@@ -17,16 +17,13 @@ interpreter).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from workers.engine.cuda.triton_common import INTERPRETED
+
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 64
-# Triton's interpreter multiplies 16-bit dots as raw bits: there the inputs are widened first (the
-# same products; only the GPU runs the tensor cores' path)
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -68,5 +65,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     _linear_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0),
                          out.stride(0), HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-                         WIDE=_INTERPRETED or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype)
+                         WIDE=INTERPRETED or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype)
     return out

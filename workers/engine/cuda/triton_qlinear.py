@@ -25,19 +25,15 @@ Set TRITON_INTERPRET before this module is imported: Triton reads it when the ke
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from workers.engine.cuda.triton_common import INTERPRETED
 from workers.quant.formats import BLOCK
 from workers.quant.weight import INT4, QuantizedWeight
 
 HALF = BLOCK // 2
-# Triton's interpreter multiplies 16-bit dots as raw bits: there the tensor cores' path multiplies
-# its bfloat16 parts in float32
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -186,5 +182,5 @@ def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None 
         x, weight.qs, weight.scales, weight.offsets if int4 else weight.scales, bias if bias is not None else x, out,
         m, n, k, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0),
         INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT16=x.dtype == torch.bfloat16, EMULATE=_INTERPRETED)
+        SPLIT16=x.dtype == torch.bfloat16, EMULATE=INTERPRETED)
     return out
