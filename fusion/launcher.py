@@ -22,7 +22,7 @@ import subprocess
 from workers.weights.held_tokenizers import HOLD_ENV
 
 # imported once in the fork server: what every worker would otherwise import on its own
-PRELOAD = ["workers.worker", "workers.models", "workers.weights.held_tokenizers"]
+PRELOAD = ["workers.preload"]
 
 
 class WorkerProcess:

@@ -32,6 +32,9 @@ if not Path("/dev/nvidiactl").exists():
 
 import pytest  # noqa: E402
 
+from workers.gc_pause import import_paused  # noqa: E402
+
+import_paused("workers.models")  # as a worker does: seconds less of each test process's start
 from workers.files import one_at_a_time  # noqa: E402
 from workers.models import load_model  # noqa: E402
 from workers.weights.hf_loader import write_gguf_cache  # noqa: E402

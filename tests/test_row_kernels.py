@@ -66,7 +66,7 @@ def test_a_choice_is_measured_once_per_machine_and_again_on_another(tmp_path, mo
     calls: list[str] = []
 
     def way(name: str, small: float, large: float):
-        def run(x: torch.Tensor) -> None:
+        def run(x: torch.Tensor, layers: int) -> None:
             calls.append(name)
             time.sleep(small if x.shape[0] <= 16 else large)
         return run
@@ -88,7 +88,7 @@ def test_a_choice_is_measured_once_per_machine_and_again_on_another(tmp_path, mo
     # timed from the largest down, the first bucket where the blocks win is the last timed
     calls.clear()
     sizes: list[int] = []
-    ways_small = {name: (lambda x, fn=fn: (sizes.append(x.shape[0]), fn(x))) for name, fn in ways.items()}
+    ways_small = {name: (lambda x, n, fn=fn: (sizes.append(x.shape[0]), fn(x, n))) for name, fn in ways.items()}
     row_kernels.choose(INT8, (64, 32), torch.float32, ways_small, 64, "build-a")
     assert max(sizes) == 64 and min(sizes) == 16  # 64 went to the GEMM, 16 to the blocks: 4 and 1 untimed
 
@@ -99,7 +99,7 @@ def test_long_calls_are_timed_fewer_times():
     calls = {BLOCKS: 0, WIDENED: 0}
 
     def way(name: str, seconds: float):
-        def run(x: torch.Tensor) -> None:
+        def run(x: torch.Tensor, layers: int) -> None:
             calls[name] += 1
             time.sleep(seconds)
         return run
@@ -110,6 +110,27 @@ def test_long_calls_are_timed_fewer_times():
     calls.update(dict.fromkeys(calls, 0))
     row_kernels.measure({BLOCKS: way(BLOCKS, 0.001), WIDENED: way(WIDENED, 0.001)}, 8, torch.float32, (512,))
     assert calls == dict.fromkeys(calls, 1 + calibrate.REPEATS)
+
+
+def test_many_rows_are_timed_over_fewer_layers():
+    """Up to STREAM_ROWS rows every layer's weights stream as in a step; above, the layers timed
+    shrink with the rows (the call is bound by arithmetic), never below MIN_LAYERS nor above all."""
+    assert [row_kernels.layers_timed(r, 30) for r in BUCKETS] == [30, 30, 30, 8, 2, 2]
+    assert [row_kernels.layers_timed(r, 1) for r in BUCKETS] == [1] * len(BUCKETS)
+    seen: dict[int, set[int]] = {}
+
+    def way(x: torch.Tensor, layers: int) -> None:
+        seen.setdefault(x.shape[0], set()).add(layers)
+        time.sleep(0.001 if x.shape[0] <= 16 else 0.004)
+
+    gemm = {512: 0.001, 256: 0.001, 64: 0.001, 16: 0.01}
+
+    def widened(x: torch.Tensor, layers: int) -> None:
+        seen.setdefault(x.shape[0], set()).add(layers)
+        time.sleep(gemm.get(x.shape[0], 0.01))
+
+    got = row_kernels.measure({BLOCKS: way, WIDENED: widened}, 8, torch.float32, BUCKETS, layers=30)
+    assert seen == {512: {2}, 256: {2}, 64: {8}, 16: {30}} and pick(got) == RowChoice(17)
 
 
 def test_copies_measuring_together_measure_once(tmp_path, monkeypatch):

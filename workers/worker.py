@@ -32,6 +32,7 @@ import zmq
 from wire import protocol as P
 from wire.frames import readable, recv_frames, send_frames
 from wire.security import ClientKeys, connect_curve
+from workers.gc_pause import import_paused
 from workers.low_priority import at_low_priority
 from workers.output_thread import OutputThread
 from workers.thread_messages import Assign, Cancel, EngineMessage, FinishSample, Submit
@@ -140,6 +141,7 @@ class EngineThread(threading.Thread):
                     self.engine.finish_sample(key, index)
 
     def _load(self, assign: Assign) -> None:
+        import_paused("workers.models")  # a worker not forked from a preloaded server imports them now
         from workers.engine import Engine, EngineConfig
         from workers.models import load_model
         from workers.spec import WorkerSpec

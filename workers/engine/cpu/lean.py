@@ -143,12 +143,12 @@ class LeanLlama:
                     groups.setdefault((lin.quant.kind, lin.shape), []).append(lin)
         chosen: dict[tuple, row_kernels.RowChoice] = {}
         for sig, lins in groups.items():
-            # every layer's linear of the shape in turn, as a step multiplies them: their weights
+            # the layers' linears of the shape in turn, as a step multiplies them: their weights
             # stream from memory as they do in serving, not from a cache one linear would fit in
-            ways = {row_kernels.BLOCKS: lambda x, lins=lins: [lin.blocks(x) for lin in lins],
-                    row_kernels.WIDENED: lambda x, lins=lins: [lin.widened(x) for lin in lins]}
-            chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows,
-                                             f"{kernels.__name__}|{len(lins)} layers")
+            ways = {row_kernels.BLOCKS: lambda x, n, lins=lins: [lin.blocks(x) for lin in lins[:n]],
+                    row_kernels.WIDENED: lambda x, n, lins=lins: [lin.widened(x) for lin in lins[:n]]}
+            chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows, kernels.__name__,
+                                             layers=len(lins))
             for lin in lins:
                 lin.rows = chosen[sig]
         starts = [c.widened_from for c in chosen.values() if c.widened_from is not None]

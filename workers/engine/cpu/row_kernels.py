@@ -7,9 +7,11 @@ compute dtype (`qlinear_widened`: oneDNN, with AMX tiles where the CPU has them)
 Which one wins, and from how many rows, depends on the CPU: on an AVX512-BF16 CPU without AMX the
 blocks' own strips held level with oneDNN at 64 rows, while on an AMX CPU oneDNN did the batch 3x
 faster. A choice measured on one machine was wrong on another, so each worker measures it at load:
-every candidate on each distinct linear shape (every layer's linear of that shape in turn, so
-their weights stream from memory as in a step) at the row counts of BUCKETS up to the most rows a
-step of the engine can have, from the largest down while the GEMM wins, best of a few calls. The
+every candidate on each distinct linear shape at the row counts of BUCKETS up to the most rows a
+step of the engine can have, from the largest down while the GEMM wins, best of a few calls. A call
+of few rows multiplies every layer's linear of the shape in turn, so that their weights stream from
+memory as in a step; one of many rows, which is bound by arithmetic (each weight serves every row),
+fewer layers (layers_timed): the same comparison for a fraction of the time a worker spends at load. The
 result is cached under a key of the machine, torch, the kernels' build, the threads and the shape,
 so a later load on the same machine reads it.
 
@@ -40,6 +42,11 @@ MARGIN = 0.10
 # timed calls per way and bucket stop once each way has spent this long: a call of many rows over
 # every layer of a shape takes a tenth of a second or more, and averages over those layers already
 BUDGET_SECONDS = 0.1
+# up to this many rows a call reads every layer's weights, as a step does: few rows are bound by the
+# bytes of weights read. Above it the layers timed shrink in proportion to the rows, to MIN_LAYERS:
+# many rows are bound by arithmetic, and timing every layer at 512 rows took seconds a shape
+STREAM_ROWS = 16
+MIN_LAYERS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +95,18 @@ def pick(seconds: dict[int, dict[str, float]]) -> RowChoice:
     return RowChoice(below[-1] + 1 if below else 1)
 
 
-def measure(ways: dict[str, Callable[[torch.Tensor], object]], width: int, dtype: torch.dtype,
-            rows: tuple[int, ...], repeats: int = calibrate.REPEATS) -> dict[int, dict[str, float]]:
-    """Seconds of each way's call on random rows [r, width] of `dtype`, the best of `repeats` after a
+def layers_timed(rows: int, layers: int) -> int:
+    """How many of a shape's `layers` linears a call of `rows` rows multiplies while measuring."""
+    if rows <= STREAM_ROWS:
+        return layers
+    return min(layers, max(MIN_LAYERS, -(-layers * STREAM_ROWS // rows)))
+
+
+def measure(ways: dict[str, Callable[[torch.Tensor, int], object]], width: int, dtype: torch.dtype,
+            rows: tuple[int, ...], layers: int = 1,
+            repeats: int = calibrate.REPEATS) -> dict[int, dict[str, float]]:
+    """Seconds of each way's call `fn(x, n)` on random rows x [r, width] of `dtype` over the first n
+    of the shape's `layers` linears (layers_timed), the best of `repeats` after a
     warm-up (fewer where the calls took BUDGET_SECONDS already), from the largest r of `rows` down,
     until a bucket where the widened GEMM does not win (no smaller bucket can then start the
     crossover: `pick`), so a CPU where the blocks win times one bucket. The ways take turns call by
@@ -101,13 +117,14 @@ def measure(ways: dict[str, Callable[[torch.Tensor], object]], width: int, dtype
     with torch.inference_mode():
         for r in sorted(rows, reverse=True):
             x = torch.randn(r, width, generator=gen).to(dtype)
+            n = layers_timed(r, layers)
             for fn in ways.values():
-                fn(x)  # warm-up: first touch of the scratch memory, one-off set-up in the kernels
+                fn(x, n)  # warm-up: first touch of the scratch memory, one-off set-up in the kernels
             best, spent = dict.fromkeys(ways, float("inf")), dict.fromkeys(ways, 0.0)
             for _ in range(repeats):
                 for name, fn in ways.items():
                     t = time.perf_counter()
-                    fn(x)
+                    fn(x, n)
                     took = time.perf_counter() - t
                     best[name], spent[name] = min(best[name], took), spent[name] + took
                 if min(spent.values()) >= BUDGET_SECONDS:
@@ -124,12 +141,15 @@ def machine_key() -> str:
     return f"{machine_tag()}|{torch.get_num_threads()} threads"
 
 
-def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways: dict[str, Callable[[torch.Tensor], object]],
-           max_rows: int, build: str) -> RowChoice:
+def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype,
+           ways: dict[str, Callable[[torch.Tensor, int], object]], max_rows: int, build: str,
+           layers: int = 1) -> RowChoice:
     """The choice for a quantized linear of `kind` ("int4", "int8") and `shape` (out, in) computing in
-    `dtype`, read from the cache or measured now over `ways` (a callable per way of WAYS) for the
-    buckets a step of at most `max_rows` rows falls in. `build`: the kernels' build (its tag)."""
+    `dtype`, held by `layers` layers, read from the cache or measured now over `ways` (per way of
+    WAYS, `fn(x, n)` multiplies rows x by the first n layers' linears) for the buckets a step of at
+    most `max_rows` rows falls in. `build`: the kernels' build (its tag)."""
     rows = bucket_rows(max_rows)
-    key = "|".join(map(str, ("row kernels", kind, shape, dtype, rows, build, machine_key())))
-    widened_from = calibrate.remembered(key, lambda: pick(measure(ways, shape[1], dtype, rows)).widened_from)
+    key = "|".join(map(str, ("row kernels", kind, shape, dtype, rows, build, f"{layers} layers", machine_key())))
+    widened_from = calibrate.remembered(
+        key, lambda: pick(measure(ways, shape[1], dtype, rows, layers)).widened_from)
     return RowChoice(widened_from)
