@@ -32,6 +32,8 @@ import os
 import weakref
 from pathlib import Path
 
+from workers.gc_pause import collector_paused
+
 HOLD_ENV = "MMFUSION_HOLD_TOKENIZERS"
 log = logging.getLogger("mmfusion.tokenizers")
 # the weights and configs beside a tokenizer: not what it is built from (config.json's fields that
@@ -53,7 +55,8 @@ def from_directory(path_dir: Path | str):
         key = None
     tok = _BUILT.get(key) if key is not None else None
     if tok is None:
-        tok = AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
+        with collector_paused():  # a large vocabulary is a burst of Python objects (workers.gc_pause)
+            tok = AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
         if key is not None:
             _BUILT[key] = tok
     return tok

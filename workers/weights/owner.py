@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from workers.devices import device_kind
+from workers.gc_pause import import_paused
 from workers.platform import load_dtype
 from workers.weights import shared as S
 from workers.weights.hf_loader import load_private
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     if not key:
         sys.exit(f"weight owner: set {KEY_ENV} to the deployment's key")
     code = 0
+    import_paused("workers.models")  # what its load imports (torch and transformers), collector paused
     try:
         WeightOwner(args.source, args.dtype, args.device, args.address, key, args.parent_pid).serve()
     except SystemExit as exc:  # SIGTERM
