@@ -237,8 +237,9 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["smollm2_fp32", "gemma3_fp32"])  # each family of the lean forward
-def test_fresh_quantization_keeps_perplexity(tmp_path, fixture, request):
+@pytest.mark.parametrize("fixture,source", [("smollm2_fp32", "smollm2-135m"),
+                                            ("gemma3_fp32", "gemma3-270m")])  # each family of the lean forward
+def test_fresh_quantization_keeps_perplexity(fixture, source, request):
     """The model from a Hugging Face directory (no GGUF blocks to keep: every linear quantized
     afresh), in float32: the perplexity of a fixed text within 1% (int8) and 4% (int4) of the
     unquantized model's, from the engine's prompt log-probabilities. (SmolLM2's 16-bit weights are
@@ -247,12 +248,12 @@ def test_fresh_quantization_keeps_perplexity(tmp_path, fixture, request):
     import math
 
     from workers.models import load_model
+    from workers.weights.sources import embedded_gguf, gguf_cache_dir
 
-    converted = request.getfixturevalue(fixture)  # the embedded model as the session converted it
-    converted.model.save_pretrained(str(tmp_path), safe_serialization=True)
-    converted.tokenizer.save_pretrained(str(tmp_path))
-    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())  # no GGUF marker
-    lm = load_model(str(tmp_path), dtype="float32")
+    request.getfixturevalue(fixture)  # the embedded model, converted by the session into the test cache:
+    path = gguf_cache_dir(embedded_gguf(source))  # a Hugging Face directory of its float32 weights
+    assert "quantization_config" not in json.loads((path / "config.json").read_text())  # no GGUF marker
+    lm = load_model(str(path), dtype="float32")
     ids = lm.tokenizer(TEXT).input_ids
     ppl = {}
     for kind in ("none", INT8, INT4):
