@@ -363,7 +363,7 @@ def deployment(args) -> None:
     emit(part="validate_only", rc=shown.returncode, output=shown.stdout.strip().splitlines()[-12:])
     front, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     # the deployment's stderr (its workers' and owners' too), read for aborts once it has stopped
-    log = tempfile.NamedTemporaryFile(prefix="mmfusion-gpu-serve-", suffix=".log", delete=False)
+    log = tempfile.TemporaryFile()  # unnamed: nothing is left in /tmp, however the part ends
     proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants", variants,
                              "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}", "--http", http],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
@@ -402,12 +402,12 @@ def deployment(args) -> None:
              gpu_memory_total_mib=sum(ours.values()) // 2**20,
              plan_total_mib=planned // 2**20, repeats=args.repeats)
     finally:
+        cfg.unlink(missing_ok=True)
         proc.terminate()
         proc.wait(timeout=120)
-        cfg.unlink(missing_ok=True)
+        log.seek(0)
+        text = log.read().decode(errors="replace")
         log.close()
-        text = Path(log.name).read_text(errors="replace")
-        Path(log.name).unlink()
         sys.stderr.write(text)
         aborts = [line for line in text.splitlines() if any(mark in line for mark in ABORT_MARKS)]
         emit(part="deployment_exit", rc=proc.returncode, aborted=bool(aborts), abort_lines=aborts[:6])
