@@ -101,8 +101,9 @@ class WorkerActor:
         self.where = {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                       "host": socket.gethostname(), "pid": os.getpid(), "resources": resources,
                       "actor_id": ctx.get_actor_id()}
+        # the output work on a thread: an actor's process has Ray's threads, which a fork would not copy
         config = WorkerConfig(backend=backend, num_threads=threads, curve_keys=client_keys, slot=slot,
-                              placement=dict(self.where))
+                              placement=dict(self.where), output="thread")
         if threads:
             import torch
 

@@ -34,7 +34,9 @@ from wire.frames import readable, recv_frames, send_frames
 from wire.security import ClientKeys, connect_curve
 from workers.gc_pause import import_paused
 from workers.low_priority import at_low_priority
-from workers.output_thread import OutputThread
+from workers.output_process import OutputLink, OutputProcess, read_note
+from workers.output_process import supported as output_process_supported
+from workers.output_thread import OutputSink, OutputThread
 from workers.thread_messages import Assign, Cancel, EngineMessage, FinishSample, Submit
 
 
@@ -52,12 +54,19 @@ class WorkerConfig:
     curve_keys: str | ClientKeys | None = None
     curve_name: str = "worker"  # this worker's keypair: <curve_keys>/clients/<name>.key_secret
     slot: int | None = None  # the deployment plan's worker this process is: the router assigns its planned model
+    # where the output work runs: "process" (its own, forked at start: workers/output_process.py)
+    # or "thread" (of this process: a Ray actor, which must not fork)
+    output: str = "process" if output_process_supported() else "thread"
     join_timeout: float = 30.0  # how long exit waits for the engine thread to finish its step
     placement: dict | None = None  # where a cluster placed this worker (Ray: node, resources), for status
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0 or self.liveness < 1:
             raise ValueError("heartbeat_interval must be > 0 and liveness >= 1")
+        if self.output not in ("process", "thread"):
+            raise ValueError(f"output must be 'process' or 'thread', got {self.output!r}")
+        if self.output == "process" and not output_process_supported():
+            raise ValueError("output: 'process' needs Linux (abstract sockets, the parent-death signal); use 'thread'")
 
 
 class EngineThread(threading.Thread):
@@ -68,7 +77,7 @@ class EngineThread(threading.Thread):
         # daemon only as a last resort: exit joins it (Worker.run), and never leaves it running
         super().__init__(daemon=True, name="engine")
         self.inbox: queue.Queue[EngineMessage] = queue.Queue()
-        self.output: OutputThread | None = None  # connect() sets it before the thread starts
+        self.output: OutputSink | None = None  # connect() sets it before the thread starts
         self.num_threads = num_threads
         self.stop = threading.Event()
         self.engine = None
@@ -79,6 +88,11 @@ class EngineThread(threading.Thread):
     def connect(self, ctx: zmq.Context, out_addr: str) -> OutputThread:
         """The output thread this one hands its steps to, which tells this one of matched stops."""
         self.output = OutputThread(ctx, out_addr, self.inbox.put)
+        return self.output
+
+    def connect_process(self, ctx: zmq.Context, proc: OutputProcess) -> OutputLink:
+        """The output process this one hands its steps to; its notes come through the I/O thread."""
+        self.output = OutputLink(ctx, proc)
         return self.output
 
     def run(self) -> None:
@@ -134,8 +148,7 @@ class EngineThread(threading.Thread):
             case Cancel(key, answered):
                 if self.engine is not None and self.engine.abort(key) and not answered:
                     self.aborted += 1
-                if not answered:  # the output thread forgot an answered request itself
-                    self.output.put_forget([key])
+                self.output.put_forget([key])  # an answered request's text is forgotten already
             case FinishSample(key, index):  # the output thread matched a stop string: stop running that sample
                 if self.engine is not None:
                     self.engine.finish_sample(key, index)
@@ -236,12 +249,20 @@ def echo_response(msg: dict) -> dict:
 class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
+        # forked first: before this process has a ZeroMQ context or a thread of its own
+        self.output_proc = OutputProcess() if config.output == "process" and not config.echo else None
         self.ctx = zmq.Context()
-        self.out_addr = f"inproc://engine-out-{id(self)}"
+        self.out_addr = self.output_proc.out_addr if self.output_proc else f"inproc://engine-out-{id(self)}"
         self.pair = self.ctx.socket(zmq.PAIR)
+        self.pair.setsockopt(zmq.LINGER, 0)
         self.pair.bind(self.out_addr)
         self.engine = None if config.echo else EngineThread(config.num_threads)
-        self.output = None if config.echo else self.engine.connect(self.ctx, self.out_addr)
+        if config.echo:
+            self.output = None
+        elif self.output_proc:
+            self.output = self.engine.connect_process(self.ctx, self.output_proc)
+        else:
+            self.output = self.engine.connect(self.ctx, self.out_addr)
         self.worker_id: int | None = None
         self.model_id: int | None = None
         self.unsent = 0  # messages dropped because the router was not reading
@@ -259,7 +280,7 @@ class Worker:
         if e is None:
             return {}
         kv = e.engine.stats() if e.engine is not None else {}
-        return {"running": len(self.output.requests), "aborted": e.aborted, "dropped": e.dropped, **kv}
+        return {"running": self.output.running(), "aborted": e.aborted, "dropped": e.dropped, **kv}
 
     def _connect(self) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -297,7 +318,8 @@ class Worker:
             self._close()
 
     def _close(self) -> None:
-        for t in (self.engine, self.output):
+        threads = (self.engine, self.output) if isinstance(self.output, OutputThread) else (self.engine,)
+        for t in threads:
             if t is not None and t.is_alive():
                 t.stop.set()
                 t.join(self.config.join_timeout)
@@ -307,6 +329,8 @@ class Worker:
                           file=sys.stderr, flush=True)
                     sys.stdout.flush()
                     os._exit(1)
+        if isinstance(self.output, OutputLink):
+            self.output.close(self.config.join_timeout)
         self.pair.close(linger=0)
         self.ctx.term()
 
@@ -338,10 +362,18 @@ class Worker:
                 if self.pair in events:
                     while readable(self.pair):
                         frames = recv_frames(self.pair)
+                        note = read_note(frames)
+                        if note is not None:  # from the output process: a stop string ended a sample
+                            self.engine.inbox.put(note)
+                            continue
                         # a control message (LOADED, LOAD_FAILED), or a turn's data messages as
                         # [header, body] pairs: one message to the router either way
                         self._send(sock, frames)
                 if not self._parent_alive():
+                    return
+                if self.output_proc is not None and not self.output_proc.alive():
+                    print(f"worker: the output process exited ({self.output_proc.returncode}); exiting",
+                          file=sys.stderr, flush=True)
                     return
                 if now >= next_beat:
                     self._send(sock, [P.pack({"type": P.HEARTBEAT, "engine": self._engine_stats()})])

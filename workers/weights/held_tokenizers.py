@@ -42,6 +42,8 @@ NOT_TOKENIZER = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpac
 NOT_TOKENIZER_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 # tokenizers built in this process by what they are built from, while something uses them
 _BUILT: weakref.WeakValueDictionary[bytes, object] = weakref.WeakValueDictionary()
+# the directory each tokenizer from_directory handed out was built from, while it is in use
+_DIRS: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
 
 
 def from_directory(path_dir: Path | str):
@@ -59,7 +61,17 @@ def from_directory(path_dir: Path | str):
             tok = AutoTokenizer.from_pretrained(str(path_dir), local_files_only=True)
         if key is not None:
             _BUILT[key] = tok
+    _DIRS.setdefault(tok, str(path_dir))
     return tok
+
+
+def directory_of(tokenizer) -> str | None:
+    """The directory `from_directory` built `tokenizer` from (another process gets the same
+    tokenizer from it), or None for one built otherwise."""
+    try:
+        return _DIRS.get(tokenizer)
+    except TypeError:  # not weakly referable
+        return None
 
 
 def build(sources: list[str]) -> dict[str, object]:
