@@ -64,6 +64,12 @@ def decode_reply(frame: bytes) -> dict:
         return P.error(rid if isinstance(rid, str) else None, code, f"the router's reply could not be used: {exc}")
 
 
+def replies(frame: bytes) -> list[dict]:
+    """The replies one frame from the router holds: a bundle of them (wire.protocol) or one."""
+    bodies = P.unbundle(frame)
+    return [decode_reply(frame)] if bodies is None else [decode_reply(b) for b in bodies]
+
+
 class RouterError(RuntimeError):
     """An error answer: its code (wire.protocol), message and, for a refused request parameter,
     that parameter's name."""
@@ -212,6 +218,7 @@ class Client(_Base):
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
+        self._backlog: collections.deque[dict] = collections.deque()  # replies of a bundle not yet returned
 
     def __enter__(self) -> Client:
         return self
@@ -224,13 +231,16 @@ class Client(_Base):
         self.sock.send(frame)
 
     def recv(self, deadline: float | None) -> dict:
+        if self._backlog:
+            return self._backlog.popleft()
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             events = dict(self.poller.poll(None if wait is None else wait * 1000))
             if not events:
                 raise TimeoutError(f"no answer from {self.address} within {self.timeout}s")
             if self.sock in events:
-                return decode_reply(self.sock.recv())
+                self._backlog.extend(replies(self.sock.recv()))
+                return self._backlog.popleft()
             err = self._event(self.monitor.recv_multipart())
             if err is not None:
                 return err
@@ -463,13 +473,13 @@ class AsyncClient(_Base):
             for q in self._queues.values():  # every request in flight: the router that had it is gone
                 q.put(err)
         while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            msg = decode_reply(self.sock.recv(zmq.NOBLOCK))
-            q = self._queues.get(msg.get("id"))
-            if q is not None:
-                q.put(msg)
-            elif msg.get("type") == P.ERROR and msg.get("code") in (BAD_REPLY, P.TOO_LARGE):
-                self.bad_replies += 1
-                log.warning("AsyncClient: a reply for no known request was dropped: %s", msg.get("message"))
+            for msg in replies(self.sock.recv(zmq.NOBLOCK)):
+                q = self._queues.get(msg.get("id"))
+                if q is not None:
+                    q.put(msg)
+                elif msg.get("type") == P.ERROR and msg.get("code") in (BAD_REPLY, P.TOO_LARGE):
+                    self.bad_replies += 1
+                    log.warning("AsyncClient: a reply for no known request was dropped: %s", msg.get("message"))
 
     def _open(self) -> str:
         self._watch()

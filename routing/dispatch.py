@@ -236,11 +236,11 @@ class Dispatch:
                 self._drop(w, f"unreachable: {why}", now)
             return
         self.undeliverable += 1
-        p = self.pending.get(send.key) if send.key else None
-        if p is not None:
+        live = [p for p in (self.pending.get(k) for k in send.keys) if p is not None]
+        for p in live:
             self.log(f"router: cannot deliver to client of request {p.client_id!r} ({why}); cancelling it")
             self.requests.cancel(p.key, now)
-        else:
+        if not live:
             self.log(f"router: cannot deliver a reply to a client ({why})")
 
     # --- workers ---------------------------------------------------------------------------------

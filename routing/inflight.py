@@ -48,7 +48,7 @@ class Pending:
 class Send:
     side: str  # FRONT (a client), BACK (a worker) or SUPER (the supervisor: frames is [message])
     frames: list[bytes]  # [peer identity, *message frames]
-    key: str | None = None  # the request a frontend data message belongs to
+    keys: tuple[str, ...] = ()  # the requests a frontend data message (or bundle of them) belongs to
 
 
 class Outbox:
@@ -58,15 +58,34 @@ class Outbox:
         self.sends: list[Send] = []
 
     def take(self) -> list[Send]:
+        """The sends in order, where a client's data messages go as one bundle (at the place of its
+        first): a worker's turn reaches each client as one frame, each request's messages in order."""
         out, self.sends = self.sends, []
-        return out
+        if len(out) < 2:
+            return out
+        bodies: dict[bytes, list[Send]] = {}
+        for send in out:
+            if send.keys:
+                bodies.setdefault(send.frames[0], []).append(send)
+        if len(bodies) == sum(map(len, bodies.values())):
+            return out  # one data message a client at most: nothing to bundle
+        merged: list[Send] = []
+        for send in out:
+            group = bodies.get(send.frames[0]) if send.keys else None
+            if group is None:
+                merged.append(send)
+            elif group:  # the client's first: all its data messages, bundled
+                merged.append(send if len(group) == 1 else Send(
+                    FRONT, [send.frames[0], P.bundle([g.frames[1] for g in group])], tuple(k for g in group for k in g.keys)))
+                group.clear()
+        return merged
 
     def client(self, client: bytes, msg: dict) -> None:
         self.sends.append(Send(FRONT, [client, P.pack(msg)]))
 
     def data(self, client: bytes, body: bytes, key: str) -> None:
         """A worker's data message for a request, forwarded as is."""
-        self.sends.append(Send(FRONT, [client, body], key))
+        self.sends.append(Send(FRONT, [client, body], (key,)))
 
     def worker(self, ident: bytes, *frames: bytes) -> None:
         self.sends.append(Send(BACK, [ident, *frames]))

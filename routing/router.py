@@ -17,6 +17,7 @@ import traceback
 import zmq
 
 from routing.dispatch import BACK, SUPER, Catalog, Dispatch, ModelEntry, RouterConfig, Send
+from wire import protocol as P
 from wire.frames import readable, recv_frames, send_frames
 from wire.security import check_bind, serve_curve
 from workers.spec import ModelSpec
@@ -144,12 +145,14 @@ class Router:
             if sock is self.frontend and len(frames) == 2:
                 self._guarded(d.client, frames[0], frames[1], now)
             elif sock is self.backend and len(frames) == 2:
-                self._guarded(d.worker, frames[0], frames[1], now)
-            elif sock is self.backend and len(frames) >= 3 and len(frames) % 2:
-                # a worker's turn of data messages, [ident, header, body, header, body, ...]: each
-                # forwarded by its header (the body is never decoded); a bad one costs itself only
-                for i in range(1, len(frames), 2):
-                    self._safely(d.worker_data, frames[0], frames[i], frames[i + 1], now)
+                turn = P.unbundle(frames[1])
+                if turn is None:
+                    self._guarded(d.worker, frames[0], frames[1], now)
+                    continue
+                # a worker's turn of data messages, [header, body, header, body, ...]: each forwarded
+                # by its header (the body is never decoded); a bad one costs itself only
+                for i in range(0, len(turn) - 1, 2):
+                    self._safely(d.worker_data, frames[0], turn[i], turn[i + 1], now)
                 self._flush()
             # anything else is a peer speaking another protocol: nothing sensible to answer
 

@@ -155,7 +155,8 @@ def test_fuzz_worker_directly():
         if not sock.poll(timeout * 1000):
             raise TimeoutError("worker silent")
         frames = sock.recv_multipart()
-        if len(frames) == 2 and P.unpack(frames[1], P.WORKER_TYPES)["type"] == P.HEARTBEAT:
+        if len(frames) == 2 and P.unbundle(frames[1]) is None and \
+                P.unpack(frames[1], P.WORKER_TYPES)["type"] == P.HEARTBEAT:
             # answer as a router would: a worker that hears nothing (a slow load) reconnects under a new identity
             sock.send_multipart([frames[0], P.pack({"type": P.HEARTBEAT})])
         return frames
@@ -165,8 +166,9 @@ def test_fuzz_worker_directly():
         end = time.monotonic() + 60
         while time.monotonic() < end:
             frames = recv()
-            if len(frames) >= 3 and len(frames) % 2:  # a turn of data messages: [header, body] pairs
-                for head, body in zip(frames[1::2], frames[2::2]):
+            turn = P.unbundle(frames[1]) if len(frames) == 2 else None
+            if turn:  # a bundle of a turn's data messages: [header, body] pairs
+                for head, body in zip(turn[::2], turn[1::2]):
                     if P.unpack_header(head)[1] == key:
                         return msgpack.unpackb(body)
         raise TimeoutError(key)

@@ -304,7 +304,7 @@ def test_an_engine_failure_fails_only_the_requests_of_its_step():
             th.inbox.put(Submit(key, {"id": key, "prompt": prompt, "params": {"max_tokens": n, **GREEDY}}))
         answers = {}
         while len(answers) < 2:
-            frames = pair.recv_multipart()  # a turn's messages: (header, body) pairs
+            frames = P.unbundle(pair.recv())  # a turn's messages: (header, body) pairs
             for head, body in zip(frames[::2], frames[1::2]):
                 mtype, key, _ = msgpack.unpackb(head)
                 if mtype != P.CHUNK:

@@ -77,7 +77,7 @@ def test_best_of_ranks_samples_on_the_tokens_a_stop_string_kept(lm):
 def _recv_until_result(pair, key: str) -> tuple[list[dict], dict]:
     chunks = []
     while True:
-        frames = pair.recv_multipart()
+        frames = P.unbundle(pair.recv())  # a turn's messages: (header, body) pairs
         for head, body in zip(frames[::2], frames[1::2]):
             mtype, k, _ = msgpack.unpackb(head)
             msg = msgpack.unpackb(body)

@@ -107,11 +107,10 @@ class OutputThread(OutputSink, threading.Thread):
             while not self.stop.is_set():
                 try:
                     items = [self.items.get(timeout=0.05)]
-                    while True:
-                        items.append(self.items.get_nowait())
                 except queue.Empty:
-                    pass
-                else:
-                    self.work.handle(items, send)
+                    continue
+                while not self.items.empty():  # only this thread takes from the queue
+                    items.append(self.items.get_nowait())
+                self.work.handle(items, send)
         finally:
             out.close(linger=0)

@@ -59,11 +59,11 @@ class OutputWork:
         self.tell_engine = tell_engine
         self.model: ModelReady | None = None
         self.requests: dict[str, Request] = {}
-        self.outbox: list[bytes] = []  # this turn's data messages (header, body, ...), sent as one
+        self.outbox: list[bytes] = []  # this turn's data messages (header, body, ...), sent as one bundle
 
     def handle(self, items: list[OutputMessage], send: Send) -> None:
-        """Everything `items` asks for, then this turn's data messages as one message (one wake-up
-        of the I/O side per turn instead of one per request)."""
+        """Everything `items` asks for, then this turn's data messages as one bundle (one frame and
+        one wake-up of the I/O side per turn instead of two frames per request)."""
         i = 0
         while i < len(items):
             if isinstance(items[i], StepOutputs):
@@ -82,7 +82,7 @@ class OutputWork:
     def flush(self, send: Send) -> None:
         if self.outbox:
             frames, self.outbox = self.outbox, []
-            send(frames)
+            send([P.bundle(frames)])
 
     def _handle(self, item: OutputMessage, send: Send) -> None:
         match item:

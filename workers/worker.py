@@ -366,8 +366,8 @@ class Worker:
                         if note is not None:  # from the output process: a stop string ended a sample
                             self.engine.inbox.put(note)
                             continue
-                        # a control message (LOADED, LOAD_FAILED), or a turn's data messages as
-                        # [header, body] pairs: one message to the router either way
+                        # a control message (LOADED, LOAD_FAILED), or a bundle of a turn's data
+                        # messages: one frame to the router either way
                         self._send(sock, frames)
                 if not self._parent_alive():
                     return
@@ -399,10 +399,10 @@ class Worker:
             msg = P.unpack(frame, {P.COMPLETE})
             P.CompleteRequest.from_msg(msg)
         except P.ProtocolError as exc:
-            self._send(sock, [P.header(P.ERROR, key), P.pack(P.error(None, exc.code, str(exc)))])
+            self._send(sock, [P.bundle([P.header(P.ERROR, key), P.pack(P.error(None, exc.code, str(exc)))])])
             return
         if self.engine is None:
-            self._send(sock, [P.header(P.RESULT, key), P.pack(echo_response(msg))])
+            self._send(sock, [P.bundle([P.header(P.RESULT, key), P.pack(echo_response(msg))])])
         else:
             self.engine.inbox.put(Submit(key, msg))
 

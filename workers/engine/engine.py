@@ -172,12 +172,13 @@ class Engine:
             link.close()  # the owner may stop now
 
     def stats(self) -> dict:
-        """The KV cache as status and /metrics show it."""
+        """The KV cache as status and /metrics show it, and the tokens generated so far."""
         b = self.scheduler.blocks
         return {"kv_cache_bytes": self.kv_bytes, "block_size": b.block_size, "blocks_total": b.num_blocks,
                 "blocks_used": b.num_used, "blocks_free": b.num_free, "tokens_capacity": b.max_tokens(self.lm.max_model_len),
                 "preemptions": b.stats.preemptions, "prefix_cache_queries": b.stats.prefix_queries,
-                "prefix_cache_hits": b.stats.prefix_hits, "prefix_cache_hit_rate": round(b.stats.prefix_hit_rate, 4)}
+                "prefix_cache_hits": b.stats.prefix_hits, "prefix_cache_hit_rate": round(b.stats.prefix_hit_rate, 4),
+                "tokens_generated": self.tokens_generated}
 
     # --- requests -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
