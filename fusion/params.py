@@ -31,7 +31,11 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
         "where workers run, round-robin; `auto`: every CUDA device, else the CPU"),
     Key("threads_per_worker", None, "a positive integer, or null",
         "torch threads of each CPU worker; null: the device's cores split among its workers (each bound to cores "
-        "of its own when their threads fit the cores)"),
+        "of its own when their threads fit the cores). A model fast enough that carrying its tokens to the "
+        "clients is a large share of the CPU (thousands of streamed tokens/s on a few cores) serves faster with "
+        "one core left to that path (router, output processes, gateway), as vLLM's CPU backend reserves one: "
+        "2 cores, a tiny model, 64 streams: 0.47x the engine's rate in-process with 2 threads, 0.73x with 1 "
+        "(docs/benchmarks.md)"),
     Key("kv_cache_memory", "auto", "a size (`2GiB`, `512MiB`, a number of bytes), or `auto`",
         "the KV cache pool of each worker whose model sets none; `auto`: half the device's available memory, "
         "less the weights and process overheads planned there, shared among its workers, and never more than "
