@@ -125,6 +125,8 @@ class OutputLink(OutputSink):
                         self.live.discard(res.request_id)
                 body = ("step", self.steps.encode(results))
             case ModelReady(name, tokenizer, eos):
+                # the directory it was built from, where the output process finds it held or builds
+                # it (a pickled large vocabulary costs seconds on this thread)
                 where = directory_of(tokenizer)
                 body = ("model", name, ("dir", where) if where else ("pickle", pickle.dumps(tokenizer)), eos)
             case Registered(key, _, _, _):

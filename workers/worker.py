@@ -183,7 +183,16 @@ class EngineThread(threading.Thread):
             self.output.put_control({"type": P.LOAD_FAILED, "model_id": assign.model_id, "worker_id": assign.worker_id,
                                      "message": f"{type(exc).__name__}: {exc}"})
             return
-        self.output.put_model(spec.name, self.engine.tokenizer, self.engine.lm.eos_token_ids)
+        try:
+            self.output.put_model(spec.name, self.engine.tokenizer, self.engine.lm.eos_token_ids)
+        except Exception as exc:  # a tokenizer the output process cannot be given: this load failed, not the worker
+            traceback.print_exc()
+            engine, self.engine, self.spec = self.engine, None, None
+            engine.close()
+            self.output.put_control({"type": P.LOAD_FAILED, "model_id": assign.model_id, "worker_id": assign.worker_id,
+                                     "message": f"its tokenizer cannot reach the output process: "
+                                                f"{type(exc).__name__}: {exc}"})
+            return
         self.output.put_control({"type": P.LOADED, "model_id": assign.model_id, "worker_id": assign.worker_id,
                                  "weights": self.engine.lm.weights.as_dict(),
                                  "compile": self.engine.compile_info.as_dict(), "kernels": self.engine.kernels})
