@@ -39,7 +39,6 @@ from workers.thread_messages import (
     ModelReady,
     OutputMessage,
     Registered,
-    StepOutputs,
 )
 from workers.weights.held_tokenizers import directory_of, from_directory
 
@@ -111,19 +110,18 @@ class OutputLink(OutputSink):
     def start(self) -> None:
         """Nothing to start: the process runs from the worker's start."""
 
-    def is_alive(self) -> bool:
-        return self.proc.alive()
-
     def running(self) -> int:
         return len(self.live)
 
+    def put_step(self, results: list) -> None:
+        """The step's additions only (step_deltas): the output process rebuilds the outputs."""
+        for res in results:
+            if res.finished:
+                self.live.discard(res.request_id)
+        self._send(("step", self.steps.encode(results)))
+
     def _put(self, item: OutputMessage) -> None:
         match item:
-            case StepOutputs(results, _):
-                for res in results:
-                    if res.finished:
-                        self.live.discard(res.request_id)
-                body = ("step", self.steps.encode(results))
             case ModelReady(name, tokenizer, eos):
                 # the directory it was built from, where the output process finds it held or builds
                 # it (a pickled large vocabulary costs seconds on this thread)
@@ -144,6 +142,9 @@ class OutputLink(OutputSink):
                 body = item
             case _:
                 body = item
+        self._send(body)
+
+    def _send(self, body) -> None:
         send_frames(self.sock, [pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)], block=True)
 
     def close(self, timeout: float) -> None:

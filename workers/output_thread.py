@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import zmq
@@ -35,16 +36,17 @@ from workers.thread_messages import (
 )
 
 
-class OutputSink:
+class OutputSink(ABC):
     """The engine thread's side: every method is called on the engine thread, and `_put` takes the
     item to wherever the output work runs."""
 
+    @abstractmethod
     def _put(self, item: OutputMessage) -> None:
-        raise NotImplementedError
+        """Hand `item` to the output work, in order."""
 
+    @abstractmethod
     def running(self) -> int:
         """Requests being answered (for the worker's status)."""
-        raise NotImplementedError
 
     def put_model(self, name: str, tokenizer, eos_token_ids: list[int]) -> None:
         self._put(ModelReady(name, tokenizer, list(eos_token_ids)))
