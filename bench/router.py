@@ -89,26 +89,38 @@ def load(addr: str, clients: int, seconds: float, body: dict | None = None,
     due: dict = {}  # socket -> when its next request goes (paced)
 
     def next_at(now: float) -> float:
-        return now + (rng.expovariate(rate / clients) if rate else 0.0)
+        return now + rng.expovariate(rate / clients)
+
+    def answer(s) -> float:
+        msg = P.unpack(s.recv(), {P.RESULT, P.ERROR})
+        if msg["type"] != P.RESULT:
+            raise RuntimeError(f"request failed: {msg}")
+        now = time.perf_counter()
+        lat.append(now - sent.pop(s))
+        return now
 
     start = time.perf_counter()
     stop_at = start + seconds
-    for s in socks:
-        due[s] = next_at(start)
-    while sent or due:
-        now = time.perf_counter()
-        for s in [s for s, t in due.items() if t <= now]:
-            del due[s]
+    if not rate:  # closed loop: each client's next request goes as its answer comes
+        for s in socks:
             fire(s)
-        wait = max(0.0, min(due.values()) - now) if due else 5.0
-        for s, _ in poller.poll(wait * 1000):
-            msg = P.unpack(s.recv(), {P.RESULT, P.ERROR})
-            if msg["type"] != P.RESULT:
-                raise RuntimeError(f"request failed: {msg}")
+        while sent:
+            for s, _ in poller.poll(5000):
+                if answer(s) < stop_at:
+                    fire(s)
+    else:
+        for s in socks:
+            due[s] = next_at(start)
+        while sent or due:
             now = time.perf_counter()
-            lat.append(now - sent.pop(s))
-            if now < stop_at:
-                due[s] = next_at(now)
+            for s in [s for s, t in due.items() if t <= now]:
+                del due[s]
+                fire(s)
+            wait = max(0.0, min(due.values()) - now) if due else 5.0
+            for s, _ in poller.poll(wait * 1000):
+                now = answer(s)
+                if now < stop_at:
+                    due[s] = next_at(now)
     wall = time.perf_counter() - start
     for s in socks:
         s.close()

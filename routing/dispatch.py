@@ -132,7 +132,7 @@ class Dispatch:
             msg = P.unpack(frame, P.CLIENT_TYPES)
             mtype = msg["type"]
             if mtype == P.COMPLETE:
-                self._on_complete(client, msg, now)
+                self._on_complete(client, msg, frame, now)
             elif mtype == P.CANCEL:
                 key = self.client_keys.get((client, msg.get("id"))) if isinstance(msg.get("id"), str) else None
                 if key is not None:
@@ -166,13 +166,13 @@ class Dispatch:
                                   P.UNKNOWN_MODEL, rid)
         return self.by_name[model]
 
-    def _on_complete(self, client: bytes, msg: dict, now: float) -> None:
+    def _on_complete(self, client: bytes, msg: dict, frame: bytes, now: float) -> None:
         req = P.CompleteRequest.from_msg(msg)
         if (client, req.id) in self.client_keys:  # before resolving: a refused request must not start a load
             raise P.ProtocolError(f"request id {req.id!r} is already in flight", request_id=req.id)
         tenant, cost = self._admit(req, now)  # before resolving too: a refused request starts no load
         try:
-            p = self._queue_or_send(client, msg, req, self._resolve(req.model, req.id, now), tenant, cost, now)
+            p = self._queue_or_send(client, msg, frame, req, self._resolve(req.model, req.id, now), tenant, cost, now)
         except P.ProtocolError:
             self.tenants.settle(tenant, cost, 0, now)  # refused after all: its reservation goes back
             raise
@@ -197,19 +197,24 @@ class Dispatch:
                                   f"retry after {wait:.3g}s", P.RATE_LIMITED, req.id, retry_after=wait)
         return tenant, cost
 
-    def _queue_or_send(self, client: bytes, msg: dict, req: P.CompleteRequest, candidates: list[int], tenant: str,
-                       cost: int, now: float) -> Pending:
-        if all(self.models[m].abandoned and not self.registry.usable(m) for m in candidates):
+    def _queue_or_send(self, client: bytes, msg: dict, frame: bytes, req: P.CompleteRequest, candidates: list[int],
+                       tenant: str, cost: int, now: float) -> Pending:
+        if self.models[candidates[0]].abandoned and all(
+                self.models[m].abandoned and not self.registry.usable(m) for m in candidates):
             raise P.ProtocolError(f"no worker serves model {req.model!r}: its workers kept failing and were not "
                                   "restarted (see the deployment's log)", P.NO_WORKER, req.id)
-        model_id = min(candidates, key=self.registry.load)
+        model_id = candidates[0] if len(candidates) == 1 else min(candidates, key=self.registry.load)
         self.models[model_id].last_use = now
         self.lifecycle.touch(model_id, now)
         key = self.requests.new_key()
+        if "seed" in msg:  # the field the router's own seed goes in (wire/protocol.py): not the client's
+            del msg["seed"]
+            frame = P.pack(msg)
         if req.params.get("seed") is None and req.params.get("temperature") != 0:
-            # fixed here, once: a resent or retried request then gives the same tokens anywhere
-            msg["params"] = {**req.params, "seed": random.getrandbits(63)}
-        p = Pending(key, client, req.id, model_id, P.pack(msg), now, list(candidates), tenant=tenant, cost=cost,
+            # fixed here, once: a resent or retried request then gives the same tokens anywhere; appended
+            # to the frame as received (a prompt of thousands of tokens is not encoded again)
+            frame = P.with_field(frame, "seed", random.getrandbits(63))
+        p = Pending(key, client, req.id, model_id, frame, now, list(candidates), tenant=tenant, cost=cost,
                     weight=self.tenants.weight(tenant), arrived=now)
         worker = self.registry.pick(model_id, self.config.max_inflight, self.fair)
         if worker is None:

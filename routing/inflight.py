@@ -48,7 +48,7 @@ class Pending:
 class Send:
     side: str  # FRONT (a client), BACK (a worker) or SUPER (the supervisor: frames is [message])
     frames: list[bytes]  # [peer identity, *message frames]
-    keys: tuple[str, ...] = ()  # the requests a frontend data message (or bundle of them) belongs to
+    keys: tuple[str, ...] = ()  # the requests a data message (or a bundle of them) belongs to
 
 
 class Outbox:
@@ -58,25 +58,27 @@ class Outbox:
         self.sends: list[Send] = []
 
     def take(self) -> list[Send]:
-        """The sends in order, where a client's data messages go as one bundle (at the place of its
-        first): a worker's turn reaches each client as one frame, each request's messages in order."""
+        """The sends in order, where the data messages of one peer go as one bundle (at the place of
+        its first): a worker's turn reaches each client as one frame, each request's messages in
+        order, and the requests a drain of the clients' socket sends one worker reach it as one."""
         out, self.sends = self.sends, []
         if len(out) < 2:
             return out
-        bodies: dict[bytes, list[Send]] = {}
+        groups: dict[tuple[str, bytes], list[Send]] = {}
         for send in out:
             if send.keys:
-                bodies.setdefault(send.frames[0], []).append(send)
-        if len(bodies) == sum(map(len, bodies.values())):
-            return out  # one data message a client at most: nothing to bundle
+                groups.setdefault((send.side, send.frames[0]), []).append(send)
+        if len(groups) == sum(map(len, groups.values())):
+            return out  # one data message a peer at most: nothing to bundle
         merged: list[Send] = []
         for send in out:
-            group = bodies.get(send.frames[0]) if send.keys else None
+            group = groups.get((send.side, send.frames[0])) if send.keys else None
             if group is None:
                 merged.append(send)
-            elif group:  # the client's first: all its data messages, bundled
+            elif group:  # the peer's first: all its data messages, bundled
                 merged.append(send if len(group) == 1 else Send(
-                    FRONT, [send.frames[0], P.bundle([g.frames[1] for g in group])], tuple(k for g in group for k in g.keys)))
+                    send.side, [send.frames[0], P.bundle([f for g in group for f in g.frames[1:]])],
+                    tuple(k for g in group for k in g.keys)))
                 group.clear()
         return merged
 
@@ -87,8 +89,13 @@ class Outbox:
         """A worker's data message for a request, forwarded as is."""
         self.sends.append(Send(FRONT, [client, body], (key,)))
 
-    def worker(self, ident: bytes, *frames: bytes) -> None:
-        self.sends.append(Send(BACK, [ident, *frames]))
+    def worker(self, ident: bytes, frame: bytes) -> None:
+        """A control message for a worker."""
+        self.sends.append(Send(BACK, [ident, frame]))
+
+    def request(self, ident: bytes, key: str, frame: bytes) -> None:
+        """A request for a worker: its header and the client's frame."""
+        self.sends.append(Send(BACK, [ident, P.header(P.REQUEST, key), frame], (key,)))
 
     def supervisor(self, msg: dict) -> None:
         self.sends.append(Send(SUPER, [P.pack(msg)]))
@@ -121,7 +128,7 @@ class Requests:
         p.dispatched = now
         p.worker = w.ident
         w.inflight.add(p.key)
-        self.outbox.worker(w.ident, P.header(P.REQUEST, p.key), p.frame)
+        self.outbox.request(w.ident, p.key, p.frame)
 
     def drain(self, model_id: int, now: float) -> None:
         """Send the model's queued requests to its workers while they have room."""
@@ -182,7 +189,6 @@ def timed(p: Pending, body: bytes, now: float) -> bytes:
     """The result with the router's timing of it (wire/protocol.py)."""
     queued = max(0.0, p.dispatched - p.arrived - p.load_wait)
     try:
-        return P.with_field(body, "timing", {"queued_s": round(queued, 6), "load_s": round(p.load_wait, 6),
-                                             "run_s": round(max(0.0, now - p.dispatched), 6)})
+        return P.with_timing(body, round(queued, 6), round(p.load_wait, 6), round(max(0.0, now - p.dispatched), 6))
     except P.ProtocolError:
         return body  # not a map: the client refuses it as it would have

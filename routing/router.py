@@ -18,7 +18,7 @@ import zmq
 
 from routing.dispatch import BACK, SUPER, Catalog, Dispatch, ModelEntry, RouterConfig, Send
 from wire import protocol as P
-from wire.frames import readable, recv_frames, send_frames
+from wire.frames import recv_routed, send_frames
 from wire.security import check_bind, serve_curve
 from workers.spec import ModelSpec
 
@@ -136,25 +136,29 @@ class Router:
             traceback.print_exc()
 
     def _drain(self, sock: zmq.Socket) -> None:
+        """Hand what waits on `sock` to the dispatch, then write what it queued, once: the requests
+        a drain sends one worker go as one bundle, and a turn's data for one client as one."""
         d = self.dispatch
+        front = sock is self.frontend
         for _ in range(1000):  # bounded, so one busy side cannot starve the other
-            if not readable(sock):
-                return
-            frames = recv_frames(sock)
+            frames = recv_routed(sock)
+            if frames is None:
+                break
+            if len(frames) != 2:
+                continue  # a peer speaking another protocol: nothing sensible to answer
             now = time.monotonic()
-            if sock is self.frontend and len(frames) == 2:
-                self._guarded(d.client, frames[0], frames[1], now)
-            elif sock is self.backend and len(frames) == 2:
-                turn = P.unbundle(frames[1])
-                if turn is None:
-                    self._guarded(d.worker, frames[0], frames[1], now)
-                    continue
-                # a worker's turn of data messages, [header, body, header, body, ...]: each forwarded
-                # by its header (the body is never decoded); a bad one costs itself only
-                for i in range(0, len(turn) - 1, 2):
-                    self._safely(d.worker_data, frames[0], turn[i], turn[i + 1], now)
-                self._flush()
-            # anything else is a peer speaking another protocol: nothing sensible to answer
+            if front:
+                self._safely(d.client, frames[0], frames[1], now)
+                continue
+            turn = P.unbundle(frames[1])
+            if turn is None:
+                self._safely(d.worker, frames[0], frames[1], now)
+                continue
+            # a worker's turn of data messages, [header, body, header, body, ...]: each forwarded
+            # by its header (the body is never decoded); a bad one costs itself only
+            for i in range(0, len(turn) - 1, 2):
+                self._safely(d.worker_data, frames[0], turn[i], turn[i + 1], now)
+        self._flush()
 
     def _flush(self) -> None:
         """Write what the dispatch queued; a failed write goes back to it (which may queue more)."""

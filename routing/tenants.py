@@ -96,7 +96,8 @@ def request_tokens(params: dict, default_max_tokens: int) -> int:
     """The completion tokens a request may be served: n (or best_of) * max_tokens, at least 1."""
     max_tokens = params.get("max_tokens")
     max_tokens = max_tokens if is_int(max_tokens, 0) else default_max_tokens
-    n = max(v for v in (params.get("n"), params.get("best_of"), 1) if is_int(v, 1))
+    n, best_of = params.get("n"), params.get("best_of")
+    n = max(n if is_int(n, 1) else 1, best_of if is_int(best_of, 1) else 1)
     return max(1, n * max_tokens)
 
 

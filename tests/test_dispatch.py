@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import msgpack
 import pytest
+from support.dispatch import sent
 
 from routing.dispatch import BACK, FRONT, Dispatch, ModelEntry, RouterConfig
 from wire import protocol as P
@@ -29,15 +29,6 @@ def ready(d: Dispatch, ident: bytes, now: float = 0.0, slot: int | None = None, 
 
 def request(d: Dispatch, client: bytes, rid: str, model="a", now: float = 0.0, **params) -> None:
     d.client(client, P.pack({"type": P.COMPLETE, "id": rid, "model": model, "prompt": [1, 2], "params": params}), now)
-
-
-def sent(d: Dispatch) -> list[tuple[str, bytes, list]]:
-    """(side, peer, decoded frames) of everything queued since the last call."""
-    out = []
-    for s in d.take():
-        frames = [msgpack.unpackb(f, raw=False) for f in s.frames[1:]]
-        out.append((s.side, s.frames[0], frames))
-    return out
 
 
 def worker_requests(out) -> list[tuple[bytes, str, dict]]:
@@ -176,9 +167,19 @@ def test_every_unseeded_sampled_request_gets_a_seed_on_arrival():
     request(d, b"c", "default")
     request(d, b"c", "seeded", temperature=0.8, seed=5)
     request(d, b"c", "greedy", temperature=0)
-    got = {msg["id"]: msg["params"] for _, _, msg in worker_requests(sent(d))}
+    # a client's own top-level `seed` is not where the router's goes: it is dropped, not taken
+    d.client(b"c", P.pack({"type": P.COMPLETE, "id": "smuggled", "model": "a", "prompt": [1], "params": {},
+                           "seed": 7}), 0.0)
+    d.client(b"c", P.pack({"type": P.COMPLETE, "id": "greedy-smuggled", "model": "a", "prompt": [1],
+                           "params": {"temperature": 0}, "seed": 7}), 0.0)
+    got = {}
+    for _, _, msg in worker_requests(sent(d)):
+        P.take_router_seed(msg)  # what the worker does
+        got[msg["id"]] = msg["params"]
     assert isinstance(got["sampled"]["seed"], int) and isinstance(got["default"]["seed"], int)
+    assert got["sampled"]["seed"] != got["default"]["seed"]
     assert got["seeded"]["seed"] == 5 and "seed" not in got["greedy"]
+    assert got["smuggled"]["seed"] != 7 and "seed" not in got["greedy-smuggled"]
 
 
 def test_a_planned_slot_gets_its_model_and_device_again_after_a_restart():

@@ -220,3 +220,47 @@ def test_fuzz_worker_directly():
         worker.wait(10)
         sock.close()
         ctx.term()
+
+
+def test_a_worker_takes_a_bundle_of_requests_and_answers_them_in_one():
+    """The router sends a drain's requests for one worker as one bundle of [header, request] pairs:
+    each is answered (the bad ones with an error), all in one bundle, and a garbled pair costs itself."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(ANY_PORT)
+    worker = subprocess.Popen([*command(WORKER), "--echo", "--backend", sock.getsockopt_string(zmq.LAST_ENDPOINT),
+                               "--parent-pid", str(os.getpid())], cwd=ROOT)
+    try:
+        assert sock.poll(60_000)
+        ident, frame = sock.recv_multipart()
+        assert P.unpack(frame, {P.READY})
+        sock.send_multipart([ident, P.pack({"type": P.ASSIGN, "worker_id": 0, "model_id": 0, "model": {}})])
+        assert sock.poll(10_000) and P.unpack(sock.recv_multipart()[1], {P.LOADED})
+        ok = {"type": P.COMPLETE, "id": "c", "model": "echo", "prompt": [5, 6], "params": {}}
+        sock.send_multipart([ident, P.bundle([
+            P.header(P.REQUEST, "k1"), P.pack(ok),
+            P.header(P.REQUEST, "k2"), P.pack({**ok, "prompt": []}),  # refused: an empty prompt
+            b"\xc1garbled", P.pack(ok),  # no header to answer to
+            P.header(P.REQUEST, "k3"), P.pack({**ok, "seed": 9, "prompt": "text"}),
+        ])])
+        answers = []
+        while len(answers) < 3:
+            assert sock.poll(10_000), f"answers so far: {answers}"
+            _, frame = sock.recv_multipart()
+            turn = P.unbundle(frame)
+            if turn is None:
+                continue  # a heartbeat
+            answers += [(P.unpack_header(h)[:2], msgpack.unpackb(b)) for h, b in zip(turn[::2], turn[1::2])]
+        assert [(head, body["type"]) for head, body in answers] == [
+            ((P.RESULT, "k1"), P.RESULT), ((P.ERROR, "k2"), P.ERROR), ((P.RESULT, "k3"), P.RESULT)]
+        assert answers[0][1]["response"]["choices"][0]["text"] == "5 6"
+        assert answers[2][1]["response"]["choices"][0]["text"] == "text"
+        sock.send_multipart([ident, P.pack({"type": P.SHUTDOWN})])
+        assert worker.wait(15) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(15)
+        sock.close(linger=0)
+        ctx.term()

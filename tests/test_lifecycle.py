@@ -4,8 +4,8 @@ Sizes come from the deployment's own placer (fusion.catalog.PlanPlacer) on tiny 
 
 from __future__ import annotations
 
-import msgpack
 import pytest
+from support.dispatch import sent
 
 from fusion.catalog import PlanPlacer
 from routing.dispatch import BACK, FRONT, SUPER, Catalog, Dispatch, ModelEntry, RouterConfig
@@ -31,16 +31,6 @@ def make(budget_copies: float | None = 2.5, started=("a",), pin=(), **cfg) -> Di
     sizes = {i: placer.size(specs[n], "cpu") for i, n in enumerate(started)}
     catalog = Catalog(specs, placer, {"cpu": budget}, sizes)
     return Dispatch(models, RouterConfig(heartbeat_interval=0.5, liveness=4, **cfg), workers, catalog=catalog)
-
-
-def sent(d: Dispatch) -> list[tuple[str, bytes | None, list]]:
-    out = []
-    for s in d.take():
-        if s.side == SUPER:
-            out.append((SUPER, None, [msgpack.unpackb(s.frames[0], raw=False)]))
-        else:
-            out.append((s.side, s.frames[0], [msgpack.unpackb(f, raw=False) for f in s.frames[1:]]))
-    return out
 
 
 def orders(out) -> list[tuple[str, int]]:

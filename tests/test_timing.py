@@ -53,3 +53,11 @@ def test_a_field_is_added_to_a_map_without_decoding_it(count):
     assert out == {**msg, "timing": {"run_s": 1.5}}
     with pytest.raises(P.ProtocolError):
         P.with_field(msgpack.packb([1, 2]), "timing", {})
+
+
+@pytest.mark.parametrize("values", [(0.0, 0.0, 0.0), (2.5, 1e-06, 123456.789012), (0.1, 3.0, 1e300)])
+def test_the_timing_entry_is_the_bytes_with_field_writes(values):
+    body = msgpack.packb({"type": P.RESULT, "id": "x", "response": {"choices": []}})
+    timing = dict(zip(("queued_s", "load_s", "run_s"), values))
+    assert P.with_timing(body, *values) == P.with_field(body, "timing", timing)
+    assert msgpack.unpackb(P.with_timing(body, *values), raw=False)["timing"] == timing

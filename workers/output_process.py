@@ -28,7 +28,7 @@ import traceback
 
 import zmq
 
-from wire.frames import readable, recv_frames, send_frames
+from wire.frames import recv_waiting, send_frames
 from workers.output_thread import OutputSink
 from workers.output_work import OutputWork
 from workers.step_deltas import StepEncoder, StepMirror
@@ -205,8 +205,8 @@ def _child(in_addr: str, out_addr: str, parent: int) -> int:
                     return 0
                 continue
             items: list[OutputMessage] = []
-            while readable(inbox):
-                frame = recv_frames(inbox)[0]
+            while (frames := recv_waiting(inbox)) is not None:
+                frame = frames[0]
                 if frame == _STOP:
                     work.handle(items, send)
                     return 0

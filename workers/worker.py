@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import zmq
 
 from wire import protocol as P
-from wire.frames import readable, recv_frames, send_frames
+from wire.frames import recv_waiting, send_frames
 from wire.security import ClientKeys, connect_curve
 from workers.gc_pause import import_paused
 from workers.low_priority import at_low_priority
@@ -361,16 +361,21 @@ class Worker:
                 events = dict(poller.poll(timeout * 1000))
                 now = time.monotonic()
                 if sock in events:
-                    while readable(sock):
+                    answers: list[bytes] = []  # the echo's and refusals' data messages, sent as one bundle
+                    while (frames := recv_waiting(sock)) is not None:
                         last_heard, backoff = now, cfg.reconnect_initial
-                        frames = recv_frames(sock)
+                        turn = P.unbundle(frames[0]) if len(frames) == 1 else None
                         if len(frames) == 2:
-                            self._on_request(sock, frames[0], frames[1])
+                            self._on_request(frames[0], frames[1], answers)
+                        elif turn is not None:  # the requests of one drain of the router: [header, frame, ...]
+                            for i in range(0, len(turn) - 1, 2):
+                                self._on_request(turn[i], turn[i + 1], answers)
                         elif not self._on_router(sock, frames[0]):
                             return
+                    if answers:
+                        self._send(sock, [P.bundle(answers)])
                 if self.pair in events:
-                    while readable(self.pair):
-                        frames = recv_frames(self.pair)
+                    while (frames := recv_waiting(self.pair)) is not None:
                         note = read_note(frames)
                         if note is not None:  # from the output process: a stop string ended a sample
                             self.engine.inbox.put(note)
@@ -399,7 +404,9 @@ class Worker:
         finally:
             sock.close(linger=0)
 
-    def _on_request(self, sock, head: bytes, frame: bytes) -> None:
+    def _on_request(self, head: bytes, frame: bytes, answers: list[bytes]) -> None:
+        """Give the request to the engine thread; an answer of this thread's own (a refusal, the
+        echo) goes to `answers` as [header, body]."""
         try:
             _, key, _ = P.unpack_header(head)
         except P.ProtocolError:
@@ -407,11 +414,12 @@ class Worker:
         try:
             msg = P.unpack(frame, {P.COMPLETE})
             P.CompleteRequest.from_msg(msg)
+            P.take_router_seed(msg)
         except P.ProtocolError as exc:
-            self._send(sock, [P.bundle([P.header(P.ERROR, key), P.pack(P.error(None, exc.code, str(exc)))])])
+            answers += (P.header(P.ERROR, key), P.pack(P.error(None, exc.code, str(exc))))
             return
         if self.engine is None:
-            self._send(sock, [P.bundle([P.header(P.RESULT, key), P.pack(echo_response(msg))])])
+            answers += (P.header(P.RESULT, key), P.pack(echo_response(msg)))
         else:
             self.engine.inbox.put(Submit(key, msg))
 
