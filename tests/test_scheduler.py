@@ -266,6 +266,36 @@ def test_a_long_chunk_shrinks_when_steps_show_it_slows_the_streams_more_than_pri
     assert set(_long_beside_short(fresh(), lambda plan: 0.0)[0].values()) == {16}
 
 
+def test_a_chunk_owes_the_slower_step_after_it_and_the_streams_pace_stays_their_own():
+    """A decode-only step right after a long chunk runs slower (the chunk's keys and values went
+    through the caches): that time counts against the chunk, so the long prompt goes on over more
+    steps than where the step after a chunk is as fast as any, and the streams' pace per row stays
+    what their own steps take."""
+    def fresh():
+        return Scheduler(SchedulerConfig(max_batch_size=4, max_batch_tokens=64, long_prefill_tokens=16,
+                                         attention_span=None, min_long_chunk=2),
+                         BlockManager(1000, 16, CacheGroups.from_windows([None]), 64))
+
+    row = 0.01
+
+    def timing(polluted: bool):
+        last = {"chunk": False}
+
+        def observe(plan):
+            seconds = row * len(plan.decode) + 0.5 * row * sum(c.length for c in plan.prefill)
+            if polluted and not plan.prefill and last["chunk"]:
+                seconds += 3 * row
+            last["chunk"] = bool(plan.prefill)
+            return seconds
+        return observe
+
+    clean, polluted = fresh(), fresh()
+    _, clean_steps = _long_beside_short(clean, timing(False))
+    _, polluted_steps = _long_beside_short(polluted, timing(True))
+    assert polluted_steps > 1.5 * clean_steps, (clean_steps, polluted_steps)
+    assert polluted.pace.per_row == pytest.approx(row) and clean.pace.per_row == pytest.approx(row)
+
+
 def test_a_cpu_pool_reuses_touched_blocks_before_never_used_ones():
     """With cache_reserve, freed blocks (cached or not) are taken before never-used blocks once the
     cache holds more than the reserve: the resident pool stays near what is in use. Without it,
@@ -419,3 +449,18 @@ def test_a_sliding_window_pool_holds_sequences_longer_than_itself():
                             max_batch_tokens=16)
     with pytest.raises(ValueError, match="holds 72 tokens of one sequence"):
         full.add_request("r", prompt, _greedy(20))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_engine_gives_the_pace_each_steps_model_call_time(arch):
+    """What the pace corrects a long chunk's price with is the time of the step's own model call, on
+    the runner that serves, a runner whose launch runs the step at once included: after decode-only
+    steps the streams' pace per row is known (were the seconds not reported, it would stay None and
+    the chunk would keep its price however it slowed the streams)."""
+    lm = tiny(arch, dtype="float32")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, long_prefill_tokens=16))
+    eng.add_request("stream", [1, 2, 3], _greedy(200))
+    for _ in range(6):
+        eng.step()
+    per_row = eng.scheduler.pace.per_row
+    assert per_row is not None and 0 < per_row < 1

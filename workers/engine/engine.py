@@ -264,7 +264,6 @@ class Engine:
                     return []
                 running = self.runner.launch(plan)
             plan = running.plan
-            forward = self.runner.forward_seconds
             if self.runner.can_run_ahead(plan):
                 ahead = self.scheduler.schedule_ahead(plan, self.lm.max_model_len)
                 if ahead is not None:
@@ -274,7 +273,7 @@ class Engine:
         except BaseException:
             self._drop_ahead()
             raise
-        self.scheduler.observe(plan, self.runner.forward_seconds - forward)  # what the step's model call took
+        self.scheduler.observe(plan, result.forward_seconds)  # what the step's model call took
         outputs = self._update(plan, result)
         if self._ahead is not None and all(s.finished for s in self._ahead.plan.decode):
             self._drop_ahead()  # every row of it ended on this step's tokens

@@ -4,10 +4,15 @@ The scheduler prices a long prompt's chunk from the model and a calibration at l
 (`attention_span`). A price is a model: on this CPU a chunk's attention over thousands of
 positions may be bound by memory rather than arithmetic, two copies may share the memory bus,
 and a chunk of two tokens reads the whole context as a chunk of sixteen does. So the price is
-checked against the clock. The engine reports each step's seconds; a decode-only step gives the
-streams' own pace per decoding row, and a step that carried a long chunk gives what the chunk
-added. The pace then sets the chunk's tokens a step so that, on average, a step grows by
-SLOWDOWN of the streams' own step, never above the configured price (scale <= 1).
+checked against the clock. The engine reports each step's model call in seconds; a decode-only
+step after another gives the streams' own pace per decoding row, and a step that carried a long
+chunk gives what the chunk added. A chunk also costs the step after it: it streamed the long
+context's keys and values through the caches the streams' weights were in, so a decode-only step
+right after a chunk runs slower than the streams' own pace (by a fifth on a 2-core EPYC at 4,000
+positions). That step's extra time is owed by the chunk: it counts with the next chunk's, and it
+never lowers the streams' own pace. The pace then sets the chunk's tokens a step so that, on
+average, a step grows by SLOWDOWN of the streams' own step, never above the configured price
+(scale <= 1).
 
 Below the fewest tokens a chunk can usefully have (a pass of the prefill kernel), the chunk runs
 on some steps only: each step earns `want` tokens of credit, and a chunk of the floor's size runs
@@ -32,6 +37,8 @@ class LongChunkPace:
     scale: float = 1.0
     per_row: float | None = None  # seconds per decoding row of a decode-only step (moving average)
     credit: float = 0.0  # tokens earned towards the next chunk while chunks run on some steps only
+    owed: float = 0.0  # seconds the steps right after a chunk took beyond the streams' pace (see the module)
+    after_chunk: bool = False  # the last step carried a long chunk: the next one is not the streams' own pace
 
     def tokens(self, share: float, floor: int) -> int:
         """The long chunk's tokens this step for a priced share (`share` tokens at scale 1), at
@@ -52,16 +59,20 @@ class LongChunkPace:
         """A step's model call took `seconds` for `decode_rows` decoding sequences and
         `prefill_tokens` prompt tokens, of which `long_tokens` were a long prompt's chunk that the
         pace granted `long_want` tokens a step on average."""
+        after_chunk, self.after_chunk = self.after_chunk, long_tokens > 0
         if decode_rows <= 0 or seconds <= 0:
             return
         if prefill_tokens == 0:
-            row = seconds / decode_rows
-            self.per_row = row if self.per_row is None else (1 - ALPHA) * self.per_row + ALPHA * row
+            if not after_chunk:
+                row = seconds / decode_rows
+                self.per_row = row if self.per_row is None else (1 - ALPHA) * self.per_row + ALPHA * row
+            elif self.per_row is not None:
+                self.owed += max(0.0, seconds - self.per_row * decode_rows)
             return
         if long_tokens <= 0 or long_want <= 0 or self.per_row is None:
             return  # a short prompt's prefill, or no pace to compare with yet
         streams = self.per_row * decode_rows
-        extra = seconds - streams
+        extra, self.owed = seconds - streams + self.owed, 0.0
         if extra <= 0:
             factor = STEP_LIMITS[1]
         else:

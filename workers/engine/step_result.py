@@ -20,6 +20,9 @@ class PromptScores:
 class StepResult:
     samples: list[tuple[Sequence, int, float, dict | None]] = field(default_factory=list)  # seq, token, logprob, top
     prompt_scores: list[PromptScores] = field(default_factory=list)
+    # the step's model call, measured by the runner around it (its launch and its finish where the
+    # device runs ahead): what the scheduler's pace of a long prompt's chunks compares
+    forward_seconds: float = 0.0
 
 
 @dataclass(slots=True)

@@ -318,13 +318,15 @@ class CudaRunner(PagedRunner):
         t0 = time.perf_counter()
         with torch.inference_mode():
             step = self._start_decode(plan.decode, ahead=ahead_of is not None)
-        self.forward_seconds += time.perf_counter() - t0
+        launched = time.perf_counter() - t0
+        self.forward_seconds += launched
 
         def finish() -> StepResult:
             t = time.perf_counter()
             tokens = self._end_decode(step)
-            self.forward_seconds += time.perf_counter() - t
-            result = StepResult()
+            waited = time.perf_counter() - t
+            self.forward_seconds += waited
+            result = StepResult(forward_seconds=launched + waited)
             result.samples = [(seq, tok, None, None) for seq, tok in zip(plan.decode, tokens)]
             return result
 
@@ -341,10 +343,13 @@ class CudaRunner(PagedRunner):
         self.new_blocks(plan.new_blocks)
         t0 = time.perf_counter()
         logits, tokens = self._decode_step(decode)
-        self.forward_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.forward_seconds += seconds
         if not self._device_tokens(decode):
-            return self._sample(decode, [], logits)  # the host sampler (log-probabilities; row by row)
-        result = StepResult()
+            result = self._sample(decode, [], logits)  # the host sampler (log-probabilities; row by row)
+            result.forward_seconds = seconds
+            return result
+        result = StepResult(forward_seconds=seconds)
         result.samples = [(seq, tok, None, None) for seq, tok in zip(decode, tokens)]
         return result
 

@@ -143,8 +143,11 @@ class Runner(ABC):
         self.new_blocks(plan.new_blocks)
         t0 = time.perf_counter()
         logits = self._forward(plan.decode, plan.prefill)
-        self.forward_seconds += time.perf_counter() - t0
-        return self._sample(plan.decode, plan.prefill, logits)
+        seconds = time.perf_counter() - t0
+        self.forward_seconds += seconds
+        result = self._sample(plan.decode, plan.prefill, logits)
+        result.forward_seconds = seconds
+        return result
 
     def _sample(self, decode: list[Sequence], chunks: list[Chunk], logits: torch.Tensor) -> StepResult:
         specs: list[SampleSpec] = []
