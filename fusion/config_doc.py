@@ -55,7 +55,7 @@ ENVIRONMENT = """## Environment variables
 | variable | default | what it does |
 | --- | --- | --- |
 | `MMFUSION_CACHE` | `~/.cache/mmfusion` | where converted GGUF weights, shared weight files and compiled artifacts are kept |
-| `TORCHINDUCTOR_CACHE_DIR` | `$MMFUSION_CACHE/inductor` | inductor's own kernel cache (set it to keep kernels elsewhere) |
+| `TORCHINDUCTOR_CACHE_DIR` | `$MMFUSION_CACHE/inductor-<CPU level>` | inductor's own kernel cache and its precompiled C++ headers (set it to keep them elsewhere; nothing goes to /tmp) |
 | `MMFUSION_KERNEL_CACHE` | `workers/engine/cpu/kernels/build` (else `$MMFUSION_CACHE/kernels` where that is read-only) | the C++ kernels built for this CPU by `make install` or at the first load (set it to keep them elsewhere) |
 | `MMFUSION_API_KEYS` | unset | comma-separated API keys the HTTP gateway accepts, besides `--api-key` and `api_keys` |
 | `HF_HUB_OFFLINE` | `1` under `make` | nothing ever reaches a model hub; models load from local files and PyPI packages |

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import math
 import subprocess
+import tempfile
 from pathlib import Path
 
 import h5py
@@ -150,9 +152,16 @@ def test_compile_only_compiles_reports_memory_and_predict_starts_from_it(tmp_pat
                                                            max_tokens=7, compile_buckets=[8, 48],
                                                            max_batch_size=5, max_batch_tokens=48,
                                                            prepack_weights=False)})
-    env = {**os.environ, "MMFUSION_CACHE": str(tmp_path / "cache")}
+    # inductor's cache where the deployment puts it when the user names none (not the suite's)
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"},
+           "MMFUSION_CACHE": str(tmp_path / "cache")}
+    torch_default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    was_there = torch_default.exists()
     out = run_mm(params, "compile_only", ["llama,2"], tmp_path / "md", env=env)
     assert out.returncode == 0, out.stderr
+    # nothing in /tmp: inductor's cache and its precompiled headers (150 MB) are in the project's cache
+    assert list((tmp_path / "cache").glob("inductor-*/precompiled_headers/*.gch"))
+    assert was_there or not torch_default.exists()
     recs = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     rep, dev = recs
     assert rep["variant"] == "llama" and rep["fits"] and rep["error"] is None

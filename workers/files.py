@@ -27,6 +27,12 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mmfusion")
 
 
+def inductor_default() -> Path:
+    """Where inductor's cache goes until a compile names its CPU level's directory (see the
+    package's text)."""
+    return cache_root() / "inductor"
+
+
 @contextlib.contextmanager
 def one_at_a_time(path: Path) -> Iterator[None]:
     """Held by one process at a time for the cached thing at `path` (an exclusive lock on a hidden
