@@ -132,8 +132,11 @@ class Router:
         try:
             fn(*args)
         except Exception:  # a bug here must cost one message, never the router
-            self.dispatch.internal_errors += 1
-            traceback.print_exc()
+            self._internal_error()
+
+    def _internal_error(self) -> None:
+        self.dispatch.internal_errors += 1
+        traceback.print_exc()
 
     def _drain(self, sock: zmq.Socket) -> None:
         """Hand what waits on `sock` to the dispatch, then write what it queued, once: the requests
@@ -147,17 +150,25 @@ class Router:
             if len(frames) != 2:
                 continue  # a peer speaking another protocol: nothing sensible to answer
             now = time.monotonic()
-            if front:
-                self._safely(d.client, frames[0], frames[1], now)
-                continue
-            turn = P.unbundle(frames[1])
-            if turn is None:
-                self._safely(d.worker, frames[0], frames[1], now)
+            try:  # a bug here must cost one message, never the router
+                if front:
+                    d.client(frames[0], frames[1], now)
+                    continue
+                turn = P.unbundle(frames[1])
+                if turn is None:
+                    d.worker(frames[0], frames[1], now)
+                    continue
+            except Exception:
+                self._internal_error()
                 continue
             # a worker's turn of data messages, [header, body, header, body, ...]: each forwarded
             # by its header (the body is never decoded); a bad one costs itself only
+            ident = frames[0]
             for i in range(0, len(turn) - 1, 2):
-                self._safely(d.worker_data, frames[0], turn[i], turn[i + 1], now)
+                try:
+                    d.worker_data(ident, turn[i], turn[i + 1], now)
+                except Exception:
+                    self._internal_error()
         self._flush()
 
     def _flush(self) -> None:

@@ -188,8 +188,10 @@ def with_field(body: bytes, key: str, value) -> bytes:
 
 def _with_entry(body: bytes, entry: bytes) -> bytes:
     first = body[0] if body else 0
-    if 0x80 <= first <= 0x8F:
-        count, start = first & 0x0F, 1
+    if 0x80 <= first < 0x8F:  # a small map with room for one more entry: the common answer
+        return b"".join((_FIXMAP[first - 0x7F], memoryview(body)[1:], entry))
+    if first == 0x8F:
+        count, start = 15, 1
     elif first == 0xDE:
         count, start = int.from_bytes(body[1:3], "big"), 3
     elif first == 0xDF:
@@ -202,6 +204,7 @@ def _with_entry(body: bytes, entry: bytes) -> bytes:
     return head + body[start:] + entry
 
 
+_FIXMAP = [bytes((0x80 | n,)) for n in range(16)]  # a msgpack map header of n entries
 # the timing entry's constant bytes around its three float64 values (0xcb: msgpack's float 64)
 _TIMING = [msgpack.packb("timing") + b"\x83" + msgpack.packb("queued_s") + b"\xcb",
            msgpack.packb("load_s") + b"\xcb", msgpack.packb("run_s") + b"\xcb"]
