@@ -199,8 +199,7 @@ class Dispatch:
 
     def _queue_or_send(self, client: bytes, msg: dict, frame: bytes, req: P.CompleteRequest, candidates: list[int],
                        tenant: str, cost: int, now: float) -> Pending:
-        if self.models[candidates[0]].abandoned and all(
-                self.models[m].abandoned and not self.registry.usable(m) for m in candidates):
+        if all(self.models[m].abandoned and not self.registry.usable(m) for m in candidates):
             raise P.ProtocolError(f"no worker serves model {req.model!r}: its workers kept failing and were not "
                                   "restarted (see the deployment's log)", P.NO_WORKER, req.id)
         model_id = candidates[0] if len(candidates) == 1 else min(candidates, key=self.registry.load)

@@ -188,10 +188,8 @@ def with_field(body: bytes, key: str, value) -> bytes:
 
 def _with_entry(body: bytes, entry: bytes) -> bytes:
     first = body[0] if body else 0
-    if 0x80 <= first < 0x8F:  # a small map with room for one more entry: the common answer
-        return b"".join((_FIXMAP[first - 0x7F], memoryview(body)[1:], entry))
-    if first == 0x8F:
-        count, start = 15, 1
+    if 0x80 <= first <= 0x8F:
+        count, start = first & 0x0F, 1
     elif first == 0xDE:
         count, start = int.from_bytes(body[1:3], "big"), 3
     elif first == 0xDF:
@@ -201,10 +199,9 @@ def _with_entry(body: bytes, entry: bytes) -> bytes:
     count += 1
     head = (bytes([0x80 | count]) if count <= 0x0F else b"\xde" + count.to_bytes(2, "big") if count <= 0xFFFF
             else b"\xdf" + count.to_bytes(4, "big"))
-    return head + body[start:] + entry
+    return b"".join((head, memoryview(body)[start:], entry))  # the body copied once, not twice
 
 
-_FIXMAP = [bytes((0x80 | n,)) for n in range(16)]  # a msgpack map header of n entries
 # the timing entry's constant bytes around its three float64 values (0xcb: msgpack's float 64)
 _TIMING = [msgpack.packb("timing") + b"\x83" + msgpack.packb("queued_s") + b"\xcb",
            msgpack.packb("load_s") + b"\xcb", msgpack.packb("run_s") + b"\xcb"]
@@ -326,12 +323,12 @@ def take_router_seed(msg: dict) -> None:
         msg["params"] = {**params, "seed": seed}
 
 
+_INT_ONLY = {int}
+
+
 def all_ints(xs: list) -> bool:
     """Every item an int (not a bool): `is_int` over a prompt of thousands, at the speed of C."""
     return set(map(type, xs)) <= _INT_ONLY
-
-
-_INT_ONLY = {int}
 
 
 def header(mtype: str, key: str, tokens: int | list = 0) -> bytes:
