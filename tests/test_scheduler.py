@@ -464,3 +464,19 @@ def test_the_engine_gives_the_pace_each_steps_model_call_time(arch):
         eng.step()
     per_row = eng.scheduler.pace.per_row
     assert per_row is not None and 0 < per_row < 1
+
+
+def test_the_streams_pace_keeps_to_their_undisturbed_steps_and_follows_a_lasting_change():
+    """Another copy's chunks on the same cores slow some of this copy's decode-only steps: the
+    streams' pace stays near the undisturbed ones (else this copy's chunks would be granted the
+    other's slowdown too), and still follows a change that lasts (contexts that grew)."""
+    from workers.engine.pace import LongChunkPace
+
+    row = 0.01
+    pace = LongChunkPace()
+    for i in range(400):  # every other step beside the other copy's chunk, 40% slower
+        pace.observe(16, 0, 0, 0.0, 16 * row * (1.4 if i % 2 else 1.0))
+    assert row <= pace.per_row <= 1.05 * row, pace.per_row
+    for _ in range(400):  # the streams' steps themselves became half again as long
+        pace.observe(16, 0, 0, 0.0, 16 * row * 1.5)
+    assert pace.per_row == pytest.approx(1.5 * row, rel=0.01)

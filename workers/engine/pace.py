@@ -10,7 +10,11 @@ chunk gives what the chunk added. A chunk also costs the step after it: it strea
 context's keys and values through the caches the streams' weights were in, so a decode-only step
 right after a chunk runs slower than the streams' own pace (by a fifth on a 2-core EPYC at 4,000
 positions). That step's extra time is owed by the chunk: it counts with the next chunk's, and it
-never lowers the streams' own pace. The pace then sets the chunk's tokens a step so that, on
+never lowers the streams' own pace. Nor may another copy's chunks: a copy on the same cores slows
+this one's decode-only steps while its chunks run, and this copy's clock sees that without its
+cause. So the streams' pace follows a faster step at once and a slower one an eighth as fast: it
+settles near the steps that ran undisturbed (a low quantile of the recent ones) and still follows
+the streams' contexts as they grow. The pace then sets the chunk's tokens a step so that, on
 average, a step grows by SLOWDOWN of the streams' own step, never above the configured price
 (scale <= 1).
 
@@ -25,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SLOWDOWN = 0.6  # the extra time a long chunk may add to the streams' step on average, as a fraction of it
-ALPHA = 0.2  # weight of the newest decode-only step in the streams' pace
+ALPHA = 0.2  # weight of the newest decode-only step in the streams' pace, where it is faster
+ALPHA_UP = ALPHA / 8  # and where it is slower (see the module)
 SCALE_LIMITS = (1 / 256, 1.0)
 STEP_LIMITS = (0.5, 1.25)  # the most one step may shrink or grow the scale: timings are noisy
 
@@ -65,7 +70,10 @@ class LongChunkPace:
         if prefill_tokens == 0:
             if not after_chunk:
                 row = seconds / decode_rows
-                self.per_row = row if self.per_row is None else (1 - ALPHA) * self.per_row + ALPHA * row
+                if self.per_row is None:
+                    self.per_row = row
+                else:  # a slower step follows slowly: see ALPHA_UP
+                    self.per_row += (ALPHA if row < self.per_row else ALPHA_UP) * (row - self.per_row)
             elif self.per_row is not None:
                 self.owed += max(0.0, seconds - self.per_row * decode_rows)
             return
