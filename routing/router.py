@@ -125,14 +125,11 @@ class Router:
             self.shutdown()
 
     def _guarded(self, fn, *args) -> None:
-        self._safely(fn, *args)
-        self._flush()
-
-    def _safely(self, fn, *args) -> None:
         try:
             fn(*args)
         except Exception:  # a bug here must cost one message, never the router
             self._internal_error()
+        self._flush()
 
     def _internal_error(self) -> None:
         self.dispatch.internal_errors += 1
