@@ -79,14 +79,16 @@ def test_kernel_panels_cover_every_output_row(kind):
 
 
 @needs_kernels
-def test_one_float32_row_against_int4_keeps_float32_precision():
-    """One float32 row against int4 runs in fixed point where the CPU has AVX2 (two int16 halves a
-    block of activations): a block of zeros, a block whose values span nine orders of magnitude,
-    and signs mixed still give the product within float32's own error bound (k * 2^-24 of the sum
-    of |w x|), each output row within it, against float64 math on the same values."""
+@pytest.mark.parametrize("kind", [INT4, INT8])
+def test_one_float32_row_keeps_float32_precision(kind):
+    """One float32 row against int4 (AVX2 and AVX-512) or int8 (AVX2) blocks runs in fixed point
+    (two int16 halves a block of activations): a block of zeros, a block whose values span nine
+    orders of magnitude, and signs mixed still give the product within float32's own error bound
+    (k * 2^-24 of the sum of |w x|), each output row within it, against float64 math on the same
+    values."""
     gen = torch.Generator().manual_seed(3)
     k = 1536
-    qw = quantize(torch.randn(64, k, generator=gen) * 0.1, INT4)
+    qw = quantize(torch.randn(64, k, generator=gen) * 0.1, kind)
     w = qw.dequantize().double()
     x = torch.randn(1, k, generator=gen)
     x[0, 32:64] = 0.0

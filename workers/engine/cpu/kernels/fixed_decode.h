@@ -1,5 +1,5 @@
-// One row of float32 activations (a stream's decode step) against int4 blocks, multiplied in
-// integers (included where AVX2, FMA and F16C are available).
+// One row of float32 activations (a stream's decode step) against int4 or int8 blocks, multiplied
+// in integers (included where AVX2, FMA and F16C are available).
 //
 // Widening every weight to float32 costs a conversion and a multiply-add a weight before the
 // product itself, and at one row a decode step does little else. Here each block of 32
@@ -7,9 +7,9 @@
 // and lo int16 and unit the block's largest magnitude / 32767: 31 bits a value, finer than
 // float32's 24 for the block's largest values (the outputs keep to the float32 tolerance of the
 // kernel tests). The weights then widen only to int16, vpmaddwd multiplies them by both halves
-// sixteen at a time into exact int32 sums (below 2^24, so exact in float32 too), and a block
-// costs about 15 operations where the float32 widening took 18 and waited longer on its sums. The
-// offset of a block multiplies the float32 sum of the block's activations, once a block:
+// sixteen at a time into exact int32 sums (below 2^24 for int8 blocks too, so exact in float32),
+// and a block costs about 13 operations where the float32 widening took 18 (int4) or 16 (int8). The
+// offset of an int4 block multiplies the float32 sum of the block's activations, once a block:
 // sum((d q + m) x) = d sum(q x) + m sum(x). llama.cpp goes further and rounds the activations to
 // 8 bits (Q8_1); these keep float32's precision.
 #pragma once
@@ -60,38 +60,78 @@ struct FixedRow {
   }
 };
 
-// x . w for w one output row of int4 blocks (GGUF's Q4_1 layout: value j in the low nibble of byte
-// j, value j + 16 in its high nibble; w = d q + m); du: room for the row's blocks' d * unit
-inline float int4_fixed(const FixedRow& f, const uint8_t* q, const uint16_t* s, const uint16_t* o, float* du) {
+// d * unit for each of a row's blocks, into du
+inline void block_units(const FixedRow& f, const uint16_t* s, float* du) {
   int64_t b = 0;
   for (; b + 8 <= f.blocks; b += 8) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + b)));
     _mm256_storeu_ps(du + b, _mm256_mul_ps(d, _mm256_loadu_ps(f.unit.data() + b)));
   }
   for (; b < f.blocks; ++b) du[b] = _cvtsh_ss(s[b]) * f.unit[b];
-  __m256 acc = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m256 frac = _mm256_set1_ps(1.f / 65536.f);
-  for (b = 0; b < f.blocks; ++b) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kFixedBlock / 2)));
-    const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-    const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
-    const auto* h = reinterpret_cast<const __m256i*>(f.hi.data() + b * kFixedBlock);
-    const auto* l = reinterpret_cast<const __m256i*>(f.lo.data() + b * kFixedBlock);
-    const __m256 hs = _mm256_cvtepi32_ps(
-        _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(h)), _mm256_madd_epi16(w1, _mm256_loadu_si256(h + 1))));
-    const __m256 ls = _mm256_cvtepi32_ps(
-        _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(l)), _mm256_madd_epi16(w1, _mm256_loadu_si256(l + 1))));
-    acc = _mm256_fmadd_ps(_mm256_fmadd_ps(ls, frac, hs), _mm256_broadcast_ss(du + b), acc);
+}
+
+// the float32 sum of block b for w0, w1 its 32 integer weights (values 0-15 and 16-31) as int16:
+// exact int32 sums for each half of x, joined in float32
+inline __m256 fixed_block(const FixedRow& f, int64_t b, __m256i w0, __m256i w1) {
+  const auto* h = reinterpret_cast<const __m256i*>(f.hi.data() + b * kFixedBlock);
+  const auto* l = reinterpret_cast<const __m256i*>(f.lo.data() + b * kFixedBlock);
+  const __m256 hs = _mm256_cvtepi32_ps(
+      _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(h)), _mm256_madd_epi16(w1, _mm256_loadu_si256(h + 1))));
+  const __m256 ls = _mm256_cvtepi32_ps(
+      _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(l)), _mm256_madd_epi16(w1, _mm256_loadu_si256(l + 1))));
+  return _mm256_fmadd_ps(ls, _mm256_set1_ps(1.f / 65536.f), hs);
+}
+
+// sum over a row's blocks of du[b] times block b's sum, where weights(b, w0, w1) widens block b;
+// the blocks alternate between two sums, so that each waits on the FMA half as often
+template <typename Weights>
+inline __m256 fixed_blocks(const FixedRow& f, const float* du, Weights weights) {
+  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  __m256i w0, w1;
+  int64_t b = 0;
+  for (; b + 2 <= f.blocks; b += 2) {
+    weights(b, w0, w1);
+    even = _mm256_fmadd_ps(fixed_block(f, b, w0, w1), _mm256_broadcast_ss(du + b), even);
+    weights(b + 1, w0, w1);
+    odd = _mm256_fmadd_ps(fixed_block(f, b + 1, w0, w1), _mm256_broadcast_ss(du + b + 1), odd);
   }
+  if (b < f.blocks) {
+    weights(b, w0, w1);
+    even = _mm256_fmadd_ps(fixed_block(f, b, w0, w1), _mm256_broadcast_ss(du + b), even);
+  }
+  return _mm256_add_ps(even, odd);
+}
+
+// x . w for w one output row of int4 blocks (GGUF's Q4_1 layout: value j in the low nibble of byte
+// j, value j + 16 in its high nibble; w = d q + m); du: room for the row's blocks' d * unit
+inline float int4_fixed(const FixedRow& f, const uint8_t* q, const uint16_t* s, const uint16_t* o, float* du) {
+  block_units(f, s, du);
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  const __m256 dots = fixed_blocks(f, du, [&](int64_t b, __m256i& w0, __m256i& w1) {
+    // byte j widened to int16 holds value j in its low four bits and value j + 16 in the next four
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kFixedBlock / 2))));
+    w0 = _mm256_and_si256(v, mask);
+    w1 = _mm256_srli_epi16(v, 4);
+  });
   __m256 off = _mm256_setzero_ps();
-  for (b = 0; b + 8 <= f.blocks; b += 8) {
+  int64_t b = 0;
+  for (; b + 8 <= f.blocks; b += 8) {
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + b)));
     off = _mm256_fmadd_ps(m, _mm256_loadu_ps(f.sums.data() + b), off);
   }
-  float t = hadd8(_mm256_add_ps(acc, off));
+  float t = hadd8(_mm256_add_ps(dots, off));
   for (; b < f.blocks; ++b) t += _cvtsh_ss(o[b]) * f.sums[b];
   return t;
+}
+
+// x . w for w one output row of int8 blocks (GGUF's Q8_0: 32 signed bytes, w = d q)
+inline float int8_fixed(const FixedRow& f, const int8_t* q, const uint16_t* s, float* du) {
+  block_units(f, s, du);
+  return hadd8(fixed_blocks(f, du, [&](int64_t b, __m256i& w0, __m256i& w1) {
+    const auto* qb = reinterpret_cast<const __m128i*>(q + b * kFixedBlock);
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(qb));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(qb + 1));
+  }));
 }
 
 }  // namespace mmfusion

@@ -35,19 +35,16 @@ void simd_rows_with(Dot4 dot4, Dot3 dot3, Dot2 dot2, Dot1 dot1, const float* x, 
 #endif
 
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
-// one row (a stream's decode step) against every output row of int4 blocks, in fixed point
-// (fixed_decode.h). Only there: at two rows and more each row costs more in fixed point than the
-// shared float32 widening, and int8 blocks at one row are bound by their bytes either way.
-template <typename T>
-void int4_row(const float* x, int64_t k, int64_t n, const uint8_t* qs, const uint16_t* scales,
-              const uint16_t* offsets, const float* bias, T* y) {
+// one row (a stream's decode step) against every output row of int4 or int8 blocks, in fixed point
+// (fixed_decode.h); dot(f, row, du) is one output row's sum. Only there: at two rows and more each
+// row costs more in fixed point than the shared float32 widening.
+template <typename T, typename Dot>
+void fixed_row(const float* x, int64_t k, int64_t n, const float* bias, T* y, Dot dot) {
   const mmfusion::FixedRow f(x, k);
-  const int64_t blocks = k / kBlock;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> du(blocks);
+    std::vector<float> du(k / kBlock);
     for (int64_t row = begin; row < end; ++row) {
-      const float v = mmfusion::int4_fixed(f, qs + row * (k / 2), scales + row * blocks, offsets + row * blocks, du.data());
-      y[row] = static_cast<T>(v + (bias != nullptr ? bias[row] : 0.f));
+      y[row] = static_cast<T>(dot(f, row, du.data()) + (bias != nullptr ? bias[row] : 0.f));
     }
   });
 }
@@ -219,7 +216,10 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
         tiled_rows_f32<T>(xf, m, kk, n, b, y, widen);
       }
     } else if (m == 1) {
-      int4_row<T>(xf, kk, n, q, s, o, b, y);
+      const int64_t blocks = kk / kBlock;
+      fixed_row<T>(xf, kk, n, b, y, [=](const mmfusion::FixedRow& f, int64_t row, float* du) {
+        return mmfusion::int4_fixed(f, q + row * (kk / 2), s + row * blocks, o + row * blocks, du);
+      });
     } else {
       simd_rows_with<T, uint8_t>(MMFUSION_DOTS(int4_dot), xf, m, kk, n, q, kk / 2, s, o, b, y);
     }
@@ -313,6 +313,13 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
       } else {
         tiled_rows_f32<T>(xf, m, kk, n, b, y, widen);
       }
+#ifdef MMFUSION_QLINEAR_AVX2
+    } else if (m == 1) {  // 8 lanes: fixed point's 13 operations a block against the widening's 16
+      const int64_t blocks = kk / kBlock;
+      fixed_row<T>(xf, kk, n, b, y, [=](const mmfusion::FixedRow& f, int64_t row, float* du) {
+        return mmfusion::int8_fixed(f, q + row * kk, s + row * blocks, du);
+      });
+#endif
     } else {
       simd_rows_with<T, int8_t>(MMFUSION_DOTS(int8_dot), xf, m, kk, n, q, kk, s, nullptr, b, y);
     }
