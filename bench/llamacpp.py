@@ -1,7 +1,8 @@
 """llama.cpp (llama-cpp-python) on one stream, run in the peer environment by bench/peers.py: the
 same GGUF file, the same prompt token IDs and the same number of greedy tokens as the engine's
 single stream, on the same threads. Prints one JSON line: ms per generated token (the prompt's
-evaluation included, as the engine's figure does), best of the repeats."""
+evaluation included, as the engine's figure does: each run starts from an empty cache), best of
+the repeats."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def main() -> None:
                           n_ctx=len(prompt) + args.new + 16, n_batch=len(prompt), verbose=False)
 
     def once() -> tuple[float, list[int]]:
+        # generate() keeps the longest prefix of its last tokens' cache: after one run the prompt is
+        # found there and only its last token is evaluated again, unless the state is reset
+        llm.reset()
         out: list[int] = []
         t = time.perf_counter()
         for tok in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
