@@ -21,7 +21,8 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  (`make bench-peers` builds .venv-peers; skipped when it does not exist), with the
                  engine's ratios to it in a summary line;
   llamacpp:      llama.cpp (llama-cpp-python, in the same environment) on the same GGUF file: the
-                 single stream's prompt, tokens and threads, against each quantization's single stream.
+                 single stream's prompt, tokens and threads, against each quantization's single stream,
+                 the engine's and llama.cpp's runs alternated (summary lines single_stream_*_vs_llamacpp).
 --quantization none,int4 runs the engine systems and the single stream once per value, alternated;
 --deterministic off,on the same with the `deterministic` key off and on (names suffixed
 _deterministic), with a summary line of what the key costs.
@@ -190,19 +191,29 @@ def single_prompt(vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(64)]
 
 
+SINGLE_NEW = 128  # one stream's new tokens
+
+
+def stream_seconds(lm, quantization: str = "auto", deterministic: bool = False, compile: str = "false") -> float:
+    """Seconds for one request alone on a fresh engine (its prompt evaluated, no cache reused):
+    the 64-token single prompt, SINGLE_NEW new tokens, greedy."""
+    prompt = single_prompt(lm.vocab_size)
+    eng = Engine(lm, EngineConfig(max_batch_size=1, max_batch_tokens=128, compile=compile,
+                                  quantization=quantization, deterministic=deterministic))
+    eng.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    t = time.perf_counter()
+    out = eng.generate([prompt], SamplingParams(max_tokens=SINGLE_NEW, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == SINGLE_NEW
+    return time.perf_counter() - t
+
+
 def single_stream(lm, repeats: int, quantization: str = "auto", deterministic: bool = False) -> dict:
     """ms per generated token for one request alone: 64-token prompt, 128 new tokens, greedy."""
     prompt = single_prompt(lm.vocab_size)
-    new = 128
+    new = SINGLE_NEW
 
     def engine(compile: str):
-        eng = Engine(lm, EngineConfig(max_batch_size=1, max_batch_tokens=128, compile=compile,
-                                      quantization=quantization, deterministic=deterministic))
-        eng.generate([prompt[:8]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-        t = time.perf_counter()
-        out = eng.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-        assert len(out[0].outputs[0].token_ids) == new
-        return time.perf_counter() - t
+        return stream_seconds(lm, quantization, deterministic, compile)
 
     def hf():
         with hf_attention(lm.model, "sdpa"), torch.inference_mode():
@@ -221,6 +232,20 @@ def single_stream(lm, repeats: int, quantization: str = "auto", deterministic: b
     return {"engine_eager_ms_per_token": round(e, 2), "engine_compiled_ms_per_token": round(c, 2),
             "transformers_generate_ms_per_token": round(t, 2), "eager_vs_transformers": round(e / t, 3),
             "compiled_vs_transformers": round(c / t, 3)}
+
+
+def against_llamacpp(lm, gguf, quantization: str, threads: int, repeats: int) -> dict:
+    """One stream of the engine against llama.cpp on the same file, the two runs alternated (this
+    machine's speed drifts by 15-50% within minutes, and the figures before were taken minutes
+    apart): best of `repeats` each, every run on a fresh engine and a reset llama.cpp."""
+    mine, theirs = [], []
+    for _ in range(max(2, repeats)):
+        mine.append(stream_seconds(lm, quantization) / SINGLE_NEW * 1e3)
+        peer = run_llamacpp(gguf, single_prompt(lm.vocab_size), SINGLE_NEW, threads, 1)
+        theirs.append(peer["single_stream_ms_per_token"])
+    return {"summary": f"single_stream_{quantization}_vs_llamacpp", "alternated": len(mine),
+            "engine_ms_per_token": round(min(mine), 2), "llamacpp_ms_per_token": round(min(theirs), 2),
+            "engine_vs_llamacpp": round(min(mine) / min(theirs), 3)}
 
 
 _START = """
@@ -477,7 +502,7 @@ def main() -> None:
                     single = single or one  # the first quantization's figures are compared with vLLM
                 name = suffixed("single_stream", q, det)
                 stream_rates[name] = 1e3 / one["engine_eager_ms_per_token"]
-                emit(system=name, prompt_tokens=64, new_tokens=128, repeats=args.repeats, **one, model=args.model,
+                emit(system=name, prompt_tokens=64, new_tokens=SINGLE_NEW, repeats=args.repeats, **one, model=args.model,
                      dtype=args.dtype, threads=args.threads, quantization=q, deterministic=det)
     if len(dets) > 1:  # what the key costs: its tokens/s over the same system's without it
         both = {**rates, **stream_rates}
@@ -486,11 +511,10 @@ def main() -> None:
     gguf = source_gguf(args.model)
     if "llamacpp" in systems and gguf is not None and have_llamacpp():
         # llama.cpp on the same file, prompt, tokens and threads: each quantization's single stream against it
-        peer = run_llamacpp(gguf, single_prompt(lm.vocab_size), 128, args.threads, args.repeats)
+        peer = run_llamacpp(gguf, single_prompt(lm.vocab_size), SINGLE_NEW, args.threads, args.repeats)
         emit(**peer, gguf=gguf.name)
-        for q, one in singles.items():
-            emit(summary=f"single_stream_{q}_vs_llamacpp",
-                 engine_vs_llamacpp=round(one["engine_eager_ms_per_token"] / peer["single_stream_ms_per_token"], 3))
+        for q in singles:
+            emit(**against_llamacpp(lm, gguf, q, args.threads, args.repeats))
     if "vllm_cpu" in systems and have_vllm_cpu():
         # vLLM at each dtype it serves on CPU; the engine is compared with the faster of each figure
         # (on AVX2, float32 gives its best throughput and bfloat16 its best single stream)
