@@ -145,6 +145,33 @@ def test_cpu_decode_kernel_matches_the_pytorch_reference(dtype, tol, window, d, 
     assert (out.double() - ref).abs().max() < tol
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_cpu_decode_kernel_gives_a_row_the_same_result_alone_and_in_a_batch(window):
+    """Each (row, KV head) is walked in two halves of its positions, merged at the end: how a row's
+    positions are cut depends on the row alone, so its output is bit-equal whether it runs alone
+    (3 KV heads, 6 halves over the threads) or beside 15 other rows (a work item per row)."""
+    rng = random.Random(2)
+    block, kvh, heads, d = 16, 3, 9, 64
+    lengths = [1, 16, 17, 33, 100, 129] + [rng.randint(1, 300) for _ in range(10)]
+    num_blocks = sum(-(-n // block) for n in lengths) + 5
+    gen = torch.Generator().manual_seed(3)
+    key = torch.randn(num_blocks, kvh, block, d, generator=gen)
+    value = torch.randn(num_blocks, kvh, block, d, generator=gen)
+    q = torch.randn(len(lengths), heads, d, generator=gen)
+    batch = _pairs(lengths, block, window, num_blocks, random.Random(4))
+    together = extension.paged_decode_cpu(batch, q, key, value, 0.125, None)
+    table = torch.tensor(batch.spans)
+    for r in range(len(lengths)):
+        first, count = table[r, 0].item(), table[r, 1].item()
+        alone = attention.GroupStep(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        alone.pair_blocks = batch.pair_blocks[first: first + count]
+        alone.pair_rows = torch.zeros(count, dtype=torch.long)
+        alone.pair_valid = batch.pair_valid[first: first + count]
+        alone.spans = [(0, count, table[r, 2].item(), table[r, 3].item())]
+        got = extension.paged_decode_cpu(alone, q[r: r + 1], key, value, 0.125, None)
+        assert torch.equal(got[0], together[r]), (r, lengths[r])
+
+
 def _reference_chunk(q, k, v, start, window, scaling):
     """Causal (windowed) attention of a chunk's queries q [c, H, d] at positions start.. over the
     sequence's keys k, v [start + c, kvh, d], in float64."""

@@ -1,6 +1,6 @@
-// Decode attention over the paged KV cache, one pass per (decode row, KV head): the query heads
-// that share a KV head read each key and value once, with an online softmax in float32 (as
-// flash-decoding does), over only the positions the row sees. Built at first use by
+// Decode attention over the paged KV cache, per (decode row, KV head) a pass over each half of the
+// positions the row sees, merged: the query heads that share a KV head read each key and value
+// once, with an online softmax in float32 (as flash-decoding does). Built at first use by
 // workers/engine/cpu/extension.py; the PyTorch version in attention.py is its reference.
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
@@ -138,11 +138,20 @@ inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
   }
 }
 
-// The walk every vector path takes, whatever its dtype: work items of (row, KV heads) shared out
-// over the threads, each row's blocks in order with the ones ahead prefetched, tiles of at most
-// Path::TILE positions, and each head's sums divided by its softmax total at the end. A Path holds
-// one thread's scratch and does a tile's work: the scores of a KV head's group of query heads,
-// their online softmax (m, l) and the values weighed by it (acc), for heads [j0, j0 + g).
+// Each (row, KV heads) cell's positions are walked as two items, the blocks of its first half and
+// of its second, merged at the end as flash-decoding merges its splits. A single stream has as many
+// cells as KV heads, and SmolLM2's 3 shared out over 2 threads left one idle a third of the time;
+// its 6 halves keep both busy. A row's halves depend only on its own positions, so a row's result
+// is the same whatever rows share its step (`deterministic`), and a row of one block has an empty
+// second half, which merges to the one-pass result bit for bit.
+constexpr int64_t kHalves = 2;
+
+// The walk every vector path takes, whatever its dtype: work items of (row, KV heads, half) shared
+// out over the threads, each half's blocks in order with the ones ahead prefetched, tiles of at
+// most Path::TILE positions; then each head's two halves merged and divided by their softmax total.
+// A Path holds one thread's scratch and does a tile's work: the scores of a KV head's group of
+// query heads, their online softmax (m, l) and the values weighed by it (acc), for heads
+// [j0, j0 + g).
 template <typename Path>
 void decode_walk(const typename Path::T* q, const typename Path::T* kc, const typename Path::T* vc,
                  const int64_t* blocks, const int64_t* spans, typename Path::T* out, int64_t rows, int64_t heads,
@@ -151,36 +160,63 @@ void decode_walk(const typename Path::T* q, const typename Path::T* kc, const ty
   constexpr int D = Path::D;
   const int64_t g = heads / kvh;
   const int64_t span = heads_per_item(rows, kvh), per_row = kvh / span, hg = span * g;
-  at::parallel_for(0, rows * per_row, 1, [&](int64_t begin, int64_t end) {
+  const int64_t cells = rows * per_row, items = cells * kHalves;
+  // each item's sums (hg heads of D), maxima and totals, merged once every item is done
+  std::vector<float> accs(items * hg * D), ms(items * hg), ls(items * hg);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Path path(g, hg, scale);
-    std::vector<float> acc(hg * D), m(hg), l(hg);
+    const int64_t cell_end = (end + kHalves - 1) / kHalves;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / per_row, kh0 = item % per_row * span;
+      const int64_t cell = item / kHalves, half = item % kHalves;
+      const int64_t r = cell / per_row, kh0 = cell % per_row * span;
       const int64_t first = spans[r * 4], lo = spans[r * 4 + 2], hi = spans[r * 4 + 3];
+      const int64_t b_lo = lo / bs, b_hi = (hi + bs - 1) / bs, mid = b_lo + (b_hi - b_lo) / 2;
+      const int64_t from = half == 0 ? b_lo : std::max(mid, b_lo), to = half == 0 ? std::max(mid, b_lo) : b_hi;
+      float* acc = accs.data() + item * hg * D;
+      float* m = ms.data() + item * hg;
+      float* l = ls.data() + item * hg;
       for (int64_t j = 0; j < hg; ++j) {
         path.query(j, q + (r * heads + kh0 * g + j) * D);
         m[j] = -std::numeric_limits<float>::infinity();
         l[j] = 0.f;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = lo / bs; b * bs < hi; ++b) {
+      std::fill(acc, acc + hg * D, 0.f);
+      for (int64_t b = from; b < to; ++b) {
         const int64_t blk = blocks[first + b];
         const int64_t b0 = std::max(lo - b * bs, int64_t(0)), b1 = std::min(hi - b * bs, bs);
-        const int64_t ahead = prefetch_offset(blocks, spans, item, end, b, PREFETCH, kvh, span, bs, D);
+        const int64_t ahead = prefetch_offset(blocks, spans, cell, cell_end, b, PREFETCH, kvh, span, bs, D);
         for (int64_t kh = 0; kh < span; ++kh) {
           if (ahead >= 0) prefetch_block(kc + ahead + kh * bs * D, vc + ahead + kh * bs * D, bs * D * sizeof(T));
           const T* kb = kc + (blk * kvh + kh0 + kh) * bs * D;
           const T* vb = vc + (blk * kvh + kh0 + kh) * bs * D;
           for (int64_t t0 = b0; t0 < b1; t0 += Path::TILE) {
             const int n = static_cast<int>(std::min<int64_t>(Path::TILE, b1 - t0));
-            path.tile(kb + t0 * D, vb + t0 * D, n, kh * g, m.data(), l.data(), acc.data());
+            path.tile(kb + t0 * D, vb + t0 * D, n, kh * g, m, l, acc);
           }
         }
       }
+    }
+  });
+  at::parallel_for(0, cells, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t cell = begin; cell < end; ++cell) {
+      const int64_t r = cell / per_row, kh0 = cell % per_row * span;
       for (int64_t j = 0; j < hg; ++j) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t h = 0; h < kHalves; ++h) top = std::max(top, ms[(cell * kHalves + h) * hg + j]);
+        float w[kHalves], total = 0.f;
+        for (int64_t h = 0; h < kHalves; ++h) {
+          const float mh = ms[(cell * kHalves + h) * hg + j];
+          // a half that saw no position weighs nothing (its maximum is -inf, as is a row's that saw none)
+          w[h] = mh == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(mh - top);
+          total += ls[(cell * kHalves + h) * hg + j] * w[h];
+        }
         T* o = out + (r * heads + kh0 * g + j) * D;
-        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-        for (int64_t i = 0; i < D; ++i) o[i] = static_cast<T>(acc[j * D + i] * inv);
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t i = 0; i < D; ++i) {
+          float v = 0.f;
+          for (int64_t h = 0; h < kHalves; ++h) v += accs[((cell * kHalves + h) * hg + j) * D + i] * w[h];
+          o[i] = static_cast<T>(v * inv);
+        }
       }
     }
   });

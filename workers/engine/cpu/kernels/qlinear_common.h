@@ -14,8 +14,9 @@
 //   dense bfloat16 model's weights, as transformers loads them) and multiplied in pairs into float32
 //   by vdpbf16ps (int4 at up to four rows: the exact values, bf16_dot_int4);
 // - float32 activations (and float16) on AVX-512, or on AVX2 with FMA and F16C: float32 values,
-//   float32 products; one row against int4 blocks in fixed point instead (fixed_decode.h: int16
-//   halves of the activations, exact int32 products, float32's precision);
+//   float32 products; one row against int4 blocks (and against int8 blocks on AVX2) in fixed point
+//   instead (fixed_decode.h: int16 halves of the activations, exact int32 products, float32's
+//   precision);
 // - elsewhere, plain loops the compiler vectorizes.
 // Up to four input rows (a decode step of a few streams) read each weight byte once, in registers;
 // 5 to 23 rows widen four output rows at a time into a buffer that stays in L1 and multiply tiles of
