@@ -134,6 +134,14 @@ def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
                             num_top=None, want_logprob=False) for r in range(64)]
         tokens, _, _ = sample(logits, specs)
         assert tokens == logits.float().argmax(-1).tolist()
+    # a NaN wins its row, as in torch's argmax, whichever way the dtype takes
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        logits = torch.randn(3, 5000, generator=gen).to(dtype)
+        logits[1, 4321] = float("nan")
+        logits[2, 17] = logits[2, 4000] = 1e4
+        spec = [SampleSpec(row=r, temperature=0, top_k=0, top_p=1.0, seed=0, sample_index=0, token_index=0,
+                           num_top=None, want_logprob=False) for r in range(3)]
+        assert sample(logits, spec)[0] == [logits[0].float().argmax().item(), 4321, 17], dtype
 
 
 def test_sampler_makes_its_tensors_on_the_logits_device():

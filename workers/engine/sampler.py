@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -94,6 +95,17 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
+def _greedy(rows: torch.Tensor) -> list[int]:
+    """Each row's first maximal index (a NaN's, where a row has one), as argmax gives it. float32 rows
+    on the CPU go to numpy's argmax, which is vectorized where torch's reduction with indices is not
+    (12.5 against 72 us over SmolLM2's 49,152 logits on a Zen 3, a step's largest cost after the
+    model's); other rows take max(dim), which runs some 4x faster than argmax on bfloat16 rows
+    (which has no vectorized path), with no float copy of every row."""
+    if rows.dtype == torch.float32 and rows.device.type == "cpu":
+        return np.argmax(rows.numpy(), axis=-1).tolist()
+    return rows.max(dim=-1).indices.tolist()
+
+
 def sample(logits: torch.Tensor, specs: list[SampleSpec], row_by_row: bool = False):
     """Pick a token per spec. Returns (tokens, chosen logprobs, top alternatives per spec); a
     chosen logprob is None where its spec does not want it.
@@ -108,9 +120,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], row_by_row: bool = Fal
     if not specs:
         return [], [], []
     sel = _rows(logits, [s.row for s in specs])
-    # greedy: max(dim) returns the first maximal index, as argmax does, and runs some 4x faster than
-    # argmax on bfloat16 rows (which has no vectorized path), with no float copy of every row
-    tokens = sel.max(dim=-1).indices.tolist()
+    tokens = _greedy(sel)
     hot = [i for i, s in enumerate(specs) if s.temperature != 0]
     if hot:
         for i, t in zip(hot, _sample_rows(_rows(sel, hot), [specs[i] for i in hot])):
