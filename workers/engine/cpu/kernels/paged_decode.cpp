@@ -161,8 +161,15 @@ void decode_walk(const typename Path::T* q, const typename Path::T* kc, const ty
   const int64_t g = heads / kvh;
   const int64_t span = heads_per_item(rows, kvh), per_row = kvh / span, hg = span * g;
   const int64_t cells = rows * per_row, items = cells * kHalves;
-  // each item's sums (hg heads of D), maxima and totals, merged once every item is done
-  std::vector<float> accs(items * hg * D), ms(items * hg), ls(items * hg);
+  // each item's sums (hg heads of D), maxima and totals, merged once every item is done; the
+  // calling thread keeps the buffer (a large batch's is megabytes, whose fresh pages would fault
+  // at every layer), and every item writes its part before the merge reads it
+  thread_local std::vector<float> scratch;
+  const auto need = static_cast<size_t>(items * hg * (D + 2));
+  if (scratch.size() < need) scratch.resize(need);
+  float* const accs = scratch.data();
+  float* const ms = accs + items * hg * D;
+  float* const ls = ms + items * hg;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Path path(g, hg, scale);
     const int64_t cell_end = (end + kHalves - 1) / kHalves;
@@ -172,9 +179,9 @@ void decode_walk(const typename Path::T* q, const typename Path::T* kc, const ty
       const int64_t first = spans[r * 4], lo = spans[r * 4 + 2], hi = spans[r * 4 + 3];
       const int64_t b_lo = lo / bs, b_hi = (hi + bs - 1) / bs, mid = b_lo + (b_hi - b_lo) / 2;
       const int64_t from = half == 0 ? b_lo : std::max(mid, b_lo), to = half == 0 ? std::max(mid, b_lo) : b_hi;
-      float* acc = accs.data() + item * hg * D;
-      float* m = ms.data() + item * hg;
-      float* l = ls.data() + item * hg;
+      float* acc = accs + item * hg * D;
+      float* m = ms + item * hg;
+      float* l = ls + item * hg;
       for (int64_t j = 0; j < hg; ++j) {
         path.query(j, q + (r * heads + kh0 * g + j) * D);
         m[j] = -std::numeric_limits<float>::infinity();
