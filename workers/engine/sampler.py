@@ -101,7 +101,7 @@ def _greedy(rows: torch.Tensor) -> list[int]:
     (12.5 against 72 us over SmolLM2's 49,152 logits on a Zen 3, a step's largest cost after the
     model's); other rows take max(dim), which runs some 4x faster than argmax on bfloat16 rows
     (which has no vectorized path), with no float copy of every row."""
-    if rows.dtype == torch.float32 and rows.device.type == "cpu":
+    if rows.dtype == torch.float32 and rows.is_cpu:
         return np.argmax(rows.numpy(), axis=-1).tolist()
     return rows.max(dim=-1).indices.tolist()
 
