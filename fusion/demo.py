@@ -77,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out / "predictions")
     t = time.perf_counter()
     steps = ["--inference_steps", str(args.inference_steps)] if args.inference_steps else []
-    rc = cli.main(["--mode", "predict", "--params", str(PARAMS), "--model_dir", str(out), *steps])
+    # the demo's router is its own: ports the OS picks, so that a server (or another demo) on the
+    # default ports does not stop it
+    ports = ["--frontend", "tcp://127.0.0.1:*", "--backend", "tcp://127.0.0.1:*"]
+    rc = cli.main(["--mode", "predict", "--params", str(PARAMS), "--model_dir", str(out), *ports, *steps])
     if rc != 0:
         return rc
     print(f"\ndemo finished in {time.perf_counter() - t:.0f}s; outputs under {out / 'predictions'}")
