@@ -178,7 +178,7 @@ void decode_walk(const typename Path::T* q, const typename Path::T* kc, const ty
       const int64_t r = cell / per_row, kh0 = cell % per_row * span;
       const int64_t first = spans[r * 4], lo = spans[r * 4 + 2], hi = spans[r * 4 + 3];
       const int64_t b_lo = lo / bs, b_hi = (hi + bs - 1) / bs, mid = b_lo + (b_hi - b_lo) / 2;
-      const int64_t from = half == 0 ? b_lo : std::max(mid, b_lo), to = half == 0 ? std::max(mid, b_lo) : b_hi;
+      const int64_t from = half == 0 ? b_lo : mid, to = half == 0 ? mid : b_hi;
       float* acc = accs + item * hg * D;
       float* m = ms + item * hg;
       float* l = ls + item * hg;
