@@ -17,6 +17,7 @@ void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
                 torch::Tensor blocks, torch::Tensor offsets, int64_t heads, int64_t kvh);
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
+bool silu_mul_f32_exact();
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
                         c10::optional<at::Tensor> bias, bool strips);
 at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
@@ -41,6 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of contiguous rows", Unlocked());
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then the RMS norm of h", Unlocked());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate/up rows", Unlocked());
+  m.def("silu_mul_f32_exact", &silu_mul_f32_exact,
+        "whether silu_mul's float32 rows take torch's own exponential: the same bits as F.silu(g) * u");
   // strips: every row count through the strips (where the output rows are whole vectors), whose sum
   // for a row is the same whatever rows come with it (`deterministic`)
   m.def("qlinear_int4", &qlinear_int4, "x @ W.T over int4 blocks of 32 (scale, offset), float32 math", pybind11::arg("x"),

@@ -1,15 +1,26 @@
 // silu(gate) * up over the fused gate/up projection's rows (vLLM's silu_and_mul): one pass that
 // reads each row once and writes half of it, instead of aten's silu, its result, and a mul. It
 // rounds where torch does: silu's result to the dtype, then the product, so bfloat16 results
-// equal F.silu(g) * u up to the last bit of the exponential (tested).
+// equal F.silu(g) * u up to the last bit of the exponential (tested). float32 rows take torch's
+// own e^x where torch has it (SLEEF's, which ATen's AVX2 silu calls): the same bits as F.silu's.
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "avx512_math.h"
 #define MMFUSION_SILU_BF16 1
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// e^x of 8 float32 lanes to 1 ulp: SLEEF's, exported by libtorch_cpu (which this module links), the
+// function ATen's float32 silu calls on AVX2. Weak: null where a torch build does not export it, and
+// float32 rows then take the generic loop.
+extern "C" __m256 Sleef_expf8_u10avx2(__m256) __attribute__((weak));
+#define MMFUSION_SILU_SLEEF 1
 #endif
 
 namespace {
@@ -57,7 +68,45 @@ void silu_mul_bf16(const c10::BFloat16* gu, c10::BFloat16* out, int64_t rows, in
 }
 #endif
 
+#ifdef MMFUSION_SILU_SLEEF
+// as ATen's x / (1 + exp(-x)), then the product with up; a row's last partial vector through a
+// padded copy
+inline __m256 silu_mul8(__m256 x, __m256 u) {
+  const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+
+void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t inter) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(inter, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gu + r * 2 * inter;
+      const float* u = g + inter;
+      float* o = out + r * inter;
+      int64_t i = 0;
+      for (; i + 8 <= inter; i += 8) _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+      if (i < inter) {
+        float gt[8] = {0}, ut[8] = {0}, ot[8];
+        std::copy(g + i, g + inter, gt);
+        std::copy(u + i, u + inter, ut);
+        _mm256_storeu_ps(ot, silu_mul8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
+        std::copy(ot, ot + (inter - i), o + i);
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
+
+// whether float32 rows take torch's own exponential (SLEEF's): the same bits as F.silu's
+bool silu_mul_f32_exact() {
+#ifdef MMFUSION_SILU_SLEEF
+  return Sleef_expf8_u10avx2 != nullptr;
+#else
+  return false;
+#endif
+}
 
 // gu: [rows, 2 * inter], gate then up in each row; returns [rows, inter]
 torch::Tensor silu_mul(torch::Tensor gu) {
@@ -68,6 +117,12 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 #ifdef MMFUSION_SILU_BF16
   if (x.scalar_type() == at::kBFloat16) {
     silu_mul_bf16(x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), x.size(0), inter);
+    return out;
+  }
+#endif
+#ifdef MMFUSION_SILU_SLEEF
+  if (x.scalar_type() == at::kFloat && silu_mul_f32_exact()) {
+    silu_mul_f32(x.data_ptr<float>(), out.data_ptr<float>(), x.size(0), inter);
     return out;
   }
 #endif
