@@ -25,20 +25,23 @@ extern "C" __m256 Sleef_expf8_u10avx2(__m256) __attribute__((weak));
 
 namespace {
 
-template <typename T>
-void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+// fn(g, u, o) for each row's gate, up and output, the rows split over the threads
+template <typename T, typename Fn>
+void each_row(const T* gu, T* out, int64_t rows, int64_t inter, Fn fn) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(inter, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gu + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
+    for (int64_t r = begin; r < end; ++r) fn(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter);
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+  each_row(gu, out, rows, inter, [inter](const T* g, const T* u, T* o) {
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float x = static_cast<float>(g[i]);
-        const T s = static_cast<T>(x / (1.f + std::exp(-x)));
-        o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
-      }
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = static_cast<float>(g[i]);
+      const T s = static_cast<T>(x / (1.f + std::exp(-x)));
+      o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
     }
   });
 }
@@ -53,16 +56,10 @@ inline __m512 silu_mul16(__m512 x, __m512 u) {
 }
 
 void silu_mul_bf16(const c10::BFloat16* gu, c10::BFloat16* out, int64_t rows, int64_t inter) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(inter, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const c10::BFloat16* g = gu + r * 2 * inter;
-      const c10::BFloat16* u = g + inter;
-      c10::BFloat16* o = out + r * inter;
-      for (int64_t i = 0; i < inter; i += 16) {
-        const int n = static_cast<int>(std::min<int64_t>(16, inter - i));
-        mmfusion::store_bf16(o + i, silu_mul16(mmfusion::load_bf16(g + i, n), mmfusion::load_bf16(u + i, n)), n);
-      }
+  each_row(gu, out, rows, inter, [inter](const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* o) {
+    for (int64_t i = 0; i < inter; i += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, inter - i));
+      mmfusion::store_bf16(o + i, silu_mul16(mmfusion::load_bf16(g + i, n), mmfusion::load_bf16(u + i, n)), n);
     }
   });
 }
@@ -77,21 +74,15 @@ inline __m256 silu_mul8(__m256 x, __m256 u) {
 }
 
 void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t inter) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(inter, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gu + r * 2 * inter;
-      const float* u = g + inter;
-      float* o = out + r * inter;
-      int64_t i = 0;
-      for (; i + 8 <= inter; i += 8) _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
-      if (i < inter) {
-        float gt[8] = {0}, ut[8] = {0}, ot[8];
-        std::copy(g + i, g + inter, gt);
-        std::copy(u + i, u + inter, ut);
-        _mm256_storeu_ps(ot, silu_mul8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
-        std::copy(ot, ot + (inter - i), o + i);
-      }
+  each_row(gu, out, rows, inter, [inter](const float* g, const float* u, float* o) {
+    int64_t i = 0;
+    for (; i + 8 <= inter; i += 8) _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < inter) {
+      float gt[8] = {0}, ut[8] = {0}, ot[8];
+      std::copy(g + i, g + inter, gt);
+      std::copy(u + i, u + inter, ut);
+      _mm256_storeu_ps(ot, silu_mul8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
+      std::copy(ot, ot + (inter - i), o + i);
     }
   });
 }
