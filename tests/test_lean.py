@@ -3,7 +3,10 @@ they replace."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -334,6 +337,17 @@ def test_cpu_silu_mul_rounds_as_torch(dtype, rows, inter):
         # (its last values short of two vectors: 16 lanes on AVX2, 32 on AVX-512)
         whole = inter - inter % 32
         assert torch.equal(got[:, :whole], want[:, :whole])
+
+
+def test_cpu_silu_mul_float32_claims_torchs_bits_only_where_aten_vectorizes():
+    """float32 silu * up is bit-equal to F.silu's only while ATen's silu calls SLEEF's exponential
+    too: under ATEN_CPU_CAPABILITY=default ATen's loop rounds its own way, and the claim is off (the
+    lean forward then keeps torch's own silu and mul)."""
+    code = "from workers.engine.cpu import extension; print(extension.kernel_module().silu_mul_f32_exact())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "False"
 
 
 def _chunked_prompt_logprobs(lm, prompt, prefill_kernel: bool) -> torch.Tensor:

@@ -5,6 +5,7 @@
 // own e^x where torch has it (SLEEF's, which ATen's AVX2 silu calls): the same bits as F.silu's.
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 
 #include <algorithm>
 #include <cmath>
@@ -90,10 +91,12 @@ void silu_mul_f32(const float* gu, float* out, int64_t rows, int64_t inter) {
 
 }  // namespace
 
-// whether float32 rows take torch's own exponential (SLEEF's): the same bits as F.silu's
+// whether float32 rows take torch's own exponential (SLEEF's) while ATen's silu takes it too (its
+// vectorized kernels; not at ATEN_CPU_CAPABILITY=default): the same bits as F.silu's
 bool silu_mul_f32_exact() {
 #ifdef MMFUSION_SILU_SLEEF
-  return Sleef_expf8_u10avx2 != nullptr;
+  static const bool exact = Sleef_expf8_u10avx2 != nullptr && at::get_cpu_capability() != "DEFAULT";
+  return exact;
 #else
   return false;
 #endif
