@@ -61,9 +61,10 @@ def test_a_router_restart_never_hands_old_work_to_new_requests():
     try:
         with Client(front, timeout=60) as c:
             wait_loaded(c)
-        # 24 engine batches' worth (8 samples each fill its 8 slots) of the first router's keys in flight
-        # on the worker: seconds of work, however fast the CPU
-        old = [Client(front, timeout=60) for _ in range(24)]
+        # 96 engine batches' worth (8 samples each fill its 8 slots) of the first router's keys in flight
+        # on the worker: more work than the worker can finish while it finds the new router (24 were
+        # done within that time once, on a loaded 2-core machine), however fast the CPU
+        old = [Client(front, timeout=60) for _ in range(96)]
         for i, oc in enumerate(old):
             oc.sock.send(P.pack(oc._complete_msg(f"old-{i}", "llama", [7, 8, 9 + i], True,
                                                  {"max_tokens": 480, "n": 8, **GREEDY})))
