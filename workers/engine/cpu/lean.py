@@ -77,15 +77,15 @@ class LeanLlama:
         self._fused = fused or {}
         self._keyed: dict[str, Linear] = {}  # every linear by its modules' names
         self.norms = norms  # the C++ norms (workers.engine.cpu.extension), or None for F.rms_norm
-        # C++ silu * up in one pass, where it rounds as torch does: 16 bits, and float32 where it
-        # takes torch's own exponential
-        self._silu_mul = getattr(norms, "silu_mul", None)
-        self._silu_mul_f32 = self._silu_mul is not None and norms.silu_mul_f32_exact()
         inner = model.model
         shape = AttentionShape.of(model)
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
         self.scaling, self.eps = shape.scaling, shape.eps
         self.hidden = cfg.hidden_size
+        # C++ silu * up in one pass, where it rounds as torch does (the kernels' own rule, which the
+        # fused decode layers follow too)
+        self._silu_mul = (norms.silu_mul if norms is not None
+                          and norms.silu_mul_rounds_as_torch(torch.empty(0, dtype=self.compute)) else None)
         # 16-bit weights under float32 math: the embedding stays 16-bit (a row is widened when
         # looked up); the norms' small weights are widened once
         self.embed = inner.embed_tokens.weight.detach()
@@ -241,7 +241,7 @@ class LeanLlama:
                 ctx: attention.StepContext) -> torch.Tensor:
         """The residual rows after every layer, one call at a time."""
         rope_write = self._rope_write(h, cos)
-        silu_mul = self._silu_mul if h.dtype != torch.float32 or self._silu_mul_f32 else None
+        silu_mul = self._silu_mul
         x = self._norm(h, self.layers[0].input_norm)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

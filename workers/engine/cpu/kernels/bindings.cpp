@@ -18,6 +18,7 @@ void rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
 bool silu_mul_f32_exact();
+bool silu_mul_rounds_as_torch_for(const at::Tensor& like);
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
                         c10::optional<at::Tensor> bias, bool strips);
 at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
@@ -44,6 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of fused gate/up rows", Unlocked());
   m.def("silu_mul_f32_exact", &silu_mul_f32_exact,
         "whether silu_mul's float32 rows take torch's own exponential: the same bits as F.silu(g) * u");
+  m.def("silu_mul_rounds_as_torch", &silu_mul_rounds_as_torch_for,
+        "whether silu_mul's rows of this tensor's dtype round as F.silu(g) * u does");
   // strips: every row count through the strips (where the output rows are whole vectors), whose sum
   // for a row is the same whatever rows come with it (`deterministic`)
   m.def("qlinear_int4", &qlinear_int4, "x @ W.T over int4 blocks of 32 (scale, offset), float32 math", pybind11::arg("x"),

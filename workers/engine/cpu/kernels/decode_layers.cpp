@@ -60,10 +60,8 @@ at::Tensor DecodeLayers::run(at::Tensor h, std::vector<at::Tensor> rope, at::Ten
   TORCH_CHECK(placed(), "DecodeLayers.run: place() the layers in the cache first");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "DecodeLayers.run: h must be contiguous rows");
   const int64_t n = h.size(0), d = head_dim_, hq = heads_ * d, hk = kv_heads_ * d;
-  // silu(gate) * up: the C++ pass in 16 bits, and in float32 where it takes torch's exponential;
-  // else torch's silu and mul (lean.py's choice)
-  const bool kernel_silu = h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf ||
-                           (h.scalar_type() == at::kFloat && silu_mul_f32_exact());
+  // silu(gate) * up: the C++ pass where it rounds as torch does, else torch's silu and mul
+  const bool kernel_silu = silu_mul_rounds_as_torch(h.scalar_type());
   const int64_t last = size() - 1;
   at::Tensor x = rms_norm(h, layers_[0].input_norm, eps_);
   for (int64_t i = 0; i <= last; ++i) {

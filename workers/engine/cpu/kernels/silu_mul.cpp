@@ -102,6 +102,15 @@ bool silu_mul_f32_exact() {
 #endif
 }
 
+// whether silu_mul's rows of this dtype round as F.silu(g) * u does: 16-bit ones (to the
+// exponential's last bit), float32 ones where they take torch's own exponential. The one rule the
+// fused decode layers and the lean forward's layer loop both follow, so that they stay bit-equal.
+bool silu_mul_rounds_as_torch(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 || dtype == at::kHalf || (dtype == at::kFloat && silu_mul_f32_exact());
+}
+
+bool silu_mul_rounds_as_torch_for(const at::Tensor& like) { return silu_mul_rounds_as_torch(like.scalar_type()); }
+
 // gu: [rows, 2 * inter], gate then up in each row; returns [rows, inter]
 torch::Tensor silu_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_mul: rows of gate and up, [rows, 2 * inter]");
