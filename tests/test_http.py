@@ -188,6 +188,18 @@ def test_errors_are_openai_error_objects(oai, gw):
     assert big.status_code == 413 and big.json()["error"]["code"] == "too_large"
 
 
+def test_unknown_paths_and_methods_are_openai_error_objects(oai, gw):
+    with pytest.raises(openai.NotFoundError) as info:  # an endpoint this server does not have
+        oai.embeddings.create(model="llama", input="x")
+    assert "POST /v1/embeddings: no such endpoint" in info.value.message
+    assert "/v1/chat/completions" in info.value.message and info.value.body["code"] == "not_found"
+    wrong = httpx.get(gw.url + "/v1/completions", timeout=10)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST", wrong.headers
+    assert wrong.json()["error"] == {"message": "GET /v1/completions: this path takes POST",
+                                     "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}
+    assert httpx.get(gw.url + "/health", timeout=10).status_code == 200  # and it goes on serving
+
+
 def test_router_codes_map_to_http_statuses():
     busy = O.from_router("busy", "model 'llama' (ID 0) is busy")
     assert (busy.status, busy.headers["Retry-After"], busy.type) == (429, "1", "rate_limit_error")

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -36,6 +37,24 @@ OPEN_PATHS = ("/health", "/metrics")  # answered without an API key (probes, scr
 TENANT = "mmfusion.tenant"  # the scope key naming the tenant of the request's API key
 CLIENT_GONE = 499  # nginx's code for "the client closed the connection": recorded in metrics only
 MAX_BODY_BYTES = P.MAX_MESSAGE_BYTES  # a body the router would refuse is refused here first
+
+
+def unknown_route(served: list[str]):
+    """Starlette's answer to a path it has no route for (404) or a method the path does not take
+    (405), as OpenAI's error object naming what was asked and what is served: the SDKs show the
+    object's message, where Starlette's would be a bare "Not Found"."""
+    async def answer(request: Request, exc: HTTPException) -> JSONResponse:
+        asked = f"{request.method} {request.url.path}"
+        if exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            message, code = f"{asked}: this path takes {allow or 'other methods'}", "method_not_allowed"
+        else:
+            message = (f"{asked}: no such endpoint; the gateway serves {', '.join(served)}, and the model's "
+                       "endpoints under /models/<model>/ too")
+            code = "not_found"
+        err = openai_requests.OpenAIError(exc.status_code, message, code=code, headers=exc.headers)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return answer
 
 
 @dataclass(slots=True)
@@ -211,7 +230,9 @@ class Gateway:
                    Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
                    Route("/health", self.health, methods=["GET"]),
                    Route("/metrics", self.prometheus, methods=["GET"])]
-        app = Starlette(routes=routes, lifespan=self.lifespan)
+        served = sorted({r.path.replace("{model:path}", "<model>") for r in routes if not r.path.startswith("/models/")})
+        app = Starlette(routes=routes, lifespan=self.lifespan,
+                        exception_handlers={404: unknown_route(served), 405: unknown_route(served)})
         if self.settings.all_keys:  # outermost: the fast path is inside
             app.add_middleware(ApiKeys, keys=self.settings.all_keys, tenants=self.settings.tenant_keys)
         return FastPath(self, app)
