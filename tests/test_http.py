@@ -184,6 +184,10 @@ def test_errors_are_openai_error_objects(oai, gw):
     assert info.value.body["param"] == "max_tokens"
     bad = httpx.post(gw.url + "/v1/completions", content=b"{not json", timeout=10)
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    deep = b'{"model": "llama", "prompt": "x", "stop": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    for path in ("/v1/completions", "/v1/chat/completions"):  # past the parser's depth: a 400, not a 500
+        bad = httpx.post(gw.url + path, content=deep, timeout=10)
+        assert bad.status_code == 400 and "nested too deeply" in bad.json()["error"]["message"], bad.text
     big = httpx.post(gw.url + "/v1/completions", json={"model": "llama", "prompt": "x" * 70_000}, timeout=10)
     assert big.status_code == 413 and big.json()["error"]["code"] == "too_large"
 

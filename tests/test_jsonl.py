@@ -29,6 +29,7 @@ def test_routes_by_model_engine_or_source_else_default(tmp_path):
 
 @pytest.mark.parametrize("raw, match", [
     ("{not json", "not valid JSON"),
+    ('{"prompt": "a", "stop": ' + "[" * 100_000 + "]" * 100_000 + "}", "not valid JSON (nested too deeply)"),
     ("[1, 2]", "a request must be a JSON object, got list"),
     ('{"max_tokens": 3}', "prompt is missing or empty"),
     ('{"prompt": ""}', "prompt is missing or empty"),

@@ -88,6 +88,9 @@ def parse_file(path: Path, default_variant: str, names: set[str], sources: dict[
         except json.JSONDecodeError as exc:
             out.lines.append(JsonlLine(i, raw, error=f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"))
             continue
+        except RecursionError:  # arrays or objects nested past the parser's depth
+            out.lines.append(JsonlLine(i, raw, error=f"{where}: not valid JSON (nested too deeply)"))
+            continue
         if not isinstance(req, dict):
             out.lines.append(JsonlLine(i, req, error=f"{where}: a request must be a JSON object, got "
                                                        f"{type(req).__name__}"))

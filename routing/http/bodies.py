@@ -13,6 +13,8 @@ def parse_body(body: bytes) -> dict:
         data = json.loads(body)
     except ValueError as exc:
         raise OpenAIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested past the parser's depth (a few thousand)
+        raise OpenAIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     return data
