@@ -204,6 +204,29 @@ def test_unknown_paths_and_methods_are_openai_error_objects(oai, gw):
     assert httpx.get(gw.url + "/health", timeout=10).status_code == 200  # and it goes on serving
 
 
+def test_a_request_of_more_prompts_than_a_queue_holds_completes():
+    """600 prompts in one request to a router whose model queue holds 64 (and a worker 256): they
+    take turns on the router (routing/http/fanout.py) instead of being refused as busy, which no
+    retry would cure; streamed or not, every prompt's answer comes back under its index."""
+    d = Deployment(["llama,1"], num_workers=1, router={"max_queue": 64})
+    g = GatewayThread(GatewaySettings(router=d.frontend), "127.0.0.1", 0).start()
+    try:
+        oai = openai.OpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        prompts = [[5 + i % 50, 7] for i in range(600)]
+        out = oai.completions.create(model="llama", prompt=prompts, max_tokens=1, **GREEDY)
+        assert sorted(c.index for c in out.choices) == list(range(600))
+        assert out.usage.completion_tokens == 600 and out.usage.prompt_tokens == 1200
+        first = {c.index: c.text for c in out.choices}
+        assert all(first[i] == first[i % 50] for i in range(600))  # the same prompt, the same greedy token
+        ended = set()
+        for chunk in oai.completions.create(model="llama", prompt=prompts, max_tokens=1, stream=True, **GREEDY):
+            ended |= {c.index for c in chunk.choices if c.finish_reason is not None}
+        assert ended == set(range(600))
+    finally:
+        g.stop()
+        d.close()
+
+
 def test_router_codes_map_to_http_statuses():
     busy = O.from_router("busy", "model 'llama' (ID 0) is busy")
     assert (busy.status, busy.headers["Retry-After"], busy.type) == (429, "1", "rate_limit_error")

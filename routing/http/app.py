@@ -27,6 +27,7 @@ from routing import openai_objects, openai_requests
 from routing.client import AsyncClient, RouterError
 from routing.http import openai as O
 from routing.http.bodies import ClientGone, read_json, send_json
+from routing.http.fanout import all_of
 from routing.http.metrics import Metrics
 from routing.http.models_admin import model_admin_routes
 from routing.http.streaming import stream_response
@@ -176,20 +177,6 @@ async def until_cancelled_by_client(receive, coro):
         watcher.cancel()
 
 
-async def all_of(coros) -> list:
-    """gather, but a failure cancels the others (and so their work on the workers)."""
-    coros = list(coros)
-    if len(coros) == 1:
-        return [await coros[0]]
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        raise
-
-
 @dataclass(slots=True)
 class Gateway:
     settings: GatewaySettings
@@ -323,7 +310,7 @@ class Gateway:
                                              job.params, job.n, job.stream.include_usage, P.GENERATE, t0,
                                              tenant), target.name
             results = await until_cancelled_by_client(receive, all_of(
-                self.client.result(target.router_model, p, tenant=tenant, **job.params) for p in job.prompts))
+                lambda p: self.client.result(target.router_model, p, tenant=tenant, **job.params), job.prompts))
             out = openai_objects.merge_completions(results, target.name, job.n)
             self.metrics.observe_usage(target.name, out["usage"])
             return out, target.name

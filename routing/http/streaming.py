@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from routing.client import AsyncClient
 from routing.http import openai as O
+from routing.http.fanout import turns
 from routing.http.metrics import Metrics
 from routing.openai_objects import StreamState, chat_chunk, completion_chunk, new_id, usage_chunk
 from wire import protocol as P
@@ -53,11 +54,13 @@ async def merged_events(client: AsyncClient, target: O.Target, prompts: list, pa
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    gate = turns()  # the prompts take turns on the router (routing/http/fanout.py)
 
     async def pump(i, prompt):
         try:
-            async for msg in client.events(target.router_model, prompt, True, task, tenant=tenant, **params):
-                await queue.put((i, msg))
+            async with gate:
+                async for msg in client.events(target.router_model, prompt, True, task, tenant=tenant, **params):
+                    await queue.put((i, msg))
             await queue.put((i, done))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which reports it
             await queue.put((i, exc))
