@@ -27,6 +27,8 @@ from workers.validate import ParamError
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(logprobs=-1), "logprobs"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(ignore_eos=1), "ignore_eos"),
 ])
 def test_bad_sampling_params(kwargs, name):
     with pytest.raises(ParamError, match=name) as info:
@@ -40,6 +42,8 @@ def test_bad_sampling_params(kwargs, name):
     ({"logprobs": 21}, "logprobs"),
     ({"echo": "yes"}, "echo"),
     ({"max_tokens": -3}, "max_tokens"),
+    ({"return_token_ids": "x"}, "return_token_ids"),
+    ({"user": 5}, "user"),
 ])
 def test_request_parameters_are_refused_by_name(params, name):
     with pytest.raises(ParamError) as info:

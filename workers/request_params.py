@@ -47,6 +47,10 @@ def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingPa
     echo = merged.get("echo", False)
     if not isinstance(echo, bool):
         raise ParamError("echo", f"echo must be true or false, got {echo!r}")
+    if not isinstance(merged.get("return_token_ids", False), bool):
+        raise ParamError("return_token_ids", f"return_token_ids must be true or false, got {merged['return_token_ids']!r}")
+    if merged.get("user") is not None and not isinstance(merged["user"], str):
+        raise ParamError("user", f"user must be a string (an end user's ID), got {type(merged['user']).__name__}")
     if echo and lp is not None:
         kw["prompt_logprobs"] = lp
     return SamplingParams(**kw), echo

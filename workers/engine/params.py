@@ -41,6 +41,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         check_int("max_tokens", self.max_tokens, 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ParamError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ParamError("temperature", f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
