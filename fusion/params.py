@@ -132,6 +132,8 @@ def load_params(path: str | Path) -> dict:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ParamsError(f"{path}: not valid YAML: {exc}") from None
+    except RecursionError:  # flow collections nested past the parser's depth
+        raise ParamsError(f"{path}: not valid YAML: nested too deeply") from None
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: top level must be a mapping with 'variants' and 'runconfig'")
     variants = data.get("variants")

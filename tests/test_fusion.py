@@ -85,6 +85,7 @@ def test_variants_parsing():
     ("variants:\n  a: {model: {source: x, colour: red}}\n", r"variants\.a\.model\.colour: unknown key"),
     ("variants:\n  a: {model: {source: x}}\nrunconfig: {num_wrokers: 2}\n", r"runconfig\.num_wrokers"),
     ("variants: [\n", "not valid YAML"),
+    ("variants: " + "[" * 5000 + "]" * 5000 + "\n", "not valid YAML: nested too deeply"),
     ("variants:\n  a: {model: {source: x}}\nrunconfig: {retry_delays: 5}\n", r"runconfig\.retry_delays must be a list"),
     ("variants:\n  a: {model: {source: x}}\nrunconfig: {retry_delays: [1, -2]}\n", r"runconfig\.retry_delays"),
     # every model key with a table check: a value of the wrong kind names the key and its valid values
