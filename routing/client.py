@@ -135,6 +135,8 @@ class _Base:
         self._refusal: dict | None = None
 
     def close(self) -> None:
+        if self.sock.closed:
+            return
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
@@ -158,6 +160,8 @@ class _Base:
         """Take in the connection events from while no request was in flight (an idle client whose
         router restarted: the socket has reconnected by itself), then fail at once if the router
         refuses us."""
+        if self.sock.closed:  # zmq would say only "Socket operation on non-socket"
+            raise RuntimeError(f"this client of {self.address} is closed: make a new one")
         while True:
             try:
                 self._event(self.monitor.recv_multipart(zmq.NOBLOCK))

@@ -104,6 +104,25 @@ def test_async_client(two_archs):
     assert sum(len(ch["token_ids"]) for ch in chunks) == 3 and chunks[-1]["finish_reason"] == "length"
 
 
+def test_a_closed_client_says_so(two_archs):
+    import asyncio
+
+    c = Client(two_archs.frontend, timeout=10)
+    assert c.complete("llama", [3, 4], max_tokens=1)["choices"]
+    c.close()
+    c.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="is closed: make a new one"):
+        c.complete("llama", [3, 4], max_tokens=1)
+
+    async def go():
+        a = AsyncClient(two_archs.frontend, timeout=10)
+        a.close()
+        with pytest.raises(RuntimeError, match="is closed"):
+            await a.complete("llama", [3, 4], max_tokens=1)
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("kwargs,code,match,param", [
     (dict(model="nope", prompt=[1]), P.UNKNOWN_MODEL, "unknown model 'nope'", None),
     (dict(model=9, prompt=[1]), P.UNKNOWN_MODEL, "unknown model ID 9", None),
