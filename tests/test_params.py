@@ -51,6 +51,17 @@ def test_request_parameters_are_refused_by_name(params, name):
     assert info.value.param == name and name in str(info.value)
 
 
+def test_null_is_not_given_so_the_deployments_default_holds():
+    defaults = {"temperature": 0.0, "max_tokens": 7}
+    sp, _ = sampling_params({"temperature": None, "max_tokens": None, "seed": None, "stop": None}, defaults)
+    assert (sp.temperature, sp.max_tokens, sp.seed, sp.stop) == (0.0, 7, None, [])
+    sp, _ = sampling_params({"temperature": 0.5}, defaults)
+    assert (sp.temperature, sp.max_tokens) == (0.5, 7)
+    with pytest.raises(ParamError) as info:  # an unknown key stays unknown, null or not
+        sampling_params({"frobnicate": None}, defaults)
+    assert info.value.param == "frobnicate"
+
+
 @pytest.fixture(scope="module")
 def engine():
     return Engine(tiny("llama"), EngineConfig(max_batch_size=4, max_batch_tokens=32))

@@ -30,8 +30,9 @@ def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingPa
     from workers.engine.params import SamplingParams
 
     merged = dict(defaults or {})
-    merged.update(req)
-    unknown = sorted(set(merged) - HANDLED - IGNORED - set(UNSUPPORTED))
+    # null is "not given" (clients send it for fields left unset): the deployment's default holds
+    merged.update({k: v for k, v in req.items() if v is not None})
+    unknown = sorted((set(merged) | set(req)) - HANDLED - IGNORED - set(UNSUPPORTED))
     if unknown:
         raise ParamError(unknown[0], f"unknown parameter {unknown[0]!r}")
     for key, noop in UNSUPPORTED.items():
