@@ -78,12 +78,14 @@ def configure(args) -> tuple[dict, object, object, object]:
             check_bind(addr, run["curve_keys"], bool(run["insecure"]))
     run["http"] = getattr(args, "http", None) or run["http"]
     if run["http"]:  # the same for the HTTP gateway: off loopback it needs API keys
-        from routing.http.server import api_keys, check_listen, parse_listen
+        from routing.http.server import api_keys, check_free, check_listen, parse_listen
 
         keys = api_keys([*(run["api_keys"] or []), *(getattr(args, "api_key", None) or [])],
                         getattr(args, "api_keys_file", None))
         run["api_keys"] = list(keys)
-        check_listen(parse_listen(run["http"])[0], keys + tuple(tenant_keys(run["tenants"])), bool(run["insecure"]))
+        host, port = parse_listen(run["http"])
+        check_listen(host, keys + tuple(tenant_keys(run["tenants"])), bool(run["insecure"]))
+        check_free(host, port)
     mode = getattr(args, "mode", None)
     local = not run["router"] and not run["ray"]
     fusion = build_fusion(params, run["variants"])

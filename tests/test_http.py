@@ -390,6 +390,22 @@ def test_run_mm_serve_refuses_http_off_loopback_without_keys(tmp_path):
     assert out.returncode == 2 and "API key" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_run_mm_serve_refuses_an_http_port_in_use_before_loading():
+    """Another server on the gateway's port: run_mm serve says so at once, before any model loads
+    (it used to load them all, then stop when the gateway could not bind)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        out = subprocess.run([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--variants", "llama,1",
+                              "--http", f"127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "worker" not in out.stdout + out.stderr
+
+
 @pytest.mark.slow
 def test_real_chat_ends_at_the_end_of_turn_token(embedded_models):
     """SmolLM2-Instruct through its own ChatML template: the reply ends at <|im_end|> (finish_reason

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -70,6 +71,25 @@ def check_listen(host: str, keys: tuple[str, ...], insecure: bool) -> None:
     if not is_loopback(f"tcp://[{host}]:0") and not keys and not insecure:
         raise GatewayError(f"the HTTP gateway would listen on {host}, off loopback, with no API key: give "
                            f"--api-key (or --api-keys-file, or {KEYS_ENV}), or --insecure to allow it")
+
+
+def check_free(host: str, port: int) -> None:
+    """Refuse at once an address another server listens on: run_mm serve checks before its models
+    load, which would otherwise take their minutes only to stop when the gateway cannot bind."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except OSError as exc:
+        raise GatewayError(f"--http {host}:{port}: {exc}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(addr)
+        except OSError as exc:
+            raise GatewayError(f"the HTTP gateway cannot listen on {host}:{port}: {exc.strerror} (another server "
+                               "there? give --http another port)") from None
 
 
 def bound_port(server: uvicorn.Server) -> int:
