@@ -83,8 +83,11 @@ class Router:
                 s.bind(addr)
                 return
             except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                if exc.errno != zmq.EADDRINUSE:
                     raise
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the router cannot bind {addr}: the address is in use (another deployment "
+                                       "there? give --frontend and --backend other addresses)") from None
                 time.sleep(0.1)
 
     @property

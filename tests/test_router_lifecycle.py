@@ -51,6 +51,17 @@ def test_dead_worker_is_dropped_and_cancel_frees_the_slot():
         assert c.models()[0]["workers"] == []
 
 
+def test_a_second_router_on_a_taken_address_says_which_and_what_to_do():
+    entry = [ModelEntry(0, "x", ModelSpec("x", "tiny:llama"))]
+    first = Router(entry, RouterConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
+    try:
+        taken = first.frontend_addr
+        with pytest.raises(RuntimeError, match=f"cannot bind {taken}: the address is in use.*--frontend"):
+            Router(entry, RouterConfig(frontend=taken, backend="tcp://127.0.0.1:*"))
+    finally:
+        first.shutdown()
+
+
 def test_worker_reconnects_after_router_restart():
     probe = Router([ModelEntry(0, "x", ModelSpec("x", "tiny:llama"))], RouterConfig(frontend="tcp://127.0.0.1:*", backend="tcp://127.0.0.1:*"))
     backend = probe.backend_addr
