@@ -21,7 +21,7 @@ import threading
 import zmq
 
 from fusion import launcher
-from fusion.data.files import DataError
+from fusion.data.files import DataError, writable_dir
 from fusion.params import ParamsError, load_params
 from routing.http.server import GatewayError
 from routing.tenants import tenant_keys
@@ -177,6 +177,7 @@ def predict(params: dict, fusion, plan) -> int:
     run = params["runconfig"]
     # checks the data before any load
     jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"], retry_delays=run["retry_delays"])
+    writable_dir(run["model_dir"])
     _, summary = _against_router(params, fusion, plan, lambda fe, kw: run_predict(fe, jobs, client_kw=kw))
     for line in summary:
         print(line, flush=True)
@@ -195,6 +196,7 @@ def evaluate(params: dict, fusion, plan) -> int:
 
     run = params["runconfig"]
     jobs = build_eval_jobs(fusion, run["model_dir"], run["inference_steps"], retry_delays=run["retry_delays"])
+    writable_dir(run["model_dir"])
     for line in _against_router(params, fusion, plan, lambda fe, kw: run_eval(fe, jobs, client_kw=kw)):
         print(line, flush=True)
     failed = sum(j.failed for j in jobs)

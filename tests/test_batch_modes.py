@@ -195,6 +195,19 @@ def test_compile_only_names_bad_data(tmp_path):
     assert out.returncode == 2 and f"data_dir {data} holds no .jsonl file" in out.stderr
 
 
+@pytest.mark.parametrize("mode", ["predict", "eval"])
+def test_an_output_directory_that_cannot_be_is_refused_before_any_load(tmp_path, mode):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "req.jsonl").write_text(json.dumps({"prompt": "Hello", "max_tokens": 2}) + "\n")
+    params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data)})
+    (tmp_path / "a_file").write_text("")
+    out = run_mm(params, mode, ["llama,1"], tmp_path / "a_file" / "md")
+    assert out.returncode == 2, out.stderr
+    assert f"model_dir {tmp_path / 'a_file' / 'md'}: cannot write there (Not a directory)" in out.stderr
+    assert "Traceback" not in out.stderr and "worker" not in out.stdout
+
+
 @pytest.mark.slow
 def test_compile_only_caches_gguf_as_safetensors(tmp_path, monkeypatch, smollm2_fp32):
     import os

@@ -40,6 +40,21 @@ def split_json_lines(text: str) -> list[str]:
     return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
 
 
+def writable_dir(path: str | Path) -> Path:
+    """`path` made (with its parents) and checked to take new files, before any model loads: the
+    outputs would otherwise fail to open only after the loads and the first batches."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise DataError(f"model_dir {path}: cannot write there ({exc.strerror or exc}): give --model_dir "
+                        "another directory") from None
+    return path
+
+
 def durable_replace(src: str | Path, dst: str | Path) -> None:
     """Rename src over dst once src's bytes are on disk, then make the rename itself durable."""
     atomic_replace(dst, lambda tmp: os.replace(src, tmp))
