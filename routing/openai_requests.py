@@ -10,8 +10,8 @@ from workers.request_params import MAX_LOGPROBS
 from workers.validate import is_int
 
 # keys the gateway consumes; every other key goes to the worker, which checks it and names it if unknown
-_COMPLETION_OWN = {"model", "prompt", "stream", "stream_options", "user", "echo"}
-_CHAT_OWN = {"model", "messages", "stream", "stream_options", "user", "logprobs", "top_logprobs",
+_COMPLETION_OWN = {"model", "prompt", "stream", "stream_options", "echo"}
+_CHAT_OWN = {"model", "messages", "stream", "stream_options", "logprobs", "top_logprobs",
              "max_completion_tokens"}
 
 class OpenAIError(Exception):
@@ -80,15 +80,7 @@ class CompletionJob:
     n: int = 1
 
 
-def check_user(body: dict) -> None:
-    """OpenAI's `user` (an end user's ID, which the gateway does not pass on) is a string."""
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad("user", f"user must be a string (an end user's ID), got {type(user).__name__}")
-
-
 def completion_job(body: dict) -> CompletionJob:
-    check_user(body)
     prompts = split_prompts(body.get("prompt"))
     opts = stream_options(body)
     params = {k: v for k, v in body.items() if k not in _COMPLETION_OWN}
@@ -127,7 +119,6 @@ class ChatJob:
 
 
 def chat_job(body: dict) -> ChatJob:
-    check_user(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")

@@ -218,8 +218,8 @@ class Gateway:
                    Route("/health", self.health, methods=["GET"]),
                    Route("/metrics", self.prometheus, methods=["GET"])]
         served = sorted({r.path.replace("{model:path}", "<model>") for r in routes if not r.path.startswith("/models/")})
-        app = Starlette(routes=routes, lifespan=self.lifespan,
-                        exception_handlers={404: unknown_route(served), 405: unknown_route(served)})
+        no_route = unknown_route(served)
+        app = Starlette(routes=routes, lifespan=self.lifespan, exception_handlers={404: no_route, 405: no_route})
         if self.settings.all_keys:  # outermost: the fast path is inside
             app.add_middleware(ApiKeys, keys=self.settings.all_keys, tenants=self.settings.tenant_keys)
         return FastPath(self, app)
