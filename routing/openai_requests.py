@@ -13,6 +13,9 @@ from workers.validate import is_int
 _COMPLETION_OWN = {"model", "prompt", "stream", "stream_options", "echo"}
 _CHAT_OWN = {"model", "messages", "stream", "stream_options", "logprobs", "top_logprobs",
              "max_completion_tokens"}
+# the router client's own arguments (AsyncClient.result, .events), which a body's key passed on as a
+# parameter would collide with: no OpenAI parameter, so unknown here as on the worker
+_CLIENT_ARGS = {"model", "prompt", "stream", "task", "tenant"}
 
 class OpenAIError(Exception):
     """An error answered as OpenAI's error object with this HTTP status."""
@@ -80,10 +83,20 @@ class CompletionJob:
     n: int = 1
 
 
+def passed_on(body: dict, own: set[str]) -> dict:
+    """The body's parameters for the worker (which checks them): every key but those the gateway
+    consumes (`own`)."""
+    params = {k: v for k, v in body.items() if k not in own}
+    clash = sorted(params.keys() & _CLIENT_ARGS)
+    if clash:
+        raise OpenAIError(400, f"unknown parameter {clash[0]!r}", param=clash[0], code="bad_request")
+    return params
+
+
 def completion_job(body: dict) -> CompletionJob:
     prompts = split_prompts(body.get("prompt"))
     opts = stream_options(body)
-    params = {k: v for k, v in body.items() if k not in _COMPLETION_OWN}
+    params = passed_on(body, _COMPLETION_OWN)
     echo = body.get("echo", False)
     if echo:
         if opts.stream:
@@ -123,7 +136,7 @@ def chat_job(body: dict) -> ChatJob:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
     opts = stream_options(body)
-    params = {k: v for k, v in body.items() if k not in _CHAT_OWN}
+    params = passed_on(body, _CHAT_OWN)
     limit = body.get("max_completion_tokens")
     if limit is not None:  # chat's current name for max_tokens; it wins where both are given, as in vLLM
         if not is_int(limit) or limit < 0:

@@ -153,12 +153,17 @@ def test_errors_are_openai_error_objects(oai, gw):
     assert info.value.body["param"] == "frobnicate"
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         oai.chat.completions.create(model="gpt2", messages=[{"role": "user", "content": "x"}])
-    for extra, name in (({"user": 5}, "user"), ({"ignore_eos": "yes"}, "ignore_eos")):  # OpenAI's, an extension
+    for extra, name in (({"user": 5}, "user"), ({"ignore_eos": "yes"}, "ignore_eos"),  # OpenAI's, an extension
+                        ({"tenant": "x"}, "tenant"), ({"task": "x"}, "task")):  # the client's own arguments
         for create in (lambda **kw: oai.completions.create(prompt="x", **kw),
                        lambda **kw: oai.chat.completions.create(messages=[{"role": "user", "content": "x"}], **kw)):
             with pytest.raises(openai.BadRequestError) as info:
                 create(model="llama", max_tokens=2, extra_body=extra)
             assert info.value.body["param"] == name, info.value.body
+    with pytest.raises(openai.BadRequestError) as info:  # a chat's prompt is its messages, not a parameter
+        oai.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                    extra_body={"prompt": "x"})
+    assert info.value.body["param"] == "prompt" and info.value.status_code == 400
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         oai.completions.create(model="llama", prompt="x", presence_penalty=0.5)
     with pytest.raises(openai.BadRequestError, match="prompt"):
