@@ -6,6 +6,9 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  the compile, or the load from $MMFUSION_CACHE/compiled when compile_from_cache);
   single_stream: one 64-token prompt, 128 new tokens, ms/token of the eager and the compiled engine
                  and of transformers `generate`;
+  few_streams:   1, 2, 4 and 8 greedy streams at once (32-token prompts, 64 new tokens each), tokens/s per
+                 quantization asked for, with each count's rate over one stream's (decode steps of a
+                 few rows: online serving's usual load);
   start:         a fresh process to a ready engine, eager and compiled from the cached artifacts;
   ceiling:       the workload's model FLOPs over a GEMM rate (the model's dtype) measured in this run, as
                  tokens/s, with each system's fraction of it;
@@ -238,6 +241,43 @@ def single_stream(lm, repeats: int, quantization: str = "auto", deterministic: b
             "compiled_vs_transformers": round(c / t, 3)}
 
 
+FEW_STREAMS = (1, 2, 4, 8)  # concurrent greedy streams of the few_streams part
+FEW_NEW = 64  # each stream's new tokens
+
+
+def few_streams(lm, quants: list[str], repeats: int) -> list[dict]:
+    """A few streams at once (a decode step of 1-8 rows, as online serving sees it): tokens/s of
+    each count on one engine per quantization, the engines alternated, best of the repeats; then a
+    summary with each count's rate over one stream's and each quantization's over the first's."""
+    rng = random.Random(2)
+    engines = {q: Engine(lm, EngineConfig(max_batch_size=max(FEW_STREAMS), max_batch_tokens=512, quantization=q))
+               for q in quants}
+    rates: dict[str, dict[int, float]] = {q: {} for q in quants}
+    try:
+        for eng in engines.values():  # warm-up: the kernels' first calls and the row choice
+            eng.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        for _ in range(repeats):
+            for streams in FEW_STREAMS:
+                prompts = [[rng.randrange(lm.vocab_size) for _ in range(32)] for _ in range(streams)]
+                for q, eng in engines.items():
+                    t = time.perf_counter()
+                    out = eng.generate(prompts, SamplingParams(max_tokens=FEW_NEW, temperature=0, ignore_eos=True))
+                    wall = time.perf_counter() - t
+                    assert all(len(o.outputs[0].token_ids) == FEW_NEW for o in out)
+                    rates[q][streams] = max(rates[q].get(streams, 0.0), streams * FEW_NEW / wall)
+    finally:
+        for eng in engines.values():
+            eng.close()
+    lines = [{"system": "few_streams", "quantization": q, "streams": streams, "prompt_tokens": 32,
+              "new_tokens": FEW_NEW, "tokens_per_s": round(rate, 2), "repeats": repeats}
+             for q in quants for streams, rate in rates[q].items()]
+    summary = {"summary": "few_streams",
+               **{f"{q}_vs_one_stream": {s: round(r / rates[q][1], 2) for s, r in rates[q].items()} for q in quants}}
+    for q in quants[1:]:
+        summary[f"{quants[0]}_vs_{q}"] = {s: round(rates[quants[0]][s] / rates[q][s], 3) for s in FEW_STREAMS}
+    return [*lines, summary]
+
+
 def against_llamacpp(lm, gguf, quantization: str, threads: int, repeats: int) -> tuple[dict, dict]:
     """One stream of the engine against llama.cpp on the same file, the two runs alternated (this
     machine's speed drifts by 15-50% within minutes): best of `repeats` each, every run on a fresh
@@ -417,7 +457,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2,
                     help="best of N for the engine, its replay and the static batches (the slow peers run once)")
     ap.add_argument("--systems",
-                    default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,start,ceiling,"
+                    default="engine,engine_compiled,hf_static32,hf_cb,hf_single,single_stream,few_streams,start,ceiling,"
                             "long_prompt,prefix_cache,row_kernels,vllm_cpu,llamacpp",
                     help="comma-separated subset to run")
     ap.add_argument("--quantization", default="auto",
@@ -514,6 +554,9 @@ def main() -> None:
         both = {**rates, **stream_rates}
         emit(summary="deterministic", **{f"{name}_on_vs_off": round(both[name] / both[name.removesuffix("_deterministic")], 3)
                                          for name in both if name.endswith("_deterministic")})
+    if "few_streams" in systems:
+        for line in few_streams(lm, quants, args.repeats):
+            emit(**line, model=args.model, dtype=args.dtype, threads=args.threads)
     gguf = source_gguf(args.model)
     if "llamacpp" in systems and gguf is not None and have_llamacpp():
         # llama.cpp on the same file, prompt, tokens and threads: each quantization's single stream against it

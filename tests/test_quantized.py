@@ -33,14 +33,15 @@ def _call(qw: QuantizedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> to
 
 @needs_kernels
 @pytest.mark.parametrize("kind", [INT4, INT8])
-@pytest.mark.parametrize("k", [32, 96, 576])
+@pytest.mark.parametrize("k", [32, 96, 576, 4160])
 @pytest.mark.parametrize("n", [37, 80])
 def test_kernel_equals_its_float32_reference(kind, k, n):
     """No rows (a prompt's chunk that keeps no logits), rows 1 to 9 (the four-row passes and their
     remainders), 13 (a batch: tiles of input rows), 30, 96 and 101 (bfloat16: packed strips where
     the output count is whole vectors, else from 96 rows the GEMM on widened weights); an output
     count that is no multiple of anything and one of five vectors (strips of 48 and a last one of
-    32), a bias, and float32, bfloat16 and float16 activations: the float32 product of the
+    32), rows of 1 to 130 blocks (the float32 passes convert a row's scales 128 blocks at a time), a
+    bias, and float32, bfloat16 and float16 activations: the float32 product of the
     activations with the blocks' values, rounded once to the activations' dtype."""
     gen = torch.Generator().manual_seed(k)
     qw = quantize(torch.randn(n, k, generator=gen) * 0.1, kind)

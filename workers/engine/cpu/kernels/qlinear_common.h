@@ -18,8 +18,9 @@
 //   instead (fixed_decode.h: int16 halves of the activations, exact int32 products, float32's
 //   precision);
 // - elsewhere, plain loops the compiler vectorizes.
-// Up to four input rows (a decode step of a few streams) read each weight byte once, in registers;
-// 5 to 23 rows widen four output rows at a time into a buffer that stays in L1 and multiply tiles of
+// Up to four input rows (a decode step of a few streams) read each weight byte once, in registers
+// (float32 on AVX2: up to eight, in passes of four);
+// then to 23 rows widen four output rows at a time into a buffer that stays in L1 and multiply tiles of
 // input rows by them in registers; from 24 rows (a batch, a prompt's chunk) strips of output rows are
 // widened once into the layout of an outer-product GEMM (bf16_outer, outer_f32), or, where the output
 // rows are no whole vectors, from 96 rows ATen's GEMM multiplies the widened weights (panels).

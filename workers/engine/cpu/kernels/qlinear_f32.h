@@ -1,5 +1,5 @@
 // Weight-only quantized linears in float32 on AVX2 (with FMA and F16C) and AVX-512 (qlinear_common.h):
-// up to four input rows in registers, tiles of rows against four widened output rows, and from 24
+// passes of up to four input rows in registers, tiles of rows against four widened output rows, and from 24
 // rows the strips of an outer-product GEMM; the dense strips of `deterministic` share them.
 #pragma once
 #include "qlinear_common.h"
@@ -8,6 +8,14 @@ namespace {
 
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
 constexpr int kMaxRows = 4;  // input rows a pass over the weights multiplies
+// input rows up to which a step takes passes of kMaxRows over the weights (each output row's blocks
+// widened once a pass), not the tiles of tiled_rows_f32: on AVX2 two passes of four rows ran 5 to 8
+// rows 1.1-1.3x faster than the tiles (SmolLM2's gate/up, one thread), which win from 12
+#ifdef MMFUSION_QLINEAR_AVX2
+constexpr int64_t kPassRows = 8;
+#else
+constexpr int64_t kPassRows = kMaxRows;
+#endif
 
 inline float half_bits(uint16_t bits) { return _cvtsh_ss(bits); }
 #endif
@@ -61,54 +69,95 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
 }
 
-// four sums a row (one per vector of a block): with two, each sum waited on the FMA before it
-// twice a block, and one row's pass ran at the FMA's latency, not its rate
+// Up to four input rows against one output row. A block's values widen once (vpmovzxbd from the
+// bytes, its scale and offset broadcast from float32 converted eight blocks at a time) and feed
+// every row; each row keeps two sums. The sums are named variables (GCC stored arrays of them to the
+// stack on every block, and four rows ran no faster a row than one) and at most eight, so that with
+// the widened values they stay in AVX2's 16 registers.
+#define MMFUSION_DOT_ROW(r, wa, wb, oa, ob)                                        \
+  if constexpr (R > r) {                                                           \
+    s##r##a = _mm256_fmadd_ps(wa, _mm256_loadu_ps(xb + r * k + (oa)), s##r##a);     \
+    s##r##b = _mm256_fmadd_ps(wb, _mm256_loadu_ps(xb + r * k + (ob)), s##r##b);     \
+  }
+#define MMFUSION_DOT_ROWS(wa, wb, oa, ob) \
+  MMFUSION_DOT_ROW(0, wa, wb, oa, ob) MMFUSION_DOT_ROW(1, wa, wb, oa, ob) MMFUSION_DOT_ROW(2, wa, wb, oa, ob) \
+  MMFUSION_DOT_ROW(3, wa, wb, oa, ob)
+
+// A row's blocks a pass of the dot kernels below: their scales (and offsets) are converted to
+// float32 for up to this many blocks at once, so that each block broadcasts them from memory
+constexpr int64_t kDotBlocks = 128;
+
+// float32 values of count float16 into out
+inline void halves(const uint16_t* h, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  }
+  for (; i < count; ++i) out[i] = _cvtsh_ss(h[i]);
+}
+
+// y[r] = x[r] . w for R input rows (R <= 4), w one output row of int4 blocks
 template <int R>
 inline void int4_dot(const float* x, int64_t k, const uint8_t* q, const uint16_t* s, const uint16_t* o, float* y) {
-  __m256 a0[R], a1[R], a2[R], a3[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * (kBlock / 2)));
-    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    const __m256 d = _mm256_set1_ps(half_bits(s[b])), m = _mm256_set1_ps(half_bits(o[b]));
-    const __m256 w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
-    const __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
-    const __m256 w2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
-    const __m256 w3 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * k + b * kBlock;
-      a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
-      a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
-      a2[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), a2[r]);
-      a3[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), a3[r]);
+  static_assert(R >= 1 && R <= 4, "four input rows at most");
+  const __m256 z = _mm256_setzero_ps();
+  __m256 s0a = z, s0b = z, s1a = z, s1b = z, s2a = z, s2b = z, s3a = z, s3b = z;
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  const int64_t blocks = k / kBlock;
+  alignas(32) float ds[kDotBlocks], ms[kDotBlocks];
+  for (int64_t b0 = 0; b0 < blocks; b0 += kDotBlocks) {
+    const int64_t count = std::min(kDotBlocks, blocks - b0);
+    halves(s + b0, count, ds);
+    halves(o + b0, count, ms);
+    for (int64_t j = 0; j < count; ++j) {
+      const uint8_t* qb = q + (b0 + j) * (kBlock / 2);
+      const float* xb = x + (b0 + j) * kBlock;
+      const __m256 d = _mm256_broadcast_ss(ds + j), m = _mm256_broadcast_ss(ms + j);
+      // bytes 0-7 hold values 0-7 in their low nibbles and 16-23 in their high ones; bytes 8-15 the rest
+      const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
+      const __m256 w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(lo, mask)), m);
+      const __m256 w2 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), m);
+      MMFUSION_DOT_ROWS(w0, w2, 0, 16)
+      const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8)));
+      const __m256 w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(hi, mask)), m);
+      const __m256 w3 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), m);
+      MMFUSION_DOT_ROWS(w1, w3, 8, 24)
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = hsum8(_mm256_add_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_add_ps(a2[r], a3[r])));
+  const __m256 sums[4] = {_mm256_add_ps(s0a, s0b), _mm256_add_ps(s1a, s1b), _mm256_add_ps(s2a, s2b),
+                          _mm256_add_ps(s3a, s3b)};
+  for (int r = 0; r < R; ++r) y[r] = hsum8(sums[r]);
 }
 
 template <int R>
 inline void int8_dot(const float* x, int64_t k, const int8_t* q, const uint16_t* s, const uint16_t*, float* y) {
-  __m256 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const int8_t* qb = q + b * kBlock;
-    const __m256 d = _mm256_set1_ps(half_bits(s[b]));
-    __m256 w[4];
-    for (int i = 0; i < 4; ++i) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * i));
-      w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
-    }
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + r * k + b * kBlock;
-      a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a0[r]);
-      a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a1[r]);
-      a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a0[r]);
-      a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a1[r]);
+  static_assert(R >= 1 && R <= 4, "four input rows at most");
+  const __m256 z = _mm256_setzero_ps();
+  __m256 s0a = z, s0b = z, s1a = z, s1b = z, s2a = z, s2b = z, s3a = z, s3b = z;
+  const int64_t blocks = k / kBlock;
+  alignas(32) float ds[kDotBlocks];
+  const auto widen = [](const int8_t* p, __m256 d) {
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  };
+  for (int64_t b0 = 0; b0 < blocks; b0 += kDotBlocks) {
+    const int64_t count = std::min(kDotBlocks, blocks - b0);
+    halves(s + b0, count, ds);
+    for (int64_t j = 0; j < count; ++j) {
+      const int8_t* qb = q + (b0 + j) * kBlock;
+      const float* xb = x + (b0 + j) * kBlock;
+      const __m256 d = _mm256_broadcast_ss(ds + j);
+      const __m256 w0 = widen(qb, d), w1 = widen(qb + 8, d);
+      MMFUSION_DOT_ROWS(w0, w1, 0, 8)
+      const __m256 w2 = widen(qb + 16, d), w3 = widen(qb + 24, d);
+      MMFUSION_DOT_ROWS(w2, w3, 16, 24)
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+  const __m256 sums[4] = {_mm256_add_ps(s0a, s0b), _mm256_add_ps(s1a, s1b), _mm256_add_ps(s2a, s2b),
+                          _mm256_add_ps(s3a, s3b)};
+  for (int r = 0; r < R; ++r) y[r] = hsum8(sums[r]);
 }
+#undef MMFUSION_DOT_ROWS
+#undef MMFUSION_DOT_ROW
 #endif
 
 // Steps of more rows (a batch of streams, a prompt): four output rows at a time are widened once
