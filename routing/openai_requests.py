@@ -162,14 +162,27 @@ def chat_job(body: dict) -> ChatJob:
 
 def _model_name(body: dict) -> str:
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise bad("model", "model is required: the name of a variant of this deployment (see GET /v1/models)")
+    if not isinstance(model, str):
+        raise bad("model", f"model must be a string, the name of a variant of this deployment, got {model!r}")
     return model
 
 
+def _only(body: dict, keys: tuple[str, ...], endpoint: str) -> None:
+    """A key the endpoint does not take is refused (a misspelt `copies` would otherwise load one)."""
+    unknown = sorted(body.keys() - set(keys))
+    if unknown:
+        raise OpenAIError(400, f"unknown parameter {unknown[0]!r}: {endpoint} takes {', '.join(keys)}",
+                          param=unknown[0], code="bad_request")
+
+
 def load_args(body: dict) -> dict:
-    """POST /v1/models/load's body: {model, copies (all wanted, default 1), pin (default false)}."""
-    copies, pin = body.get("copies", 1), body.get("pin", False)
+    """POST /v1/models/load's body: {model, copies (all wanted, default 1), pin (default false)};
+    null is the default, as for a completion's parameters."""
+    _only(body, ("model", "copies", "pin"), "/v1/models/load")
+    copies = 1 if body.get("copies") is None else body["copies"]
+    pin = False if body.get("pin") is None else body["pin"]
     if not is_int(copies) or copies < 1:
         raise bad("copies", f"copies must be an integer >= 1 (the copies wanted in all), got {copies!r}")
     if not isinstance(pin, bool):
@@ -180,6 +193,7 @@ def load_args(body: dict) -> dict:
 def unload_args(body: dict) -> dict:
     """POST /v1/models/unload's body: {model (a name, or `name:id` for one copy), copies (how many,
     highest model IDs first; default all)}."""
+    _only(body, ("model", "copies"), "/v1/models/unload")
     model, copies = _model_name(body), body.get("copies")
     if copies is not None and (not is_int(copies) or copies < 1):
         raise bad("copies", f"copies must be an integer >= 1 (how many to unload) or null (all), got {copies!r}")

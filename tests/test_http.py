@@ -201,6 +201,18 @@ def test_errors_are_openai_error_objects(oai, gw):
         assert bad.status_code == 400 and "nested too deeply" in bad.json()["error"]["message"], bad.text
     big = httpx.post(gw.url + "/v1/completions", json={"model": "llama", "prompt": "x" * 70_000}, timeout=10)
     assert big.status_code == 413 and big.json()["error"]["code"] == "too_large"
+    # models at run time: a key the endpoint does not take (a misspelt copies would load one copy)
+    for path, body, param in (("/v1/models/load", {"model": "llama", "copie": 2}, "copie"),
+                              ("/v1/models/unload", {"model": "llama", "pin": True}, "pin"),
+                              ("/v1/models/load", {"model": 5}, "model")):
+        bad = httpx.post(gw.url + path, json=body, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert "takes model, copies, pin" in httpx.post(gw.url + "/v1/models/load", json={"model": "llama", "x": 1},
+                                                    timeout=10).json()["error"]["message"]
+    # null is the default, as for a completion's parameters: parsed, then refused by this router, which
+    # has no supervisor to start workers (tests/test_models_runtime.py loads on one that has)
+    later = httpx.post(gw.url + "/v1/models/load", json={"model": "llama", "copies": None, "pin": None}, timeout=10)
+    assert later.status_code == 501 and later.json()["error"]["code"] == "not_supported", later.text
 
 
 def test_unknown_paths_and_methods_are_openai_error_objects(oai, gw):
