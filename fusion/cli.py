@@ -22,10 +22,10 @@ import zmq
 
 from fusion import launcher
 from fusion.data.files import DataError, writable_dir
-from fusion.params import ParamsError, load_params
+from fusion.params import ParamsError, check_runconfig, load_params
 from routing.http.server import GatewayError
 from routing.tenants import tenant_keys
-from wire.security import SecurityError, check_bind
+from wire.security import SecurityError, check_bind, endpoint_problem
 
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
 # the modes that start worker processes here (unless they use a router elsewhere, or Ray)
@@ -67,15 +67,18 @@ def configure(args) -> tuple[dict, object, object, object]:
 
     params = load_params(args.params)
     run = params["runconfig"]
-    for key in ("model_dir", "variants", "num_workers", "devices", "router", "frontend", "backend",
-                "inference_steps", "threads_per_worker", "curve_keys", "insecure", "max_restarts",
-                "restart_wait", "ray"):
-        val = getattr(args, key, None)
-        if val is not None:
-            run[key] = val
+    flags = [key for key in ("model_dir", "variants", "num_workers", "devices", "router", "frontend", "backend",
+                             "inference_steps", "threads_per_worker", "curve_keys", "insecure", "max_restarts",
+                             "restart_wait", "ray") if getattr(args, key, None) is not None]
+    for key in flags:
+        run[key] = getattr(args, key)
+    check_runconfig(run, flags, lambda name: f"--{name}")
     if not run["router"]:  # before anything starts: a router bound off loopback needs keys
         for addr in (run["frontend"], run["backend"]):
             check_bind(addr, run["curve_keys"], bool(run["insecure"]))
+    elif endpoint_problem(run["router"], bind=False):
+        raise ParamsError(f"router address {run['router']!r} {endpoint_problem(run['router'], bind=False)}; "
+                          "give the running router's, e.g. tcp://127.0.0.1:5555")
     run["http"] = getattr(args, "http", None) or run["http"]
     if run["http"]:  # the same for the HTTP gateway: off loopback it needs API keys
         from routing.http.server import api_keys, check_free, check_listen, parse_listen

@@ -26,7 +26,8 @@ with its settings and its input data, and a **runconfig** for the deployment as 
 model ID of its own. Command-line flags of `run_mm.py` (or `mmfusion`) override the runconfig key
 of the same name (`--model_dir`, `--num_workers`, `--devices`, `--router`, `--frontend`,
 `--backend`, `--inference_steps`, `--threads_per_worker`, `--curve_keys`, `--insecure`,
-`--max_restarts`, `--restart_wait`, `--http`, `--api-key`, `--api_keys_file`, `--ray`).
+`--max_restarts`, `--restart_wait`, `--http`, `--api-key`, `--api_keys_file`, `--ray`), checked as
+the file's keys are.
 
 ```yaml
 variants:

@@ -35,7 +35,7 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
         "clients is a large share of the CPU (thousands of streamed tokens/s on a few cores) serves faster with "
         "one core left to that path (router, output processes, gateway), as vLLM's CPU backend reserves one: "
         "2 cores, a tiny model, 64 streams: 0.47x the engine's rate in-process with 2 threads, 0.73x with 1 "
-        "(docs/benchmarks.md)"),
+        "(docs/benchmarks.md)", lambda x: x is None or is_int(x, 1)),
     Key("kv_cache_memory", "auto", "a size (`2GiB`, `512MiB`, a number of bytes), or `auto`",
         "the KV cache pool of each worker whose model sets none; `auto`: half the device's available memory, "
         "less the weights and process overheads planned there, shared among its workers, and never more than "
@@ -47,15 +47,17 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
         "where a router started here listens for clients"),
     Key("backend", _default(RouterConfig, "backend"), "a `tcp://HOST:PORT` address (port `*` or 0: any free one)",
         "where a router started here listens for workers"),
-    Key("inference_steps", None, "a positive integer, or null", "predict: only the first K batches per model"),
+    Key("inference_steps", None, "a positive integer, or null", "predict: only the first K batches per model",
+        lambda x: x is None or is_int(x, 1)),
     Key("curve_keys", None, "a keys directory (`python -m wire.security DIR`), or null",
         "CurveZMQ keys: both router sockets then accept only the authorized keys; needed off loopback"),
     Key("insecure", False, "`true`, `false`", "allow binding the router or the HTTP gateway off loopback "
-        "without keys"),
+        "without keys", lambda x: isinstance(x, bool)),
     Key("max_restarts", 5, "an integer >= 0",
-        "how many times a crashed worker is started again"),
+        "how many times a crashed worker is started again", lambda x: is_int(x, 0)),
     Key("restart_wait", _default(RouterConfig, "restart_wait"), "a number of seconds >= 0",
-        "how long queued requests wait for a model with no live worker before failing with `no_worker`"),
+        "how long queued requests wait for a model with no live worker before failing with `no_worker`",
+        lambda x: is_number(x) and x >= 0),
     Key("memory_budget", None, "a size (`8GiB`, `512MiB`, a number of bytes), `auto`, or null",
         "serve: the memory each device's copies may hold together (weights once per device, packed linears, KV "
         "pools, process overheads); a load that does not fit evicts the least recently used unpinned copies "
@@ -156,9 +158,7 @@ def load_params(path: str | Path) -> dict:
     if unknown:
         raise ParamsError(f"{path}: runconfig.{unknown[0]}: unknown key; known keys: {sorted(RUNCONFIG_DEFAULTS)}")
     run.update(given)
-    for key in RUNCONFIG_KEYS:
-        if key.check is not None and key.name in given and not key.check(given[key.name]):
-            raise ParamsError(f"{path}: runconfig.{key.name} must be {key.valid}, got {given[key.name]!r}")
+    check_runconfig(run, given, lambda name: f"{path}: runconfig.{name}")
     if run["placement"] not in ("spread", "pack"):
         raise ParamsError(f"{path}: runconfig.placement must be spread or pack, got {run['placement']!r}")
     delays = run["retry_delays"]
@@ -175,6 +175,14 @@ def load_params(path: str | Path) -> dict:
     data["runconfig"] = run
     data["_path"] = str(path)
     return data
+
+
+def check_runconfig(run: dict, names, where) -> None:
+    """The runconfig values of `names` (the params file's, or the flags that override them) against
+    their keys' checks; `where(name)` says where a value came from."""
+    for key in RUNCONFIG_KEYS:
+        if key.check is not None and key.name in names and not key.check(run[key.name]):
+            raise ParamsError(f"{where(key.name)} must be {key.valid}, got {run[key.name]!r}")
 
 
 def parse_variants(specs, params: dict) -> list[tuple[str, int]]:

@@ -88,6 +88,13 @@ def test_variants_parsing():
     ("variants: " + "[" * 5000 + "]" * 5000 + "\n", "not valid YAML: nested too deeply"),
     ("variants:\n  a: {model: {source: x}}\nrunconfig: {retry_delays: 5}\n", r"runconfig\.retry_delays must be a list"),
     ("variants:\n  a: {model: {source: x}}\nrunconfig: {retry_delays: [1, -2]}\n", r"runconfig\.retry_delays"),
+    # runconfig keys with a table check: 0 threads is no "auto", -1 steps no "all", -1 restarts no "never"
+    ("variants:\n  a: {model: {source: x}}\nrunconfig: {threads_per_worker: 0}\n",
+     r"runconfig\.threads_per_worker must be a positive integer, or null, got 0"),
+    ("variants:\n  a: {model: {source: x}}\nrunconfig: {inference_steps: -1}\n", r"runconfig\.inference_steps must"),
+    ("variants:\n  a: {model: {source: x}}\nrunconfig: {max_restarts: -1}\n", r"runconfig\.max_restarts must"),
+    ("variants:\n  a: {model: {source: x}}\nrunconfig: {restart_wait: -5}\n", r"runconfig\.restart_wait must"),
+    ("variants:\n  a: {model: {source: x}}\nrunconfig: {insecure: yes please}\n", r"runconfig\.insecure must"),
     # every model key with a table check: a value of the wrong kind names the key and its valid values
     ("variants:\n  a: {model: {source: x, max_batch_size: many}}\n",
      r"variants\.a\.model\.max_batch_size must be a positive integer, got 'many'"),
@@ -226,6 +233,17 @@ def test_validate_only_prints_plan_without_loading():
     bad = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(TINY),
                           "--variants", "nope,1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'nope' is not in" in bad.stderr
+    # the flags that override runconfig keys are checked as the file's keys are, and the addresses
+    for flags, said in ((["--threads_per_worker", "0"], "--threads_per_worker must be a positive integer"),
+                        (["--inference_steps", "-1"], "--inference_steps must be a positive integer"),
+                        (["--max_restarts", "-1"], "--max_restarts must be an integer >= 0"),
+                        (["--restart_wait", "-5"], "--restart_wait must be a number of seconds >= 0"),
+                        (["--frontend", "foo"], "address 'foo' is not tcp://HOST:PORT"),
+                        (["--backend", "tcp://127.0.0.1:99999"], "has no port 0-65535"),
+                        (["--router", "tcp://127.0.0.1:*"], "has no port 1-65535 to connect to")):
+        bad = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(TINY), "--variants", "llama,1",
+                              *flags], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and said in bad.stderr, (flags, bad.returncode, bad.stderr[-500:])
 
 
 def test_place_worker_adds_one_beside_the_plan_and_leaves_the_plan_as_it_was(monkeypatch):

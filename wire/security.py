@@ -44,7 +44,28 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def endpoint_problem(address: str, bind: bool = True) -> str | None:
+    """Why `address` is not a ZeroMQ endpoint to bind (tcp://HOST:PORT, the port 1-65535, or `*` or
+    0 for any free one; ipc://PATH; inproc://NAME), or with bind false to connect to (a port 1-65535),
+    or None when it is one."""
+    if address.startswith(("ipc://", "inproc://")):
+        return None if address.split("://", 1)[1] else "names no path"
+    if not address.startswith("tcp://"):
+        return "is not tcp://HOST:PORT (nor ipc://PATH)"
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    if not sep or not host:
+        return "has no HOST:PORT"
+    if bind and port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+        return f"has no port 0-65535 (or `*`): {port!r}"
+    if not bind and not (port.isdigit() and 1 <= int(port) <= 65535):
+        return f"has no port 1-65535 to connect to: {port!r}"
+    return None
+
+
 def check_bind(address: str, curve_keys: str | None, insecure: bool) -> None:
+    problem = endpoint_problem(address)
+    if problem:
+        raise SecurityError(f"address {address!r} {problem}; give e.g. tcp://127.0.0.1:5555")
     if is_loopback(address) or curve_keys or insecure:
         return
     raise SecurityError(f"binding {address} would accept connections from other machines: give a CurveZMQ keys "
