@@ -108,9 +108,11 @@ def configure(args) -> tuple[dict, object, object, object]:
         # planned where torch is imported already: this process only starts workers and sends requests
         plan = launcher.call_in_server("fusion.plan:plan_to_read_without_torch", *plan_args)
     else:
-        from fusion.plan import make_plan  # torch, the model sources: serve sizes copies at run time
+        # torch, the model sources: serve sizes copies at run time
+        from fusion.plan import local_plan, make_plan
 
-        plan = make_plan(*plan_args)
+        # workers that start here need the devices here (on Ray or behind another router, the cluster's)
+        plan = (local_plan if local else make_plan)(*plan_args)
     if plan is not None and local and mode in (*WORKER_MODES, "validate_only"):
         from fusion.gpu_sharing import decide
 

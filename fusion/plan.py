@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING
 
 from fusion.model_info import MultiModelFusion
 from workers.config_keys import KV_AUTO_SHARE, parse_size
-from workers.devices import CPU_WORKER_OVERHEAD_BYTES, available_bytes, device_kind, resolve_devices
+from workers.devices import (
+    CPU_WORKER_OVERHEAD_BYTES,
+    absent_devices,
+    available_bytes,
+    device_kind,
+    resolve_devices,
+)
 from workers.spec import ModelSpec, WorkerSpec
 
 if TYPE_CHECKING:  # torch: imported where a plan is made, not where one is read (fusion.launcher.call_in_server)
@@ -315,12 +321,22 @@ def _free_cores(existing: list[WorkerPlan], threads: int | None) -> tuple[int, .
     return tuple(cores[at: at + threads]) if at + threads <= len(cores) else None
 
 
+def local_plan(fusion: MultiModelFusion, num_workers: int | None, devices, threads_per_worker,
+               kv_cache_memory) -> DeploymentPlan:
+    """make_plan for workers that start on this machine: a CUDA device it does not have is refused
+    here, before anything starts (make_plan alone plans for any devices)."""
+    problem = absent_devices(resolve_devices(devices))  # serve's run-time loads go to any of them
+    if problem:
+        raise ValueError(problem)
+    return make_plan(fusion, num_workers, devices, threads_per_worker, kv_cache_memory)
+
+
 def plan_to_read_without_torch(fusion: MultiModelFusion, num_workers: int | None, devices, threads_per_worker,
                                kv_cache_memory) -> DeploymentPlan:
-    """make_plan, for a caller that plans in another process (fusion.launcher.call_in_server) and
+    """local_plan, for a caller that plans in another process (fusion.launcher.call_in_server) and
     reads the plan back without importing torch: the workers' precision (torch dtypes), which sized
     them, is dropped."""
-    plan = make_plan(fusion, num_workers, devices, threads_per_worker, kv_cache_memory)
+    plan = local_plan(fusion, num_workers, devices, threads_per_worker, kv_cache_memory)
     for w in plan.workers:
         w.precision = None
     return plan

@@ -246,6 +246,26 @@ def test_validate_only_prints_plan_without_loading():
         assert bad.returncode == 2 and said in bad.stderr, (flags, bad.returncode, bad.stderr[-500:])
 
 
+
+def test_a_cuda_device_this_machine_lacks_is_refused_before_anything_starts(tmp_path):
+    """A worker placed on a CUDA device the machine does not have failed its load and was started
+    again until it gave up, while `serve` waited for it. Now predict and serve refuse it by name at
+    once (predict plans in the preloaded server, serve here), as validate_only does."""
+    import torch
+
+    from workers.devices import absent_devices
+
+    n = torch.cuda.device_count()
+    said = "has no CUDA device" if n == 0 else f"has {n} CUDA device(s)"
+    assert absent_devices(["cpu"]) is None and said in absent_devices(["cpu", f"cuda:{n}"])
+    for mode in ("validate_only", "predict", "serve"):
+        bad = subprocess.run([*command(CLI), "--mode", mode, "--params", str(TINY), "--variants", "llama,1",
+                              "--devices", f"cpu,cuda:{n}", "--model_dir", str(tmp_path / "md")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and f"devices: cuda:{n} given, but this machine {said}" in bad.stderr, (
+            mode, bad.returncode, bad.stderr[-800:])
+
+
 def test_place_worker_adds_one_beside_the_plan_and_leaves_the_plan_as_it_was(monkeypatch):
     from fusion.plan import KV_AUTO_SHARE, device_fixed_bytes, kv_bytes_per_token, place_worker
 

@@ -59,6 +59,17 @@ def _mps_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("mmfusion-mps-*")}
 
 
+@pytest.fixture()
+def own_tmp(tmp_path, monkeypatch) -> Path:
+    """The daemons of this process make their directories in a temporary directory of the test's own:
+    in the shared one, a test that checks that its deployment leaves nothing there (tests/test_ray.py)
+    found them, when it ran at the same time."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
 def test_the_setting_comes_to_mps_only_where_a_gpu_is_shared_and_the_control_program_is_there(tmp_path):
     params = _params(tmp_path)
     fusion = build_fusion(params, ["llama,2"])
@@ -85,7 +96,7 @@ def test_the_setting_comes_to_mps_only_where_a_gpu_is_shared_and_the_control_pro
         load_params(bad)
 
 
-def test_the_daemon_gets_private_directories_and_leaves_nothing(tmp_path):
+def test_the_daemon_gets_private_directories_and_leaves_nothing(tmp_path, own_tmp):
     before = _mps_dirs()
     daemon = MpsDaemon(str(_program(tmp_path)))
     daemon.start()
@@ -93,6 +104,7 @@ def test_the_daemon_gets_private_directories_and_leaves_nothing(tmp_path):
     pid = int((Path(env["CUDA_MPS_PIPE_DIRECTORY"]) / "daemon.pid").read_text())
     assert psutil.pid_exists(pid) and Path(env["CUDA_MPS_LOG_DIRECTORY"]).is_dir()
     assert oct(Path(env["CUDA_MPS_PIPE_DIRECTORY"]).parent.stat().st_mode & 0o777) == "0o700"  # ours alone
+    assert Path(env["CUDA_MPS_PIPE_DIRECTORY"]).is_relative_to(own_tmp)
     daemon.stop()
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10)
     assert daemon.env() == {} and _mps_dirs() == before
@@ -103,7 +115,7 @@ def test_the_daemon_gets_private_directories_and_leaves_nothing(tmp_path):
     assert _mps_dirs() == before
 
 
-def test_a_deployment_with_mps_starts_its_daemon_shows_it_and_stops_it(tmp_path, monkeypatch):
+def test_a_deployment_with_mps_starts_its_daemon_shows_it_and_stops_it(tmp_path, monkeypatch, own_tmp):
     """The CPU workers do not use it, but the deployment's part is the same: the daemon before the
     workers, `status` says so, and nothing of it after the exit."""
     before = _mps_dirs()

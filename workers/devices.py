@@ -93,6 +93,26 @@ def resolve_devices(devices) -> list[str]:
     return devices
 
 
+def absent_devices(devices) -> str | None:
+    """Why a CUDA device among `devices` is not on this machine, as torch sees it, or None when each is
+    (a worker placed on one would fail its load, and be started again, for nothing)."""
+    cuda = sorted({str(d) for d in devices if not device_kind(d).host})
+    if not cuda:
+        return None
+    import torch
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        why = (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
+               else "torch finds no CUDA device")
+        return f"devices: {', '.join(cuda)} given, but this machine has no CUDA device ({why}); use cpu or auto"
+    missing = [d for d in cuda if (torch.device(d).index or 0) >= n]
+    if missing:
+        return (f"devices: {', '.join(missing)} given, but this machine has {n} CUDA device(s), "
+                f"cuda:0 to cuda:{n - 1}")
+    return None
+
+
 def available_bytes(device: str) -> int | None:
     """Memory free on `device` now (None where it cannot be read)."""
     if device_kind(device).host:  # the host's memory
