@@ -28,7 +28,8 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
     Key("num_workers", None, "a positive integer >= the number of model IDs, or null",
         "worker processes; null: one per model ID; more are assigned to model IDs round-robin"),
     Key("devices", "auto", "`auto`, `cpu`, `cuda:N`, or a list of them",
-        "where workers run, round-robin; `auto`: every CUDA device, else the CPU"),
+        "where workers run, round-robin; `auto`: every CUDA device, else the CPU. A CUDA device this machine "
+        "does not have is refused before anything starts (on Ray, the cluster's devices count)"),
     Key("threads_per_worker", None, "a positive integer, or null",
         "torch threads of each CPU worker; null: the device's cores split among its workers (each bound to cores "
         "of its own when their threads fit the cores). A model fast enough that carrying its tokens to the "
