@@ -601,7 +601,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curve-keys", help="CurveZMQ keys directory (server.key + clients/NAME.key_secret)")
     ap.add_argument("--curve-name", default="client")
     args = ap.parse_args(argv)
-    with Client(args.router, timeout=args.timeout, curve_keys=args.curve_keys, curve_name=args.curve_name) as c:
+    if not (args.load or args.unload or args.models or args.status) and (args.prompt is None or args.model is None):
+        ap.error("give --model and a prompt (or --models / --status)")
+    if args.copies is not None and args.copies < 1:  # not taken as the default: 0 copies is no request
+        ap.error(f"--copies must be an integer >= 1, got {args.copies}")
+    try:
+        client = Client(args.router, timeout=args.timeout, curve_keys=args.curve_keys, curve_name=args.curve_name)
+    except zmq.ZMQError as exc:
+        ap.error(f"--router {args.router!r} is not an address to connect to ({exc.strerror}); "
+                 f"give e.g. {P.DEFAULT_FRONTEND}")
+    with client as c:
+        started = False  # the prompt is echoed, then its tokens: an error starts on a line of its own
         try:
             if args.load or args.unload:
                 out = (c.load(args.load, args.copies or 1, args.pin) if args.load
@@ -611,15 +621,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.models or args.status:
                 print(json.dumps(c.models() if args.models else c.status(), indent=2))
                 return 0
-            if args.prompt is None or args.model is None:
-                ap.error("give --model and a prompt (or --models / --status)")
             model = int(args.model) if args.model.isdigit() else args.model
             sys.stdout.write(args.prompt)
+            started = True
             for chunk in c.stream(model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature):
                 sys.stdout.write(chunk["text"])
                 sys.stdout.flush()
             sys.stdout.write("\n")
         except (RouterError, TimeoutError) as exc:
+            if started:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
             print(f"error: {exc}", file=sys.stderr)
             return 1
     return 0

@@ -123,6 +123,24 @@ def test_a_closed_client_says_so(two_archs):
     asyncio.run(go())
 
 
+def test_the_command_line_client_reports_errors_by_name(two_archs, capsys):
+    """python -m routing.client: a bad address is a usage error, not zmq's traceback; 0 copies is
+    one too, not the default 1; an error after the echoed prompt starts on a line of its own."""
+    from routing.client import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--router", "foo", "--status"])
+    assert info.value.code == 2 and "--router 'foo' is not an address to connect to" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["--router", two_archs.frontend, "--load", "llama", "--copies", "0"])
+    assert info.value.code == 2 and "--copies must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["--router", two_archs.frontend, "hello", "--model", "99", "--max-tokens", "2"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "hello\n" and out.err.startswith("error: unknown_model"), out
+    assert main(["--router", two_archs.frontend, "hi", "--model", "llama", "--max-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("hi")
+
+
 @pytest.mark.parametrize("kwargs,code,match,param", [
     (dict(model="nope", prompt=[1]), P.UNKNOWN_MODEL, "unknown model 'nope'", None),
     (dict(model=9, prompt=[1]), P.UNKNOWN_MODEL, "unknown model ID 9", None),
