@@ -69,7 +69,7 @@ def variant_samples(fusion: MultiModelFusion, name: str, inference_steps: int | 
     for path in find_files(data_dir):
         for ln in parse_file(path, name, {name}, {}, routed=False).lines:
             where = f"{path.name} line {ln.number}"
-            out.append(Sample(where, ln.request["prompt"]) if ln.error is None else Sample(where, None, ln.error))
+            out.append(Sample(where, ln.body["prompt"]) if ln.error is None else Sample(where, None, ln.error))
     if not out:
         raise DataError(f"variant {name!r}: no samples to score in {data_dir}")
     return out

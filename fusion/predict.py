@@ -154,8 +154,8 @@ class JsonlJob:
         progress.start(line.variant)
         where = f"{self.file.path.name} line {line.number}"
         try:
-            resp = await complete(client, line.variant, line.request["prompt"], self.retry_delays,
-                                  **_request_params(line.request))
+            resp = await complete(client, line.variant, line.body["prompt"], self.retry_delays,
+                                  **_request_params(line.body))
         except RouterError as exc:
             return _error(line, exc.code, f"{where}: {exc}"), 0
         except Transient as exc:

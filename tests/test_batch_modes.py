@@ -56,6 +56,9 @@ REQUESTS = [
     {"prompt": "stop me", "max_tokens": 12, "stop": ["STOP"], "logprobs": 0},
     {"prompt": [9, 8, 7, 6], "engine": "gpt2", "max_tokens": 6, "echo": True},
     {"prompt": "abc", "max_tokens": 3, "seed": 2**70},  # beyond what the wire carries: that line's error
+    # OpenAI's Batch API form: its body served, the line echoed whole (its custom_id)
+    {"custom_id": "r-10", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "gpt2", "prompt": "batch form", "max_tokens": 4, "logprobs": 1}},
 ]
 
 
@@ -83,9 +86,10 @@ def test_predict_jsonl_matches_the_engine_in_process(tmp_path):
     assert "unknown model 'gpt-4'" in errors[3]["message"]
     assert errors[5]["code"] == "bad_request" and "logprobs must be an integer in [0, 20]" in errors[5]["message"]
     engines = {arch: Engine(tiny(arch, "float32"), EngineConfig(max_batch_size=8)) for arch in ("llama", "gpt2")}
-    for i, (req, ln) in enumerate(zip(reqs, lines)):
+    for i, (line, ln) in enumerate(zip(reqs, lines)):
         if i in errors:
             continue
+        req = line.get("body", line)
         res = ln["result"]
         variant = req.get("model") or req.get("engine") or "llama"
         assert res["model"] == variant

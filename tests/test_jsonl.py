@@ -37,12 +37,29 @@ def test_routes_by_model_engine_or_source_else_default(tmp_path):
     ('{"prompt": [1, "x"]}', "non-empty list of token IDs"),
     ('{"prompt": "a", "model": "gpt-4"}', "unknown model 'gpt-4': this deployment serves gpt2, llama"),
     ('{"prompt": "a", "model": 3}', "model must be a variant name"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "this is a chat request (messages)"),
+    # OpenAI's Batch API form: its completions only, its body a request
+    ('{"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": []}}', "url must be /v1/completions"),
+    ('{"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": {"prompt": "a"}}', "method must be POST"),
+    ('{"custom_id": "c", "url": "/v1/completions", "body": "a"}', "body must be a JSON object"),
+    ('{"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "a", "model": "gpt-4"}}', "unknown model"),
 ])
 def test_bad_lines_become_errors_naming_file_and_line(tmp_path, raw, match):
     lines = parse(tmp_path, '{"prompt": "ok"}\n' + raw + "\n")
     assert lines[0].error is None
     assert lines[1].variant is None and match in lines[1].error
     assert lines[1].error.startswith("req.jsonl line 2: ")
+
+
+def test_openai_batch_api_lines_are_served_by_their_body_and_echoed_whole(tmp_path):
+    """A line of OpenAI's Batch API input ({custom_id, method, url, body}) serves its body, routed by
+    the body's model; the line as given (its custom_id) is what the output record echoes."""
+    line = {"custom_id": "req-7", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "gpt2", "prompt": "hi", "max_tokens": 3}}
+    (ln,) = parse(tmp_path, json.dumps(line) + "\n")
+    assert ln.error is None and ln.variant == "gpt2" and ln.request == line and ln.body == line["body"]
+    (plain,) = parse(tmp_path, '{"prompt": "a", "max_tokens": 2}\n')
+    assert plain.body == plain.request == {"prompt": "a", "max_tokens": 2}
 
 
 def test_find_files_and_output_name(tmp_path):

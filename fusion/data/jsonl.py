@@ -1,4 +1,5 @@
-"""JsonlCompletions: OpenAI completions requests, one per line, in every *.jsonl of data_dir.
+"""JsonlCompletions: OpenAI completions requests, one per line, in every *.jsonl of data_dir (a line
+may also be in OpenAI's Batch API form, its request in `body`).
 
 Output for `<name>.jsonl` is `<model_dir>/predictions/output_<name>.jsonl`, one line per input line
 in input order: {"request": ..., "result": <completion object> + "request_time"} or
@@ -29,9 +30,32 @@ ROUTE_KEYS = ("model", "engine")
 @dataclass(slots=True)
 class JsonlLine:
     number: int  # 1-based line number in its file
-    request: dict | str  # the parsed request, or the raw text when it is not a JSON object
+    request: dict | str  # the parsed line (echoed in its output record), or the raw text when it is not a JSON object
     variant: str | None = None  # where it goes; None when error is set
     error: str | None = None  # why it can't be served, naming the file and line
+    body: dict | None = None  # the completion request served: the line, or its `body` in OpenAI's Batch API form
+
+
+BATCH_URL = "/v1/completions"  # the one endpoint of OpenAI's Batch API form these lines may name
+
+
+def completion_body(req: dict) -> dict:
+    """The completion request of a line: the line itself, or the `body` of a line in OpenAI's Batch
+    API form ({"custom_id", "method", "url", "body"}). ValueError names what is wrong."""
+    if "body" not in req and "url" not in req:
+        if "messages" in req and "prompt" not in req:
+            raise ValueError("this is a chat request (messages): JsonlCompletions takes completion requests "
+                             "(prompt); the HTTP gateway's /v1/chat/completions serves chats")
+        return req
+    url, body = req.get("url"), req.get("body")
+    if url != BATCH_URL:
+        raise ValueError(f"url must be {BATCH_URL} (OpenAI's Batch API form; JsonlCompletions takes completion "
+                         f"requests), got {url!r}")
+    if req.get("method", "POST") != "POST":
+        raise ValueError(f"method must be POST, got {req.get('method')!r}")
+    if not isinstance(body, dict):
+        raise ValueError(f"body must be a JSON object, the completion request, got {type(body).__name__}")
+    return body
 
 
 @dataclass(slots=True)
@@ -96,18 +120,19 @@ def parse_file(path: Path, default_variant: str, names: set[str], sources: dict[
                                                        f"{type(req).__name__}"))
             continue
         try:
-            prompt = req.get("prompt")
+            body = completion_body(req)
+            prompt = body.get("prompt")
             if isinstance(prompt, list):
                 if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                     raise ValueError("prompt must be text or a non-empty list of token IDs")
             elif not isinstance(prompt, str) or not prompt:
                 raise ValueError("prompt is missing or empty" if not prompt else
                                  f"prompt must be text or a list of token IDs, got {type(prompt).__name__}")
-            variant = route(req, default_variant, names, sources) if routed else default_variant
+            variant = route(body, default_variant, names, sources) if routed else default_variant
         except ValueError as exc:
             out.lines.append(JsonlLine(i, req, error=f"{where}: {exc}"))
             continue
-        out.lines.append(JsonlLine(i, req, variant=variant))
+        out.lines.append(JsonlLine(i, req, variant=variant, body=body))
     return out
 
 
