@@ -106,6 +106,19 @@ def test_each_answer_says_how_long_it_queued_waited_for_a_load_and_ran(gw, dep):
         assert c.complete("gpt2", "x", max_tokens=2)["usage"]["timing"]["run_s"] > 0
 
 
+def test_a_chat_template_that_refuses_the_messages_is_the_requests_error():
+    """A template's own check (Mistral's and Gemma's refuse roles out of turn) raised jinja2's
+    TemplateError, which the worker answered as an internal error (500); it is a bad request."""
+    import copy
+
+    tok = copy.deepcopy(tiny("llama", "float32").tokenizer)  # the cached model's stays as it is
+    tok.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation must start "
+                         "with a user message') }}{% endif %}{{ messages[0]['content'] }}")
+    with pytest.raises(ValueError, match="'llama''s chat template refuses these messages: Conversation must start"):
+        chat_prompt(tok, [{"role": "assistant", "content": "x"}], "llama")
+    assert chat_prompt(tok, [{"role": "user", "content": "x"}], "llama")
+
+
 def test_chat_renders_the_template_and_streams_role_then_content(oai):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     r = oai.chat.completions.create(model="llama", messages=msgs, max_tokens=8, **GREEDY)

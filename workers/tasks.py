@@ -4,6 +4,8 @@ messages with the model's chat template, tokenize, detokenize, describe the toke
 
 from __future__ import annotations
 
+from jinja2 import TemplateError
+
 # the tokens that end an assistant turn in the chat templates we know; those in the vocabulary stop
 # a chat completion (they are special tokens, so they never appear in its text)
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
@@ -46,7 +48,10 @@ def chat_prompt(tokenizer, messages, model_name: str) -> list[int]:
     """Token IDs of the conversation rendered by the model's own template, ready for the reply."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"model {model_name!r} has no chat template; use /v1/completions with a plain prompt")
-    text = tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # the template's own check (`raise_exception`): the messages' fault, a 400
+        raise ValueError(f"model {model_name!r}'s chat template refuses these messages: {exc}") from None
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
