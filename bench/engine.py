@@ -6,7 +6,7 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  the compile, or the load from $MMFUSION_CACHE/compiled when compile_from_cache);
   single_stream: one 64-token prompt, 128 new tokens, ms/token of the eager and the compiled engine
                  and of transformers `generate`;
-  few_streams:   1, 2, 4 and 8 greedy streams at once (32-token prompts, 64 new tokens each), tokens/s per
+  few_streams:   1, 2, 4, 8 and 16 greedy streams at once (32-token prompts, 64 new tokens each), tokens/s per
                  quantization asked for, with each count's rate over one stream's (decode steps of a
                  few rows: online serving's usual load);
   start:         a fresh process to a ready engine, eager and compiled from the cached artifacts;
@@ -241,7 +241,7 @@ def single_stream(lm, repeats: int, quantization: str = "auto", deterministic: b
             "compiled_vs_transformers": round(c / t, 3)}
 
 
-FEW_STREAMS = (1, 2, 4, 8)  # concurrent greedy streams of the few_streams part
+FEW_STREAMS = (1, 2, 4, 8, 16)  # concurrent greedy streams of the few_streams part
 FEW_NEW = 64  # each stream's new tokens
 
 

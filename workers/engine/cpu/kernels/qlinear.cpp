@@ -205,7 +205,7 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
     if (strips) {
       outer_f32<T>(xf, m, kk, n, b, y, q, kk / 2, s, o);
-    } else if (m > kPassRows) {
+    } else if (m > kMaxRows) {
       const int64_t blocks = kk / kBlock;
       const auto widen = [=](int64_t row, float* w) {
         widen_int4(q + row * (kk / 2), s + row * blocks, o + row * blocks, kk, w);
@@ -305,7 +305,7 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
     if (strips) {
       outer_f32<T>(xf, m, kk, n, b, y, q, kk, s, nullptr);
-    } else if (m > kPassRows) {
+    } else if (m > kMaxRows) {
       const int64_t blocks = kk / kBlock;
       const auto widen = [=](int64_t row, float* w) { widen_int8(q + row * kk, s + row * blocks, kk, w); };
       if (outer_fits_f32(m, n)) {

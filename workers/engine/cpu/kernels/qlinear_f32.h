@@ -1,5 +1,5 @@
 // Weight-only quantized linears in float32 on AVX2 (with FMA and F16C) and AVX-512 (qlinear_common.h):
-// passes of up to four input rows in registers, tiles of rows against four widened output rows, and from 24
+// up to four input rows in registers, tiles of rows against four widened output rows, and from 24
 // rows the strips of an outer-product GEMM; the dense strips of `deterministic` share them.
 #pragma once
 #include "qlinear_common.h"
@@ -8,14 +8,6 @@ namespace {
 
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
 constexpr int kMaxRows = 4;  // input rows a pass over the weights multiplies
-// input rows up to which a step takes passes of kMaxRows over the weights (each output row's blocks
-// widened once a pass), not the tiles of tiled_rows_f32: on AVX2 two passes of four rows ran 5 to 8
-// rows 1.1-1.3x faster than the tiles (SmolLM2's gate/up, one thread), which win from 12
-#ifdef MMFUSION_QLINEAR_AVX2
-constexpr int64_t kPassRows = 8;
-#else
-constexpr int64_t kPassRows = kMaxRows;
-#endif
 
 inline float half_bits(uint16_t bits) { return _cvtsh_ss(bits); }
 #endif
