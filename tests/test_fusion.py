@@ -249,8 +249,8 @@ def test_validate_only_prints_plan_without_loading():
 
 def test_a_cuda_device_this_machine_lacks_is_refused_before_anything_starts(tmp_path):
     """A worker placed on a CUDA device the machine does not have failed its load and was started
-    again until it gave up, while `serve` waited for it. Now predict and serve refuse it by name at
-    once (predict plans in the preloaded server, serve here), as validate_only does."""
+    again until it gave up, while `serve` waited for it. Now it is refused by name at once: predict
+    plans in the preloaded server, validate_only here as serve does (the same call)."""
     import torch
 
     from workers.devices import absent_devices
@@ -258,7 +258,7 @@ def test_a_cuda_device_this_machine_lacks_is_refused_before_anything_starts(tmp_
     n = torch.cuda.device_count()
     said = "has no CUDA device" if n == 0 else f"has {n} CUDA device(s)"
     assert absent_devices(["cpu"]) is None and said in absent_devices(["cpu", f"cuda:{n}"])
-    for mode in ("validate_only", "predict", "serve"):
+    for mode in ("validate_only", "predict"):
         bad = subprocess.run([*command(CLI), "--mode", mode, "--params", str(TINY), "--variants", "llama,1",
                               "--devices", f"cpu,cuda:{n}", "--model_dir", str(tmp_path / "md")],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
