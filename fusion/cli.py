@@ -76,9 +76,9 @@ def configure(args) -> tuple[dict, object, object, object]:
     if not run["router"]:  # before anything starts: a router bound off loopback needs keys
         for addr in (run["frontend"], run["backend"]):
             check_bind(addr, run["curve_keys"], bool(run["insecure"]))
-    elif endpoint_problem(run["router"], bind=False):
-        raise ParamsError(f"router address {run['router']!r} {endpoint_problem(run['router'], bind=False)}; "
-                          "give the running router's, e.g. tcp://127.0.0.1:5555")
+    elif problem := endpoint_problem(run["router"], bind=False):
+        raise ParamsError(f"router address {run['router']!r} {problem}; give the running router's, "
+                          "e.g. tcp://127.0.0.1:5555")
     run["http"] = getattr(args, "http", None) or run["http"]
     if run["http"]:  # the same for the HTTP gateway: off loopback it needs API keys
         from routing.http.server import api_keys, check_free, check_listen, parse_listen

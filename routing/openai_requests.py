@@ -89,8 +89,12 @@ def passed_on(body: dict, own: set[str]) -> dict:
     params = {k: v for k, v in body.items() if k not in own}
     clash = sorted(params.keys() & _CLIENT_ARGS)
     if clash:
-        raise OpenAIError(400, f"unknown parameter {clash[0]!r}", param=clash[0], code="bad_request")
+        raise _unknown(clash[0])
     return params
+
+
+def _unknown(name: str, detail: str = "") -> OpenAIError:
+    return OpenAIError(400, f"unknown parameter {name!r}{detail}", param=name, code="bad_request")
 
 
 def completion_job(body: dict) -> CompletionJob:
@@ -173,8 +177,7 @@ def _only(body: dict, keys: tuple[str, ...], endpoint: str) -> None:
     """A key the endpoint does not take is refused (a misspelt `copies` would otherwise load one)."""
     unknown = sorted(body.keys() - set(keys))
     if unknown:
-        raise OpenAIError(400, f"unknown parameter {unknown[0]!r}: {endpoint} takes {', '.join(keys)}",
-                          param=unknown[0], code="bad_request")
+        raise _unknown(unknown[0], f": {endpoint} takes {', '.join(keys)}")
 
 
 def load_args(body: dict) -> dict:

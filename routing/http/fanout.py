@@ -21,7 +21,7 @@ async def all_of(fn: Callable[[object], Awaitable[T]], items: Sequence, limit: i
     comes, so a cancelled wait leaves no coroutine unawaited."""
     if len(items) == 1:
         return [await fn(items[0])]
-    gate = asyncio.Semaphore(limit)
+    gate = turns(limit)
 
     async def one(item):
         async with gate:
