@@ -209,15 +209,16 @@ def kept_dense_bytes(source: str, wbytes: int, weights: int) -> int:
 
 def packed_bytes(weights: int, prec: Precision) -> int:
     """A lean worker's own packed linears (every linear, the LM head included: about all the
-    weights), from the weights' bytes: oneDNN's in the compute dtype, FBGEMM's in float16, a GPU's
-    fused copies in the weights' dtype, weight-only quantized blocks."""
+    weights), from the weights' bytes: oneDNN's in the compute dtype, FBGEMM's in float16,
+    weight-only quantized blocks. A GPU's fused q/k/v and gate/up linears are none: they are views
+    of the weights, laid out side by side (workers.weights.fused_layout)."""
     from workers.precision import FP16, FUSED, ONEDNN
     from workers.quant.formats import BLOCK, quant_format
 
     if prec.quantized:  # blocks of BLOCK values, at the bytes the format's row counts a block
         return weights // _bytes(prec.weights) * quant_format(prec.quantization).plan_block_bytes // BLOCK
-    if prec.linears == FUSED:  # a GPU's fused q/k/v and gate/up copies: most of the weights (errs high)
-        return weights
+    if prec.linears == FUSED:  # a GPU's fused q/k/v and gate/up: views of the weights (fused_layout)
+        return 0
     if prec.linears == ONEDNN:
         return weights * _bytes(prec.compute) // _bytes(prec.weights)
     if prec.linears == FP16:

@@ -245,6 +245,27 @@ def test_quantized_linears_give_transformers_greedy_on_their_values(arch, kind):
         assert o.outputs[0].token_ids == hf_greedy(ref, p, 8)
 
 
+def test_the_lean_forward_fuses_linears_over_the_weights_with_no_copy():
+    """A copy with weights of its own lays each layer's q/k/v and gate/up out side by side (Qwen 2's
+    biases too): the fused linears are views of the model's weights, and its answers are unchanged."""
+    lm = tiny("qwen2", dtype="float32")
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    want = hf_greedy(lm.model, [4, 5, 6, 7], 8)
+    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    eng = _engine(lm)
+    lean = eng.runner.device_lean
+    assert sum(lin.own_bytes for lin in lean.linears()) == 0
+    layer, attn = lean.layers[0], lm.model.model.layers[0].self_attn
+    assert layer.qkv.weight.data_ptr() == attn.q_proj.weight.data_ptr()
+    assert layer.qkv.bias.data_ptr() == attn.q_proj.bias.data_ptr()
+    assert torch.equal(layer.qkv.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert sum(p.numel() * p.element_size() for p in lm.model.parameters()) == weights
+    assert eng.generate([[4, 5, 6, 7]], _greedy(8))[0].outputs[0].token_ids == want
+
+
 def test_qwen2_biases_are_added_on_the_dense_path_too():
     lm = tiny("qwen2", dtype="float32")
     with torch.no_grad():

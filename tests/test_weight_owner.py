@@ -61,6 +61,8 @@ def _check_owner(tmp_path: Path, device: str) -> None:
             assert r["shared"] and r["all_shared"] and r["device"].startswith(device.split(":")[0])
             assert torch.equal(torch.tensor(r["logits"]), want)
             assert r["cuda_allocated_by_copy"] < r["bytes"]  # the weights are the owner's memory
+            # q/k/v and gate/up arrive side by side: the lean forward fuses them with no copy
+            assert r["groups"] == 2 * 2 and r["groups_apart"] == 0
         a.kill()  # a copy that dies leaves the weights to the others, and a new copy attaches
         ((c, rc),) = _attached(_start_copies(addr, key, 1))
         copies.append(c)
@@ -250,8 +252,8 @@ def test_the_plan_counts_cuda_contexts_and_each_owner(monkeypatch):
     ws = plan.workers
     assert all(w.est_bytes == w.weight_bytes + w.packed_bytes + w.kv_cache_bytes + CUDA_WORKER_OVERHEAD_BYTES
                for w in ws)
-    # the llama copies' lean forward holds fused q/k/v and gate/up copies of its own; gpt2 none
-    assert ws[0].packed_bytes == ws[0].weight_bytes and ws[1].packed_bytes == ws[0].weight_bytes
+    # the llama copies' lean forward fuses q/k/v and gate/up over the owner's weights: no copy of its own
+    assert [w.packed_bytes for w in ws] == [0] * 4
     weights = ws[0].weight_bytes + ws[3].weight_bytes  # once per owner
     assert plan.devices["cuda:0"]["estimated_bytes"] == (sum(w.kv_cache_bytes + w.packed_bytes for w in ws) + weights
                                                          + 4 * CUDA_WORKER_OVERHEAD_BYTES + 2 * CUDA_OWNER_OVERHEAD_BYTES)

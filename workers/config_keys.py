@@ -116,8 +116,8 @@ MODEL_KEYS: tuple[Key, ...] = (
         "(decoding about 1.5x faster); each worker then holds its own packed copy of the linear weights, "
         "which `share_weights` cannot share. It is preferred to `compile`, which then applies only with "
         "`false`: transformers' modules on the (shared) weights. On CUDA, the Llama family runs the device's "
-        "lean forward on fused q/k/v and gate/up copies (also the worker's own), each decode step one CUDA "
-        "graph", lambda x: isinstance(x, bool)),
+        "lean forward, q/k/v and gate/up each one linear over the weights laid out side by side (no copy: "
+        "the weight owner lays them out so), each decode step one CUDA graph", lambda x: isinstance(x, bool)),
     Key("quantization", "auto", "`auto`, `none`, `int8`, `int4`",
         "CPU, the lean forward: its linears read weight-only quantized blocks of 32 values of a row, "
         "the activations, the KV cache and the norms staying in the compute dtype. A GGUF file's Q4_0, "

@@ -35,7 +35,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
           "float16": torch.float16}
 HALF = (torch.bfloat16, torch.float16)
 ONEDNN, FP16, PLAIN = "onednn", "fp16", "plain"  # how the lean forward's linears run
-FUSED = "fused"  # on a GPU: fused copies of the q/k/v and gate/up weights, in the weights' dtype
+FUSED = "fused"  # on a GPU: q/k/v and gate/up each one linear over the weights laid out side by side
 # the lean forward's linears as weight-only quantized blocks (workers.quant), or not
 NO_QUANTIZATION = "none"
 
@@ -45,7 +45,7 @@ class Precision:
     weights: torch.dtype  # the parameters as loaded (shared between copies)
     compute: torch.dtype  # activations, the KV cache and logits
     # the lean forward's linears: "onednn" prepacked for oneDNN in the compute dtype; "fp16" FBGEMM's
-    # packed float16 weights with float32 math; "fused" (GPU) F.linear on fused copies; "plain"
+    # packed float16 weights with float32 math; "fused" (GPU) F.linear on q/k/v and gate/up side by side; "plain"
     # F.linear on the weights
     linears: str
     # "int8" or "int4": the lean forward's linears read weight-only quantized blocks (a GGUF file's

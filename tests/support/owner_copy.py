@@ -12,6 +12,7 @@ from fusion.launcher import PRELOAD
 
 
 def _attach(addr: str, key: bytes, prompt: list[int], threads: int, conn) -> None:
+    from workers.weights.fused_layout import groups, side_by_side
     from workers.weights.owner import attach_remote
 
     torch.set_num_threads(threads)  # as the starter: a sum split across more threads rounds differently
@@ -22,7 +23,10 @@ def _attach(addr: str, key: bytes, prompt: list[int], threads: int, conn) -> Non
         logits = model(torch.tensor([prompt], device=dev)).logits[0].float().cpu()
     conn.send({"logits": logits.tolist(), "shared": info.shared, "bytes": info.bytes, "device": str(dev),
                "all_shared": all(p.is_shared() for p in model.parameters()), "cuda_allocated_by_copy": before,
-               "eos": tok.eos_token_id})
+               "eos": tok.eos_token_id,
+               # groups whose lean forward would need a fused copy of its own (not side by side)
+               "groups": len(groups(model)),
+               "groups_apart": sum(side_by_side([m.weight for m in g]) is None for g in groups(model))})
     conn.recv()  # hold the weights until told to go
 
 

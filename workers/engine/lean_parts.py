@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.weights.fused_layout import side_by_side
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionShape:
@@ -39,5 +41,7 @@ def fused_bias(modules: list[torch.nn.Linear]) -> torch.Tensor | None:
     biases = [m.bias for m in modules]
     if all(b is None for b in biases):
         return None
+    if all(b is not None for b in biases) and (span := side_by_side(biases)) is not None:
+        return span  # laid out side by side already (workers.weights.fused_layout): no copy
     return torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
                       for m, b in zip(modules, biases)])

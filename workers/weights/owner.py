@@ -3,8 +3,10 @@ dtype) holds them, and every copy attaches through CUDA IPC.
 
 The owner runs no inference, so a copy that crashes cannot take the weights with it; it loads the
 model once (through the shared directory of workers.weights.shared, which also gives the copies
-their config and tokenizer), moves it to its device and answers each copy that asks with an IPC
-handle per tensor. A copy builds its model on the `meta` device and binds the tensors the handles
+their config and tokenizer), moves it to its device, lays out each layer's q/k/v and gate/up
+weights side by side (workers.weights.fused_layout: the copies' lean forward then multiplies them
+as one linear with no fused copy of its own) and answers each copy that asks with an IPC handle per
+tensor. A copy builds its model on the `meta` device and binds the tensors the handles
 open. The owner exits with its parent (the deployment), which frees the weights when the last
 user is gone.
 
@@ -44,6 +46,7 @@ from workers.devices import device_kind
 from workers.gc_pause import import_paused
 from workers.platform import load_dtype
 from workers.weights import shared as S
+from workers.weights.fused_layout import lay_out_fused
 from workers.weights.hf_loader import load_private
 from workers.weights.owner_ipc import KEY_ENV, remove_ipc_files
 
@@ -109,9 +112,14 @@ class WeightOwner:
         dest = S.shared_dir(self.source, dt)
         model, _, _ = S.load_shared(self.source, dt, lambda: load_private(self.source, dt))
         model.to(dev)  # from the mapping into this device's memory: the one copy there
-        tensors, aliases = S.unique_tensors(model)
         if host:  # the read-only file views can't move to shared memory: copy them once
-            tensors = {k: t.clone() for k, t in tensors.items()}
+            tensors, aliases = S.unique_tensors(model)
+            S.bind_all(model, {k: t.clone() for k, t in tensors.items()}, aliases, self.source)
+        # q/k/v and gate/up side by side: the copies' lean forward multiplies these views as one
+        # linear, with no fused copy of its own (workers.weights.fused_layout)
+        if lay_out_fused(model) and not host:
+            torch.cuda.empty_cache()  # the weights' former places
+        tensors, aliases = S.unique_tensors(model)
         self.model, self.tensors = model, tensors  # kept alive: the copies' tensors are this memory
         return {"dir": str(dest), "dtype": str(dt).removeprefix("torch."), "aliases": aliases,
                 "handles": {name: export_tensor(t) for name, t in tensors.items()}}

@@ -28,6 +28,7 @@ from workers.engine.lean_parts import AttentionShape, fused_bias, rotation
 from workers.precision import Precision
 from workers.quant.fuse import all_kept, linear_kind, quantized_weight
 from workers.quant.weight import QuantizedWeight
+from workers.weights.fused_layout import side_by_side
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,7 +115,8 @@ class DeviceLean:
 
     def _linear(self, modules: list[torch.nn.Linear], head: bool = False) -> DeviceLinear:
         """The outputs of `modules` as one linear: weight-only blocks where the precision says so,
-        else their weights (fused into one tensor of this process where there are several)."""
+        else their weights: one tensor where they lie side by side already, else a fused copy of this
+        process's own."""
         bias = fused_bias(modules)
         names = [self._names[id(m)] for m in modules]
         kind = None if self._precision is None else linear_kind(self._precision, names,
@@ -123,8 +125,9 @@ class DeviceLean:
             device = modules[0].weight.device
             qw = quantized_weight(modules, kind, self._blocks).to(device)
             return DeviceLinear(None, qw, bias, self.ops.qlinear, own=True, dense=self.ops.linear)
-        if len(modules) == 1:
-            return DeviceLinear(modules[0].weight.detach(), None, bias, dense=self.ops.linear)
+        span = side_by_side([m.weight for m in modules])
+        if span is not None:  # one module, or several laid out side by side (workers.weights.fused_layout)
+            return DeviceLinear(span, None, bias, dense=self.ops.linear)
         return DeviceLinear(torch.cat([m.weight.detach() for m in modules]), None, bias, own=True, dense=self.ops.linear)
 
     def linears(self) -> list[DeviceLinear]:

@@ -45,6 +45,7 @@ from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence
 from workers.engine.step_result import StepResult
+from workers.weights.fused_layout import lay_out_fused
 from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
 from workers.weights.sources import source_gguf
@@ -159,6 +160,11 @@ class CudaRunner(PagedRunner):
         self.dummy = layout.num_blocks
         self.width = -(-lm.max_model_len // layout.block_size)
         path = source_gguf(lm.source) if prec.quantized else None
+        if not (lm.weights is not None and lm.weights.shared):
+            # weights of its own: their q/k/v and gate/up laid out side by side where they are, so
+            # the lean forward holds no fused copy beside them (an owner's come laid out so)
+            if lay_out_fused(lm.model) and lm.device.type == "cuda":
+                torch.cuda.empty_cache()  # the weights' former places
         self.device_lean = DeviceLean(lm.model, self.ops, {i: p for i, (_, p) in holder.position.items()},
                                       holder.windows[0], lm.max_model_len, prec,
                                       gguf_blocks(path, lm.model) if path else None)
