@@ -73,6 +73,12 @@ def configure(args) -> tuple[dict, object, object, object]:
     for key in flags:
         run[key] = getattr(args, key)
     check_runconfig(run, flags, lambda name: f"--{name}")
+    mode = getattr(args, "mode", None)
+    if mode == "serve" and run["router"]:  # it would start a router of its own and ignore this one
+        raise ParamsError(f"serve starts a router of its own (at `frontend` and `backend`), so `router` "
+                          f"({run['router']}) must be null; against a running router, start workers with "
+                          "`python -m workers.worker --backend ADDR` and an HTTP gateway with "
+                          "`python -m routing.http --router ADDR --http HOST:PORT`")
     if not run["router"]:  # before anything starts: a router bound off loopback needs keys
         for addr in (run["frontend"], run["backend"]):
             check_bind(addr, run["curve_keys"], bool(run["insecure"]))
@@ -89,7 +95,6 @@ def configure(args) -> tuple[dict, object, object, object]:
         host, port = parse_listen(run["http"])
         check_listen(host, keys + tuple(tenant_keys(run["tenants"])), bool(run["insecure"]))
         check_free(host, port)
-    mode = getattr(args, "mode", None)
     local = not run["router"] and not run["ray"]
     fusion = build_fusion(params, run["variants"])
     if mode in WORKER_MODES and local:

@@ -43,7 +43,8 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
         "`max_batch_size` sequences of `max_model_len` tokens use",
         lambda x: x == "auto" or parse_size(x) is not None),
     Key("router", None, "a `tcp://HOST:PORT` address, or null",
-        "use a router that is already running instead of starting one"),
+        "predict, infer and eval: send the requests to a router that is already running instead of "
+        "starting one (serve, which starts its own, refuses it)"),
     Key("frontend", _default(RouterConfig, "frontend"), "a `tcp://HOST:PORT` address (port `*` or 0: any free one)",
         "where a router started here listens for clients"),
     Key("backend", _default(RouterConfig, "backend"), "a `tcp://HOST:PORT` address (port `*` or 0: any free one)",

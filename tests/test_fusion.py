@@ -244,6 +244,10 @@ def test_validate_only_prints_plan_without_loading():
         bad = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(TINY), "--variants", "llama,1",
                               *flags], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and said in bad.stderr, (flags, bad.returncode, bad.stderr[-500:])
+    # serve starts a router of its own: one named with --router would be ignored, so it is refused
+    bad = subprocess.run([*command(CLI), "--mode", "serve", "--params", str(TINY), "--variants", "llama,1",
+                          "--router", "tcp://127.0.0.1:5599"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "serve starts a router of its own" in bad.stderr, bad.stderr[-500:]
 
 
 
