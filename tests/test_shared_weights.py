@@ -294,3 +294,24 @@ def test_loads_of_the_same_tokenizer_files_share_one_tokenizer_while_it_is_in_us
     del first, second
     gc.collect()
     assert gone() is None
+
+
+def test_the_cache_lock_lets_one_holder_in_at_a_time_and_leaves_no_file(tmp_path):
+    """Four processes add to one counter under one_at_a_time, 40 times each, a read, a pause and
+    a write each time: no addition is lost (one holder at a time, though each holder removes the
+    lock file before it lets go), and no lock file is left beside the counter."""
+    import subprocess
+    import sys
+
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    body = ("import sys, time; from pathlib import Path; from workers.files import one_at_a_time\n"
+            "p = Path(sys.argv[1])\n"
+            "for _ in range(40):\n"
+            "    with one_at_a_time(p):\n"
+            "        n = int(p.read_text()); time.sleep(0.0005); p.write_text(str(n + 1))\n")
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", body, str(counter)], cwd=root) for _ in range(4)]
+    assert [p.wait(60) for p in procs] == [0] * 4
+    assert counter.read_text() == "160"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["counter"]

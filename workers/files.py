@@ -38,16 +38,33 @@ def one_at_a_time(path: Path) -> Iterator[None]:
     """Held by one process at a time for the cached thing at `path` (an exclusive lock on a hidden
     file beside it, `.<name>.lock`; the kernel lets go of it when its holder dies): copies starting
     together build or measure it once, the others wait and read it. Where the lock file cannot be
-    made (a read-only cache), each goes on alone."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.parent / f".{path.name}.lock", "w")
-    except OSError:
-        yield
-        return
-    with lock:
+    made (a read-only cache), each goes on alone.
+
+    The holder removes the lock file before it lets go, so none is left in the cache. A waiter
+    that then gets the lock holds a file no longer at that path (its inode is not the path's), and
+    takes the path's new one instead: two holders never hold different files at once."""
+    name = path.parent / f".{path.name}.lock"
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(name, "w")
+        except OSError:
+            yield
+            return
         fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            same = os.stat(name).st_ino == os.fstat(lock.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        lock.close()  # removed by the holder before us: lock the file now at that path
+    try:
         yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        lock.close()
 
 
 def read_keyed(path: Path, key: str, missing=None):
