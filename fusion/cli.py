@@ -182,7 +182,7 @@ def _against_router(params: dict, fusion, plan, work):
 
 
 def predict(params: dict, fusion, plan) -> int:
-    from fusion.predict import build_jobs, run_predict
+    from fusion.predict import HDF5Job, build_jobs, run_predict
 
     run = params["runconfig"]
     # checks the data before any load
@@ -192,13 +192,16 @@ def predict(params: dict, fusion, plan) -> int:
     for line in summary:
         print(line, flush=True)
     failed = sum(j.failed for j in jobs)
+    refused = sum(j.refused for j in jobs if isinstance(j, HDF5Job))
     for j in jobs:
         print(f"outputs: {j.output}", flush=True)
+    if refused:
+        print(f"error: {refused} HDF5 rows were refused for their data (see above); their batches are written once "
+              "those rows are fixed and the same command is run again", file=sys.stderr)
     if failed:
         print(f"error: {failed} batches or lines failed for a transient reason (see above); rerun the same command "
               "to finish them", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed or refused else 0
 
 
 def evaluate(params: dict, fusion, plan) -> int:

@@ -43,7 +43,8 @@ class HDF5Job:
     spec: ModelSpec  # the variant's model settings
     out_dir: Path
     retry_delays: tuple[float, ...] = ()
-    failed: int = 0  # batches left incomplete: a rerun finishes them
+    failed: int = 0  # batches left incomplete for a transient reason: a rerun finishes them
+    refused: int = 0  # rows a model refused (their data): their batches wait for the data to be fixed
 
     @property
     def output(self) -> Path:
@@ -89,16 +90,26 @@ class HDF5Job:
 
         results = await asyncio.gather(*[one(r, pr) for r, pr in enumerate(batch.prompts)], return_exceptions=True)
         rows.close()
-        errors = [e for e in results if isinstance(e, BaseException)]
-        for e in errors:
+        errors = {r: e for r, e in zip(batch.sample_indices, results) if isinstance(e, BaseException)}
+        for e in errors.values():
             if not isinstance(e, (RouterError, Transient)):
                 raise e
         if errors:
-            self.failed += 1
             progress.advance(self.name, errors=len(errors))
-            print(f"error: {self.name} batch {batch.number} ({self.processor.path}): {len(errors)} rows failed "
-                  f"({errors[0]}); its {len(done)} finished rows are kept; rerun predict to finish it",
-                  file=sys.stderr, flush=True)
+            # a RouterError reaching here is the row's own (a transient one is a Transient): a rerun
+            # would send the same row again, so say which row, and that its data must change
+            refused = {r: e for r, e in errors.items() if not isinstance(e, Transient)}
+            where = f"{self.name} batch {batch.number} ({self.processor.path})"
+            for r, e in refused.items():
+                print(f"error: {where}: row {r} refused ({e}); its batch is written once the row is fixed in "
+                      "the file", file=sys.stderr, flush=True)
+            if len(refused) < len(errors):
+                first = next(e for e in errors.values() if isinstance(e, Transient))
+                print(f"error: {where}: {len(errors) - len(refused)} rows failed ({first}); rerun predict to "
+                      "finish them", file=sys.stderr, flush=True)
+            print(f"{where}: its {len(done)} finished rows are kept", file=sys.stderr, flush=True)
+            self.refused += len(refused)
+            self.failed += len(refused) < len(errors)
             return
         generated = [done.get(r) if pr is not None else None for r, pr in enumerate(batch.prompts)]
         write_npz_atomic(path, batch.number, self.processor.predictions(batch, generated))

@@ -83,7 +83,11 @@ class GptHDF5MapDataProcessor:
             raise DataError(f"{self.path}: row {i} has no start token (any of {self.start_tokens})")
         if hits[0] == 0:
             raise DataError(f"{self.path}: row {i} has an empty prompt (it begins with the start token)")
-        return row[: hits[0]].tolist()
+        prompt = row[: hits[0]]
+        if (prompt < 0).any():
+            j = int(np.flatnonzero(prompt < 0)[0])
+            raise DataError(f"{self.path}: row {i} has a negative token ID ({int(prompt[j])}) at position {j}")
+        return prompt.tolist()
 
     @property
     def max_seq_len(self) -> int:
