@@ -117,3 +117,14 @@ def test_text_with_unicode_line_separators_stays_one_record(tmp_path):
     text = final.read_text(encoding="utf-8")
     assert "é" in text and len(text.splitlines()) == 3
     assert [json.loads(x) for x in text.splitlines()] == [{**recs[0], "again": True}, recs[1], recs[2]]
+
+
+def test_a_byte_order_mark_is_read_past_and_a_line_not_utf8_is_that_lines_error(tmp_path):
+    """A file written with a byte order mark (as some Windows tools do) serves its first line; a line
+    that is not UTF-8 is an error naming the line and the byte, and the lines around it are served."""
+    p = tmp_path / "req.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b\xff"}\n{"prompt": "\xc3\xa9"}\n')
+    lines = parse_file(p, "llama", NAMES, SOURCES).lines
+    assert [(ln.number, ln.error) for ln in lines] == [
+        (1, None), (2, "req.jsonl line 2: not UTF-8 text (byte 0xff at column 14)"), (3, None)]
+    assert lines[0].request == {"prompt": "a"} and lines[2].request == {"prompt": "é"}

@@ -31,13 +31,21 @@ def json_line(record) -> str:
     return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS_IN_STRINGS) + "\n"
 
 
-def split_json_lines(text: str) -> list[str]:
+def split_json_lines(data: bytes) -> list[str | UnicodeDecodeError]:
     """JSON Lines split as the format defines them: on \\n (a \\r before it dropped), never on the
-    other characters str.splitlines() breaks at, which may stand unescaped inside strings."""
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
+    other characters str.splitlines() breaks at, which may stand unescaped inside strings. Each
+    line decoded as UTF-8 alone (a byte order mark before the first dropped), so a line that is not
+    UTF-8 is that line's error (the decoding's), not the file's."""
+    lines = data.removeprefix(b"\xef\xbb\xbf").split(b"\n")
+    if lines and lines[-1] == b"":
         lines.pop()
-    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
+    out: list[str | UnicodeDecodeError] = []
+    for ln in lines:
+        try:
+            out.append((ln[:-1] if ln.endswith(b"\r") else ln).decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            out.append(exc)
+    return out
 
 
 def writable_dir(path: str | Path) -> Path:

@@ -100,13 +100,18 @@ def parse_file(path: Path, default_variant: str, names: set[str], sources: dict[
     routed=False sends every line to default_variant, whatever its `model` says (eval)."""
     out = JsonlFile(path, default_variant)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read ({exc})") from None
-    for i, raw in enumerate(split_json_lines(text), start=1):
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    for i, raw in enumerate(split_json_lines(data), start=1):
+        where = f"{path.name} line {i}"
+        if isinstance(raw, UnicodeDecodeError):
+            out.lines.append(JsonlLine(i, raw.object.decode("utf-8", "replace"),
+                                       error=f"{where}: not UTF-8 text (byte 0x{raw.object[raw.start]:02x} at "
+                                             f"column {raw.start + 1})"))
+            continue
         if not raw.strip():
             continue  # blank lines (e.g. a trailing newline) are not requests
-        where = f"{path.name} line {i}"
         try:
             req = json.loads(raw)
         except json.JSONDecodeError as exc:
