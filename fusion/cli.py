@@ -242,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return run(args)
+    except KeyboardInterrupt:  # Ctrl-C: the deployment stopped its workers on the way here
+        resumable = args.mode in ("predict", "infer", "eval")
+        print("interrupted" + ("; what finished is kept, and the same command goes on from there" if resumable
+                               else ""), file=sys.stderr, flush=True)
+        return 130
     finally:
         launcher.stop_server()  # every worker has exited: its fork server would otherwise linger
 

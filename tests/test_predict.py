@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import time
 
 import h5py
 import numpy as np
-from support.batch import SEQ, START
+import psutil
+from support.batch import MAX_TOKENS, SEQ, START
+from support.batch import hdf5_command as predict_command
 from support.batch import hdf5_predict as predict
 from support.batch import hdf5_reference as reference
 from support.batch import hdf5_setup as setup
+from support.cluster import ROOT
 
 
 def test_predict_hdf5_end_to_end_and_resume(tmp_path):
@@ -45,6 +52,36 @@ def test_predict_hdf5_end_to_end_and_resume(tmp_path):
     assert {x: (pred_dir / f"predictions_{x}.npz").stat().st_mtime_ns for x in (1, 3)} == mtimes
     with np.load(pred_dir / "predictions_2.npz") as z:
         assert z["predictions"].tolist() == got[2].tolist()
+
+
+def test_ctrl_c_stops_predict_cleanly_and_the_same_command_goes_on(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) mid-run: status 130 and a line
+    saying so (no traceback, from any process), nothing left running, the finished batches kept;
+    the same command then writes the rest, equal to an uninterrupted run's."""
+    rows = [[(i % 250) + 1, 3, 5] for i in range(900)]
+    setup(tmp_path, rows, end=99998)
+    proc = subprocess.Popen(predict_command(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    pred_dir = tmp_path / "md" / "predictions" / "llama"
+    deadline = time.monotonic() + 240
+    while not (pred_dir.is_dir() and len(list(pred_dir.glob("*.npz"))) >= 3) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    group = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; what finished is kept" in err and "Traceback" not in err, err[-3000:]
+    kept = len(list(pred_dir.glob("*.npz")))
+    assert 3 <= kept < 300
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in group):
+        assert time.monotonic() < deadline, "a process of the run outlived it"
+        time.sleep(0.1)
+    assert predict(tmp_path).returncode == 0
+    assert len(list(pred_dir.glob("*.npz"))) == 300
+    with np.load(pred_dir / "predictions_300.npz") as z:
+        assert z["predictions"][2].tolist()[:3 + MAX_TOKENS] == rows[899] + reference(rows[899], 99998)
 
 
 def test_predict_names_bad_row(tmp_path):

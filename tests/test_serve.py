@@ -41,7 +41,8 @@ def test_serve_restarts_what_crashes_and_stops_cleanly():
     proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--variants", "llama,1",
                              "gpt2,1", "--devices", "cpu", "--frontend", ANY_PORT, "--backend", ANY_PORT,
                              "--http", "127.0.0.1:0"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # a process group of its own, as a terminal gives it
     try:
         front = read_frontend(proc)
         url = next(ln for ln in proc.stdout if ln.startswith("serving: OpenAI-compatible HTTP at "))
@@ -94,7 +95,7 @@ def test_serve_restarts_what_crashes_and_stops_cleanly():
             assert len(pids) == 2
 
         time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the group gets it
         assert proc.wait(timeout=60) == 0
         out, err = proc.stdout.read(), proc.stderr.read()
         assert "stopped" in out

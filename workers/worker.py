@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -449,7 +450,11 @@ class Worker:
 def run_forked(argv: list[str], env: dict[str, str], cwd: str, starter_pid: int) -> None:
     """A worker forked from a launcher's server (fusion.launcher) that has imported torch already.
     It takes the environment and directory its starter has now (the server's are those of when it
-    started), and exits when its starter is gone."""
+    started), and exits when its starter is gone.
+
+    It ignores SIGINT: a terminal's Ctrl-C reaches the deployment's whole process group, and the
+    deployment stops its workers itself (the router's shutdown), after what they serve has ended."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

@@ -66,11 +66,14 @@ def hdf5_setup(tmp_path, rows, end):
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
 
 
+def hdf5_command(tmp_path) -> list[str]:
+    """run_mm.py predicting hdf5_setup's input with two copies."""
+    return [*command(CLI), "--mode", "predict", "--params", str(tmp_path / "p.yaml"), "--variants", "llama,2",
+            "--model_dir", str(tmp_path / "md"), "--devices", "cpu", "--frontend", ANY_PORT, "--backend", ANY_PORT]
+
+
 def hdf5_predict(tmp_path):
-    return subprocess.run([*command(CLI), "--mode", "predict", "--params", str(tmp_path / "p.yaml"),
-                           "--variants", "llama,2", "--model_dir", str(tmp_path / "md"), "--devices", "cpu",
-                           "--frontend", ANY_PORT, "--backend", ANY_PORT],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(hdf5_command(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def same_choices(got: list[dict], want: list[dict]) -> None:
