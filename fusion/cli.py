@@ -30,6 +30,8 @@ from wire.security import SecurityError, check_bind, endpoint_problem
 MODES = ["validate_only", "compile_only", "predict", "infer", "eval", "serve"]
 # the modes that start worker processes here (unless they use a router elsewhere, or Ray)
 WORKER_MODES = {"predict", "infer", "eval", "serve"}
+# the modes whose outputs a rerun goes on from (what finished stays written)
+RESUMABLE = {"predict", "infer", "eval"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -243,9 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except KeyboardInterrupt:  # Ctrl-C: the deployment stopped its workers on the way here
-        resumable = args.mode in ("predict", "infer", "eval")
-        print("interrupted" + ("; what finished is kept, and the same command goes on from there" if resumable
-                               else ""), file=sys.stderr, flush=True)
+        print("interrupted" + ("; what finished is kept, and the same command goes on from there"
+                               if args.mode in RESUMABLE else ""), file=sys.stderr, flush=True)
         return 130
     finally:
         launcher.stop_server()  # every worker has exited: its fork server would otherwise linger
@@ -301,6 +302,12 @@ def run(args) -> int:
         return 2
     except (RuntimeError, TimeoutError, zmq.ZMQError) as exc:  # workers that never came up, an address taken
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # an output that cannot be written (a full disk, its directory gone)
+        where = exc.filename or (f"writing under {params['runconfig']['model_dir']}" if args.mode in RESUMABLE else "")
+        where = f" ({where})" if where else ""
+        kept = "; what finished is kept, and the same command goes on from there" if args.mode in RESUMABLE else ""
+        print(f"error: {exc.strerror or exc}{where}{kept}", file=sys.stderr)
         return 1
 
 

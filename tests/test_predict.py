@@ -84,6 +84,26 @@ def test_ctrl_c_stops_predict_cleanly_and_the_same_command_goes_on(tmp_path):
         assert z["predictions"][2].tolist()[:3 + MAX_TOKENS] == rows[899] + reference(rows[899], 99998)
 
 
+def test_outputs_that_cannot_be_written_end_the_run_with_a_line_not_a_traceback(tmp_path):
+    """The outputs' directory replaced by a file mid-run (as a full disk, a write fails): the run
+    stops with status 1 and one line naming the failure, and the batches written before stay."""
+    rows = [[(i % 250) + 1, 3, 5] for i in range(900)]
+    setup(tmp_path, rows, end=99998)
+    proc = subprocess.Popen(predict_command(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    pred_dir = tmp_path / "md" / "predictions" / "llama"
+    deadline = time.monotonic() + 240
+    while not (pred_dir.is_dir() and len(list(pred_dir.glob("*.npz"))) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    aside = tmp_path / "written"
+    pred_dir.rename(aside)
+    pred_dir.write_text("")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert "error: Not a directory" in err and "what finished is kept" in err, err[-1000:]
+    assert len(list(aside.glob("*.npz"))) >= 2
+
+
 def test_predict_names_bad_row(tmp_path):
     setup(tmp_path, [[1, 2]], end=3)
     with h5py.File(tmp_path / "data" / "prompts.h5", "r+") as f:

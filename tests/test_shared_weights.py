@@ -315,3 +315,18 @@ def test_the_cache_lock_lets_one_holder_in_at_a_time_and_leaves_no_file(tmp_path
     assert [p.wait(60) for p in procs] == [0] * 4
     assert counter.read_text() == "160"
     assert sorted(f.name for f in tmp_path.iterdir()) == ["counter"]
+
+
+def test_files_written_whole_get_the_modes_the_umask_gives(tmp_path):
+    """atomic_replace's temporaries are private (mkstemp, mkdtemp); what they become is an ordinary
+    output or cache entry, readable as the umask says (a predictions file was 0600)."""
+    from workers.files import atomic_replace
+
+    old = os.umask(0o027)
+    try:
+        atomic_replace(tmp_path / "f", lambda t: t.write_text("x"))
+        atomic_replace(tmp_path / "d", lambda t: (t / "inner").write_text("x"), is_dir=True)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "d").stat().st_mode & 0o777 == 0o750

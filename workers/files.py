@@ -100,6 +100,18 @@ def _fsync_tree(path: Path) -> None:
             os.fsync(fh.fileno())
 
 
+def _umask() -> int:
+    """The process's umask, read where Linux shows it: setting it to learn it would change it for
+    every thread meanwhile."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def atomic_replace(dest: str | Path, fill: Callable[[Path], None], *, is_dir: bool = False) -> bool:
     """`fill(tmp)` writes a temporary sibling of `dest` (a file, or a directory when `is_dir`); once
     it returns, the result is synced and renamed over `dest`. On any error the temporary is removed
@@ -110,10 +122,14 @@ def atomic_replace(dest: str | Path, fill: Callable[[Path], None], *, is_dir: bo
     first to put its directory in place wins and the others' are dropped: returns False for them."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    # mkstemp and mkdtemp make 0600 and 0700, private to this user; what they become is an ordinary
+    # file or directory, whose mode the umask decides as for any other
     if is_dir:
         tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+        tmp.chmod(0o777 & ~_umask())
     else:
         fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~_umask())
         os.close(fd)
         tmp = Path(name)
     placed = True
