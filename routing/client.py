@@ -33,7 +33,7 @@ import zmq
 
 from routing.openai_objects import text_completion
 from wire import protocol as P
-from wire.security import connect_curve
+from wire.security import connect_curve, endpoint_problem
 
 _WATCH = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -606,10 +606,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.copies is not None and args.copies < 1:  # not taken as the default: 0 copies is no request
         ap.error(f"--copies must be an integer >= 1, got {args.copies}")
     try:
+        if problem := endpoint_problem(args.router, bind=False):
+            raise ValueError(problem)
         client = Client(args.router, timeout=args.timeout, curve_keys=args.curve_keys, curve_name=args.curve_name)
-    except zmq.ZMQError as exc:
-        ap.error(f"--router {args.router!r} is not an address to connect to ({exc.strerror}); "
-                 f"give e.g. {P.DEFAULT_FRONTEND}")
+    except (ValueError, zmq.ZMQError) as exc:  # zmq's own refusal of a host it cannot read, too
+        ap.error(f"--router {args.router!r} {exc}; give e.g. {P.DEFAULT_FRONTEND}")
     with client as c:
         started = False  # the prompt is echoed, then its tokens: an error starts on a line of its own
         try:

@@ -130,7 +130,7 @@ def test_the_command_line_client_reports_errors_by_name(two_archs, capsys):
 
     with pytest.raises(SystemExit) as info:
         main(["--router", "foo", "--status"])
-    assert info.value.code == 2 and "--router 'foo' is not an address to connect to" in capsys.readouterr().err
+    assert info.value.code == 2 and "--router 'foo' is not tcp://HOST:PORT" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["--router", two_archs.frontend, "--load", "llama", "--copies", "0"])
     assert info.value.code == 2 and "--copies must be an integer >= 1, got 0" in capsys.readouterr().err

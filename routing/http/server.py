@@ -23,7 +23,7 @@ import uvicorn
 
 from routing.http.app import MAX_BODY_BYTES, Gateway, GatewaySettings
 from wire import protocol as P
-from wire.security import is_loopback
+from wire.security import endpoint_problem, is_loopback
 
 KEYS_ENV = "MMFUSION_API_KEYS"
 TENANT_KEYS_ENV = "MMFUSION_TENANT_KEYS"  # JSON {API key: tenant name}: keys accepted, each naming its tenant
@@ -184,16 +184,6 @@ def _watch(server: uvicorn.Server, parent_pid: int | None, interval: float = 0.5
 
 
 def check_router_address(address: str) -> None:
-    """A router endpoint zmq can connect to (tcp://host:port, ipc://...), checked before serving."""
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.connect(address)
-    except zmq.ZMQError as exc:
-        raise GatewayError(f"--router {address!r} is not an endpoint to connect to ({exc.strerror}); "
-                           "give e.g. tcp://127.0.0.1:5555") from None
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+    """A router endpoint to connect to (tcp://host:port, ipc://...), checked before serving."""
+    if problem := endpoint_problem(address, bind=False):
+        raise GatewayError(f"--router {address!r} {problem}; give e.g. {P.DEFAULT_FRONTEND}")
