@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from support.models import dequantized_reference, hf_greedy, tiny
+from support.models import dequantized_reference, hf_attention, hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.engine.cuda.runner import CudaRunner, decode_buckets
@@ -264,6 +264,20 @@ def test_the_lean_forward_fuses_linears_over_the_weights_with_no_copy():
     assert torch.equal(layer.qkv.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     assert sum(p.numel() * p.element_size() for p in lm.model.parameters()) == weights
     assert eng.generate([[4, 5, 6, 7]], _greedy(8))[0].outputs[0].token_ids == want
+
+
+def test_penalties_are_the_host_samplers_on_the_runner_too():
+    """A request that changes its logits (here a repetition penalty) takes its tokens from the host
+    sampler, not from the device's, and gets transformers' greedy tokens under that penalty."""
+    lm = tiny("llama", dtype="float32")
+    eng = _engine(lm)
+    prompt = [5, 17, 33, 2, 99, 4]
+    got = eng.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                repetition_penalty=1.3))
+    with hf_attention(lm.model, "sdpa"), torch.inference_mode():
+        want = lm.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, repetition_penalty=1.3,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+    assert got[0].outputs[0].token_ids == want
 
 
 def test_qwen2_biases_are_added_on_the_dense_path_too():

@@ -177,8 +177,12 @@ def test_errors_are_openai_error_objects(oai, gw):
         oai.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                     extra_body={"prompt": "x"})
     assert info.value.body["param"] == "prompt" and info.value.status_code == 400
-    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        oai.completions.create(model="llama", prompt="x", presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="suffix is not supported"):
+        oai.completions.create(model="llama", prompt="x", suffix="y")
+    # OpenAI's penalties and biases and vLLM's repetition_penalty and min_tokens are taken
+    got = oai.completions.create(model="llama", prompt="x", max_tokens=3, presence_penalty=0.5, frequency_penalty=0.5,
+                                 logit_bias={"7": 100}, extra_body={"repetition_penalty": 1.2, "min_tokens": 3})
+    assert got.usage.completion_tokens == 3 and got.choices[0].text == tiny("llama", "float32").tokenizer.decode([7] * 3)
     with pytest.raises(openai.BadRequestError, match="prompt"):
         oai.completions.create(model="llama", prompt=[])
     with pytest.raises(openai.BadRequestError) as info:  # the worker refuses it before the stream starts

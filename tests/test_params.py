@@ -38,7 +38,7 @@ def test_bad_sampling_params(kwargs, name):
 
 @pytest.mark.parametrize("params,name", [
     ({"frobnicate": 1}, "frobnicate"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"suffix": "x"}, "suffix"),
     ({"logprobs": 21}, "logprobs"),
     ({"echo": "yes"}, "echo"),
     ({"max_tokens": -3}, "max_tokens"),

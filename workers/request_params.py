@@ -12,15 +12,16 @@ if TYPE_CHECKING:
     from workers.engine.params import SamplingParams
 
 MAX_LOGPROBS = 20
-# OpenAI parameter -> SamplingParams field (extensions: top_k, stop_token_ids, ignore_eos)
+# OpenAI parameter -> SamplingParams field (vLLM's extensions: top_k, stop_token_ids, ignore_eos,
+# repetition_penalty, min_tokens)
 DIRECT = {"max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed", "stop", "stop_token_ids",
-          "ignore_eos"}
+          "ignore_eos", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"}
 HANDLED = DIRECT | {"logprobs", "echo"}
 # no effect on sampling: routing and bookkeeping fields (return_token_ids is the clients': their
 # OpenAI object then keeps each choice's token_ids)
 IGNORED = {"user", "stream", "model", "engine", "prompt", "return_token_ids"}
 # OpenAI parameters not implemented: accepted only at their no-op value, refused otherwise, never ignored
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": ""}
+UNSUPPORTED = {"suffix": ""}
 
 
 def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:

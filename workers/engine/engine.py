@@ -208,6 +208,9 @@ class Engine:
         ids = self.encode(prompt)
         if not ids:
             raise ParamError("prompt", "prompt must not be empty")
+        if outside := [t for t in params.logit_bias if t >= self.lm.vocab_size]:
+            raise ParamError("logit_bias", f"logit_bias token ID {outside[0]} is not in the vocabulary "
+                             f"[0, {self.lm.vocab_size})")
         ctx = self.lm.max_model_len
         if len(ids) >= ctx or len(ids) + params.max_tokens > ctx:
             raise ParamError("max_tokens", f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, but the model's "

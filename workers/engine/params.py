@@ -8,6 +8,21 @@ from workers.config_keys import DEFAULT_MAX_TOKENS
 from workers.validate import ParamError, check_int, check_number
 
 
+def _token_biases(bias) -> dict[int, float]:
+    """logit_bias as {token ID: bias}: JSON gives the IDs as strings ("50256"); a bias in [-100, 100]
+    as OpenAI's API takes it."""
+    if not isinstance(bias, dict):
+        raise ParamError("logit_bias", f"logit_bias must be an object of token ID -> bias, got {type(bias).__name__}")
+    out = {}
+    for key, value in bias.items():
+        tid = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise ParamError("logit_bias", f"logit_bias keys must be token IDs (integers >= 0), got {key!r}")
+        check_number("logit_bias", value, -100, 100)
+        out[tid] = float(value)
+    return out
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What to generate for one prompt, in the names OpenAI and vLLM users know.
@@ -29,6 +44,15 @@ class SamplingParams:
     ignore_eos: bool = False  # True: the model's EOS does not end the sequence (HDF5 contract)
     logprobs: int | None = None  # None: no top alternatives; k >= 0: chosen token plus top-k
     prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt token, plus top-k
+    # what changes the logits before a token is picked (vLLM's meanings): a bias per token ID; the
+    # end tokens held back until min_tokens are out; a penalty on every token of the prompt and the
+    # output (divides a positive logit, multiplies a negative one); and penalties per output token's
+    # count (frequency) and presence
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +90,19 @@ class SamplingParams:
             check_int("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:
             check_int("prompt_logprobs", self.prompt_logprobs, 0)
+        self.logit_bias = _token_biases(self.logit_bias)
+        check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        check_number("repetition_penalty", self.repetition_penalty, 0, low_open=True)
+        for name in ("frequency_penalty", "presence_penalty"):
+            check_number(name, getattr(self, name), -2, 2)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the logits before a token is picked."""
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0 or self.frequency_penalty
+                    or self.presence_penalty)
 
     @property
     def num_samples(self) -> int:

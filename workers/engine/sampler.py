@@ -42,6 +42,42 @@ class SampleSpec:
     token_index: int
     num_top: int | None  # top-k alternatives to report, None for none
     want_logprob: bool = True  # the chosen token's log-probability (a full-vocabulary logsumexp)
+    adjust: LogitsAdjust | None = None  # what changes the row before its token is picked
+
+
+@dataclass(slots=True, frozen=True)
+class LogitsAdjust:
+    """A row's logits changed before its token is picked, in vLLM's order: the bias of each token
+    in `bias`, the `banned` tokens (an end that min_tokens holds back) out, then the repetition
+    penalty over the prompt's and the output's tokens (a positive logit divided, a negative one
+    multiplied, as transformers' RepetitionPenaltyLogitsProcessor does), then `frequency` times
+    each output token's count and `presence` once for each token the output holds, subtracted.
+    The log-probabilities reported stay the model's own (vLLM's default)."""
+
+    bias: dict[int, float]
+    banned: frozenset[int]
+    repetition: float
+    frequency: float
+    presence: float
+    prompt: list[int]
+    output: list[int]
+
+    def apply(self, row: torch.Tensor) -> None:
+        """Change one float32 row of logits in place."""
+        dev, vocab = row.device, row.shape[0]
+        if self.bias:
+            ids = torch.tensor(list(self.bias), device=dev)
+            row.index_add_(0, ids, torch.tensor(list(self.bias.values()), dtype=row.dtype, device=dev))
+        banned = [t for t in self.banned if t < vocab]
+        if banned:
+            row[torch.tensor(banned, device=dev)] = float("-inf")
+        if self.repetition != 1.0:
+            ids = torch.tensor(sorted(set(self.prompt) | set(self.output)), device=dev)
+            v = row[ids]
+            row[ids] = torch.where(v < 0, v * self.repetition, v / self.repetition)
+        if (self.frequency or self.presence) and self.output:
+            ids, counts = torch.unique(torch.tensor(self.output, device=dev), return_counts=True)
+            row[ids] -= self.frequency * counts.to(row.dtype) + self.presence
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -120,10 +156,16 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], row_by_row: bool = Fal
     if not specs:
         return [], [], []
     sel = _rows(logits, [s.row for s in specs])
-    tokens = _greedy(sel)
+    picks = sel  # what tokens are picked from: the rows with their adjustments
+    adjusted = [i for i, s in enumerate(specs) if s.adjust is not None]
+    if adjusted:
+        picks = sel.clone() if sel.dtype == torch.float32 else sel.float()
+        for i in adjusted:
+            specs[i].adjust.apply(picks[i])
+    tokens = _greedy(picks)
     hot = [i for i, s in enumerate(specs) if s.temperature != 0]
     if hot:
-        for i, t in zip(hot, _sample_rows(_rows(sel, hot), [specs[i] for i in hot])):
+        for i, t in zip(hot, _sample_rows(_rows(picks, hot), [specs[i] for i in hot])):
             tokens[i] = t
     chosen: list[float | None] = [None] * len(specs)
     want = [i for i, s in enumerate(specs) if s.want_logprob]

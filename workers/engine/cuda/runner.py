@@ -299,10 +299,12 @@ class CudaRunner(PagedRunner):
         return self.buffers.logits[: len(seqs)], tokens
 
     def _device_tokens(self, decode: list[Sequence]) -> bool:
-        """Whether the device's tokens are the step's: no row asks for log-probabilities (the host
-        computes them), and under `deterministic` every row is greedy (an argmax is the same
-        whatever the batch; a sampled row is drawn on the host, row by row)."""
-        return (not any(s.group.params.wants_logprobs or s.group.params.logprobs is not None for s in decode)
+        """Whether the device's tokens are the step's: no row asks for log-probabilities or changes
+        its logits (penalties, biases: the host does both), and under `deterministic` every row is
+        greedy (an argmax is the same whatever the batch; a sampled row is drawn on the host, row by
+        row)."""
+        return (not any(s.group.params.wants_logprobs or s.group.params.logprobs is not None
+                        or s.group.params.adjusts_logits for s in decode)
                 and not (self.batch_invariant and any(s.group.params.temperature != 0 for s in decode)))
 
     def _graph_decode(self, plan: SchedulerOutput) -> bool:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.sampler import SampleSpec, sample, top_alternatives
+from workers.engine.sampler import LogitsAdjust, SampleSpec, sample, top_alternatives
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence
 from workers.engine.step_result import PromptScores, StepResult
@@ -155,8 +155,13 @@ class Runner(ABC):
 
         def want(seq: Sequence, row: int) -> None:
             p = seq.group.params
+            adjust = None
+            if p.adjusts_logits:
+                held = seq.group.stop_ids if len(seq.output) < p.min_tokens else frozenset()
+                adjust = LogitsAdjust(p.logit_bias, held, p.repetition_penalty, p.frequency_penalty,
+                                      p.presence_penalty, seq.prompt, seq.output)
             specs.append(SampleSpec(row, p.temperature, p.top_k, p.top_p, seq.group.seed, seq.sample_index,
-                                    len(seq.output), p.logprobs, p.wants_logprobs))
+                                    len(seq.output), p.logprobs, p.wants_logprobs, adjust))
             owners.append(seq)
 
         for i, seq in enumerate(decode):
