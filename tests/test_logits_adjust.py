@@ -114,3 +114,18 @@ def test_a_bias_past_the_vocabulary_is_refused_and_the_engine_serves_on():
     with pytest.raises(ParamError, match="logit_bias token ID 100000 is not in the vocabulary"):
         eng.add_request("r", [1, 2], SamplingParams(max_tokens=2, logit_bias={100000: 1}))
     assert len(eng.generate([[1, 2]], _greedy(3))[0].outputs[0].token_ids) == 3
+
+
+def test_min_tokens_holds_back_stop_strings_too():
+    """A stop string that the first tokens' text holds ends the answer there; with min_tokens 6 it
+    is not looked for until six tokens are out (vLLM's rule)."""
+    lm = tiny("llama", dtype="float32")
+    eng = _engine(lm)
+    prompt = [5, 17, 33, 2]
+    full = eng.generate([prompt], _greedy(12))[0].outputs[0]
+    stop = lm.tokenizer.decode(full.token_ids[:2])[-1]  # a character of the second token's text
+    cut = eng.generate([prompt], _greedy(12, stop=[stop]))[0].outputs[0]
+    assert len(cut.token_ids) <= 2 and cut.finish_reason == "stop"
+    held = eng.generate([prompt], _greedy(12, stop=[stop], min_tokens=6))[0].outputs[0]
+    assert len(held.token_ids) >= 7 and held.token_ids == full.token_ids[:len(held.token_ids)]
+    assert held.text.startswith(lm.tokenizer.decode(full.token_ids[:6]))

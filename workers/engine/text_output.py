@@ -70,7 +70,11 @@ class RequestText:
                 if tok in self._stop_ids:  # the engine ends it here, with the whole text (stop tokens win)
                     s.ended = s.read
                     break
-                if self._longest and self._match_stop(s):
+                if not self._longest:
+                    continue
+                if s.read <= self.params.min_tokens:  # held back too, as vLLM holds them: text that
+                    s.checked = len(s.detok.text)  # came before is never scanned
+                elif self._match_stop(s):
                     s.ended = s.read
                     ended.append(c.index)
                     break
