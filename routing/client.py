@@ -583,6 +583,11 @@ class AsyncClient(_Base):
                         yield out
 
 
+# the command line's waits for an answer: a completion (a load queued behind others, a long
+# answer), and a question of the router's own, which it answers at once when it runs
+ANSWER_WAIT_S, QUERY_WAIT_S = 120.0, 10.0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Send a completion request to a running router.")
     ap.add_argument("prompt", nargs="?", help="prompt text (omit with --models or --status)")
@@ -590,7 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model name, or an integer model ID")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--timeout", type=float, default=None,
+                    help=f"seconds to wait for an answer (default {ANSWER_WAIT_S:g}; {QUERY_WAIT_S:g} for --models "
+                         "and --status, which a running router answers at once)")
     ap.add_argument("--models", action="store_true", help="list the models")
     ap.add_argument("--status", action="store_true", help="show the workers")
     ap.add_argument("--load", metavar="NAME", help="load the variant NAME (with --copies N in all, --pin)")
@@ -608,7 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if problem := endpoint_problem(args.router, bind=False):
             raise ValueError(problem)
-        client = Client(args.router, timeout=args.timeout, curve_keys=args.curve_keys, curve_name=args.curve_name)
+        wait = args.timeout or (QUERY_WAIT_S if args.models or args.status else ANSWER_WAIT_S)
+        client = Client(args.router, timeout=wait, curve_keys=args.curve_keys, curve_name=args.curve_name)
     except (ValueError, zmq.ZMQError) as exc:  # zmq's own refusal of a host it cannot read, too
         ap.error(f"--router {args.router!r} {exc}; give e.g. {P.DEFAULT_FRONTEND}")
     with client as c:
@@ -620,7 +628,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(out, indent=2))
                 return 0
             if args.models or args.status:
-                print(json.dumps(c.models() if args.models else c.status(), indent=2))
+                try:
+                    print(json.dumps(c.models() if args.models else c.status(), indent=2))
+                except TimeoutError as exc:
+                    raise TimeoutError(f"{exc}: is a deployment serving there? (run_mm.py --mode serve "
+                                       "prints the address its clients connect to)") from None
                 return 0
             model = int(args.model) if args.model.isdigit() else args.model
             sys.stdout.write(args.prompt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -131,6 +132,11 @@ def test_the_command_line_client_reports_errors_by_name(two_archs, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--router", "foo", "--status"])
     assert info.value.code == 2 and "--router 'foo' is not tcp://HOST:PORT" in capsys.readouterr().err
+    with socket.socket() as s:  # a port nobody serves: the question of status times out, saying what to check
+        s.bind(("127.0.0.1", 0))
+        nobody = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    assert main(["--router", nobody, "--status", "--timeout", "0.5"]) == 1
+    assert "within 0.5s: is a deployment serving there?" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["--router", two_archs.frontend, "--load", "llama", "--copies", "0"])
     assert info.value.code == 2 and "--copies must be an integer >= 1, got 0" in capsys.readouterr().err
