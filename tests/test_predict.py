@@ -115,24 +115,3 @@ def test_predict_names_bad_row(tmp_path):
     out = predict(tmp_path)  # negative IDs are found before any load
     assert out.returncode == 2 and "prompts.h5: row 0 has a negative token ID (-3) at position 1" in out.stderr
 
-
-def test_a_row_the_model_refuses_is_named_and_not_called_transient(tmp_path):
-    """A token ID past the vocabulary is the model's to refuse (the file does not know the vocabulary):
-    the row is named with the reason, its batch's other rows are kept and the other batches written,
-    and the run says the row must be fixed, not that a rerun finishes it. Fixed, a rerun completes."""
-    rows = [[5, 6, 7], [8, 9], [10, 11, 12], [13, 14]]
-    setup(tmp_path, rows, end=99998)
-    with h5py.File(tmp_path / "data" / "prompts.h5", "r+") as f:
-        f["data"][1, 1] = 10**9
-    out = predict(tmp_path)
-    assert out.returncode == 1, out.stderr
-    assert "row 1 refused (bad_request: prompt token ID 1000000000 at position 1 is not in the vocabulary" in out.stderr
-    assert "rows were refused for their data" in out.stderr and "transient" not in out.stderr
-    pred_dir = tmp_path / "md" / "predictions" / "llama"
-    assert (pred_dir / "predictions_2.npz").exists() and not (pred_dir / "predictions_1.npz").exists()
-    assert len((pred_dir / ".predictions_1.rows.jsonl").read_text().splitlines()) == 2  # rows 0 and 2 kept
-    with h5py.File(tmp_path / "data" / "prompts.h5", "r+") as f:
-        f["data"][1, 1] = 9
-    assert predict(tmp_path).returncode == 0
-    with np.load(pred_dir / "predictions_1.npz") as z:
-        assert z["predictions"][1].tolist()[:2 + len(reference(rows[1], 99998))] == rows[1] + reference(rows[1], 99998)
