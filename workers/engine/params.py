@@ -45,9 +45,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: no top alternatives; k >= 0: chosen token plus top-k
     prompt_logprobs: int | None = None  # None: none; k >= 0: per prompt token, plus top-k
     # what changes the logits before a token is picked (vLLM's meanings): a bias per token ID; the
-    # end tokens (and stop strings: text_output) held back until min_tokens are out; a penalty on every token of the prompt and the
-    # output (divides a positive logit, multiplies a negative one); and penalties per output token's
-    # count (frequency) and presence
+    # end tokens (and stop strings: text_output) held back until min_tokens are out; a penalty on
+    # every token of the prompt and the output (divides a positive logit, multiplies a negative
+    # one); and penalties per output token's count (frequency) and presence
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     repetition_penalty: float = 1.0
