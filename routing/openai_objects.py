@@ -82,9 +82,10 @@ def model_copies(change: dict, created: int) -> dict:
     return {"object": "list", "model": change["model"], "data": data}
 
 
-def completion_chunk(cid: str, created: int, model: str, index: int, text: str, finish_reason) -> dict:
+def completion_chunk(cid: str, created: int, model: str, index: int, text: str, finish_reason,
+                     logprobs: dict | None = None) -> dict:
     return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(cid: str, created: int, model: str, chat: bool, usage: Usage) -> dict:
@@ -115,9 +116,12 @@ def chat_completion(result: dict, model: str) -> dict:
             "choices": choices, "usage": usage.as_dict()}
 
 
-def chat_chunk(cid: str, created: int, model: str, index: int, delta: dict, finish_reason=None) -> dict:
+def chat_chunk(cid: str, created: int, model: str, index: int, delta: dict, finish_reason=None,
+               logprobs: dict | None = None) -> dict:
+    """`logprobs`: the chunk's tokens as the worker sends them (completion form), given in chat's."""
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": _chat_logprobs(logprobs),
+                         "finish_reason": finish_reason}]}
 
 
 @dataclass(slots=True)

@@ -109,8 +109,6 @@ def completion_job(body: dict) -> CompletionJob:
     lp = body.get("logprobs")
     if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
         raise bad("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
-    if lp is not None and opts.stream:
-        raise bad("logprobs", "logprobs is not supported together with stream")
     n = body.get("n", 1)
     return CompletionJob(prompts, params, opts, n if is_int(n) and n > 0 else 1)
 
@@ -156,8 +154,6 @@ def chat_job(body: dict) -> ChatJob:
         if not want:
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")
     if want:
-        if opts.stream:
-            raise bad("logprobs", "logprobs is not supported together with stream")
         params["logprobs"] = top or 0
     n = body.get("n", 1)
     return ChatJob(messages, params, opts, n if is_int(n) and n > 0 else 1,

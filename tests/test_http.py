@@ -119,6 +119,33 @@ def test_a_chat_template_that_refuses_the_messages_is_the_requests_error():
     assert chat_prompt(tok, [{"role": "user", "content": "x"}], "llama")
 
 
+def test_streamed_logprobs_add_up_to_the_completions(oai):
+    """logprobs in a stream: each chunk carries its tokens' log-probabilities, and together they are
+    the answer's without a stream (completions: tokens, values, top alternatives and text offsets;
+    chat: its content entries)."""
+    kw = dict(model="llama", prompt=[5, 17, 33], max_tokens=10, logprobs=2, **GREEDY)
+    whole = oai.completions.create(**kw).choices[0].logprobs
+    tokens, values, tops, offsets = [], [], [], []
+    for chunk in oai.completions.create(stream=True, **kw):
+        lp = chunk.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            values += lp.token_logprobs
+            tops += lp.top_logprobs
+            offsets += lp.text_offset
+    assert tokens == whole.tokens and offsets == whole.text_offset and len(tokens) == 10
+    assert values == pytest.approx(whole.token_logprobs, abs=1e-6)
+    assert [sorted(t) for t in tops] == [sorted(t) for t in whole.top_logprobs]
+    msgs = [{"role": "user", "content": "hi"}]
+    ckw = dict(model="llama", messages=msgs, max_tokens=8, logprobs=True, top_logprobs=2, **GREEDY)
+    want = oai.chat.completions.create(**ckw).choices[0].logprobs.content
+    got = [e for chunk in oai.chat.completions.create(stream=True, **ckw)
+           for e in (chunk.choices[0].logprobs.content if chunk.choices and chunk.choices[0].logprobs else [])]
+    assert [e.token for e in got] == [e.token for e in want] and len(got) == len(want) > 0
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-6)
+    assert [[t.token for t in e.top_logprobs] for e in got] == [[t.token for t in e.top_logprobs] for e in want]
+
+
 def test_chat_renders_the_template_and_streams_role_then_content(oai):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     r = oai.chat.completions.create(model="llama", messages=msgs, max_tokens=8, **GREEDY)
@@ -189,8 +216,8 @@ def test_errors_are_openai_error_objects(oai, gw):
         list(oai.completions.create(model="llama", prompt="x", stream=True, top_p=7))
     assert info.value.status_code == 400 and info.value.body["param"] == "top_p"
     with pytest.raises(openai.BadRequestError) as info:
-        oai.completions.create(model="llama", prompt="x", stream=True, logprobs=1)
-    assert info.value.body["param"] == "logprobs"
+        oai.completions.create(model="llama", prompt="x", stream=True, echo=True)
+    assert info.value.body["param"] == "echo"
     msgs = [{"role": "user", "content": "x"}]
     for stream in (False, True):  # chat's name for max_tokens: the worker's refusal names it as sent
         with pytest.raises(openai.BadRequestError) as info:

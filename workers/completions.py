@@ -7,7 +7,9 @@ from workers.engine.detok import tokens_within
 from workers.engine.outputs import RequestOutput
 
 
-def _logprobs_block(tokenizer, token_ids, logprobs, tops, start_offset: int):
+def logprobs_block(tokenizer, token_ids, logprobs, tops, start_offset: int) -> dict:
+    """OpenAI's completion `logprobs` of `token_ids`: each token's text, its log-probability, the top
+    alternatives by text, and where each token's text starts (from `start_offset`)."""
     tokens, offsets = [], []
     offset = start_offset
     for t in token_ids:
@@ -35,11 +37,11 @@ def completion_result(out: RequestOutput, model_name: str, tokenizer, echo: bool
             if len(c.text) < n_text:
                 gen_ids = gen_ids[: tokens_within(tokenizer, gen_ids, len(c.text))]
             tops = c.top_logprobs[: len(gen_ids)] if c.top_logprobs else [None] * len(gen_ids)
-            gen = _logprobs_block(tokenizer, gen_ids, c.logprobs[: len(gen_ids)], tops,
+            gen = logprobs_block(tokenizer, gen_ids, c.logprobs[: len(gen_ids)], tops,
                                   len(prompt_text) if echo else 0)
             if echo:
                 ptops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
-                pblock = _logprobs_block(tokenizer, out.prompt_token_ids, out.prompt_logprobs or
+                pblock = logprobs_block(tokenizer, out.prompt_token_ids, out.prompt_logprobs or
                                          [None] * len(out.prompt_token_ids), ptops, 0)
                 lp_block = {k: pblock[k] + gen[k] for k in gen}
             else:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from wire import protocol as P
-from workers.completions import completion_result
+from workers.completions import completion_result, logprobs_block
 from workers.engine.detok import IncrementalText
 from workers.engine.params import SamplingParams
 from workers.engine.text_output import RequestText
@@ -50,6 +50,9 @@ class Request:
     sent: dict[int, str] = field(default_factory=dict)  # per sample, the text streamed so far
     streamed: dict[int, int] = field(default_factory=dict)  # per sample, the tokens streamed so far
     closed: set[int] = field(default_factory=set)  # samples whose last chunk went out
+    # per sample, where the next streamed token's text starts, counted as the whole answer's
+    # `text_offset` counts it: each token's own text one after another
+    offsets: dict[int, int] = field(default_factory=dict)
 
 
 class OutputWork:
@@ -147,6 +150,8 @@ class OutputWork:
             if sent is None:  # a resent request's client has the text of the first `skip` tokens
                 sent = skip
                 req.sent[c.index] = held(IncrementalText(tok, c.token_ids[:skip]).text, req.hold) if skip else ""
+                if req.logprobs and skip:
+                    req.offsets[c.index] = sum(len(tok.decode([t])) for t in c.token_ids[:skip])
             finish = "stop" if s.cut is not None else c.finish_reason
             if finish is None and total == sent:
                 continue
@@ -157,8 +162,15 @@ class OutputWork:
                 req.closed.add(c.index)
             prev = req.sent[c.index]
             req.sent[c.index], req.streamed[c.index] = prev + text[len(prev):], total
-            outputs.append({"index": c.index, "token_ids": list(c.token_ids[sent:total]), "text": text[len(prev):],
-                            "finish_reason": finish})
+            out = {"index": c.index, "token_ids": list(c.token_ids[sent:total]), "text": text[len(prev):],
+                   "finish_reason": finish}
+            if req.logprobs and total > sent:  # the chunk's tokens, their offsets going on from the last chunk's
+                tops = c.top_logprobs[sent:total] if c.top_logprobs else [None] * (total - sent)
+                block = logprobs_block(tok, c.token_ids[sent:total], c.logprobs[sent:total], tops,
+                                       req.offsets.get(c.index, 0))
+                req.offsets[c.index] = block["text_offset"][-1] + len(block["tokens"][-1])
+                out["logprobs"] = block
+            outputs.append(out)
             counts.append([c.index, total])
         if outputs:
             self._data(P.CHUNK, key, {"type": P.CHUNK, "id": req.id, "outputs": outputs}, counts)

@@ -101,18 +101,20 @@ async def sse(events, first, state: StreamState, n: int, include_usage: bool, ch
                     else:
                         m.child(m.itl, model).observe((now - last) / len(out["token_ids"]))
                     last = now
+                logprobs = out.get("logprobs")  # asked for: the chunk's tokens (text may be held back)
                 if chat:
                     if index not in state.started:
                         state.started.add(index)
                         yield _sse(chat_chunk(state.id, state.created, model, index,
                                               {"role": "assistant", "content": ""}))
-                    if out["text"]:
-                        yield _sse(chat_chunk(state.id, state.created, model, index, {"content": out["text"]}))
+                    if out["text"] or logprobs:
+                        yield _sse(chat_chunk(state.id, state.created, model, index, {"content": out["text"]},
+                                              logprobs=logprobs))
                     if out["finish_reason"]:
                         yield _sse(chat_chunk(state.id, state.created, model, index, {}, out["finish_reason"]))
-                elif out["text"] or out["finish_reason"]:
+                elif out["text"] or out["finish_reason"] or logprobs:
                     yield _sse(completion_chunk(state.id, state.created, model, index, out["text"],
-                                                out["finish_reason"]))
+                                                out["finish_reason"], logprobs))
     except StopAsyncIteration:
         if include_usage:
             yield _sse(usage_chunk(state.id, state.created, model, chat, state.usage))
