@@ -130,6 +130,9 @@ def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -
     info = fusion.models[mids[0]]
     w = next(w for w in plan.workers if w.model_id == mids[0])
     model = info.spec
+    if not info.inference_input:
+        raise DataError(f"variant {name!r} has no inference_input: compile_only runs one batch of a variant's "
+                        "data, so give it one (data_processor, data_dir, batch_size)")
     bs = input_value(info.inference_input, "batch_size")
     max_tokens = model.max_tokens or TEST_BATCH_MAX_TOKENS
     prompts = first_batch(fusion, name, bs)

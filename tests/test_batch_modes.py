@@ -197,6 +197,9 @@ def test_compile_only_names_bad_data(tmp_path):
     params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data)})
     out = run_mm(params, "compile_only", ["llama,1"], tmp_path / "md")
     assert out.returncode == 2 and f"data_dir {data} holds no .jsonl file" in out.stderr
+    bare = write_params(tmp_path, {"llama": {"model": {"source": "tiny:llama", "dtype": "float32"}}})
+    out = run_mm(bare, "compile_only", ["llama,1"], tmp_path / "md")
+    assert out.returncode == 2 and "variant 'llama' has no inference_input: compile_only runs one batch" in out.stderr
 
 
 @pytest.mark.parametrize("mode", ["predict", "eval"])
