@@ -82,9 +82,12 @@ class RouterError(RuntimeError):
 
 def _frame(msg: dict) -> bytes:
     """A request's frame. A value the wire cannot carry (an integer beyond 64 bits, which JSON
-    allows) is refused here, as the router would refuse a bad value: a bad_request naming it."""
+    allows) is refused here, as the router would refuse a bad value: a bad_request naming it; a
+    request past the router's size limits too (too_large)."""
     try:
-        return P.pack(msg)
+        frame = P.pack(msg)
+        P.check_request(msg, frame)
+        return frame
     except P.ProtocolError as exc:
         raise RouterError(exc.code, str(exc), exc.param) from None
 

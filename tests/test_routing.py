@@ -203,6 +203,30 @@ def test_garbage_and_oversized_frames(two_archs, frame, match):
         assert c.complete(model="gpt2", prompt=[1, 2], max_tokens=1)["choices"]
 
 
+def test_a_request_past_the_size_limits_gets_its_answer(two_archs):
+    """A prompt of more token IDs than the router decodes (under the byte limit: an HTTP body of
+    2.6 MB held 1.3 million) went unanswered: the router could not read the request's id from
+    it, so its refusal named no request, and the client waited for its timeout. The client now
+    refuses it before sending, and the router reads the id from the entries before the prompt
+    for a client that sends it anyway."""
+    n = P.MAX_PROMPT_ITEMS + 1
+    with Client(two_archs.frontend, timeout=30) as c:
+        t0 = time.monotonic()
+        with pytest.raises(RouterError) as info:
+            c.complete(model="llama", prompt=[1] * n, max_tokens=1)
+        assert info.value.code == P.TOO_LARGE and f"prompt of {n} token IDs" in str(info.value)
+        assert time.monotonic() - t0 < 5
+        c.send_raw(P.pack({"type": P.COMPLETE, "id": "raw-1", "model": "llama", "prompt": [1] * n, "params": {},
+                           "stream": False}))
+        reply = c.recv(time.monotonic() + 30)
+        assert reply["type"] == P.ERROR and reply["id"] == "raw-1" and "max_array_len" in reply["message"]
+        c.send_raw(P.pack({"type": P.COMPLETE, "id": "raw-2", "model": "llama", "prompt": "x" * P.MAX_MESSAGE_BYTES,
+                           "params": {}, "stream": False}))
+        reply = c.recv(time.monotonic() + 30)
+        assert reply["type"] == P.ERROR and reply["id"] == "raw-2" and reply["code"] == P.TOO_LARGE
+        assert c.complete(model="gpt2", prompt=[1, 2], max_tokens=1)["choices"]
+
+
 def test_stream_texts_add_up_to_the_final_text_with_stop_strings(two_archs):
     """Chunks never carry half a character or the start of a stop string the final text cuts."""
     eng = Engine(tiny("llama", "float32"), EngineConfig(max_batch_size=4, max_batch_tokens=64))

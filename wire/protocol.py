@@ -235,17 +235,48 @@ def unbundle(frame: bytes) -> list[bytes] | None:
     return parts if all(type(x) is bytes for x in parts) else None
 
 
+def salvaged_id(frame: bytes) -> str | None:
+    """The `id` of a message refused before it was decoded (too large, an array past
+    MAX_PROMPT_ITEMS), read from the map's entries before it, so that the refusal reaches the
+    request that was waiting for it. None where there is none to read."""
+    try:
+        up = msgpack.Unpacker(raw=False, max_buffer_size=max(1, len(frame)), max_array_len=len(frame),
+                              max_map_len=len(frame), max_str_len=len(frame), max_bin_len=len(frame))
+        up.feed(frame)
+        for _ in range(up.read_map_header()):
+            if up.unpack() == "id":
+                rid = up.unpack()
+                return rid if isinstance(rid, str) else None
+            up.skip()
+    except Exception:  # noqa: BLE001 - garbage: nobody to answer by name
+        return None
+    return None
+
+
+def check_request(msg: dict, frame: bytes) -> None:
+    """What the router refuses for its size, refused before it is sent (ProtocolError, TOO_LARGE):
+    a prompt of more than MAX_PROMPT_ITEMS token IDs, a frame of more than MAX_MESSAGE_BYTES."""
+    prompt = msg.get("prompt")
+    if isinstance(prompt, (list, tuple)) and len(prompt) > MAX_PROMPT_ITEMS:
+        raise ProtocolError(f"prompt of {len(prompt)} token IDs exceeds the limit of {MAX_PROMPT_ITEMS}", TOO_LARGE,
+                            msg.get("id"), "prompt")
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"request of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}", TOO_LARGE,
+                            msg.get("id"), "prompt")
+
+
 def unpack(frame: bytes, allowed: set[str]) -> dict:
     """Decode and check the envelope. Raises ProtocolError naming what is wrong."""
     if len(frame) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}", TOO_LARGE)
+        raise ProtocolError(f"message of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}", TOO_LARGE,
+                            request_id=salvaged_id(frame))
     try:
         # bounded unpacking: nothing inside may claim more items than the frame could hold
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True,
                               max_array_len=MAX_PROMPT_ITEMS, max_map_len=4096, max_str_len=len(frame),
                               max_bin_len=len(frame), max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError(f"undecodable message: {type(exc).__name__}: {exc}") from None
+        raise ProtocolError(f"undecodable message: {type(exc).__name__}: {exc}", request_id=salvaged_id(frame)) from None
     if not isinstance(msg, dict):
         raise ProtocolError(f"message must be a msgpack map, got {type(msg).__name__}")
     rid = msg.get("id")
