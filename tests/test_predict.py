@@ -59,7 +59,7 @@ def test_ctrl_c_stops_predict_cleanly_and_the_same_command_goes_on(tmp_path):
     """A terminal's Ctrl-C (SIGINT to the whole process group) mid-run: status 130 and a line
     saying so (no traceback, from any process), nothing left running, the finished batches kept;
     the same command then writes the rest, equal to an uninterrupted run's."""
-    rows = [[(i % 250) + 1, 3, 5] for i in range(900)]
+    rows = [[(i % 250) + 1, 3, 5] for i in range(300)]
     setup(tmp_path, rows, end=99998)
     proc = subprocess.Popen(predict_command(tmp_path), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
@@ -74,15 +74,15 @@ def test_ctrl_c_stops_predict_cleanly_and_the_same_command_goes_on(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted; what finished is kept" in err and "Traceback" not in err, err[-3000:]
     kept = len(list(pred_dir.glob("*.npz")))
-    assert 3 <= kept < 300
+    assert 3 <= kept < 100
     deadline = time.monotonic() + 10
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in group):
         assert time.monotonic() < deadline, "a process of the run outlived it"
         time.sleep(0.1)
     assert predict(tmp_path).returncode == 0
-    assert len(list(pred_dir.glob("*.npz"))) == 300
-    with np.load(pred_dir / "predictions_300.npz") as z:
-        assert z["predictions"][2].tolist()[:3 + MAX_TOKENS] == rows[899] + reference(rows[899], 99998)
+    assert len(list(pred_dir.glob("*.npz"))) == 100
+    with np.load(pred_dir / "predictions_100.npz") as z:
+        assert z["predictions"][2].tolist()[:3 + MAX_TOKENS] == rows[299] + reference(rows[299], 99998)
 
 
 def test_outputs_that_cannot_be_written_end_the_run_with_a_line_not_a_traceback(tmp_path):
