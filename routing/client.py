@@ -85,6 +85,7 @@ def _frame(msg: dict) -> bytes:
     allows) is refused here, as the router would refuse a bad value: a bad_request naming it; a
     request past the router's size limits too (too_large)."""
     try:
+        P.check_request(msg)
         frame = P.pack(msg)
         P.check_request(msg, frame)
         return frame

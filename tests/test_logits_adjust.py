@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from support.models import hf_attention, tiny
+from support.models import hf_attention, hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.engine.params import SamplingParams
@@ -37,10 +37,7 @@ def test_repetition_penalty_gives_transformers_greedy_and_stays_its_requests_own
     plain = [o.outputs[0].token_ids for o in eng.generate(prompts, _greedy(60))]
     penalized = [o.outputs[0].token_ids for o in eng.generate(prompts, _greedy(60, repetition_penalty=1.3))]
     for p, got in zip(prompts, penalized):
-        with hf_attention(lm.model, "sdpa"), torch.inference_mode():
-            want = lm.model.generate(torch.tensor([p]), max_new_tokens=60, do_sample=False, repetition_penalty=1.3,
-                                     pad_token_id=0)[0, len(p):].tolist()
-        assert got == want
+        assert got == hf_greedy(lm.model, p, 60, repetition_penalty=1.3)
     assert penalized != plain  # the random model repeats itself within 60 tokens
     # side by side in one batch, each request keeps its own tokens
     mixed = eng.generate([prompts[0], prompts[1]], [_greedy(60), _greedy(60, repetition_penalty=1.3)])

@@ -253,14 +253,15 @@ def salvaged_id(frame: bytes) -> str | None:
     return None
 
 
-def check_request(msg: dict, frame: bytes) -> None:
+def check_request(msg: dict, frame: bytes | None = None) -> None:
     """What the router refuses for its size, refused before it is sent (ProtocolError, TOO_LARGE):
-    a prompt of more than MAX_PROMPT_ITEMS token IDs, a frame of more than MAX_MESSAGE_BYTES."""
+    a prompt of more than MAX_PROMPT_ITEMS token IDs (checked before packing: it would be millions of
+    items packed for nothing), and once packed, a `frame` of more than MAX_MESSAGE_BYTES."""
     prompt = msg.get("prompt")
     if isinstance(prompt, (list, tuple)) and len(prompt) > MAX_PROMPT_ITEMS:
         raise ProtocolError(f"prompt of {len(prompt)} token IDs exceeds the limit of {MAX_PROMPT_ITEMS}", TOO_LARGE,
                             msg.get("id"), "prompt")
-    if len(frame) > MAX_MESSAGE_BYTES:
+    if frame is not None and len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"request of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}", TOO_LARGE,
                             msg.get("id"), "prompt")
 

@@ -38,11 +38,11 @@ def completion_result(out: RequestOutput, model_name: str, tokenizer, echo: bool
                 gen_ids = gen_ids[: tokens_within(tokenizer, gen_ids, len(c.text))]
             tops = c.top_logprobs[: len(gen_ids)] if c.top_logprobs else [None] * len(gen_ids)
             gen = logprobs_block(tokenizer, gen_ids, c.logprobs[: len(gen_ids)], tops,
-                                  len(prompt_text) if echo else 0)
+                                 len(prompt_text) if echo else 0)
             if echo:
                 ptops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
                 pblock = logprobs_block(tokenizer, out.prompt_token_ids, out.prompt_logprobs or
-                                         [None] * len(out.prompt_token_ids), ptops, 0)
+                                        [None] * len(out.prompt_token_ids), ptops, 0)
                 lp_block = {k: pblock[k] + gen[k] for k in gen}
             else:
                 lp_block = gen

@@ -18,12 +18,13 @@ def tiny(arch: str, dtype: str = "float64"):
     return load_model(f"tiny:{arch}", dtype=dtype)
 
 
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    """transformers generate(do_sample=False) on its own attention, never stopping early."""
+def hf_greedy(model, prompt: list[int], max_new: int, **generate) -> list[int]:
+    """transformers generate(do_sample=False) on its own attention, never stopping early; `generate`:
+    more of generate's arguments (a logits processor's, e.g. repetition_penalty)."""
     attn = "eager" if model.config.model_type == "bloom" else "sdpa"
     with hf_attention(model, attn), torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+                             max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0, **generate)
     return out[0, len(prompt):].tolist()
 
 
