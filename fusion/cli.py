@@ -62,9 +62,9 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def configure(args) -> tuple[dict, object, object, object]:
-    """The params, the fused models, the plan, and (validate_only and local serve) the catalog of
-    what can load at run time."""
+def configure(args) -> tuple[dict, object]:
+    """The params and the fused models, every setting checked; local worker modes start the fork
+    server here, whose imports then overlap what is read and planned before the first worker."""
     from fusion.deploy import build_fusion, variant_specs
 
     params = load_params(args.params)
@@ -108,6 +108,34 @@ def configure(args) -> tuple[dict, object, object, object]:
         # its loads and measurements run in processes forked from the server, whose imports overlap
         # the plan made here (which also finds bad data in a moment, before the server is needed)
         launcher.start_server()
+    return params, fusion
+
+
+def input_jobs(mode: str, params: dict, fusion) -> list | None:
+    """predict's and eval's jobs: their data read and checked, and the outputs' directory made,
+    before anything waits on the fork server (a bad row is named in a moment, not after torch's
+    imports)."""
+    run = params["runconfig"]
+    if mode in ("predict", "infer"):
+        from fusion.predict import build_jobs
+
+        jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"], retry_delays=run["retry_delays"])
+    elif mode == "eval":
+        from fusion.evaluate import build_eval_jobs
+
+        jobs = build_eval_jobs(fusion, run["model_dir"], run["inference_steps"], retry_delays=run["retry_delays"])
+    else:
+        return None
+    writable_dir(run["model_dir"])
+    return jobs
+
+
+def place(mode: str, params: dict, fusion) -> tuple[object, object]:
+    """The plan, and (validate_only and local serve) the catalog of what can load at run time."""
+    from fusion.deploy import variant_specs
+
+    run = params["runconfig"]
+    local = not run["router"] and not run["ray"]
     plan_args = (fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
     if mode in ("predict", "infer", "eval") and run["router"]:
         plan = None  # the router's workers are already placed
@@ -129,7 +157,7 @@ def configure(args) -> tuple[dict, object, object, object]:
         from fusion.catalog import make_catalog
 
         catalog = make_catalog(fusion, plan, variant_specs(params), run)
-    return params, fusion, plan, catalog
+    return plan, catalog
 
 
 def serve(params: dict, fusion, plan, catalog) -> int:
@@ -183,13 +211,9 @@ def _against_router(params: dict, fusion, plan, work):
         return work(dep.frontend, dep.client_kw())
 
 
-def predict(params: dict, fusion, plan) -> int:
-    from fusion.predict import HDF5Job, build_jobs, run_predict
+def predict(params: dict, fusion, plan, jobs: list) -> int:
+    from fusion.predict import HDF5Job, run_predict
 
-    run = params["runconfig"]
-    # checks the data before any load
-    jobs = build_jobs(fusion, run["model_dir"], run["inference_steps"], retry_delays=run["retry_delays"])
-    writable_dir(run["model_dir"])
     _, summary = _against_router(params, fusion, plan, lambda fe, kw: run_predict(fe, jobs, client_kw=kw))
     for line in summary:
         print(line, flush=True)
@@ -206,12 +230,9 @@ def predict(params: dict, fusion, plan) -> int:
     return 1 if failed or refused else 0
 
 
-def evaluate(params: dict, fusion, plan) -> int:
-    from fusion.evaluate import build_eval_jobs, run_eval
+def evaluate(params: dict, fusion, plan, jobs: list) -> int:
+    from fusion.evaluate import run_eval
 
-    run = params["runconfig"]
-    jobs = build_eval_jobs(fusion, run["model_dir"], run["inference_steps"], retry_delays=run["retry_delays"])
-    writable_dir(run["model_dir"])
     for line in _against_router(params, fusion, plan, lambda fe, kw: run_eval(fe, jobs, client_kw=kw)):
         print(line, flush=True)
     failed = sum(j.failed for j in jobs)
@@ -275,8 +296,10 @@ def kernel_lines(plan) -> list[str]:
 
 def run(args) -> int:
     try:
-        params, fusion, plan, catalog = configure(args)
-    except (ParamsError, ValueError) as exc:
+        params, fusion = configure(args)
+        jobs = input_jobs(args.mode, params, fusion)
+        plan, catalog = place(args.mode, params, fusion)
+    except (ParamsError, ValueError) as exc:  # DataError, bad data, among them
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.mode == "validate_only":
@@ -293,9 +316,9 @@ def run(args) -> int:
         if args.mode == "serve":
             return serve(params, fusion, plan, catalog)
         if args.mode in ("predict", "infer"):
-            return predict(params, fusion, plan)
+            return predict(params, fusion, plan, jobs)
         if args.mode == "eval":
-            return evaluate(params, fusion, plan)
+            return evaluate(params, fusion, plan, jobs)
         return compile_models(fusion, plan)
     except (DataError, SecurityError, GatewayError) as exc:  # bad input: nothing ran
         print(f"error: {exc}", file=sys.stderr)

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.batch import tiny_variant, write_params
 
 from fusion.deploy import build_fusion
 from fusion.model_info import ModelInfo, MultiModelFusion
@@ -262,8 +263,12 @@ def test_a_cuda_device_this_machine_lacks_is_refused_before_anything_starts(tmp_
     n = torch.cuda.device_count()
     said = "has no CUDA device" if n == 0 else f"has {n} CUDA device(s)"
     assert absent_devices(["cpu"]) is None and said in absent_devices(["cpu", f"cuda:{n}"])
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "r.jsonl").write_text('{"prompt": "one"}\n')
+    params = write_params(tmp_path, {"llama": tiny_variant("llama", "JsonlCompletions", data)})
     for mode in ("validate_only", "predict"):
-        bad = subprocess.run([*command(CLI), "--mode", mode, "--params", str(TINY), "--variants", "llama,1",
+        bad = subprocess.run([*command(CLI), "--mode", mode, "--params", str(params), "--variants", "llama,1",
                               "--devices", f"cpu,cuda:{n}", "--model_dir", str(tmp_path / "md")],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and f"devices: cuda:{n} given, but this machine {said}" in bad.stderr, (
