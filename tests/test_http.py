@@ -166,6 +166,16 @@ def test_chat_renders_the_template_and_streams_role_then_content(oai):
     # (two byte tokens may decode to the same text, and the completions format keys alternatives by text)
     assert len(content) == 3 and all(1 <= len(t.top_logprobs) <= 2 and t.logprob <= 0 for t in content)
     assert [t.token for t in content] == [lm.tokenizer.decode([i]) for i in want[:3]]
+    # structured outputs and tools at their no-op values, as SDKs send them, answer as without them
+    same = oai.chat.completions.create(model="llama", messages=msgs, max_tokens=8, response_format={"type": "text"},
+                                       tools=[], tool_choice="none", parallel_tool_calls=False, **GREEDY)
+    assert same.choices[0].message.content == r.choices[0].message.content
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for kw, name in (({"response_format": {"type": "json_object"}}, "response_format"), ({"tools": [tool]}, "tools"),
+                     ({"tool_choice": "auto"}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError, match="not supported by this server") as info:
+            oai.chat.completions.create(model="llama", messages=msgs, max_tokens=2, **kw)
+        assert info.value.body["param"] == name
 
 
 def test_async_client(gw):

@@ -29,6 +29,10 @@ from workers.validate import ParamError
     (dict(logprobs=-1), "logprobs"),
     (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(ignore_eos=1), "ignore_eos"),
+    # JSON's parsers take Infinity and 1e400, YAML .inf: none is a temperature or a penalty
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(logit_bias={"5": float("-inf")}), "logit_bias"),
 ])
 def test_bad_sampling_params(kwargs, name):
     with pytest.raises(ParamError, match=name) as info:

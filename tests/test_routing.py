@@ -224,6 +224,12 @@ def test_a_request_past_the_size_limits_gets_its_answer(two_archs):
                            "params": {}, "stream": False}))
         reply = c.recv(time.monotonic() + 30)
         assert reply["type"] == P.ERROR and reply["id"] == "raw-2" and reply["code"] == P.TOO_LARGE
+        # a logit_bias past the router's map limit: named, not "undecodable message: ... max_map_len"
+        bias = {str(i): 1.0 for i in range(P.MAX_MAP_ITEMS + 1)}
+        with pytest.raises(RouterError) as info:
+            c.complete(model="llama", prompt=[1, 2], max_tokens=1, logit_bias=bias)
+        assert info.value.code == P.TOO_LARGE and info.value.param == "logit_bias", info.value
+        assert f"logit_bias has {P.MAX_MAP_ITEMS + 1} entries" in str(info.value)
         assert c.complete(model="gpt2", prompt=[1, 2], max_tokens=1)["choices"]
 
 

@@ -86,6 +86,7 @@ LIVENESS = 6
 # how long a model's queued requests wait for a live worker (a restart, a reload) before no_worker
 RESTART_WAIT = 30.0
 MAX_PROMPT_ITEMS = 1 << 20
+MAX_MAP_ITEMS = 4096  # entries of any map in a message (a request's parameters, its logit_bias)
 MAX_SAMPLES = 1024  # per-sample entries in a chunk header
 
 # message types
@@ -256,11 +257,21 @@ def salvaged_id(frame: bytes) -> str | None:
 def check_request(msg: dict, frame: bytes | None = None) -> None:
     """What the router refuses for its size, refused before it is sent (ProtocolError, TOO_LARGE):
     a prompt of more than MAX_PROMPT_ITEMS token IDs (checked before packing: it would be millions of
-    items packed for nothing), and once packed, a `frame` of more than MAX_MESSAGE_BYTES."""
+    items packed for nothing), a parameter map (logit_bias) of more than MAX_MAP_ITEMS entries, and
+    once packed, a `frame` of more than MAX_MESSAGE_BYTES."""
     prompt = msg.get("prompt")
     if isinstance(prompt, (list, tuple)) and len(prompt) > MAX_PROMPT_ITEMS:
         raise ProtocolError(f"prompt of {len(prompt)} token IDs exceeds the limit of {MAX_PROMPT_ITEMS}", TOO_LARGE,
                             msg.get("id"), "prompt")
+    params = msg.get("params")
+    if isinstance(params, dict):
+        if len(params) > MAX_MAP_ITEMS:
+            raise ProtocolError(f"{len(params)} parameters exceed the limit of {MAX_MAP_ITEMS}", TOO_LARGE,
+                                msg.get("id"))
+        for key, value in params.items():
+            if isinstance(value, dict) and len(value) > MAX_MAP_ITEMS:
+                raise ProtocolError(f"{key} has {len(value)} entries; the limit is {MAX_MAP_ITEMS}", TOO_LARGE,
+                                    msg.get("id"), key)
     if frame is not None and len(frame) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"request of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}", TOO_LARGE,
                             msg.get("id"), "prompt")
@@ -274,7 +285,7 @@ def unpack(frame: bytes, allowed: set[str]) -> dict:
     try:
         # bounded unpacking: nothing inside may claim more items than the frame could hold
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True,
-                              max_array_len=MAX_PROMPT_ITEMS, max_map_len=4096, max_str_len=len(frame),
+                              max_array_len=MAX_PROMPT_ITEMS, max_map_len=MAX_MAP_ITEMS, max_str_len=len(frame),
                               max_bin_len=len(frame), max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise ProtocolError(f"undecodable message: {type(exc).__name__}: {exc}", request_id=salvaged_id(frame)) from None

@@ -23,8 +23,9 @@ class ParamError(ValueError):
 
 
 def is_number(x: Any) -> bool:
-    """An int or a float (not a bool, not NaN)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not (isinstance(x, float) and math.isnan(x))
+    """An int or a finite float (not a bool, not NaN or an infinity: JSON's parsers and YAML take
+    `Infinity`, `1e400` and `.inf`, which no setting or sampling parameter means)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not (isinstance(x, float) and not math.isfinite(x))
 
 
 def check_int(name: str, x: Any, low: int | None = None) -> int:
@@ -39,7 +40,7 @@ def check_number(name: str, x: Any, low: float | None = None, high: float | None
                  low_open: bool = False) -> float:
     """A number in [low, high] (or (low, high] with `low_open`)."""
     if not is_number(x):
-        raise ParamError(name, f"{name} must be a number, got {x!r}")
+        raise ParamError(name, f"{name} must be a finite number, got {x!r}")
     if low is not None and (x <= low if low_open else x < low):
         raise ParamError(name, f"{name} must be {'>' if low_open else '>='} {low:g}, got {x!r}")
     if high is not None and x > high:
