@@ -176,6 +176,15 @@ def test_chat_renders_the_template_and_streams_role_then_content(oai):
         with pytest.raises(openai.BadRequestError, match="not supported by this server") as info:
             oai.chat.completions.create(model="llama", messages=msgs, max_tokens=2, **kw)
         assert info.value.body["param"] == name
+    # content as text parts, as newer SDKs send it; other parts and bad messages are the messages' fault
+    parts = [msgs[0], {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    assert oai.chat.completions.create(model="llama", messages=parts, max_tokens=8, **GREEDY).choices[0].message.content \
+        == r.choices[0].message.content
+    image = {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}
+    for bad in ([{"role": "user", "content": [image]}], [{"role": "user", "content": 5}], [{"content": "x"}]):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.chat.completions.create(model="llama", messages=bad, max_tokens=2)
+        assert info.value.body["param"] == "messages", info.value.body
 
 
 def test_async_client(gw):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from jinja2 import TemplateError
 
+from workers.validate import ParamError
+
 # the tokens that end an assistant turn in the chat templates we know; those in the vocabulary stop
 # a chat completion (they are special tokens, so they never appear in its text)
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
@@ -19,21 +21,23 @@ def message_text(content) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("messages: only text content parts are supported ({'type': 'text', 'text': ...})")
+                raise ParamError("messages", "messages: only text content parts are supported "
+                                 "({'type': 'text', 'text': ...})")
             texts.append(part["text"])
         return "".join(texts)
     if content is None:
         return ""
-    raise ValueError(f"messages: content must be a string or a list of text parts, got {type(content).__name__}")
+    raise ParamError("messages", "messages: content must be a string or a list of text parts, got "
+                     f"{type(content).__name__}")
 
 
 def check_messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
+        raise ParamError("messages", "messages must be a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+            raise ParamError("messages", f"messages[{i}] must be an object with a string 'role'")
         out.append({"role": m["role"], "content": message_text(m.get("content"))})
     return out
 
@@ -51,7 +55,7 @@ def chat_prompt(tokenizer, messages, model_name: str) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:  # the template's own check (`raise_exception`): the messages' fault, a 400
-        raise ValueError(f"model {model_name!r}'s chat template refuses these messages: {exc}") from None
+        raise ParamError("messages", f"model {model_name!r}'s chat template refuses these messages: {exc}") from None
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
