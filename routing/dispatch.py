@@ -231,8 +231,9 @@ class Dispatch:
         """Answer a pending request with an error and forget it (the lifecycle's LifecycleHost.fail)."""
         self.requests.fail(p, code, message, self.now)
 
-    def undeliverable_send(self, send: Send, why: str, now: float) -> None:
-        """The socket could not deliver `send` (full queue, peer gone): never lose it silently."""
+    def undeliverable_send(self, send: Send, why: str, now: float, gone: bool = False) -> None:
+        """The socket could not deliver `send` (full queue; `gone`: the peer is no longer connected):
+        never lose it silently."""
         self.now = now
         if send.side == BACK:
             w = self.workers.get(send.frames[0])
@@ -240,11 +241,17 @@ class Dispatch:
                 self._drop(w, f"unreachable: {why}", now)
             return
         self.undeliverable += 1
-        live = [p for p in (self.pending.get(k) for k in send.keys) if p is not None]
+        keys = dict.fromkeys(send.keys)  # the undelivered message's requests first, then in arrival order
+        if gone:  # every request of a client that has gone is cancelled at once: one line, not one a reply
+            keys.update(dict.fromkeys(k for (client, _), k in self.client_keys.items() if client == send.frames[0]))
+        live = [p for p in (self.pending.get(k) for k in keys) if p is not None]
         for p in live:
-            self.log(f"router: cannot deliver to client of request {p.client_id!r} ({why}); cancelling it")
             self.requests.cancel(p.key, now)
-        if not live:
+        if live:
+            ids = ", ".join(repr(p.client_id) for p in live[:3]) + (f" and {len(live) - 3} more" if len(live) > 3 else "")
+            self.log(f"router: cannot deliver to the client of request{'s' if len(live) > 1 else ''} {ids} ({why}); "
+                     "cancelled")
+        elif not gone:  # a reply to a client already gone and its requests cancelled says nothing more
             self.log(f"router: cannot deliver a reply to a client ({why})")
 
     # --- workers ---------------------------------------------------------------------------------

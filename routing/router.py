@@ -196,7 +196,7 @@ class Router:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            self.dispatch.undeliverable_send(send, "it is no longer connected", time.monotonic())
+            self.dispatch.undeliverable_send(send, "it is no longer connected", time.monotonic(), gone=True)
 
     def shutdown(self) -> None:
         if self._release_workers and not self.backend.closed:

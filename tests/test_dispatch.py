@@ -132,6 +132,27 @@ def test_undeliverable_client_message_cancels_the_request_on_the_worker():
     assert d.undeliverable == 1 and not d.pending and d.status()["undeliverable"] == 1
 
 
+def test_a_client_gone_has_all_its_requests_cancelled_in_one_line():
+    """A client that left (Ctrl-C'd predict) with many requests in flight: the first reply that cannot
+    reach it cancels every one of them, in one log line, not a line for each reply."""
+    lines: list[str] = []
+    d = make()
+    d.log = lines.append
+    ready(d, b"w", slot=0)
+    for i in range(5):
+        request(d, b"gone", f"g{i}")
+    request(d, b"stays", "s")
+    on_worker = {key: body["id"] for _, key, body in worker_requests(sent(d))}
+    first = next(k for k, rid in on_worker.items() if rid == "g0")
+    d.worker_data(b"w", P.header(P.CHUNK, first, [[0, 1]]), P.pack({"type": P.CHUNK, "id": "g0", "outputs": []}), 0.1)
+    (chunk,) = d.take()
+    d.undeliverable_send(chunk, "it is no longer connected", 0.2, gone=True)
+    cancels = {f[0]["id"] for s, _, f in sent(d) if s == BACK and f[0]["type"] == P.CANCEL}
+    assert cancels == {k for k, rid in on_worker.items() if rid != "s"} and len(cancels) >= 2
+    assert [p.client_id for p in d.pending.values()] == ["s"]  # the other client's request goes on
+    assert len(lines) == 1 and "'g0'" in lines[0] and "and 2 more" in lines[0], lines
+
+
 def test_resends_count_against_max_queue():
     d = make(max_queue=2, max_inflight=1)
     ready(d, b"w0", slot=0)
