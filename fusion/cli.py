@@ -106,16 +106,20 @@ def configure(args) -> tuple[dict, object]:
         launcher.start_server([s.source for s in specs])
     elif mode == "compile_only":
         # its loads and measurements run in processes forked from the server, whose imports overlap
-        # the plan made here (which also finds bad data in a moment, before the server is needed)
+        # the data's check and the plan made here
         launcher.start_server()
     return params, fusion
 
 
-def input_jobs(mode: str, params: dict, fusion) -> list | None:
-    """predict's and eval's jobs: their data read and checked, and the outputs' directory made,
-    before anything waits on the fork server (a bad row is named in a moment, not after torch's
-    imports)."""
+def input_jobs(mode: str, params: dict, fusion):
+    """predict's and eval's jobs (their outputs' directory made), compile_only's first batches: the
+    data read and checked before anything waits on the fork server or imports torch (a bad row is
+    named in a moment, not after those imports)."""
     run = params["runconfig"]
+    if mode == "compile_only":
+        from fusion.compile import first_batches
+
+        return first_batches(fusion)
     if mode in ("predict", "infer"):
         from fusion.predict import build_jobs
 
@@ -243,12 +247,12 @@ def evaluate(params: dict, fusion, plan, jobs: list) -> int:
     return 0
 
 
-def compile_models(fusion, plan) -> int:
+def compile_models(fusion, plan, batches: dict[str, list]) -> int:
     from fusion.compile import compile_only
     from workers.compile_summary import summary as compile_summary
 
     print(plan.describe(), flush=True)
-    reports, devices = compile_only(fusion, plan)
+    reports, devices = compile_only(fusion, plan, batches)
     for r in reports:
         before = f"{r.load_s_before_cache:.1f}s before the cache, " if r.load_s_before_cache is not None else ""
         print(f"{r.variant} ({r.source}, {r.dtype} on {r.device}): start {before}{r.load_s:.1f}s"
@@ -319,7 +323,7 @@ def run(args) -> int:
             return predict(params, fusion, plan, jobs)
         if args.mode == "eval":
             return evaluate(params, fusion, plan, jobs)
-        return compile_models(fusion, plan)
+        return compile_models(fusion, plan, jobs)
     except (DataError, SecurityError, GatewayError) as exc:  # bad input: nothing ran
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -125,21 +125,29 @@ def measure(spec: WorkerSpec, prompts: list, max_tokens: int) -> dict:
     return out
 
 
-def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -> CompileReport:
+def first_batches(fusion: MultiModelFusion) -> dict[str, list]:
+    """Each variant's first batch (compile_only runs one), every variant's input and source checked
+    before anything loads: a bad last variant is not found after the first one's compile."""
+    batches = {}
+    for name, mids in variant_groups(fusion).items():
+        info = fusion.models[mids[0]]
+        if not info.inference_input:
+            raise DataError(f"variant {name!r} has no inference_input: compile_only runs one batch of a variant's "
+                            "data, so give it one (data_processor, data_dir, batch_size)")
+        batches[name] = first_batch(fusion, name, input_value(info.inference_input, "batch_size"))
+        try:
+            check_source(info.source)  # here, not seconds later in a fresh process
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
+    return batches
+
+
+def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str, prompts: list) -> CompileReport:
     mids = variant_groups(fusion)[name]
     info = fusion.models[mids[0]]
     w = next(w for w in plan.workers if w.model_id == mids[0])
     model = info.spec
-    if not info.inference_input:
-        raise DataError(f"variant {name!r} has no inference_input: compile_only runs one batch of a variant's "
-                        "data, so give it one (data_processor, data_dir, batch_size)")
-    bs = input_value(info.inference_input, "batch_size")
     max_tokens = model.max_tokens or TEST_BATCH_MAX_TOKENS
-    prompts = first_batch(fusion, name, bs)
-    try:
-        check_source(info.source)  # here, not seconds later in a fresh process
-    except ValueError as exc:
-        raise DataError(str(exc)) from None
     gguf = source_gguf(info.source)
     before = None
     if gguf is not None and gguf_cache_dir(gguf) is None:
@@ -155,9 +163,11 @@ def compile_variant(fusion: MultiModelFusion, plan: DeploymentPlan, name: str) -
                          m["shared_weights"], m["compile"])
 
 
-def compile_only(fusion: MultiModelFusion, plan: DeploymentPlan) -> tuple[list[CompileReport], list[dict]]:
-    """Reports per variant, then per device: the workers planned there at their measured sizes."""
-    reports = {name: compile_variant(fusion, plan, name) for name in variant_groups(fusion)}
+def compile_only(fusion: MultiModelFusion, plan: DeploymentPlan,
+                 batches: dict[str, list]) -> tuple[list[CompileReport], list[dict]]:
+    """Reports per variant (each running its batch of `first_batches`), then per device: the workers
+    planned there at their measured sizes."""
+    reports = {name: compile_variant(fusion, plan, name, batches[name]) for name in variant_groups(fusion)}
     by_model = {mid: reports[fusion.models[mid].name] for mid in range(len(fusion.models))}
     devices = []
     for dev in plan.devices:
