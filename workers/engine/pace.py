@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SLOWDOWN = 0.6  # the extra time a long chunk may add to the streams' step on average, as a fraction of it
+SLOWDOWN = 0.3  # the extra time a long chunk may add to the streams' step on average, as a fraction of it
 ALPHA = 0.2  # weight of the newest decode-only step in the streams' pace, where it is faster
 ALPHA_UP = ALPHA / 8  # and where it is slower (see the module)
 SCALE_LIMITS = (1 / 256, 1.0)

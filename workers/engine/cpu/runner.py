@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 LEAN_NOT_COMPILED = ("the lean forward runs this model (prepack_weights), faster eager than its transformers "
                      "modules compiled; set prepack_weights: false to compile those")
+LONG_CHUNK_ROWS = 48  # query rows of one KV head in the smallest chunk of a long prompt (min_long_chunk)
 
 
 class CpuRunner(PagedRunner):
@@ -78,12 +79,16 @@ class CpuRunner(PagedRunner):
         return self.lean.pick_row_kernels(max_rows) if self.lean is not None else {}
 
     def min_long_chunk(self) -> int:
-        """The tokens whose query rows fill one pass of the C++ prefill kernel over the context (16
-        rows of one KV head in bfloat16, 8 in float32): a chunk of fewer costs as much."""
+        """The tokens of LONG_CHUNK_ROWS query rows of one KV head (at least one pass of the C++
+        prefill kernel over the context: 16 rows in bfloat16, 8 in float32). A chunk's cost is mostly
+        the context's keys and values streamed through the caches, whatever its rows: a chunk of one
+        pass (2 tokens of SmolLM2 in float32) cost about what one of 16 tokens did, so a long prompt
+        beside 32 streams went at 19 tokens/s in chunks of 2 and at 72 in chunks of 16 (2-core EPYC)."""
         if self.backend.prefill is None:
             return 1
         heads, kv_heads = self.model.config.get_text_config().num_attention_heads, kv_dims(self.lm)[0]
-        return max(1, extension.PREFILL_LANES[self.platform.precision.compute] // max(1, heads // kv_heads))
+        rows = max(LONG_CHUNK_ROWS, extension.PREFILL_LANES[self.platform.precision.compute])
+        return max(1, rows // max(1, heads // kv_heads))
 
     def compile_refusal(self) -> str | None:
         # the lean forward is one fused pass per layer on packed weights: eager, it runs about twice
