@@ -12,8 +12,7 @@ from workers.validate import is_int
 # keys the gateway consumes; every other key goes to the worker, which checks it and names it if unknown
 _COMPLETION_OWN = {"model", "prompt", "stream", "stream_options", "echo"}
 _CHAT_OWN = {"model", "messages", "stream", "stream_options", "logprobs", "top_logprobs",
-             "max_completion_tokens", "response_format", "tools", "functions", "tool_choice", "function_call",
-             "parallel_tool_calls"}
+             "max_completion_tokens"}
 # the router client's own arguments (AsyncClient.result, .events), which a body's key passed on as a
 # parameter would collide with: no OpenAI parameter, so unknown here as on the worker
 _CLIENT_ARGS = {"model", "prompt", "stream", "task", "tenant"}
@@ -134,31 +133,10 @@ class ChatJob:
                            param=self.max_tokens_name, code=exc.code, headers=exc.headers)
 
 
-def _no_structured_output(body: dict) -> None:
-    """Chat's structured outputs and tool calls, which this server does not constrain decoding for:
-    taken at their no-op values (clients and SDKs send them so), refused by name otherwise, never
-    ignored (an answer that is not the JSON or the call asked for would pass for one)."""
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise bad("response_format", f"response_format {kind!r} is not supported by this server (no guided "
-                                     "decoding); leave it out or send {\"type\": \"text\"}")
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise bad(key, f"{key} is not supported by this server (no tool calling); leave it out")
-    for key in ("tool_choice", "function_call"):
-        if body.get(key) not in (None, "none"):
-            raise bad(key, f"{key} is not supported by this server (no tool calling); leave it out or send \"none\"")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad("parallel_tool_calls", f"parallel_tool_calls must be true or false, got {parallel!r}")
-
-
 def chat_job(body: dict) -> ChatJob:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
-    _no_structured_output(body)
     opts = stream_options(body)
     params = passed_on(body, _CHAT_OWN)
     limit = body.get("max_completion_tokens")

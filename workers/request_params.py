@@ -19,9 +19,13 @@ DIRECT = {"max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "seed",
 HANDLED = DIRECT | {"logprobs", "echo"}
 # no effect on sampling: routing and bookkeeping fields (return_token_ids is the clients': their
 # OpenAI object then keeps each choice's token_ids)
-IGNORED = {"user", "stream", "model", "engine", "prompt", "return_token_ids"}
-# OpenAI parameters not implemented: accepted only at their no-op value, refused otherwise, never ignored
-UNSUPPORTED = {"suffix": ""}
+# (parallel_tool_calls: either value means nothing without tools)
+IGNORED = {"user", "stream", "model", "engine", "prompt", "return_token_ids", "parallel_tool_calls"}
+# OpenAI parameters not implemented: accepted only at their no-op value (clients and SDKs send them
+# so), refused otherwise, never ignored: an answer that is not the JSON or the tool call asked for
+# would pass for one (no guided decoding, no tool calling)
+UNSUPPORTED = {"suffix": "", "response_format": {"type": "text"}, "tools": [], "functions": [], "tool_choice": "none",
+               "function_call": "none"}
 
 
 def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingParams, bool]:
@@ -51,6 +55,9 @@ def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingPa
         raise ParamError("echo", f"echo must be true or false, got {echo!r}")
     if not isinstance(merged.get("return_token_ids", False), bool):
         raise ParamError("return_token_ids", f"return_token_ids must be true or false, got {merged['return_token_ids']!r}")
+    if not isinstance(merged.get("parallel_tool_calls", False), bool):
+        raise ParamError("parallel_tool_calls", "parallel_tool_calls must be true or false, got "
+                         f"{merged['parallel_tool_calls']!r}")
     if merged.get("user") is not None and not isinstance(merged["user"], str):
         raise ParamError("user", f"user must be a string (an end user's ID), got {type(merged['user']).__name__}")
     if echo and lp is not None:
