@@ -26,6 +26,7 @@ from workers.validate import ParamError
     (dict(seed=-5), "seed"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop=[f"s{i}" for i in range(65)]), "stop"),  # each is searched for in every piece of text
     (dict(logprobs=-1), "logprobs"),
     (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(ignore_eos=1), "ignore_eos"),
@@ -48,6 +49,8 @@ def test_bad_sampling_params(kwargs, name):
     ({"max_tokens": -3}, "max_tokens"),
     ({"return_token_ids": "x"}, "return_token_ids"),
     ({"user": 5}, "user"),
+    ({"n": 1025}, "n"),  # a stream's chunk header counts each sample's tokens
+    ({"n": 2, "best_of": 2000}, "best_of"),
 ])
 def test_request_parameters_are_refused_by_name(params, name):
     with pytest.raises(ParamError) as info:

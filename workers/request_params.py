@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from wire.protocol import MAX_SAMPLES
 from workers.validate import ParamError, is_int
 
 if TYPE_CHECKING:
@@ -62,4 +63,8 @@ def sampling_params(req: dict, defaults: dict | None = None) -> tuple[SamplingPa
         raise ParamError("user", f"user must be a string (an end user's ID), got {type(merged['user']).__name__}")
     if echo and lp is not None:
         kw["prompt_logprobs"] = lp
-    return SamplingParams(**kw), echo
+    params = SamplingParams(**kw)
+    if params.num_samples > MAX_SAMPLES:  # a stream's chunk names each sample's count in its header
+        name = "best_of" if params.best_of else "n"
+        raise ParamError(name, f"{name} ({params.num_samples}) exceeds the limit of {MAX_SAMPLES} samples a request")
+    return params, echo

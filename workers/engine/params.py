@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from workers.config_keys import DEFAULT_MAX_TOKENS
 from workers.validate import ParamError, check_int, check_number
 
+# every stop string is searched for in each new piece of a sample's text, on the output thread that
+# all of a worker's requests share (OpenAI takes 4; lm-evaluation-harness sends a few)
+MAX_STOP_STRINGS = 64
+
 
 def _token_biases(bias) -> dict[int, float]:
     """logit_bias as {token ID: bias}: JSON gives the IDs as strings ("50256"); a bias in [-100, 100]
@@ -81,6 +85,8 @@ class SamplingParams:
             check_int("best_of", self.best_of, 1)
             if self.best_of < self.n:
                 raise ParamError("best_of", f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ParamError("stop", f"stop holds {len(self.stop)} strings; the limit is {MAX_STOP_STRINGS}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ParamError("stop", f"stop must be non-empty strings, got {s!r}")

@@ -46,6 +46,20 @@ class SampleSpec:
 
 
 @dataclass(slots=True, frozen=True)
+class PromptTokens:
+    """A prompt's distinct tokens for the repetition penalty, built once per sequence and not each
+    step (an 8,000-token prompt's set, sorted and made a tensor, cost ~5 ms a row a step)."""
+
+    ids: torch.Tensor  # sorted, on the logits' device
+    known: frozenset[int]
+
+    @classmethod
+    def of(cls, prompt: list[int], device: torch.device | str) -> PromptTokens:
+        known = frozenset(prompt)
+        return cls(torch.tensor(sorted(known), dtype=torch.long, device=device), known)
+
+
+@dataclass(slots=True, frozen=True)
 class LogitsAdjust:
     """A row's logits changed before its token is picked, in vLLM's order: the bias of each token
     in `bias`, the `banned` tokens (an end that min_tokens holds back) out, then the repetition
@@ -59,7 +73,7 @@ class LogitsAdjust:
     repetition: float
     frequency: float
     presence: float
-    prompt: list[int]
+    prompt: PromptTokens | None  # None: no repetition penalty
     output: list[int]
 
     def apply(self, row: torch.Tensor) -> None:
@@ -71,13 +85,15 @@ class LogitsAdjust:
         banned = [t for t in self.banned if t < vocab]
         if banned:
             row[torch.tensor(banned, device=dev)] = float("-inf")
-        if self.repetition != 1.0:
-            ids = torch.tensor(sorted(set(self.prompt) | set(self.output)), device=dev)
-            v = row[ids]
-            row[ids] = torch.where(v < 0, v * self.repetition, v / self.repetition)
+        if self.repetition != 1.0 and self.prompt is not None:
+            fresh = sorted(set(self.output) - self.prompt.known)  # each token once: its logit scaled once
+            ids = torch.cat([self.prompt.ids, torch.tensor(fresh, dtype=torch.long, device=dev)]) if fresh \
+                else self.prompt.ids
+            v = row.index_select(0, ids)  # a fraction of indexing's cost at thousands of IDs
+            row.index_copy_(0, ids, torch.where(v < 0, v * self.repetition, v / self.repetition))
         if (self.frequency or self.presence) and self.output:
             ids, counts = torch.unique(torch.tensor(self.output, device=dev), return_counts=True)
-            row[ids] -= self.frequency * counts.to(row.dtype) + self.presence
+            row.index_add_(0, ids, -(self.frequency * counts.to(row.dtype) + self.presence))
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.sampler import LogitsAdjust, SampleSpec, sample, top_alternatives
+from workers.engine.sampler import LogitsAdjust, PromptTokens, SampleSpec, sample, top_alternatives
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence
 from workers.engine.step_result import PromptScores, StepResult
@@ -73,6 +73,7 @@ class Runner(ABC):
         self.forward_seconds = 0.0  # time inside forward passes (the rest of a step is bookkeeping)
         # `deterministic`: the batch-invariant kernel set, chosen by the platform before this was built
         self.batch_invariant = platform.deterministic
+        self._prompt_tokens: dict[int, PromptTokens] = {}  # by sequence id, for a repetition penalty
 
     @property
     def backend(self) -> AttentionBackend | None:
@@ -83,8 +84,9 @@ class Runner(ABC):
     def _forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
         """Logits of the kept rows, in plan order: decode sequences, then each chunk's kept rows."""
 
-    def release(self, seq: Sequence) -> None:  # noqa: B027 - the paged runners hold nothing per sequence
+    def release(self, seq: Sequence) -> None:
         """A sequence gave its blocks back (finished, aborted or preempted); drop anything held for it."""
+        self._prompt_tokens.pop(seq.seq_id, None)
 
     def new_blocks(self, blocks: list[int]) -> None:  # noqa: B027 - the per-sequence runner has no pool
         """Blocks handed to sequences this step, before anything is written to them."""
@@ -158,8 +160,13 @@ class Runner(ABC):
             adjust = None
             if p.adjusts_logits:
                 held = seq.group.stop_ids if len(seq.output) < p.min_tokens else frozenset()
+                prompt = None
+                if p.repetition_penalty != 1.0:
+                    prompt = self._prompt_tokens.get(seq.seq_id)
+                    if prompt is None:
+                        prompt = self._prompt_tokens[seq.seq_id] = PromptTokens.of(seq.prompt, logits.device)
                 adjust = LogitsAdjust(p.logit_bias, held, p.repetition_penalty, p.frequency_penalty,
-                                      p.presence_penalty, seq.prompt, seq.output)
+                                      p.presence_penalty, prompt, seq.output)
             specs.append(SampleSpec(row, p.temperature, p.top_k, p.top_p, seq.group.seed, seq.sample_index,
                                     len(seq.output), p.logprobs, p.wants_logprobs, adjust))
             owners.append(seq)

@@ -24,6 +24,7 @@ class CompatRunner(Runner):
         self.caches: dict[int, object] = {}  # by sequence id
 
     def release(self, seq: Sequence) -> None:
+        super().release(seq)
         self.caches.pop(seq.seq_id, None)
 
     def _run(self, seq: Sequence, ids: list[int], start: int, keep: range) -> torch.Tensor:
