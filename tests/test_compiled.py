@@ -85,6 +85,8 @@ def test_compiled_greedy_matches_transformers_in_mixed_batches(arch, cache_dir, 
     before = graphs_compiled()
     eng = Engine(lm, EngineConfig(**cfg, compile="true", compile_buckets=buckets))
     assert eng.compile_info.compiled and eng.compile_info.buckets == buckets
+    # inductor's precompiled headers are in its cache directory, not in /tmp (compile_cache.keep_headers_in)
+    assert list(Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).glob("precompiled_headers/*.gch"))
     built = graphs_compiled() - before
     # one graph per bucket, times the distinct attention variants (gemma3: sliding and full layers),
     # unless an earlier test of this process built the same layer graphs already

@@ -25,7 +25,7 @@ from workers.spec import ModelSpec, WorkerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [11, 12, 13, 14]
-MESSAGES = 3000
+MESSAGES = 1500
 
 BAD_VALUES = {  # each must get an error answer
     "temperature": ["hot", -1, float("nan"), [], {"a": 1}],
@@ -35,7 +35,7 @@ BAD_VALUES = {  # each must get an error answer
     "top_p": [0, 1.5, -0.1, "p"],
     "top_k": [-5, "k"],
     "seed": [-1, "s", 1.5],
-    "stop": ["", [""], [1, 2], [None], {"a": "b"}],
+    "stop": ["", [""], [1, 2], [None], {"a": "b"}, ["s"] * 65],
     "stop_token_ids": [[-1], ["a"]],
     "logprobs": [-1, 21, 10**6, "all", True],
     "echo": ["yes", 2, None],
