@@ -47,7 +47,8 @@ serve: install
 # an AVX2-only CPU runs them (workers.capability: torch and its libraries read their switches at start).
 # test_models' dtype test only: its other tests load models in float32, which test_lean covers. The
 # rerun leaves out the slow real-model tests (the main pass ran them; the kernels' paths are the
-# small tests'), but for those marked avx2, whose point is what an AVX2-only CPU does.
+# small tests'), but for those marked avx2, whose point is what an AVX2-only CPU does, and those
+# marked any_isa, which set their own level or only compile.
 AVX2_ENV := MMFUSION_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
 ISA_TESTS := tests/test_lean.py tests/test_precision.py tests/test_models.py::test_dtypes tests/test_quantized.py \
              tests/test_deterministic.py tests/test_decode_layers.py
@@ -55,7 +56,7 @@ ISA_TESTS := tests/test_lean.py tests/test_precision.py tests/test_models.py::te
 test: install
 	$(PY) -m pytest -q
 	if $(PY) -c "from workers.capability import cpu_capability as c; raise SystemExit(not c().at_least('avx512'))"; \
-	then env $(AVX2_ENV) $(PY) -m pytest -q -m "not slow or avx2" $(ISA_TESTS); fi
+	then env $(AVX2_ENV) $(PY) -m pytest -q -m "(not slow or avx2) and not any_isa" $(ISA_TESTS); fi
 
 # the whole suite as an AVX2-only CPU runs it
 test-avx2: install

@@ -195,6 +195,7 @@ BF16_PATHS = ("MMFUSION_BF16_DOT", "MMFUSION_PREFILL_BF16", "MMFUSION_NORM_BF16"
               "MMFUSION_SILU_BF16")
 
 
+@pytest.mark.any_isa
 def test_the_avx512_bf16_paths_compile_on_any_cpu(tmp_path):
     """A CPU below AVX512-BF16 builds the kernels without those paths, so a change made on one could
     break them unseen: they are compiled here for a target that has them (Cooper Lake, the
@@ -339,6 +340,7 @@ def test_cpu_silu_mul_rounds_as_torch(dtype, rows, inter):
         assert torch.equal(got[:, :whole], want[:, :whole])
 
 
+@pytest.mark.any_isa
 def test_cpu_silu_mul_float32_claims_torchs_bits_only_where_aten_vectorizes():
     """float32 silu * up is bit-equal to F.silu's only while ATen's silu calls SLEEF's exponential
     too: under ATEN_CPU_CAPABILITY=default ATen's loop rounds its own way, and the claim is off (the

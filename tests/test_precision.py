@@ -118,6 +118,7 @@ def test_the_plan_expects_the_precision_and_forward_that_the_engine_picks(dtype)
         assert lean == (arch == "llama" or (arch == "gemma3" and eng.precision.compute == torch.float32)), arch
 
 
+@pytest.mark.any_isa
 def test_the_switch_builds_and_decides_as_an_avx2_cpu():
     """MMFUSION_CPU_ISA=avx2 (with torch's and its libraries' switches) in a process of its own: the
     kernels build for x86-64-v3 with the AVX2 paths and without the AVX512-BF16 ones, bfloat16 is not prepacked for

@@ -240,9 +240,12 @@ TEXT = ("The history of the city begins with a small settlement on the river, wh
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture,source", [("smollm2_fp32", "smollm2-135m"),
-                                            ("gemma3_fp32", "gemma3-270m")])  # each family of the lean forward
-def test_fresh_quantization_keeps_perplexity(fixture, source, request):
+# each family of the lean forward; Gemma 3 in int4 only, whose linears are int8 where int4 would
+# cost most (the LM head, v and down): int8 everywhere is SmolLM2's case, on the same kernels
+@pytest.mark.parametrize("fixture,source,kinds", [("smollm2_fp32", "smollm2-135m", (INT8, INT4)),
+                                                  ("gemma3_fp32", "gemma3-270m", (INT4,))],
+                         ids=["smollm2", "gemma3"])
+def test_fresh_quantization_keeps_perplexity(fixture, source, kinds, request):
     """The model from a Hugging Face directory (no GGUF blocks to keep: every linear quantized
     afresh), in float32: the perplexity of a fixed text within 1% (int8) and 4% (int4) of the
     unquantized model's, from the engine's prompt log-probabilities. (SmolLM2's 16-bit weights are
@@ -259,7 +262,7 @@ def test_fresh_quantization_keeps_perplexity(fixture, source, request):
     lm = load_model(str(path), dtype="float32")
     ids = lm.tokenizer(TEXT).input_ids
     ppl = {}
-    for kind in ("none", INT8, INT4):
+    for kind in ("none", *kinds):
         eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=256, quantization=kind))
         assert eng.runner.lean is not None and eng.platform.precision.quantized == (kind != "none")
         if kind == INT4:  # as llama.cpp's Q4_K_M: the values (so the fused q/k/v) and down in more bits
@@ -271,7 +274,7 @@ def test_fresh_quantization_keeps_perplexity(fixture, source, request):
         scores = [s for s in out.prompt_logprobs if s is not None]
         assert len(scores) == len(ids) - 1
         ppl[kind] = math.exp(-sum(scores) / len(scores))
-    assert ppl[INT8] <= ppl["none"] * 1.01, ppl
+    assert ppl.get(INT8, ppl["none"]) <= ppl["none"] * 1.01, ppl
     assert ppl[INT4] <= ppl["none"] * 1.04, ppl  # the LM head stays int8 (lean.LeanLlama)
 
 
