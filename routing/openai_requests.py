@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wire.protocol import BAD_REQUEST
 from workers.request_params import MAX_LOGPROBS
 from workers.validate import is_int
 
@@ -37,7 +38,7 @@ class OpenAIError(Exception):
 
 
 def bad(param: str, message: str) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code="invalid_parameter")
+    return OpenAIError(400, message, param=param, code=BAD_REQUEST)  # the worker's code for the same refusal
 
 
 def split_prompts(prompt) -> list[str | list[int]]:

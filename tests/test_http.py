@@ -229,8 +229,11 @@ def test_errors_are_openai_error_objects(oai, gw):
     got = oai.completions.create(model="llama", prompt="x", max_tokens=3, presence_penalty=0.5, frequency_penalty=0.5,
                                  logit_bias={"7": 100}, extra_body={"repetition_penalty": 1.2, "min_tokens": 3})
     assert got.usage.completion_tokens == 3 and got.choices[0].text == tiny("llama", "float32").tokenizer.decode([7] * 3)
-    with pytest.raises(openai.BadRequestError, match="prompt"):
+    with pytest.raises(openai.BadRequestError, match="prompt") as info:  # refused by the gateway
         oai.completions.create(model="llama", prompt=[])
+    with pytest.raises(openai.BadRequestError, match="prompt") as by_worker:  # by the worker: the same code
+        oai.completions.create(model="llama", prompt="")
+    assert info.value.body["code"] == by_worker.value.body["code"] == "bad_request"
     with pytest.raises(openai.BadRequestError) as info:  # the worker refuses it before the stream starts
         list(oai.completions.create(model="llama", prompt="x", stream=True, top_p=7))
     assert info.value.status_code == 400 and info.value.body["param"] == "top_p"
