@@ -185,6 +185,12 @@ def test_chat_renders_the_template_and_streams_role_then_content(oai):
         with pytest.raises(openai.BadRequestError) as info:
             oai.chat.completions.create(model="llama", messages=bad, max_tokens=2)
         assert info.value.body["param"] == "messages", info.value.body
+    # echo is completions': in a chat it would put the whole rendered template before the reply
+    with pytest.raises(openai.BadRequestError, match="echo is a completions parameter") as info:
+        oai.chat.completions.create(model="llama", messages=msgs, max_tokens=2, extra_body={"echo": True})
+    assert info.value.body["param"] == "echo"
+    assert oai.chat.completions.create(model="llama", messages=msgs, max_tokens=8, extra_body={"echo": False},
+                                       **GREEDY).choices[0].message.content == r.choices[0].message.content
 
 
 def test_async_client(gw):

@@ -39,6 +39,7 @@ from workers.output_process import OutputLink, OutputProcess, read_note
 from workers.output_process import supported as output_process_supported
 from workers.output_thread import OutputSink, OutputThread
 from workers.thread_messages import Assign, Cancel, EngineMessage, FinishSample, Submit
+from workers.validate import ParamError
 
 
 @dataclass(slots=True)
@@ -226,6 +227,9 @@ class EngineThread(threading.Thread):
             if task == P.CHAT:
                 prompt = chat_prompt(self.engine.tokenizer, prompt, self.spec.name)
             params, echo = sampling_params(msg.get("params", {}), self.spec.model.request_defaults())
+            if task == P.CHAT and echo:  # it would prepend the whole rendered template to the reply
+                raise ParamError("echo", "echo is a completions parameter: a chat reply is only the new message "
+                                 "(send the prompt to /v1/completions with echo for its text and log-probabilities)")
             if task == P.CHAT and not params.ignore_eos:  # the reply ends with the template's end of turn
                 params.stop_token_ids = sorted(set(params.stop_token_ids) | set(end_of_turn_ids(self.engine.tokenizer)))
             # registered first: the output thread must know the request before its first step's output
