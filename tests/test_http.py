@@ -376,6 +376,9 @@ def test_tokenizer_endpoints_and_per_model_base_urls(gw):
         assert tok["tokens"] == lm.tokenizer("hey there", add_special_tokens=False).input_ids
         assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
         assert h.post("/detokenize", json={"model": "llama", "tokens": tok["tokens"]}).json() == {"prompt": "hey there"}
+        outside = h.post("/detokenize", json={"model": "llama", "tokens": [5, 10**9]})
+        assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens", outside.text
+        assert "token ID 1000000000 is not in the vocabulary" in outside.json()["error"]["message"]
         info = h.get("/models/gpt2:1/tokenizer_info").json()
         assert info["eos_token"] == "<|endoftext|>" and info["chat_template"] is None
         no_model = h.post("/tokenize", json={"prompt": "x"})  # two variants: which one?

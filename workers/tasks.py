@@ -74,10 +74,10 @@ def tokenize(tokenizer, prompt, params: dict, model_name: str, max_model_len: in
 
 def detokenize(tokenizer, tokens, vocab_size: int) -> dict:
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise ValueError("tokens must be a list of integer token IDs")
+        raise ParamError("tokens", "tokens must be a list of integer token IDs")
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"token ID {bad} is not in the vocabulary [0, {vocab_size})")
+        raise ParamError("tokens", f"token ID {bad} is not in the vocabulary [0, {vocab_size})")
     return {"prompt": tokenizer.decode(tokens)}
 
 
