@@ -2,7 +2,8 @@
 the timings behind the choice, and where the 16-bit path (`quantization: none`) overtakes it.
 
 For each distinct layer linear of the model (SmolLM2: q/k/v, o, gate/up, down), at each bucket of
-workers.engine.cpu.row_kernels: ms a call of the blocks' kernel, of the widened GEMM, and of the
+workers.engine.cpu.row_kernels: ms a call of the blocks' kernel, of the widened GEMM, of the AMX
+tiles on the values packed in bfloat16 (where the CPU has them), and of the
 same linear as `quantization: none` packs it (oneDNN's bfloat16, FBGEMM's float16 or float32), and
 the way the engine chose. Then one summary line: the row count from which `none` is faster than
 what `auto` runs, per linear (the bf16/auto crossover; null: never within the buckets).
@@ -15,6 +16,7 @@ import torch
 from workers.engine import Engine, EngineConfig
 from workers.engine.cpu import row_kernels
 from workers.engine.cpu.calibrate import best_seconds
+from workers.engine.cpu.linears import pack_for_tiles, tiles_fit
 
 
 def _layer_linears(eng: Engine) -> list:
@@ -38,11 +40,16 @@ def report(lm, quantization: str, max_rows: int) -> list[dict]:
                 continue
             name = f"{lin.quant.kind} {lin.shape[0]}x{lin.shape[1]}"
             crossover[name] = None
+            # the AMX tiles' way where the CPU has it (the engine keeps the packed values only where chosen)
+            tiles = (pack_for_tiles(lin.kernels, {name: lin.quant})[name]
+                     if auto.precision.compute == torch.bfloat16 and tiles_fit(lin.kernels, lin.shape) else None)
             for rows in row_kernels.bucket_rows(max_rows):
                 # both paths compute in float32 on a CPU without bf16 arithmetic, in bfloat16 with it
                 x = torch.randn(rows, lin.shape[1], generator=gen).to(auto.precision.compute)
-                ms = {way: 1e3 * best_seconds(lambda fn=fn, x=x: fn(x)) for way, fn in
-                      ((row_kernels.BLOCKS, lin.blocks), (row_kernels.WIDENED, lin.widened), ("none", dense))}
+                ways = [(row_kernels.BLOCKS, lin.blocks), (row_kernels.WIDENED, lin.widened), ("none", dense)]
+                if tiles is not None:
+                    ways.insert(2, (row_kernels.PACKED, lambda x, p=tiles, q=lin: q.kernels.bf16_packed_linear(x, p, q.bias)))
+                ms = {way: 1e3 * best_seconds(lambda fn=fn, x=x: fn(x)) for way, fn in ways}
                 chosen = lin.rows.way(rows) if lin.rows is not None else row_kernels.BLOCKS
                 if crossover[name] is None and ms["none"] < ms[chosen]:
                     crossover[name] = rows

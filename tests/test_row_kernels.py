@@ -17,9 +17,11 @@ from workers import capability
 from workers.engine import Engine, EngineConfig
 from workers.engine.cpu import calibrate, extension, row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
-from workers.engine.cpu.row_kernels import BLOCKS, BUCKETS, WIDENED, RowChoice, pick
+from workers.engine.cpu.linears import pack_for_tiles, tiles_fit
+from workers.engine.cpu.row_kernels import BLOCKS, BUCKETS, PACKED, WIDENED, RowChoice, pick
 from workers.engine.params import SamplingParams
 from workers.quant.weight import INT4, INT8, quantize
+from workers.weights import quantized_cache
 
 KERNELS = extension.kernel_module()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason=f"no C++ kernels: {extension.build_error()}")
@@ -182,12 +184,13 @@ def test_an_engine_whose_linears_take_the_widened_gemm_answers_as_the_blocks(kin
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
     lm = tiny("llama", dtype="float32")
     blocks = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=kind))
-    # measured at load for every layer linear (the LM head keeps its blocks), shown by shape
+    # measured at load for every layer linear and the LM head, shown by shape
     # (int4: a part whose blocks would be int8 makes its fused linear int8)
     assert blocks.kernels and any(k.startswith(f"{kind} ") for k in blocks.kernels)
     lean = blocks.runner.lean
-    assert all(lin.rows is not None for layer in lean.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    assert lean.lm_head.rows is None
+    assert all(lin.rows is not None for lin in lean.linears())
+    head = lean.lm_head
+    assert f"{head.quant.kind} {head.shape[0]}x{head.shape[1]}" in blocks.kernels
     want = _greedy(blocks)
     widened = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=kind))
     wl = widened.runner.lean
@@ -234,3 +237,58 @@ def test_validate_only_shows_what_a_load_on_this_machine_picked(tmp_path, monkey
     assert main(argv) == 0
     shown = capsys.readouterr().out
     assert all(f"{k}: {v}" in shown for k, v in eng.kernels.items()), shown
+
+
+def test_each_bucket_above_the_crossover_takes_its_fastest_many_rows_way():
+    """With the AMX tiles' way beside the widened GEMM, the blocks keep the few rows and each larger
+    bucket takes whichever of the two is faster there, as one choice that says so."""
+    seconds = {1: {BLOCKS: 1.0, WIDENED: 3.0, PACKED: 2.0}, 4: {BLOCKS: 1.0, WIDENED: 2.0, PACKED: 0.5},
+               16: {BLOCKS: 4.0, WIDENED: 2.0, PACKED: 1.0}, 64: {BLOCKS: 16.0, WIDENED: 2.0, PACKED: 3.0},
+               512: {BLOCKS: 99.0, WIDENED: 9.0, PACKED: 5.0}}
+    choice = pick(seconds)
+    assert choice == RowChoice(2, PACKED, ((17, WIDENED), (65, PACKED)))
+    assert [choice.way(r) for r in (1, 2, 16, 17, 64, 65, 600)] == [BLOCKS, PACKED, PACKED, WIDENED, WIDENED,
+                                                                     PACKED, PACKED]
+    assert choice.uses(PACKED) and choice.uses(BLOCKS) and not RowChoice().uses(PACKED)
+    assert choice.describe() == "blocks up to 1 rows, packed from 2, widened from 17, packed from 65"
+    with pytest.raises(ValueError, match="many-rows ways"):
+        RowChoice(4, BLOCKS)
+
+
+def test_the_amx_tiles_way_multiplies_as_the_widened_values_do():
+    """The blocks' values packed for AMX tiles and multiplied there give x @ W.T + bias of the values
+    rounded to bfloat16 (summed in float32, rounded once), for row counts across a block of rows."""
+    kernels = extension.kernel_module()
+    if not tiles_fit(kernels):
+        pytest.skip("this CPU has no AMX tiles for bfloat16 (or the level is capped below amx): the way is not offered")
+    gen = torch.Generator().manual_seed(0)
+    for kind in (INT4, INT8):
+        qw = quantize(torch.randn(96, 128, generator=gen), kind)
+        bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+        packed = pack_for_tiles(kernels, {"w": qw})["w"]
+        w = qw.dequantize().to(torch.bfloat16).float()
+        for rows in (1, 5, 32, 33, 100):
+            x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+            got = kernels.bf16_packed_linear(x, packed, bias).float()
+            want = x.float() @ w.T + bias.float()
+            assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-2), (kind, rows, (got - want).abs().max())
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.bf16_pack(torch.zeros(40, 128, dtype=torch.bfloat16))
+
+
+def test_packed_linears_are_written_once_and_mapped_by_every_copy(tmp_path, monkeypatch):
+    """The copies' packed values live in one file of the cache, keyed by the machine: a second copy
+    maps it without packing again, and a copy wanting a key the file lacks writes it again."""
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
+    built = []
+
+    def build(keys):
+        built.append(keys)
+        return {k: torch.full((2, 64), float(i), dtype=torch.bfloat16) for i, k in enumerate(keys)}
+
+    first = quantized_cache.shared_packed("tiny:llama", torch.bfloat16, "int4", ["a", "b"], lambda: build(["a", "b"]))
+    again = quantized_cache.shared_packed("tiny:llama", torch.bfloat16, "int4", ["b"], lambda: build(["b"]))
+    assert built == [["a", "b"]] and torch.equal(first["b"], again["b"]) and again["b"][0, 0].item() == 1.0
+    assert quantized_cache.packed_path("tiny:llama", torch.bfloat16, "int4").parent == tmp_path / "quantized"
+    quantized_cache.shared_packed("tiny:llama", torch.bfloat16, "int4", ["c"], lambda: build(["c"]))
+    assert built[-1] == ["c"]

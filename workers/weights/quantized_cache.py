@@ -4,10 +4,15 @@ them) writes them to `$MMFUSION_CACHE/quantized/<key>-<dtype>-<kind>.safetensors
 place only when complete; every copy then maps that file read-only (workers.weights.shared's
 mapping). The page cache holds the blocks once, a copy that starts later skips building them, and
 the file lives on in the cache beside the shared weights, keyed by the source's size and time.
+
+On a CPU with AMX tiles, the same linears' values packed in bfloat16 for the tiles (the layout
+oneDNN's micro-kernel reads on this machine and torch) go to a file beside it, keyed also by the
+machine, and are shared the same way (`shared_packed`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -15,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from workers.capability import machine_tag
 from workers.files import atomic_replace, cache_root, one_at_a_time
 from workers.quant.weight import QuantizedWeight
 from workers.weights.shared import map_tensors
@@ -22,6 +28,7 @@ from workers.weights.sources import source_key
 
 log = logging.getLogger("mmfusion.quantized_cache")
 FORMAT = "mmfusion-quantized-2"  # bump when the layout or a quantization rule changes
+PACKED_FORMAT = "mmfusion-tiles-1"  # the AMX tiles' packing (kernels/amx_linear.cpp)
 
 
 def cache_path(source: str, dtype: torch.dtype, kind: str) -> Path:
@@ -64,3 +71,30 @@ def shared_quantized(source: str, dtype: torch.dtype, kind: str,
                 log.warning("quantized linears %s unusable (%s): writing them again", path, exc)
         _write(path, build())
     return _read(path)
+
+
+def packed_path(source: str, dtype: torch.dtype, kind: str) -> Path:
+    machine = hashlib.sha1(machine_tag().encode()).hexdigest()[:12]
+    return cache_path(source, dtype, kind).with_suffix(f".tiles-{machine}.safetensors")
+
+
+def shared_packed(source: str, dtype: torch.dtype, kind: str, keys: list[str],
+                  build: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The quantized linears of (source, dtype, kind) packed for AMX tiles, by key, as read-only
+    views of a file shared by the copies on this machine; `build()` packs them (all of `keys`)
+    when the file does not hold them yet."""
+    from safetensors.torch import save_file
+
+    path = packed_path(source, dtype, kind)
+    with one_at_a_time(path):
+        if path.exists():
+            try:
+                tensors, meta = map_tensors(path)
+                if meta.get("format") == PACKED_FORMAT and set(keys) <= set(tensors):
+                    return {key: tensors[key] for key in keys}
+            except (ValueError, KeyError, OSError) as exc:
+                log.warning("packed linears %s unusable (%s): writing them again", path, exc)
+        packed = {key: t.contiguous() for key, t in build().items()}
+        atomic_replace(path, lambda tmp: save_file(packed, str(tmp), metadata={"format": PACKED_FORMAT}))
+    tensors, _ = map_tensors(path)
+    return {key: tensors[key] for key in keys}

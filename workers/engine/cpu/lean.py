@@ -29,7 +29,7 @@ from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
 from workers.engine.cpu import row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
-from workers.engine.cpu.linears import Linear, fused, quantized
+from workers.engine.cpu.linears import Linear, Packs, fused, pack_for_tiles, quantized, tiles_fit
 from workers.engine.lean_parts import AttentionShape, rotation
 from workers.lean_rules import layer_windows
 from workers.precision import Precision
@@ -132,30 +132,44 @@ class LeanLlama:
         self._keyed[key] = lin
         return lin
 
-    def pick_row_kernels(self, max_rows: int) -> dict[str, str]:
+    def pick_row_kernels(self, max_rows: int, packs: Packs | None = None) -> dict[str, str]:
         """Each quantized layer linear's kernel by the step's row count, measured on this machine for
-        steps of up to `max_rows` rows (row_kernels); the LM head keeps its blocks (it multiplies the
-        kept rows, one a sequence). Not under `deterministic`, whose strips take every row count.
-        Returns the choice by linear, as the worker logs it and status shows it."""
+        steps of up to `max_rows` rows (row_kernels), the LM head's by the rows it multiplies (one a
+        sequence; at 64 of them the blocks took 3x oneDNN's time on an AMX CPU). Not under `deterministic`, whose strips take every row count.
+        Where the CPU has AMX tiles for bfloat16, the linears' values packed for them are a way too:
+        `packs` gives them by key from the quantized weights (a file the copies share), else they
+        are packed here; those whose way is not chosen are let go. Returns the choice by linear, as
+        the worker logs it and status shows it."""
         kernels = self.norms
         if self.invariant or kernels is None or self.compute not in (torch.float32, torch.bfloat16):
             return {}
         groups: dict[tuple, list] = {}
-        for layer in self.layers:
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                if lin.quant is not None and lin.kernels is not None:
-                    groups.setdefault((lin.quant.kind, lin.shape), []).append(lin)
+        for lin in self.linears():
+            if lin.quant is not None and lin.kernels is not None:
+                groups.setdefault((lin.quant.kind, lin.shape), []).append(lin)
+        if self.compute == torch.bfloat16 and tiles_fit(kernels):
+            keys = {id(lin): key for key, lin in self._keyed.items()}
+            want = {keys[id(lin)]: lin.quant for lins in groups.values() for lin in lins if tiles_fit(kernels, lin.shape)}
+            got = (packs or (lambda weights: pack_for_tiles(kernels, weights)))(want) if want else {}
+            for key, packed in got.items():
+                self._keyed[key].packed16 = packed
         chosen: dict[tuple, row_kernels.RowChoice] = {}
         for sig, lins in groups.items():
             # the layers' linears of the shape in turn, as a step multiplies them: their weights
             # stream from memory as they do in serving, not from a cache one linear would fit in
             ways = {row_kernels.BLOCKS: lambda x, n, lins=lins: [lin.blocks(x) for lin in lins[:n]],
                     row_kernels.WIDENED: lambda x, n, lins=lins: [lin.widened(x) for lin in lins[:n]]}
+            if all(lin.packed16 is not None for lin in lins):
+                ways[row_kernels.PACKED] = lambda x, n, lins=lins: [lin.tiles(x) for lin in lins[:n]]
             chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows, kernels.__name__,
                                              layers=len(lins))
             for lin in lins:
                 lin.rows = chosen[sig]
-        starts = [c.widened_from for c in chosen.values() if c.widened_from is not None]
+                if not lin.rows.uses(row_kernels.PACKED):
+                    lin.packed16 = None
+        # the fused decode serves the layers (the LM head runs after it, by its own choice)
+        starts = [lin.rows.widened_from for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                  if lin.rows is not None and lin.rows.widened_from is not None]
         self.decode_layers.widened_from = min(starts) if starts else None
         return {f"{kind} {out}x{width}": c.describe() for (kind, (out, width)), c in chosen.items()}
 

@@ -15,7 +15,9 @@ Two packings, chosen per model at load (workers.precision):
   (kernels/qlinear.cpp) widen each block to float32 in registers and multiply the activations in
   float32, reading a third (int4) or a half (int8) of bfloat16's bytes. A step of many rows may
   instead take ATen's GEMM on the blocks widened to the compute dtype, where the machine measured
-  it faster for that row count (`rows`, workers.engine.cpu.row_kernels). Where the kernels could
+  it faster for that row count (`rows`, workers.engine.cpu.row_kernels), or, on a CPU with AMX
+  tiles, the blocks' values packed once in bfloat16 for the tiles (`packed16`, a view of a file
+  the copies share) multiplied by ATen's batch-reduce GEMM. Where the kernels could
   not be built, the blocks' float32 values are multiplied as a dense weight (`linears`' way).
 
 Packed weights are tensors of this process (an opaque layout, not a plain buffer), so they cannot
@@ -25,11 +27,14 @@ live in the shared-weights file: each process that packs holds its own copy, whi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from workers.capability import cpu_capability
 from workers.engine.cpu.invariant import in_tiles, invariant_any, invariant_rows
-from workers.engine.cpu.row_kernels import WIDENED
+from workers.engine.cpu.row_kernels import BLOCKS, PACKED, WIDENED
 from workers.engine.lean_parts import fused_bias
 from workers.precision import FP16, ONEDNN, PLAIN
 from workers.quant.fuse import quantized_weight
@@ -39,6 +44,10 @@ from workers.quant.weight import QuantizedWeight
 # a taller one at ~12M/s (a 262,144-token LM head: 12 s; SmolLM2's: 2.5 s). Slices of PACK_ROWS
 # rows pack at the fast rate, and multiply as fast as the whole (Zen 3, 1 to 8 rows of input).
 PACK_ROWS = 8192
+# the AMX tiles' packing (kernels/amx_linear.cpp): output rows a panel; inputs go in pairs
+TILE_PANEL = 32
+# quantized weights by key -> their values packed for the tiles, by key (row_kernels' PACKED way)
+Packs = Callable[[dict[str, QuantizedWeight]], dict[str, torch.Tensor]]
 
 
 def fp16_fits(weight: torch.Tensor) -> bool:
@@ -56,7 +65,7 @@ class Linear:
     "plain"); the result is in the compute dtype (float32 for "fp16")."""
 
     __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels", "shape", "rows_per_call",
-                 "strips", "dense", "rows")
+                 "strips", "dense", "rows", "packed16")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | bool, own: bool = False,
                  compute: torch.dtype | None = None):
@@ -70,6 +79,7 @@ class Linear:
         self.strips = False
         self.dense = None  # the weight the C++ strips read (make_invariant)
         self.rows = None  # quantized: the kernel by the step's row count (row_kernels.RowChoice; None: the blocks')
+        self.packed16 = None  # quantized: its values packed for AMX tiles (the PACKED way), where chosen
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
         self.packed = self.fp16 = self.quant = self.kernels = None
@@ -102,7 +112,7 @@ class Linear:
         lin.bias = None if bias is None else bias.detach().to(compute)
         lin.quant, lin.kernels, lin.own_bytes = qw, kernels, qw.nbytes
         lin.shape, lin.rows_per_call, lin.strips, lin.dense = (qw.out_features, qw.in_features), 0, False, None
-        lin.rows = None
+        lin.rows = lin.packed16 = None
         return lin
 
     @property
@@ -121,6 +131,10 @@ class Linear:
         """A quantized linear through ATen's GEMM on its blocks widened to x's dtype (row_kernels)."""
         q = self.quant
         return self.kernels.qlinear_widened(x, q.qs, q.scales, q.offsets, self.bias)
+
+    def tiles(self, x: torch.Tensor) -> torch.Tensor:
+        """A quantized linear through AMX tiles on its values packed in bfloat16 (row_kernels)."""
+        return self.kernels.bf16_packed_linear(x, self.packed16, self.bias)
 
     def make_invariant(self, compute: torch.dtype, like: int | None = None, kernels=None,
                        weight: torch.Tensor | None = None, own: bool = False) -> int:
@@ -162,8 +176,11 @@ class Linear:
         if self.dense is not None:
             return self.kernels.dense_strips(x, self.dense, self.bias)
         if self.quant is not None:
-            if self.rows is not None and self.rows.way(x.shape[0]) == WIDENED:
+            way = self.rows.way(x.shape[0]) if self.rows is not None else BLOCKS
+            if way == WIDENED:
                 return self.widened(x)
+            if way == PACKED:
+                return self.tiles(x)
             return self.blocks(x)
         if self.fp16 is not None:
             if len(self.fp16) == 1:
@@ -201,3 +218,20 @@ def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, Quant
     if built is not None and lin.quant is not None:
         lin.own_bytes = 0  # a shared file's views: the copies hold them once (the plan counts them so)
     return lin
+
+
+def tiles_fit(kernels, shape: tuple[int, int] | None = None) -> bool:
+    """Whether the AMX tiles' way can serve: a CPU with AMX tiles for bfloat16 (as the capability
+    level allows: a capped run leaves them out), the kernels built with it, and (with `shape`,
+    (out, in)) whole panels of output rows and pairs of inputs."""
+    if kernels is None or not hasattr(kernels, "bf16_pack_supported") or not cpu_capability().at_least("amx"):
+        return False
+    if not kernels.bf16_pack_supported():
+        return False
+    return shape is None or (shape[0] % TILE_PANEL == 0 and shape[1] % 2 == 0)
+
+
+def pack_for_tiles(kernels, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+    """Each quantized weight's values (as the widened GEMM takes them: rounded to bfloat16) packed
+    for the AMX tiles, by key."""
+    return {key: kernels.bf16_pack(qw.dequantize().to(torch.bfloat16)) for key, qw in weights.items()}

@@ -19,6 +19,10 @@ The choice is one crossover per shape: the blocks below it, the widened GEMM fro
 only where the GEMM wins at that bucket and every larger one measured by MARGIN. So a noisy bucket
 in the middle does not flip a linear back and forth, and the same timings always give the same choice.
 `deterministic` takes none of this: its strips multiply every row count one way (Linear.make_invariant).
+
+Where the CPU has AMX tiles for bfloat16, a third way joins: PACKED, the blocks' values packed once
+in bfloat16 in the tiles' layout (a file every copy maps) and multiplied by ATen's batch-reduce GEMM
+(kernels/amx_linear.cpp). Above the crossover, each bucket then takes the faster of WIDENED and PACKED.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from workers.capability import machine_tag
 from workers.engine.cpu import calibrate
 
 BUCKETS = (1, 4, 16, 64, 256, 512)  # the step sizes (rows) measured
-BLOCKS, WIDENED = "blocks", "widened"  # the quantized blocks' own kernels; ATen's GEMM on widened weights
-WAYS = (BLOCKS, WIDENED)
+# the quantized blocks' own kernels; ATen's GEMM on widened weights; AMX tiles on packed bfloat16 weights
+BLOCKS, WIDENED, PACKED = "blocks", "widened", "packed"
+WAYS = (BLOCKS, WIDENED, PACKED)
 # the widened GEMM replaces the blocks only where it is this much faster: timings on a busy machine
 # are noisy, and the blocks hold a quarter of the bytes
 MARGIN = 0.10
@@ -51,23 +56,46 @@ MIN_LAYERS = 2
 
 @dataclass(frozen=True, slots=True)
 class RowChoice:
-    """The blocks below `widened_from` rows, the widened GEMM from there on (None: never)."""
+    """The blocks below `widened_from` rows, the many-rows way `batch` from there on (None: never),
+    and from each `switches` row count (ascending) the way it names."""
 
     widened_from: int | None = None
+    batch: str = WIDENED
+    switches: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.widened_from is not None and self.widened_from < 1:
             raise ValueError(f"widened_from must be a row count of at least 1 or None, got {self.widened_from}")
+        if any(w not in (WIDENED, PACKED) for w in (self.batch, *(w for _, w in self.switches))):
+            raise ValueError(f"the many-rows ways are {WIDENED!r} and {PACKED!r}, got {self.batch!r}, {self.switches}")
 
     def way(self, rows: int) -> str:
-        return WIDENED if self.widened_from is not None and rows >= self.widened_from else BLOCKS
+        if self.widened_from is None or rows < self.widened_from:
+            return BLOCKS
+        way = self.batch
+        for start, other in self.switches:
+            if rows >= start:
+                way = other
+        return way
+
+    def uses(self, way: str) -> bool:
+        """Whether some row count takes `way`."""
+        if self.widened_from is None:
+            return way == BLOCKS
+        return way in (self.batch, *(w for _, w in self.switches)) or (way == BLOCKS and self.widened_from > 1)
 
     def describe(self) -> str:
         if self.widened_from is None:
             return BLOCKS
-        if self.widened_from == 1:
-            return WIDENED
-        return f"{BLOCKS} up to {self.widened_from - 1} rows, {WIDENED} from {self.widened_from}"
+        parts = [f"{BLOCKS} up to {self.widened_from - 1} rows"] if self.widened_from > 1 else []
+        parts.append(f"{self.batch} from {self.widened_from}" if parts or self.switches else self.batch)
+        parts += [f"{way} from {start}" for start, way in self.switches]
+        return ", ".join(parts)
+
+
+def batch_way(timed: dict[str, float]) -> str:
+    """The many-rows way of one bucket's timings: the fastest of those besides the blocks."""
+    return min((w for w in timed if w != BLOCKS), key=lambda w: (timed[w], WAYS.index(w)))
 
 
 def bucket_rows(max_rows: int) -> tuple[int, ...]:
@@ -77,22 +105,32 @@ def bucket_rows(max_rows: int) -> tuple[int, ...]:
 
 
 def pick(seconds: dict[int, dict[str, float]]) -> RowChoice:
-    """The choice from the timings of buckets of BUCKETS ({rows: {way: seconds}}): the widened GEMM
-    from the smallest bucket at and above which it beats the blocks by MARGIN at every bucket
-    timed. A step of rows between two buckets takes the larger one's way; buckets below the
-    largest timed one that are missing were not worth timing (a larger one kept the blocks)."""
+    """The choice from the timings of buckets of BUCKETS ({rows: {way: seconds}}): from the smallest
+    bucket at and above which the fastest of the other ways beats the blocks by MARGIN at every
+    bucket timed, each bucket's fastest other way. A step of rows between two buckets takes the
+    larger one's way; buckets below the largest timed one that are missing were not worth timing
+    (a larger one kept the blocks)."""
     rows = sorted(seconds)
     start = None
     for i in range(len(rows) - 1, -1, -1):
         t = seconds[rows[i]]
-        if t[WIDENED] < (1 - MARGIN) * t[BLOCKS]:
-            start = rows[i]
+        if t[batch_way(t)] < (1 - MARGIN) * t[BLOCKS]:
+            start = i
         else:
             break
     if start is None:
         return RowChoice()
-    below = [b for b in BUCKETS if b < start]
-    return RowChoice(below[-1] + 1 if below else 1)
+
+    def first_row(i: int) -> int:  # the fewest rows that take bucket rows[i]'s way
+        below = [b for b in BUCKETS if b < rows[i]]
+        return below[-1] + 1 if below else 1
+
+    batch, switches = batch_way(seconds[rows[start]]), []
+    for i in range(start + 1, len(rows)):
+        way = batch_way(seconds[rows[i]])
+        if way != (switches[-1][1] if switches else batch):
+            switches.append((rows[i - 1] + 1, way))
+    return RowChoice(first_row(start), batch, tuple(switches))
 
 
 def layers_timed(rows: int, layers: int) -> int:
@@ -108,7 +146,7 @@ def measure(ways: dict[str, Callable[[torch.Tensor, int], object]], width: int, 
     """Seconds of each way's call `fn(x, n)` on random rows x [r, width] of `dtype` over the first n
     of the shape's `layers` linears (layers_timed), the best of `repeats` after a
     warm-up (fewer where the calls took BUDGET_SECONDS already), from the largest r of `rows` down,
-    until a bucket where the widened GEMM does not win (no smaller bucket can then start the
+    until a bucket where none of the other ways beats the blocks (no smaller bucket can then start the
     crossover: `pick`), so a CPU where the blocks win times one bucket. The ways take turns call by
     call: a machine whose load changes while it measures (another model loading beside this one)
     slows both alike, not whichever ran then."""
@@ -130,7 +168,7 @@ def measure(ways: dict[str, Callable[[torch.Tensor, int], object]], width: int, 
                 if min(spent.values()) >= BUDGET_SECONDS:
                     break
             out[r] = best
-            if not out[r][WIDENED] < (1 - MARGIN) * out[r][BLOCKS]:
+            if not out[r][batch_way(out[r])] < (1 - MARGIN) * out[r][BLOCKS]:
                 break
     return out
 
@@ -145,11 +183,16 @@ def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype,
            ways: dict[str, Callable[[torch.Tensor, int], object]], max_rows: int, build: str,
            layers: int = 1) -> RowChoice:
     """The choice for a quantized linear of `kind` ("int4", "int8") and `shape` (out, in) computing in
-    `dtype`, held by `layers` layers, read from the cache or measured now over `ways` (per way of
-    WAYS, `fn(x, n)` multiplies rows x by the first n layers' linears) for the buckets a step of at
+    `dtype`, held by `layers` layers, read from the cache or measured now over `ways` (BLOCKS and one
+    or both of the many-rows ways, `fn(x, n)` multiplies rows x by the first n layers' linears) for the buckets a step of at
     most `max_rows` rows falls in. `build`: the kernels' build (its tag)."""
     rows = bucket_rows(max_rows)
-    key = "|".join(map(str, ("row kernels", kind, shape, dtype, rows, build, f"{layers} layers", machine_key())))
-    widened_from = calibrate.remembered(
-        key, lambda: pick(measure(ways, shape[1], dtype, rows, layers)).widened_from)
-    return RowChoice(widened_from)
+    key = "|".join(map(str, ("row kernels 2", kind, shape, dtype, rows, build, f"{layers} layers", sorted(ways),
+                             machine_key())))
+    kept = calibrate.remembered(key, lambda: _as_list(pick(measure(ways, shape[1], dtype, rows, layers))))
+    return RowChoice(kept[0], kept[1], tuple((start, way) for start, way in kept[2]))
+
+
+def _as_list(choice: RowChoice) -> list:
+    """A choice as the cache keeps it (JSON)."""
+    return [choice.widened_from, choice.batch, [list(x) for x in choice.switches]]

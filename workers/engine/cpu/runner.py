@@ -16,11 +16,12 @@ from workers.engine import attention
 from workers.engine.cpu import calibrate, extension
 from workers.engine.cpu.backend import CPU_KERNELS, attention_kernels
 from workers.engine.cpu.lean import LeanLlama, lean_forward
+from workers.engine.cpu.linears import pack_for_tiles
 from workers.engine.runners.base import kv_dims, num_layers
 from workers.engine.runners.paged import PagedRunner
 from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
-from workers.weights.quantized_cache import shared_quantized
+from workers.weights.quantized_cache import shared_packed, shared_quantized
 from workers.weights.shared import drop_pages
 from workers.weights.sources import source_gguf, source_key
 
@@ -76,7 +77,18 @@ class CpuRunner(PagedRunner):
 
     def pick_kernels(self, max_rows: int) -> dict[str, str]:
         """The quantized linears' kernel by the step's rows, measured here (workers.engine.cpu.row_kernels)."""
-        return self.lean.pick_row_kernels(max_rows) if self.lean is not None else {}
+        if self.lean is None:
+            return {}
+        lm, precision, kernels = self.lm, self.platform.precision, extension.kernel_module()
+
+        def packs(weights: dict) -> dict[str, torch.Tensor]:
+            # copies that share their weights map one file of the values packed for AMX tiles
+            if not (lm.weights is not None and lm.weights.shared):
+                return pack_for_tiles(kernels, weights)
+            return shared_packed(lm.source, lm.dtype, precision.quantized_key, sorted(weights),
+                                 lambda: pack_for_tiles(kernels, weights))
+
+        return self.lean.pick_row_kernels(max_rows, packs)
 
     def min_long_chunk(self) -> int:
         """The tokens of LONG_CHUNK_ROWS query rows of one KV head (at least one pass of the C++

@@ -27,6 +27,9 @@ at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
 at::Tensor qlinear_widened(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
                            c10::optional<at::Tensor> bias);
 bool dense_strips_built();
+bool bf16_pack_supported();
+at::Tensor bf16_pack(at::Tensor w);
+at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
 
 // Every kernel call lets go of the GIL while it runs (its arguments are converted before and its
 // result after, under the GIL; the kernels touch no Python object): a worker's other threads, its
@@ -76,5 +79,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("placed", &DecodeLayers::placed)
       .def("__len__", &DecodeLayers::size)
       .def("run", &DecodeLayers::run, Unlocked());
+  m.def("bf16_pack_supported", &bf16_pack_supported, "whether this CPU packs bfloat16 weights for AMX tiles");
+  m.def("bf16_pack", &bf16_pack, "a [N, K] bfloat16 weight in the AMX tiles' layout, panels of 32 output rows", Unlocked());
+  m.def("bf16_packed_linear", &bf16_packed_linear, "x @ W.T (+ bias) in bfloat16 on AMX tiles over bf16_pack's weights",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), Unlocked());
   m.def("dense_strips_built", &dense_strips_built, "whether dense_strips is built at this CPU level");
 }

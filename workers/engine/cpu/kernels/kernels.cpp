@@ -7,4 +7,5 @@
 #include "rope_write.cpp"
 #include "silu_mul.cpp"
 #include "qlinear.cpp"
+#include "amx_linear.cpp"
 #include "decode_layers.cpp"

@@ -1,0 +1,88 @@
+// A bfloat16 linear on AMX tiles through ATen's batch-reduce GEMM (at::native::cpublas::brgemm,
+// oneDNN's micro-kernel), over weights packed once into the layout the tiles read (pairs of inputs
+// side by side, panels of kPanel output rows). The packed weights are a plain tensor, not oneDNN's
+// opaque one, so a file of them can be mapped by every copy of a model (row_kernels' "packed"
+// way). oneDNN's own linear on its prepacked weights costs 30-40 us a call at few rows on a 2-core
+// Sapphire Rapids, where this costs 7-20.
+#include <ATen/native/CPUBlas.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "torch_lite.h"
+
+namespace {
+constexpr int64_t kPanel = 32;   // output rows a panel (two tiles' columns)
+// input rows a call of the micro-kernel: one tile's rows. Of 16, 32, 64 and 512 this was the
+// fastest at 64 to 512 rows of SmolLM2's linears (2-core Sapphire Rapids, panels of 32 and 64)
+constexpr int64_t kRowBlock = 16;
+}  // namespace
+
+bool bf16_pack_supported() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// w [N, K] bfloat16 (N a multiple of kPanel, K even) -> [N / kPanel, K * kPanel] in the tiles' layout
+at::Tensor bf16_pack(at::Tensor w) {
+  TORCH_CHECK(bf16_pack_supported(), "bf16_pack: this CPU has no AMX tiles for bfloat16");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: w must be a 2-d bfloat16 tensor");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % kPanel == 0 && k % 2 == 0, "bf16_pack: out features must be a multiple of ", kPanel,
+              " and in features even, got ", n, "x", k);
+  const at::Tensor wt = w.t().contiguous();  // [K, N]: what the packing reads
+  at::Tensor out = at::empty({n / kPanel, k * kPanel}, w.options());
+  const auto* src = wt.data_ptr<c10::BFloat16>();
+  auto* dst = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      at::native::cpublas::pack(k, kPanel, n, kPanel, at::kBFloat16, at::kBFloat16, src + p * kPanel,
+                                dst + p * k * kPanel);
+    }
+  });
+  return out;
+}
+
+// x [M, K] bfloat16 @ W.T (+ bias) for W packed by bf16_pack: [M, N] bfloat16, summed in float32
+at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_packed_linear: x must be 2-d bfloat16");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "bf16_packed_linear: packed must be bf16_pack's result");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = panels * kPanel;
+  TORCH_CHECK(packed.size(1) == k * kPanel, "bf16_packed_linear: x has ", k, " features, the weights ",
+              packed.size(1) / kPanel);
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == n, "bf16_packed_linear: bias must have ", n, " values");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor b = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const auto* a = xc.data_ptr<c10::BFloat16>();
+  const auto* w = packed.data_ptr<c10::BFloat16>();
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+  auto* y = out.data_ptr<c10::BFloat16>();
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  // a panel's weights (K x 32) stay in L1/L2 while every block of rows passes them
+  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(kRowBlock * kPanel);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = i / blocks, m0 = (i % blocks) * kRowBlock, rows = std::min(kRowBlock, m - m0);
+      at::native::cpublas::brgemm(rows, kPanel, k, k, kPanel, kPanel, false, a + m0 * k, w + p * k * kPanel,
+                                  c.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        c10::BFloat16* row = y + (m0 + r) * n + p * kPanel;
+        const float* cr = c.data() + r * kPanel;
+#ifdef __AVX512BF16__
+        for (int64_t j = 0; j < kPanel; j += 16) {
+          __m512 v = _mm512_loadu_ps(cr + j);
+          if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + p * kPanel + j));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+        }
+#else
+        for (int64_t j = 0; j < kPanel; ++j) row[j] = static_cast<c10::BFloat16>(cr[j] + (bp ? bp[p * kPanel + j] : 0.f));
+#endif
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+  return out;
+}
