@@ -81,14 +81,23 @@ class CpuRunner(PagedRunner):
             return {}
         lm, precision, kernels = self.lm, self.platform.precision, extension.kernel_module()
 
+        mapped: list[torch.Tensor] = []
+
         def packs(weights: dict) -> dict[str, torch.Tensor]:
             # copies that share their weights map one file of the values packed for AMX tiles
             if not (lm.weights is not None and lm.weights.shared):
                 return pack_for_tiles(kernels, weights)
-            return shared_packed(lm.source, lm.dtype, precision.quantized_key, sorted(weights),
-                                 lambda: pack_for_tiles(kernels, weights))
+            got = shared_packed(lm.source, lm.dtype, precision.quantized_key, sorted(weights),
+                                lambda: pack_for_tiles(kernels, weights))
+            mapped.extend(got.values())
+            return got
 
-        return self.lean.pick_row_kernels(max_rows, packs)
+        chosen = self.lean.pick_row_kernels(max_rows, packs)
+        # the packed values no linear's choice takes were read only while measuring: their pages
+        # leave this process's resident memory (the file stays in the page cache for the others)
+        kept = {lin.packed16.data_ptr() for lin in self.lean.linears() if lin.packed16 is not None}
+        drop_pages([t for t in mapped if t.data_ptr() not in kept])
+        return chosen
 
     def min_long_chunk(self) -> int:
         """The tokens of LONG_CHUNK_ROWS query rows of one KV head (at least one pass of the C++
@@ -133,7 +142,10 @@ class CpuRunner(PagedRunner):
         key = "|".join(map(str, (source_key(self.lm.source), self.platform.precision, self.lean is not None,
                                  self.batch_invariant, self.backend.name, self.backend.prefill is not None,
                                  self.block_size, self.cache.keys.dtype, torch.get_num_threads(),
-                                 cpu_capability().tag())))
+                                 cpu_capability().tag(),
+                                 # the linears' kernels by rows (pick_kernels, before this): a chunk's
+                                 # cost is measured on the ways that run it
+                                 sorted({str(lin.rows) for lin in self.lean.linears()} if self.lean else ()))))
         return calibrate.remembered(key, lambda: calibrate.attention_span(
             self.holder, self.backend, linears, layers, cfg.num_attention_heads, kvh, dk, self.block_size,
             self.cache.keys.dtype, self.lm.device))
