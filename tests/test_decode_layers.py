@@ -15,6 +15,8 @@ from support.models import tiny
 from workers.capability import cpu_capability
 from workers.engine import Engine, EngineConfig
 from workers.engine.cpu.decode_layers import FusedDecode, kernel_linear
+from workers.engine.cpu.linears import pack_for_tiles, tiles_fit
+from workers.engine.cpu.row_kernels import PACKED, RowChoice
 from workers.engine.params import SamplingParams
 
 
@@ -47,9 +49,10 @@ def test_decode_steps_in_one_call_give_the_loops_answers_bit_for_bit(arch, dtype
                                       deterministic=deterministic))
         # every row count on the blocks, as the fused call multiplies them (a CPU whose measurement
         # gave the many-rows ways a few rows would send those steps to the loop: not this test's point)
-        for lin in eng.runner.lean.linears():
+        lean = eng.runner.lean
+        for lin in lean.linears():
             lin.rows = None
-        eng.runner.lean.decode_layers.widened_from = None
+        lean.decode_layers = lean.fused_decode()
         return eng
 
     fused = engine()
@@ -98,3 +101,26 @@ def test_qwen2s_biases_in_the_lean_forward_give_transformers_greedy():
     outs = eng.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 10)
+
+
+def test_decode_steps_on_the_amx_tiles_in_one_call_give_the_loops_answers_bit_for_bit():
+    """Where a layer linear's choice takes the AMX tiles from some rows on, the one-call decode
+    takes them from the same rows (KernelLinear's packed_from): its answers equal the loop's."""
+    lm = tiny("llama", dtype="bfloat16")
+
+    def engine(fused: bool) -> Engine:
+        eng = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, quantization="int4"))
+        lean = eng.runner.lean
+        if not tiles_fit(lean.norms):
+            pytest.skip("this CPU has no AMX tiles for bfloat16 (or the level is capped below amx)")
+        layer_linears = [x for layer in lean.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        packed = pack_for_tiles(lean.norms, {str(i): lin.quant for i, lin in enumerate(layer_linears)})
+        for i, lin in enumerate(layer_linears):
+            lin.rows, lin.packed16 = RowChoice(3, PACKED), packed[str(i)]
+        lean.decode_layers = lean.fused_decode() if fused else FusedDecode()
+        return eng
+
+    fused = engine(True)
+    got = _answers(fused, lm.vocab_size)
+    assert fused.runner.lean.decode_layers._position is not None  # decode steps of 1 to 5 rows went through it
+    assert got == _answers(engine(False), lm.vocab_size)

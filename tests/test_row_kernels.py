@@ -250,6 +250,9 @@ def test_each_bucket_above_the_crossover_takes_its_fastest_many_rows_way():
     assert [choice.way(r) for r in (1, 2, 16, 17, 64, 65, 600)] == [BLOCKS, PACKED, PACKED, WIDENED, WIDENED,
                                                                      PACKED, PACKED]
     assert choice.uses(PACKED) and choice.uses(BLOCKS) and not RowChoice().uses(PACKED)
+    assert (choice.first(BLOCKS), choice.first(PACKED), choice.first(WIDENED)) == (1, 2, 17)
+    assert RowChoice().first(BLOCKS) == 1 and RowChoice(1, PACKED).first(BLOCKS) is None
+    assert RowChoice(5).first(PACKED) is None
     assert choice.describe() == "blocks up to 1 rows, packed from 2, widened from 17, packed from 65"
     with pytest.raises(ValueError, match="many-rows ways"):
         RowChoice(4, BLOCKS)

@@ -22,6 +22,7 @@ import torch
 from workers.engine import attention
 from workers.engine.cpu.backend import CPU_KERNELS
 from workers.engine.cpu.extension import KERNEL_DTYPES
+from workers.engine.cpu.row_kernels import PACKED
 
 if TYPE_CHECKING:
     from workers.engine.cpu.linears import Linear
@@ -41,7 +42,10 @@ def kernel_linear(lin: Linear, kernels):
     q = lin.quant
     if q is None:
         return None
-    return kernels.KernelLinear(q.format.kernel_kind, q.qs, q.scales, q.offsets, lin.bias, lin.strips)
+    # the AMX tiles' way where the linear's choice takes it from some rows on (row_kernels)
+    packed_from = (lin.rows.first(PACKED) or 0) if lin.rows is not None and lin.packed16 is not None else 0
+    return kernels.KernelLinear(q.format.kernel_kind, q.qs, q.scales, q.offsets, lin.bias, lin.strips,
+                                lin.packed16 if packed_from else None, packed_from)
 
 
 class FusedDecode:
@@ -55,8 +59,8 @@ class FusedDecode:
         self.windows = windows or []
         # Gemma 3: the layer types whose rotary tables `run` takes, in this order (None: one table)
         self.rope_types = rope_types
-        # the fewest rows at which a layer linear takes the widened GEMM, not its blocks
-        # (LeanLlama.pick_row_kernels): such steps take the layer loop in Python
+        # the fewest rows at which a layer linear takes the widened GEMM (LeanLlama.pick_row_kernels),
+        # which the fused call has not: such steps take the layer loop in Python
         self.widened_from: int | None = None
         self._position = None  # the ContextHolder's layer placement the layers were placed by
 

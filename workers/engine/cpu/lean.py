@@ -100,10 +100,11 @@ class LeanLlama:
         # `deterministic`: the rows each linear path (as packed) multiplies a call (0: any number)
         self.invariant = invariant
         self.invariant_rows: dict[str, int] = self._invariant_linears(model) if invariant else {}
-        self.decode_layers = self._fused_decode()
+        self.decode_layers = self.fused_decode()
 
-    def _fused_decode(self) -> FusedDecode:
-        """Decode steps' layers in one C++ call, where every layer linear runs in the C++ kernels."""
+    def fused_decode(self) -> FusedDecode:
+        """Decode steps' layers in one C++ call, where every layer linear runs in the C++ kernels, over
+        the linears as they are now (their blocks, and the AMX tiles from where their choice takes them)."""
         return FusedDecode.of(self, self.norms)
 
     def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
@@ -167,9 +168,13 @@ class LeanLlama:
                 lin.rows = chosen[sig]
                 if not lin.rows.uses(row_kernels.PACKED):
                     lin.packed16 = None
-        # the fused decode serves the layers (the LM head runs after it, by its own choice)
-        starts = [lin.rows.widened_from for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                  if lin.rows is not None and lin.rows.widened_from is not None]
+        # the fused decode serves the layers (the LM head runs after it, by its own choice): their
+        # blocks, and the AMX tiles from where a linear's choice takes them, up to the fewest rows
+        # at which one takes the widened GEMM
+        self.decode_layers = self.fused_decode()
+        starts = [lin.rows.first(row_kernels.WIDENED) for layer in self.layers
+                  for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) if lin.rows is not None]
+        starts = [s for s in starts if s is not None]
         self.decode_layers.widened_from = min(starts) if starts else None
         return {f"{kind} {out}x{width}": c.describe() for (kind, (out, width)), c in chosen.items()}
 
@@ -294,7 +299,7 @@ class LeanGemma3(LeanLlama):
         self.embed_scale = model.model.embed_tokens.embed_scale.to(self.compute)
         self.softcap = cfg.final_logit_softcapping
 
-    def _fused_decode(self) -> FusedDecode:
+    def fused_decode(self) -> FusedDecode:
         return FusedDecode.of(self, self.norms, gemma=True)
 
     def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:

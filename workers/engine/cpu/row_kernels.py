@@ -78,6 +78,16 @@ class RowChoice:
                 way = other
         return way
 
+    def first(self, way: str) -> int | None:
+        """The fewest rows that take `way` (None: none do)."""
+        if way == BLOCKS:
+            return 1 if self.widened_from is None or self.widened_from > 1 else None
+        if self.widened_from is None:
+            return None
+        if self.batch == way:
+            return self.widened_from
+        return next((start for start, other in self.switches if other == way), None)
+
     def uses(self, way: str) -> bool:
         """Whether some row count takes `way`."""
         if self.widened_from is None:

@@ -65,9 +65,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         Unlocked());
   pybind11::class_<KernelLinear>(m, "KernelLinear", "one linear of these kernels: kind 0 int4, 1 int8, 2 dense strips")
       .def(pybind11::init<int64_t, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          c10::optional<at::Tensor>, bool>(),
+                          c10::optional<at::Tensor>, bool, c10::optional<at::Tensor>, int64_t>(),
            pybind11::arg("kind"), pybind11::arg("weight"), pybind11::arg("scales"), pybind11::arg("offsets"),
-           pybind11::arg("bias"), pybind11::arg("strips"))
+           pybind11::arg("bias"), pybind11::arg("strips"), pybind11::arg("packed") = pybind11::none(),
+           pybind11::arg("packed_from") = 0)
       .def("__call__", &KernelLinear::operator(), Unlocked());
   pybind11::class_<DecodeLayers>(m, "DecodeLayers", "a decode step through a Llama-family model's layers in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>(), pybind11::arg("heads"),

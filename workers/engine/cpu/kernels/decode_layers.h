@@ -18,9 +18,13 @@ struct KernelLinear {
   at::Tensor weight;  // int4: qs uint8 [N, K / 2]; int8: qs int8 [N, K]; dense: [N, K]
   c10::optional<at::Tensor> scales, offsets, bias;  // the blocks' (float16; offsets int4 only)
   bool strips;
+  // the blocks' values packed for AMX tiles (amx_linear.cpp), which calls of at least packed_from
+  // rows take (row_kernels' choice; 0: none)
+  c10::optional<at::Tensor> packed;
+  int64_t packed_from;
 
   KernelLinear(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> offsets,
-               c10::optional<at::Tensor> bias, bool strips);
+               c10::optional<at::Tensor> bias, bool strips, c10::optional<at::Tensor> packed, int64_t packed_from);
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
