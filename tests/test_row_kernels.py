@@ -295,3 +295,27 @@ def test_packed_linears_are_written_once_and_mapped_by_every_copy(tmp_path, monk
     assert quantized_cache.packed_path("tiny:llama", torch.bfloat16, "int4").parent == tmp_path / "quantized"
     quantized_cache.shared_packed("tiny:llama", torch.bfloat16, "int4", ["c"], lambda: build(["c"]))
     assert built[-1] == ["c"]
+
+
+def test_a_later_load_packs_only_the_tiles_its_kept_choice_takes(tmp_path, monkeypatch):
+    """A choice kept from an earlier load on this machine decides which linears are packed for the
+    tiles: none of those whose choice takes no tiles, each of those whose choice does."""
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
+    lm = tiny("llama", dtype="bfloat16")
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=INT4))
+    lean = eng.runner.lean
+    if not tiles_fit(lean.norms):
+        pytest.skip("this CPU has no AMX tiles for bfloat16 (or the level is capped below amx): the way is not offered")
+    asked: list[set[str]] = []
+
+    def packs(weights):
+        asked.append(set(weights))
+        return pack_for_tiles(lean.norms, weights)
+
+    again = lean.pick_row_kernels(64, packs)
+    assert again == eng.kernels  # read back, not measured anew
+    quantized = [lin for lin in lean.linears() if lin.quant is not None]
+    takes = [lin for lin in quantized if lin.rows.uses(PACKED)]
+    assert [len(keys) for keys in asked] == ([len(takes)] if takes else [])
+    assert set(asked[0] if asked else ()) <= set(lean.quantized_weights())
+    assert all((lin.packed16 is not None) == (lin in takes) for lin in quantized)

@@ -44,7 +44,7 @@ def remembered(key: str, measure: Callable[[], T]) -> T:
     measured again. The figure is anything JSON keeps (a number, a list of names). Copies starting
     together measure it once: the others wait, then read it (and no copy's measurement shares the
     cores with another's)."""
-    path = cache_root() / "calibration" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
+    path = _path(key)
     kept = read_keyed(path, key, _MISSING)
     if kept is not _MISSING:
         return kept
@@ -55,6 +55,15 @@ def remembered(key: str, measure: Callable[[], T]) -> T:
         value = measure()
         write_keyed(path, key, value)
     return value
+
+
+def recalled(key: str, default: object = None) -> object:
+    """The figure `remembered` keeps under `key`, or `default` where none is kept yet."""
+    return read_keyed(_path(key), key, default)
+
+
+def _path(key: str):
+    return cache_root() / "calibration" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
 
 
 def best_seconds(fn, repeats: int = REPEATS) -> float:

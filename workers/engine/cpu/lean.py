@@ -136,11 +136,12 @@ class LeanLlama:
     def pick_row_kernels(self, max_rows: int, packs: Packs | None = None) -> dict[str, str]:
         """Each quantized layer linear's kernel by the step's row count, measured on this machine for
         steps of up to `max_rows` rows (row_kernels), the LM head's by the rows it multiplies (one a
-        sequence; at 64 of them the blocks took 3x oneDNN's time on an AMX CPU). Not under `deterministic`, whose strips take every row count.
-        Where the CPU has AMX tiles for bfloat16, the linears' values packed for them are a way too:
-        `packs` gives them by key from the quantized weights (a file the copies share), else they
-        are packed here; those whose way is not chosen are let go. Returns the choice by linear, as
-        the worker logs it and status shows it."""
+        sequence; at 64 of them the blocks took 3x oneDNN's time on an AMX CPU). Not under
+        `deterministic`, whose strips take every row count. Where the CPU has AMX tiles for
+        bfloat16, the linears' values packed for them are a way too: `packs` gives them by key from
+        the quantized weights (a file the copies share), else they are packed here; none where a
+        choice kept from an earlier load takes no tiles, and those whose way is not chosen are let
+        go. Returns the choice by linear, as the worker logs it and status shows it."""
         kernels = self.norms
         if self.invariant or kernels is None or self.compute not in (torch.float32, torch.bfloat16):
             return {}
@@ -150,7 +151,13 @@ class LeanLlama:
                 groups.setdefault((lin.quant.kind, lin.shape), []).append(lin)
         if self.compute == torch.bfloat16 and tiles_fit(kernels):
             keys = {id(lin): key for key, lin in self._keyed.items()}
-            want = {keys[id(lin)]: lin.quant for lins in groups.values() for lin in lins if tiles_fit(kernels, lin.shape)}
+
+            def wanted(sig: tuple, lins: list) -> bool:  # not where a kept choice takes no tiles
+                kept = row_kernels.recalled(sig[0], sig[1], self.compute, row_kernels.WAYS, max_rows,
+                                            kernels.__name__, layers=len(lins))
+                return tiles_fit(kernels, sig[1]) and (kept is None or kept.uses(row_kernels.PACKED))
+
+            want = {keys[id(lin)]: lin.quant for sig, lins in groups.items() if wanted(sig, lins) for lin in lins}
             got = (packs or (lambda weights: pack_for_tiles(kernels, weights)))(want) if want else {}
             for key, packed in got.items():
                 self._keyed[key].packed16 = packed
@@ -160,7 +167,7 @@ class LeanLlama:
             # stream from memory as they do in serving, not from a cache one linear would fit in
             ways = {row_kernels.BLOCKS: lambda x, n, lins=lins: [lin.blocks(x) for lin in lins[:n]],
                     row_kernels.WIDENED: lambda x, n, lins=lins: [lin.widened(x) for lin in lins[:n]]}
-            if all(lin.packed16 is not None for lin in lins):
+            if self.compute == torch.bfloat16 and tiles_fit(kernels, sig[1]):
                 ways[row_kernels.PACKED] = lambda x, n, lins=lins: [lin.tiles(x) for lin in lins[:n]]
             chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows, kernels.__name__,
                                              layers=len(lins))
@@ -172,9 +179,8 @@ class LeanLlama:
         # blocks, and the AMX tiles from where a linear's choice takes them, up to the fewest rows
         # at which one takes the widened GEMM
         self.decode_layers = self.fused_decode()
-        starts = [lin.rows.first(row_kernels.WIDENED) for layer in self.layers
-                  for lin in (layer.qkv, layer.o, layer.gate_up, layer.down) if lin.rows is not None]
-        starts = [s for s in starts if s is not None]
+        starts = [start for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                  if lin.rows is not None and (start := lin.rows.first(row_kernels.WIDENED)) is not None]
         self.decode_layers.widened_from = min(starts) if starts else None
         return {f"{kind} {out}x{width}": c.describe() for (kind, (out, width)), c in chosen.items()}
 

@@ -197,9 +197,24 @@ def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype,
     or both of the many-rows ways, `fn(x, n)` multiplies rows x by the first n layers' linears) for the buckets a step of at
     most `max_rows` rows falls in. `build`: the kernels' build (its tag)."""
     rows = bucket_rows(max_rows)
-    key = "|".join(map(str, ("row kernels 2", kind, shape, dtype, rows, build, f"{layers} layers", sorted(ways),
-                             machine_key())))
-    kept = calibrate.remembered(key, lambda: _as_list(pick(measure(ways, shape[1], dtype, rows, layers))))
+    key = _key(kind, shape, dtype, ways, max_rows, build, layers)
+    return _from_list(calibrate.remembered(key, lambda: _as_list(pick(measure(ways, shape[1], dtype, rows, layers)))))
+
+
+def recalled(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_rows: int, build: str,
+             layers: int = 1) -> RowChoice | None:
+    """The choice `choose` keeps for the same arguments (`ways`: their names), or None where it has
+    not measured it on this machine yet: a load can skip preparing a way its choice does not take."""
+    kept = calibrate.recalled(_key(kind, shape, dtype, ways, max_rows, build, layers))
+    return None if kept is None else _from_list(kept)
+
+
+def _key(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_rows: int, build: str, layers: int) -> str:
+    return "|".join(map(str, ("row kernels 2", kind, shape, dtype, bucket_rows(max_rows), build, f"{layers} layers",
+                              sorted(ways), machine_key())))
+
+
+def _from_list(kept: list) -> RowChoice:
     return RowChoice(kept[0], kept[1], tuple((start, way) for start, way in kept[2]))
 
 
