@@ -131,7 +131,10 @@ MODEL_KEYS: tuple[Key, ...] = (
         "Q4_0, Q4_1, Q4_K (int4), Q5_0, Q8_0, Q5_K or Q6_K (int8) run quantized as above, the rest "
         "(16-bit, Q2_K, Q3_K) as loaded; any other source is `none`. SmolLM2's Q4_1 file: one stream about 2.5x "
         "faster than bfloat16, 0.36x its linears' bytes, a batched workload about 1.02-1.05x bfloat16's "
-        "(docs/benchmarks.md). CUDA: `int8` and `int4` on the device's lean forward (the Llama family) "
+        "(docs/benchmarks.md). Which kernel a step's linears take is measured per row count at load "
+        "(docs/cpus.md); on a CPU with AMX tiles the batches take the tiles on the values packed once in "
+        "bfloat16, a second file the copies map (one stream about 2x faster than `none` there, the "
+        "workload level with it). CUDA: `int8` and `int4` on the device's lean forward (the Llama family) "
         "through Triton kernels, slower than bfloat16 there so far (an H200: one stream int4 4.5 against "
         "1.3 ms/token, docs/operations.md); the 16-bit weights stay loaded beside the blocks, and `auto` is "
         "`none` there",
