@@ -202,6 +202,7 @@ void decode_walk(const typename Path::T* q, const typename Path::T* kc, const ty
           }
         }
       }
+      path.finish(m, l, acc);
     }
   });
   at::parallel_for(0, cells, 16, [&](int64_t begin, int64_t end) {
@@ -248,48 +249,61 @@ bool decode_dispatch(const torch::Tensor& q, const torch::Tensor& key, const tor
 // bfloat16 with AVX512-BF16, head size D (a multiple of 32), positions in the lanes: a tile of 16
 // keys is transposed in registers (pair p of every position in one vector), so each head's 16
 // scores take one vdpbf16ps per pair with the query's pair broadcast, straight from the cache with
-// no conversion of the keys, and the softmax over them is vector work with two horizontal
-// reductions per head and tile. The values are widened to float32 once per tile for all the heads
-// of the group. Sums in float32, as the generic path.
+// no conversion of the keys. The scores of up to KEEP tiles of a KV head wait in a buffer, and then
+// one softmax update serves them all: a maximum, a rescale and a total per head every 128
+// positions, not every 16. A head's update is a chain of dependent reductions and an exp, and per
+// tile those chains, not the arithmetic, set the pace. The values are then weighed tile by tile,
+// widened to float32 in registers once for all the heads of the group. Sums in float32.
 constexpr int64_t CHUNK = 16;
+constexpr int KEEP = 8;
 
-// acc[h] = acc[h] * corr[h] + sum over the tile's n positions t of p[h][t] * v[t], for H heads (sums
-// [H][D] one after another, weights CHUNK a head): each position's values are loaded once for the H
-// heads, whose sums stay in registers; the order of the sums is a single head's
+// acc[h] = acc[h] * corr[h] + sum over the kept tiles' positions t of p[h][t] * v[t], for H heads
+// (sums [H][D] one after another, weights `stride` a head, 16 a tile): each position's values are
+// widened and loaded once for the H heads, whose sums stay in registers; the order of the sums is a
+// single head's
 template <int D, int H>
-inline void weigh_values(const float* vf, int n, const float* p, const float* corr, float* acc) {
+inline void weigh_values(const c10::BFloat16* const* vp, const int* vn, int tiles, const float* p, int64_t stride,
+                         const float* corr, float* acc) {
   constexpr int OV = D / 16;
   __m512 o[H][OV];
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < OV; ++c) o[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * c), _mm512_set1_ps(corr[h]));
-  for (int t = 0; t < n; ++t) {
-    for (int c = 0; c < OV; ++c) {
-      const __m512 v = _mm512_load_ps(vf + t * D + 16 * c);
-      for (int h = 0; h < H; ++h) o[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * CHUNK + t]), v, o[h][c]);
+  for (int i = 0; i < tiles; ++i) {
+    const float* pt = p + i * CHUNK;
+    for (int t = 0; t < vn[i]; ++t) {
+      const __m256i* vt = reinterpret_cast<const __m256i*>(vp[i] + t * D);
+      for (int c = 0; c < OV; ++c) {
+        const __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(vt + c));
+        for (int h = 0; h < H; ++h) o[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(pt[h * stride + t]), v, o[h][c]);
+      }
     }
   }
   for (int h = 0; h < H; ++h)
     for (int c = 0; c < OV; ++c) _mm512_storeu_ps(acc + h * D + 16 * c, o[h][c]);
 }
 
-// a tile of up to 16 positions for a KV head's g query heads (decode_walk's Path)
+// tiles of up to 16 positions for a KV head's g query heads (decode_walk's Path); `span` KV heads
+// of a work item keep their tiles apart
 template <int D_>
 struct Bf16Decode {
   using T = c10::BFloat16;
   static constexpr int D = D_;
   static constexpr int64_t TILE = CHUNK;
-  static constexpr int QP = D / 2, OV = D / 16;
-  const int64_t g;
-  alignas(64) float vf[CHUNK * D];  // the tile's values in float32
+  static constexpr int QP = D / 2;
+  static constexpr int64_t ROW = KEEP * CHUNK;  // a head's kept scores
+  const int64_t g, span;
   alignas(64) __m512i kt[QP];  // kt[p]: pair p of the tile's positions
-  std::vector<float> pj;  // the tile's weights, CHUNK a head of the group
+  std::vector<float> sc;  // [span][g][ROW]: the kept tiles' scores, then their weights
+  std::vector<const T*> vp;  // [span][KEEP]: the kept tiles' values
+  std::vector<int> vn;  // [span][KEEP]: their positions
+  std::vector<int> kept;  // [span]: tiles kept
   std::vector<float> cj;  // each head's rescale of its earlier sums
   std::vector<uint32_t> qb;  // the item's queries, pairs of bfloat16
   const __m512 vscale, ninf;
 
   Bf16Decode(int64_t g, int64_t hg, float scale)
-      : g(g), pj(g * CHUNK), cj(g), qb(hg * QP), vscale(_mm512_set1_ps(scale)),
-        ninf(_mm512_set1_ps(-std::numeric_limits<float>::infinity())) {}
+      : g(g), span(hg / g), sc(hg * ROW), vp(span * KEEP), vn(span * KEEP), kept(span, 0), cj(g), qb(hg * QP),
+        vscale(_mm512_set1_ps(scale)), ninf(_mm512_set1_ps(-std::numeric_limits<float>::infinity())) {}
 
   void query(int64_t j, const T* q) {
     const uint32_t* qh = reinterpret_cast<const uint32_t*>(q);
@@ -297,17 +311,14 @@ struct Bf16Decode {
   }
 
   void tile(const T* kb, const T* vb, int n, int64_t j0, float* m, float* l, float* acc) {
+    const int64_t s = j0 / g;
+    const int k = kept[s];
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
     for (int c = 0; c < QP / 16; ++c) {
       __m512i rr[16];
       for (int t = 0; t < 16; ++t) rr[t] = t < n ? _mm512_loadu_si512(kb + t * D + 32 * c) : _mm512_setzero_si512();
       mmfusion::transpose16(rr);
       for (int i = 0; i < 16; ++i) kt[16 * c + i] = rr[i];
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      const __m256i* vt = reinterpret_cast<const __m256i*>(vb + t * D);
-      for (int c = 0; c < OV; ++c)
-        _mm512_store_ps(vf + t * D + 16 * c, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(vt + c)));
     }
     for (int64_t j = j0; j < j0 + g; ++j) {
       const uint32_t* qj = qb.data() + j * QP;
@@ -318,31 +329,60 @@ struct Bf16Decode {
         s2 = _mm512_dpbf16_ps(s2, (__m512bh)kt[p + 2], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 2])));
         s3 = _mm512_dpbf16_ps(s3, (__m512bh)kt[p + 3], (__m512bh)_mm512_set1_epi32(static_cast<int>(qj[p + 3])));
       }
-      const __m512 sc = _mm512_mask_mul_ps(ninf, live, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)),
-                                           vscale);
-      const float mb = std::max(m[j], _mm512_reduce_max_ps(sc));
-      const float corr = std::exp(m[j] - mb);  // 0 on the first tile (m = -inf)
-      const __m512 e = _mm512_maskz_mov_ps(live, mmfusion::exp_neg(_mm512_sub_ps(sc, _mm512_set1_ps(mb))));
-      l[j] = l[j] * corr + _mm512_reduce_add_ps(e);
-      m[j] = mb;
-      _mm512_storeu_ps(pj.data() + (j - j0) * CHUNK, e);
-      cj[j - j0] = corr;
+      _mm512_storeu_ps(sc.data() + j * ROW + k * CHUNK,
+                       _mm512_mask_mul_ps(ninf, live, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)), vscale));
     }
-    // the values once for the group's heads, a few heads' sums in registers a pass
+    vp[s * KEEP + k] = vb;
+    vn[s * KEEP + k] = n;
+    kept[s] = k + 1;
+    if (k + 1 == KEEP) flush(s, m, l, acc);
+  }
+
+  // the softmax update of KV head s's kept tiles, and their values weighed into its heads' sums
+  void flush(int64_t s, float* m, float* l, float* acc) {
+    const int k = kept[s];
+    if (k == 0) return;
+    for (int64_t j = s * g; j < (s + 1) * g; ++j) {
+      float* sj = sc.data() + j * ROW;
+      __m512 top = _mm512_loadu_ps(sj);
+      for (int i = 1; i < k; ++i) top = _mm512_max_ps(top, _mm512_loadu_ps(sj + i * CHUNK));
+      const float mb = std::max(m[j], _mm512_reduce_max_ps(top));
+      const float corr = std::exp(m[j] - mb);  // 0 on the first update (m = -inf)
+      const __m512 vmb = _mm512_set1_ps(mb);
+      __m512 total = _mm512_setzero_ps();
+      for (int i = 0; i < k; ++i) {
+        const __m512 x = _mm512_loadu_ps(sj + i * CHUNK);
+        // a position past the row's end scored -inf and weighs exactly 0
+        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ), mmfusion::exp_neg(_mm512_sub_ps(x, vmb)));
+        _mm512_storeu_ps(sj + i * CHUNK, e);
+        total = _mm512_add_ps(total, e);
+      }
+      l[j] = l[j] * corr + _mm512_reduce_add_ps(total);
+      m[j] = mb;
+      cj[j - s * g] = corr;
+    }
+    const T* const* v = vp.data() + s * KEEP;
+    const int* n = vn.data() + s * KEEP;
     for (int64_t j = 0; j < g;) {
-      float* a = acc + (j0 + j) * D;
-      const int64_t left = g - j;
-      if (left >= 3 && 3 * OV <= 12) {
-        weigh_values<D, 3>(vf, n, pj.data() + j * CHUNK, cj.data() + j, a);
+      const int64_t h = s * g + j, left = g - j;
+      const float* p = sc.data() + h * ROW;
+      if (left >= 3 && 3 * (D / 16) <= 12) {
+        weigh_values<D, 3>(v, n, k, p, ROW, cj.data() + j, acc + h * D);
         j += 3;
-      } else if (left >= 2 && 2 * OV <= 16) {
-        weigh_values<D, 2>(vf, n, pj.data() + j * CHUNK, cj.data() + j, a);
+      } else if (left >= 2 && 2 * (D / 16) <= 16) {
+        weigh_values<D, 2>(v, n, k, p, ROW, cj.data() + j, acc + h * D);
         j += 2;
       } else {
-        weigh_values<D, 1>(vf, n, pj.data() + j * CHUNK, cj.data() + j, a);
+        weigh_values<D, 1>(v, n, k, p, ROW, cj.data() + j, acc + h * D);
         j += 1;
       }
     }
+    kept[s] = 0;
+  }
+
+  // the work item's last tiles: its sums, maxima and totals are whole after this
+  void finish(float* m, float* l, float* acc) {
+    for (int64_t s = 0; s < span; ++s) flush(s, m, l, acc);
   }
 };
 
@@ -374,6 +414,8 @@ struct F32Decode {
   void query(int64_t j, const float* qh) {
     for (int i = 0; i < D; ++i) qs[j * D + i] = qh[i] * scale;
   }
+
+  void finish(float*, float*, float*) {}  // each tile's update is whole
 
   void tile(const float* kb, const float* vb, int n, int64_t j0, float* m, float* l, float* acc) {
     const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
