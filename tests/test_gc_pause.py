@@ -42,5 +42,7 @@ def test_an_import_freezes_what_it_made_once():
     assert name in sys.modules and gc.isenabled()
     frozen = gc.get_freeze_count()
     assert frozen > before
-    import_paused(name)  # already imported: nothing more frozen
-    assert gc.get_freeze_count() == frozen
+    # already imported: nothing more frozen. The count may still fall: a frozen object that dies
+    # (another test's thread letting go of one, in this process) leaves the frozen generation
+    import_paused(name)
+    assert gc.get_freeze_count() <= frozen
