@@ -289,7 +289,7 @@ struct Bf16Decode {
   using T = c10::BFloat16;
   static constexpr int D = D_;
   static constexpr int64_t TILE = CHUNK;
-  static constexpr int QP = D / 2;
+  static constexpr int QP = D / 2, OV = D / 16;
   static constexpr int64_t ROW = KEEP * CHUNK;  // a head's kept scores
   const int64_t g, span;
   alignas(64) __m512i kt[QP];  // kt[p]: pair p of the tile's positions
@@ -366,10 +366,10 @@ struct Bf16Decode {
     for (int64_t j = 0; j < g;) {
       const int64_t h = s * g + j, left = g - j;
       const float* p = sc.data() + h * ROW;
-      if (left >= 3 && 3 * (D / 16) <= 12) {
+      if (left >= 3 && 3 * OV <= 12) {
         weigh_values<D, 3>(v, n, k, p, ROW, cj.data() + j, acc + h * D);
         j += 3;
-      } else if (left >= 2 && 2 * (D / 16) <= 16) {
+      } else if (left >= 2 && 2 * OV <= 16) {
         weigh_values<D, 2>(v, n, k, p, ROW, cj.data() + j, acc + h * D);
         j += 2;
       } else {
