@@ -518,10 +518,17 @@ def main() -> None:
         info = Engine(lm, EngineConfig(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                                        compile="true", quantization=quants[0])).compile_info
         start_s = time.perf_counter() - t
-    runs: dict[str, list] = {name: [] for name, _, _, _ in modes}
-    for _ in range(args.repeats):  # alternated: this machine's speed drifts between runs
-        for name, mode, q, det in modes:
-            runs[name].append(run_engine(lm, prompts, max_tokens, args, mode, q, det))
+
+    def run_modes() -> dict[str, list]:
+        """Each mode's workload runs, `args.repeats` of them, alternated: this machine's speed drifts
+        between runs."""
+        runs: dict[str, list] = {name: [] for name, _, _, _ in modes}
+        for _ in range(args.repeats):
+            for name, mode, q, det in modes:
+                runs[name].append(run_engine(lm, prompts, max_tokens, args, mode, q, det))
+        return runs
+
+    runs = run_modes()
     for name, _, q, det in modes:
         wall, useful, steps, _, fwd_in_run = min(runs[name], key=lambda r: r[0])
         fwd = min(r[3] for r in runs[name])
@@ -575,10 +582,7 @@ def main() -> None:
             emit(**peer, **{k: v for k, v in common.items() if k != "dtype"})
         best_rate = max(peers, key=lambda p: p["tokens_per_s"])
         best_single = min(peers, key=lambda p: p["single_stream_ms_per_token"])
-        after: dict[str, list] = {name: [] for name, _, _, _ in modes}
-        for _ in range(args.repeats):  # the engine again beside vLLM's runs, alternated as at the start
-            for name, mode, q, det in modes:
-                after[name].append(run_engine(lm, prompts, max_tokens, args, mode, q, det))
+        after = run_modes()  # the engine again beside vLLM's runs
         for name, _, q, det in modes:
             wall, useful, steps, _, _ = min(after[name], key=lambda r: r[0])
             record(f"{name}_after_peers", wall, useful, steps=steps, repeats=args.repeats, quantization=q,
