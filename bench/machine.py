@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 # the CPU features that decide how fast these workloads can run
@@ -51,3 +52,27 @@ def describe(bench: str, argv: list[str]) -> dict:
     return {"bench": bench, "machine": True, "date": datetime.date.today().isoformat(), "commit": commit(),
             **cpu(), "torch": torch.__version__, "transformers": transformers.__version__,
             "command": " ".join(["python", *argv])}
+
+
+# buffers read by read_rates: one that a large last-level cache holds (Sapphire Rapids class VMs
+# report up to 300 MiB of L3 shared with their neighbours), and one no cache holds
+READ_SIZES_MIB = (64, 1024)
+
+
+def read_rates(repeats: int = 5) -> dict:
+    """GB/s reading a buffer of each READ_SIZES_MIB size (a sum over bfloat16 values, best of
+    `repeats`). A 2-core VM's pace moves with what its neighbours do to the shared cache and memory,
+    and a run's figures with it: printed at a run's start and end, these say how far it moved."""
+    import torch
+
+    out = {}
+    for mib in READ_SIZES_MIB:
+        x = torch.ones(mib << 19, dtype=torch.bfloat16)
+        x.sum()  # first touch
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+        out[f"read_gb_s_{mib}mib"] = round(mib / 1024 / best, 1)
+    return out
