@@ -23,6 +23,7 @@ import torch
 from workers.capability import machine_tag
 from workers.files import atomic_replace, cache_root, one_at_a_time
 from workers.quant.weight import QuantizedWeight
+from workers.weights.cache_prune import adopt, recorded
 from workers.weights.shared import map_tensors
 from workers.weights.sources import source_key
 
@@ -66,10 +67,13 @@ def shared_quantized(source: str, dtype: torch.dtype, kind: str,
     with one_at_a_time(path):
         if path.exists():
             try:
-                return _read(path)
+                weights = _read(path)
+                adopt(path, source)
+                return weights
             except (ValueError, KeyError, OSError) as exc:
                 log.warning("quantized linears %s unusable (%s): writing them again", path, exc)
         _write(path, build())
+    recorded(path, source)
     return _read(path)
 
 
@@ -91,10 +95,12 @@ def shared_packed(source: str, dtype: torch.dtype, kind: str, keys: list[str],
             try:
                 tensors, meta = map_tensors(path)
                 if meta.get("format") == PACKED_FORMAT and set(keys) <= set(tensors):
+                    adopt(path, source)
                     return {key: tensors[key] for key in keys}
             except (ValueError, KeyError, OSError) as exc:
                 log.warning("packed linears %s unusable (%s): writing them again", path, exc)
         packed = {key: t.contiguous() for key, t in build().items()}
         atomic_replace(path, lambda tmp: save_file(packed, str(tmp), metadata={"format": PACKED_FORMAT}))
+    recorded(path, source)
     tensors, _ = map_tensors(path)
     return {key: tensors[key] for key in keys}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import gc
 import json
 import logging
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from workers.files import atomic_replace, one_at_a_time
+from workers.weights.cache_prune import adopt, recorded
 from workers.weights.held_tokenizers import from_directory
 from workers.weights.sources import shared_path
 
@@ -112,9 +114,14 @@ def read_header(path: Path) -> tuple[dict, dict, int]:
 
 
 def map_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Every tensor of the file as a read-only view of one shared mapping (no copy)."""
+    """Every tensor of the file as a read-only view of one shared mapping (no copy). The mapping
+    holds a shared lock on the file for as long as it lives: the mmap object keeps a duplicate of
+    the descriptor locked here, closed once no view is left, so the cache's pruning
+    (workers.weights.cache_prune) never removes a file some process maps."""
     header, meta, start = read_header(path)
     with open(path, "rb") as f:
+        with contextlib.suppress(OSError):  # a file system without locks: nothing is pruned under it then
+            fcntl.flock(f, fcntl.LOCK_SH)
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     out = {}
     with warnings.catch_warnings():  # "non-writable buffer": read-only is the point
@@ -266,6 +273,7 @@ def _load(source: str, dtype: torch.dtype, load_private, write, copy: bool):
         if (dest / WEIGHTS_FILE).exists():
             try:
                 model, tok, nbytes = build_attached(dest, dtype, copy=copy)
+                adopt(dest, source)
                 return model, tok, _info(nbytes, copy, dest)
             except (SharedWeightsError, OSError, ValueError) as exc:
                 log.warning("shared weights %s unusable (%s): writing them again", dest, exc)
@@ -278,14 +286,17 @@ def _load(source: str, dtype: torch.dtype, load_private, write, copy: bool):
             except (ValueError, KeyError, NotImplementedError) as exc:  # a layout it does not know
                 log.warning("writing %s tensor by tensor failed (%s): loading it whole", dest, exc)
                 tok = None
+        private = None
         if tok is None:
             model, tok = load_private()
             publish(model, tok, dest)
             if copy:  # the whole load is a copy of this process's own already
-                release_heap()
-                return model, tok, private_info(model)
+                private = model
             del model
+    recorded(dest, source)  # outside the entry's lock: pruning takes the locks of others
     release_heap()
+    if private is not None:
+        return private, tok, private_info(private)
     model, tok, nbytes = build_attached(dest, dtype, tok, copy)
     return model, tok, _info(nbytes, copy, dest)
 

@@ -160,12 +160,32 @@ def source_key(source: str) -> str:
 
         tag = f"{source}|{transformers.__version__}|{torch.__version__}"
         return f"tiny-{source.split(':')[1]}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
-    gguf = source_gguf(source)
-    path = gguf or Path(source).expanduser().resolve()
+    path = source_root(source)
+    tag = "|".join(f"{f}:{size}:{mtime}" for f, size, mtime in source_files(source))
+    return f"{path.stem}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
+
+
+def source_root(source: str) -> Path:
+    """The file or directory a (non-tiny) source's weights come from."""
+    return source_gguf(source) or Path(source).expanduser().resolve()
+
+
+def source_files(source: str) -> list[tuple[str, int, int]]:
+    """(path, size, mtime in ns) of each file whose change changes the source's key (source_key);
+    none for tiny models, whose key is their seed and library versions."""
+    if source.startswith("tiny:"):
+        return []
+    path = source_root(source)
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + [
         path / "config.json"]
-    tag = "|".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.exists())
-    return f"{path.stem}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        out.append((str(f), st.st_size, st.st_mtime_ns))
+    return out
 
 
 def context_len(config) -> int:
