@@ -3,6 +3,7 @@ in-process checks of the mapping, then real worker processes of a deployment."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -93,7 +94,16 @@ def test_copies_of_a_hugging_face_directory_share_too(cache, tmp_path):
         ids = torch.tensor([PROMPTS[2]])
         assert torch.equal(b.model(ids).logits, src.model(ids).logits)
     (hf / "config.json").touch()  # the directory changed: its key changes, nothing stale is used
-    assert load_model(str(hf), dtype="float32", share_weights=True).weights.path != a.weights.path
+    c = load_model(str(hf), dtype="float32", share_weights=True)
+    assert c.weights.path != a.weights.path
+    # the old directory's key can never come back, but a and b still map it: it stays
+    old = Path(a.weights.path).parent
+    assert old.is_dir()
+    del a, b
+    gc.collect()
+    os.utime(hf / "config.json", ns=(0, (hf / "config.json").stat().st_mtime_ns + 10**9))
+    d = load_model(str(hf), dtype="float32", share_weights=True)  # a third key: writing it prunes the first
+    assert not old.exists() and Path(c.weights.path).exists() and Path(d.weights.path).exists()
 
 
 def test_the_dtype_is_part_of_the_key(cache):
