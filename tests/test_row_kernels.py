@@ -18,7 +18,7 @@ from workers.engine import Engine, EngineConfig
 from workers.engine.cpu import calibrate, extension, row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
 from workers.engine.cpu.linears import pack_for_tiles, tiles_fit
-from workers.engine.cpu.row_kernels import BLOCKS, BUCKETS, PACKED, WIDENED, RowChoice, pick
+from workers.engine.cpu.row_kernels import BLOCKS, BUCKETS, PACKED, WIDENED, RowChoice, batch_way, pick
 from workers.engine.params import SamplingParams
 from workers.quant.weight import INT4, INT8, quantize
 from workers.weights import quantized_cache
@@ -256,6 +256,16 @@ def test_each_bucket_above_the_crossover_takes_its_fastest_many_rows_way():
     assert choice.describe() == "blocks up to 1 rows, packed from 2, widened from 17, packed from 65"
     with pytest.raises(ValueError, match="many-rows ways"):
         RowChoice(4, BLOCKS)
+
+
+def test_the_tiles_keep_a_bucket_the_widened_gemm_wins_by_less_than_the_margin():
+    """Level timings of the two 16-bit ways give the tiles, whichever came out ahead by a hair, so
+    two loads on one machine choose alike; a clear win still takes the widened GEMM."""
+    near = {64: {BLOCKS: 9.0, WIDENED: 0.97, PACKED: 1.0}, 512: {BLOCKS: 99.0, WIDENED: 0.95, PACKED: 1.0}}
+    assert pick(near) == RowChoice(17, PACKED)
+    clear = {64: {BLOCKS: 9.0, WIDENED: 0.97, PACKED: 1.0}, 512: {BLOCKS: 99.0, WIDENED: 0.8, PACKED: 1.0}}
+    assert pick(clear) == RowChoice(17, PACKED, ((65, WIDENED),))
+    assert batch_way({BLOCKS: 1.0, WIDENED: 0.5}) == WIDENED  # no tiles on this CPU
 
 
 def test_the_amx_tiles_way_multiplies_as_the_widened_values_do():
