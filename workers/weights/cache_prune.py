@@ -69,7 +69,8 @@ def stale(record: Path) -> bool:
 
 
 def mapped(path: Path) -> bool:
-    """Whether some process maps `path` (holds map_tensors' shared lock on it)."""
+    """Whether some process maps `path` (holds map_tensors' shared lock on it). A file this process
+    cannot open or lock counts as mapped: it is kept."""
     try:
         with open(path, "rb") as f:
             try:
@@ -78,7 +79,7 @@ def mapped(path: Path) -> bool:
                 return True
             fcntl.flock(f, fcntl.LOCK_UN)
     except OSError:
-        return False
+        return True
     return False
 
 
