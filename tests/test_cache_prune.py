@@ -14,6 +14,7 @@ import torch
 
 from workers.quant.weight import quantize
 from workers.weights import cache_prune
+from workers.weights import shared as S
 from workers.weights.quantized_cache import cache_path, shared_quantized
 from workers.weights.shared import map_tensors
 
@@ -119,13 +120,13 @@ def test_a_directory_entry_mapped_by_another_process_stays_until_it_dies(cache, 
     src = fake_source(tmp_path)
     entry = cache / "shared" / "model-abc-bfloat16"
     entry.mkdir(parents=True)
-    save_file({"w": torch.ones(4)}, str(entry / cache_prune.DIR_WEIGHTS))
+    save_file({"w": torch.ones(4)}, str(entry / S.WEIGHTS_FILE))
     cache_prune.write_record(entry, str(src))
     touch_later(src / "model.safetensors")
 
     code = ("import sys, time; from pathlib import Path; from workers.weights.shared import map_tensors; "
             "t, _ = map_tensors(Path(sys.argv[1])); print('mapped', flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(entry / cache_prune.DIR_WEIGHTS)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-c", code, str(entry / S.WEIGHTS_FILE)], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "mapped"

@@ -31,7 +31,6 @@ from workers.weights.sources import source_files
 log = logging.getLogger("mmfusion.cache")
 RECORD_SUFFIX = ".source.json"
 RECORD_FORMAT = "mmfusion-source-1"
-DIR_WEIGHTS = "model.safetensors"  # the mapped file of a shared directory (workers.weights.shared)
 
 
 def record_path(entry: Path) -> Path:
@@ -98,8 +97,9 @@ def prune_stale(folder: Path) -> list[Path]:
         with one_at_a_time(entry):
             if not stale(record):
                 continue
-            data = entry / DIR_WEIGHTS if entry.is_dir() else entry
-            if data.exists() and mapped(data):
+            # a shared weights directory's mapped files are its safetensors (workers.weights.shared)
+            data = sorted(entry.glob("*.safetensors")) if entry.is_dir() else [entry] if entry.exists() else []
+            if any(mapped(f) for f in data):
                 continue
             try:
                 if entry.is_dir():

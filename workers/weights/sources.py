@@ -161,7 +161,7 @@ def source_key(source: str) -> str:
         tag = f"{source}|{transformers.__version__}|{torch.__version__}"
         return f"tiny-{source.split(':')[1]}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
     path = source_root(source)
-    tag = "|".join(f"{f}:{size}:{mtime}" for f, size, mtime in source_files(source))
+    tag = "|".join(f"{f}:{size}:{mtime}" for f, size, mtime in _root_files(path))
     return f"{path.stem}-{hashlib.sha1(tag.encode()).hexdigest()[:12]}"
 
 
@@ -173,9 +173,10 @@ def source_root(source: str) -> Path:
 def source_files(source: str) -> list[tuple[str, int, int]]:
     """(path, size, mtime in ns) of each file whose change changes the source's key (source_key);
     none for tiny models, whose key is their seed and library versions."""
-    if source.startswith("tiny:"):
-        return []
-    path = source_root(source)
+    return [] if source.startswith("tiny:") else _root_files(source_root(source))
+
+
+def _root_files(path: Path) -> list[tuple[str, int, int]]:
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + [
         path / "config.json"]
     out = []
