@@ -124,3 +124,26 @@ def test_decode_steps_on_the_amx_tiles_in_one_call_give_the_loops_answers_bit_fo
     got = _answers(fused, lm.vocab_size)
     assert fused.runner.lean.decode_layers._position is not None  # decode steps of 1 to 5 rows went through it
     assert got == _answers(engine(False), lm.vocab_size)
+
+
+def test_decode_steps_with_8_bit_activations_in_one_call_give_the_loops_answers_bit_for_bit():
+    """Where a layer linear's blocks take the 8-bit activations at a few rows (row_kernels.ACT8), the
+    one-call decode takes them too (KernelLinear's act8): its answers equal the loop's, and differ
+    from those of the bfloat16 activations."""
+    lm = tiny("llama", dtype="bfloat16")
+
+    def engine(fused: bool, act8: bool) -> Engine:
+        eng = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, quantization="int4"))
+        lean = eng.runner.lean
+        if not lean.norms.act8_built():
+            pytest.skip("the 8-bit activations' path needs an AVX512-BF16 build with AVX512-VNNI")
+        for lin in lean.linears():
+            lin.rows, lin.act8 = None, act8
+        lean.decode_layers = lean.fused_decode() if fused else FusedDecode()
+        return eng
+
+    fused = engine(True, True)
+    got = _answers(fused, lm.vocab_size)
+    assert fused.runner.lean.decode_layers._position is not None
+    assert got == _answers(engine(False, True), lm.vocab_size)
+    assert got != _answers(engine(True, False), lm.vocab_size)

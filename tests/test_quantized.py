@@ -100,6 +100,59 @@ def test_one_float32_row_keeps_float32_precision(kind):
     assert bool(((got - want).abs() <= bound).all()), ((got - want).abs() / bound).max().item()
 
 
+needs_act8 = pytest.mark.skipif(KERNELS is None or not KERNELS.act8_built(),
+                                reason="the 8-bit activations' path needs AVX512-VNNI and AVX512-BF16 (an AVX512-BF16 build)")
+
+
+def _rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
+    """x's values as the act8 path rounds them, in its float32 steps: per block of 32, x * (127 /
+    the block's largest magnitude) to the nearest integer (ties to even), times that magnitude / 127."""
+    blocks = x.float().view(x.shape[0], -1, BLOCK)
+    most = blocks.abs().amax(-1, keepdim=True)
+    # a true division, as the kernel's (a scalar over a tensor is torch's reciprocal times 127)
+    inv = torch.where(most > 0, torch.full_like(most, 127.0) / torch.where(most > 0, most, 1), 0)
+    q = torch.round(blocks * inv)
+    return (q.double() * (most / 127).double()).view(x.shape)
+
+
+@needs_act8
+@pytest.mark.parametrize("kind", [INT4, INT8])
+@pytest.mark.parametrize("k", [32, 96, 576, 4160])
+def test_act8_rows_are_the_products_of_8_bit_activations(kind, k):
+    """`act8`, bfloat16 rows 1 to 4: the products of the blocks' values with the activations rounded
+    to 8 bits a block (_rounded_to_8_bits) in float64, to within the output's bfloat16 rounding and
+    float32 sums; so within half a step a block of the exact product. Rows of 1 to 130 blocks (the
+    kernels take 4 int4 or 2 int8 blocks a step: every remainder), an output count that is no
+    multiple of 4, a bias, and a block of zeros. From 5 rows, under `strips` and for float32 rows
+    the flag changes nothing."""
+    gen = torch.Generator().manual_seed(k + 1)
+    n = 37
+    qw = quantize(torch.randn(n, k, generator=gen) * 0.1, kind)
+    w = qw.dequantize().double()
+    bias = torch.randn(n, generator=gen)
+    call = getattr(KERNELS, qw.format.cpu_kernel)
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        if k > BLOCK:
+            x[0, :BLOCK] = 0
+        for b in (None, bias):
+            got = call(x, qw.qs, qw.scales, qw.offsets, b, False, True).double()
+            x8 = _rounded_to_8_bits(x)
+            want = x8 @ w.T + (0 if b is None else b.double())
+            sums = x8.abs() @ w.abs().T
+            assert ((got - want).abs() <= 2 ** -8 * want.abs() + k * 2 ** -23 * sums + 1e-6).all(), (kind, k, rows)
+            exact = x.double() @ w.T + (0 if b is None else b.double())
+            step = (x.double() - x8).abs() @ w.abs().T  # what the rounding can move each output
+            assert ((got - exact).abs() <= step + 2 ** -8 * exact.abs() + k * 2 ** -23 * sums + 1e-6).all()
+            assert not torch.equal(got, call(x, qw.qs, qw.scales, qw.offsets, b).double())  # it did round
+    for x in (torch.randn(5, k, generator=gen).to(torch.bfloat16), torch.randn(2, k, generator=gen)):
+        assert torch.equal(call(x, qw.qs, qw.scales, qw.offsets, bias, False, True),
+                           call(x, qw.qs, qw.scales, qw.offsets, bias))
+    x = torch.randn(2, k, generator=gen).to(torch.bfloat16)
+    assert torch.equal(call(x, qw.qs, qw.scales, qw.offsets, bias, True, True),
+                       call(x, qw.qs, qw.scales, qw.offsets, bias, True))
+
+
 @needs_kernels
 def test_kernel_refuses_what_it_cannot_take():
     qw = quantize(torch.randn(8, 64), INT4)
@@ -276,6 +329,35 @@ def test_fresh_quantization_keeps_perplexity(fixture, source, kinds, request):
         ppl[kind] = math.exp(-sum(scores) / len(scores))
     assert ppl.get(INT8, ppl["none"]) <= ppl["none"] * 1.01, ppl
     assert ppl[INT4] <= ppl["none"] * 1.04, ppl  # the LM head stays int8 (lean.LeanLlama)
+
+
+@needs_act8
+@pytest.mark.slow
+def test_act8_keeps_perplexity():
+    """SmolLM2's Q4_1 file in bfloat16 (`auto`), the text's prompt in chunks of 4 rows, so that every
+    linear multiplies calls of the few rows act8 takes: its perplexity with the activations rounded
+    to 8 bits stays within 1% (the int8 weights' bound above) of the same blocks with bfloat16
+    activations, and the rounding did change the log-probabilities."""
+    import math
+
+    from workers.models import load_model
+
+    lm = load_model("smollm2-135m", dtype="bfloat16")
+    ids = lm.tokenizer(TEXT).input_ids
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=4))
+    try:
+        assert eng.platform.precision.quantization == INT4
+        ppl, scores = {}, {}
+        for act8 in (False, True):
+            for lin in eng.runner.lean.linears():
+                lin.act8 = act8
+            out = eng.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))[0]
+            scores[act8] = [s for s in out.prompt_logprobs if s is not None]
+            ppl[act8] = math.exp(-sum(scores[act8]) / len(scores[act8]))
+    finally:
+        eng.close()
+    assert scores[True] != scores[False]
+    assert ppl[True] <= ppl[False] * 1.01, ppl
 
 
 def _mapped(path) -> list[tuple[int, int]]:

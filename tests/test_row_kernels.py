@@ -95,6 +95,39 @@ def test_a_choice_is_measured_once_per_machine_and_again_on_another(tmp_path, mo
     assert max(sizes) == 64 and min(sizes) == 16  # 64 went to the GEMM, 16 to the blocks: 4 and 1 untimed
 
 
+def test_8_bit_activations_are_taken_where_they_win_every_few_rows_bucket(tmp_path, monkeypatch):
+    """Stand-in kernels through the real timer: ACT8 (the blocks with 8-bit activations, which are
+    the blocks above ACT8_ROWS rows) taken where it beats the blocks by MARGIN at 1 and 4 rows, and
+    the crossover then measured against it; not where it loses one of those buckets. Both kept in
+    the choice the cache holds."""
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
+    seen: dict[str, set[int]] = {}
+
+    def way(name: str, seconds):
+        def run(x: torch.Tensor, layers: int) -> None:
+            seen.setdefault(name, set()).add(x.shape[0])
+            time.sleep(seconds(x.shape[0]))
+        return run
+
+    blocks = way(BLOCKS, lambda r: 0.004 if r <= 16 else 0.012)
+    gemm = way(WIDENED, lambda r: 0.006 if r == 1 else 0.003)  # beats the blocks' bfloat16 from 4 rows
+    act8 = way(row_kernels.ACT8, lambda r: 0.001 if r <= row_kernels.ACT8_ROWS else 0.004 if r <= 16 else 0.012)
+    ways = {BLOCKS: blocks, WIDENED: gemm, row_kernels.ACT8: act8}
+    choice = row_kernels.choose(INT4, (64, 32), torch.bfloat16, ways, 512, "build-a")
+    # the crossover against act8's timings: the GEMM from 5 rows, where it starts at 2 against the blocks
+    assert choice == RowChoice(5, act8=True) and seen[row_kernels.ACT8] == {1, 4, 16, 64, 256, 512}
+    assert choice.describe() == "act8 up to 4 rows, widened from 5"
+    assert [choice.way(r) for r in (1, 4, 5)] == [BLOCKS, BLOCKS, WIDENED]
+    seen.clear()
+    assert row_kernels.choose(INT4, (64, 32), torch.bfloat16, ways, 512, "build-a") == choice and not seen  # kept
+    loses_at_4 = way(row_kernels.ACT8, lambda r: 0.001 if r == 1 else 0.004 if r <= 16 else 0.012)
+    choice = row_kernels.choose(INT4, (64, 64), torch.bfloat16, {**ways, row_kernels.ACT8: loses_at_4}, 512, "build-a")
+    assert choice == RowChoice(2) and not choice.act8
+    # a step of one row at most (max_batch_size 1): the 1-row bucket alone decides
+    assert row_kernels.choose(INT4, (64, 96), torch.bfloat16, {**ways, row_kernels.ACT8: loses_at_4}, 1,
+                              "build-a").act8
+
+
 def test_long_calls_are_timed_fewer_times():
     """A call that takes BUDGET_SECONDS already (many rows over every layer) is timed once after its
     warm-up; a quick one the best of calibrate.REPEATS."""

@@ -45,7 +45,7 @@ def kernel_linear(lin: Linear, kernels):
     # the AMX tiles' way where the linear's choice takes it from some rows on (row_kernels)
     packed_from = (lin.rows.first(PACKED) or 0) if lin.rows is not None and lin.packed16 is not None else 0
     return kernels.KernelLinear(q.format.kernel_kind, q.qs, q.scales, q.offsets, lin.bias, lin.strips,
-                                lin.packed16 if packed_from else None, packed_from)
+                                lin.packed16 if packed_from else None, packed_from, lin.act8)
 
 
 class FusedDecode:

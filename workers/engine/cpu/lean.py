@@ -141,7 +141,9 @@ class LeanLlama:
         bfloat16, the linears' values packed for them are a way too: `packs` gives them by key from
         the quantized weights (a file the copies share), else they are packed here; none where a
         choice kept from an earlier load takes no tiles, and those whose way is not chosen are let
-        go. Returns the choice by linear, as the worker logs it and status shows it."""
+        go. Where the kernels round a few rows' activations to 8 bits (bfloat16 on AVX512-VNNI), that
+        is a way at up to row_kernels.ACT8_ROWS rows too. Returns the choice by linear, as the worker
+        logs it and status shows it."""
         kernels = self.norms
         if self.invariant or kernels is None or self.compute not in (torch.float32, torch.bfloat16):
             return {}
@@ -149,11 +151,14 @@ class LeanLlama:
         for lin in self.linears():
             if lin.quant is not None and lin.kernels is not None:
                 groups.setdefault((lin.quant.kind, lin.shape), []).append(lin)
+        # the blocks with 8-bit activations at a few rows, where built and the activations are 16-bit already
+        act8 = self.compute == torch.bfloat16 and hasattr(kernels, "act8_built") and kernels.act8_built()
         if self.compute == torch.bfloat16 and tiles_fit(kernels):
             keys = {id(lin): key for key, lin in self._keyed.items()}
+            names = row_kernels.WAYS + ((row_kernels.ACT8,) if act8 else ())
 
             def wanted(sig: tuple, lins: list) -> bool:  # not where a kept choice takes no tiles
-                kept = row_kernels.recalled(sig[0], sig[1], self.compute, row_kernels.WAYS, max_rows,
+                kept = row_kernels.recalled(sig[0], sig[1], self.compute, names, max_rows,
                                             kernels.__name__, layers=len(lins))
                 return tiles_fit(kernels, sig[1]) and (kept is None or kept.uses(row_kernels.PACKED))
 
@@ -169,10 +174,12 @@ class LeanLlama:
                     row_kernels.WIDENED: lambda x, n, lins=lins: [lin.widened(x) for lin in lins[:n]]}
             if self.compute == torch.bfloat16 and tiles_fit(kernels, sig[1]):
                 ways[row_kernels.PACKED] = lambda x, n, lins=lins: [lin.tiles(x) for lin in lins[:n]]
+            if act8:
+                ways[row_kernels.ACT8] = lambda x, n, lins=lins: [lin.blocks(x, True) for lin in lins[:n]]
             chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows, kernels.__name__,
                                              layers=len(lins))
             for lin in lins:
-                lin.rows = chosen[sig]
+                lin.rows, lin.act8 = chosen[sig], chosen[sig].act8
                 if not lin.rows.uses(row_kernels.PACKED):
                     lin.packed16 = None
         # the fused decode serves the layers (the LM head runs after it, by its own choice): their

@@ -24,6 +24,12 @@ Where the CPU has AMX tiles for bfloat16, a third way joins: PACKED, the blocks'
 in bfloat16 in the tiles' layout (a file every copy maps) and multiplied by ATen's batch-reduce GEMM
 (kernels/amx_linear.cpp). Above the crossover, each bucket then takes PACKED unless WIDENED beats it
 by MARGIN (batch_way).
+
+Where the kernels have the 8-bit activations' path (AVX512-VNNI: kernels/qlinear_act8.h) and the
+model computes in bfloat16, the blocks' kernel may round a call's activations to 8 bits a block of
+32, as llama.cpp does, at up to ACT8_ROWS rows: ACT8, timed against the blocks at the buckets up
+to ACT8_ROWS and taken (RowChoice.act8) where it beats them there by MARGIN. The crossover is then
+measured with the blocks as chosen.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ BUCKETS = (1, 4, 16, 64, 256, 512)  # the step sizes (rows) measured
 # the quantized blocks' own kernels; ATen's GEMM on widened weights; AMX tiles on packed bfloat16 weights
 BLOCKS, WIDENED, PACKED = "blocks", "widened", "packed"
 WAYS = (BLOCKS, WIDENED, PACKED)
+# the blocks with the activations rounded to 8 bits, which the kernels take at up to ACT8_ROWS rows
+ACT8 = "act8"
+ACT8_ROWS = 4
 # the widened GEMM replaces the blocks only where it is this much faster: timings on a busy machine
 # are noisy, and the blocks hold a quarter of the bytes
 MARGIN = 0.10
@@ -58,11 +67,13 @@ MIN_LAYERS = 2
 @dataclass(frozen=True, slots=True)
 class RowChoice:
     """The blocks below `widened_from` rows, the many-rows way `batch` from there on (None: never),
-    and from each `switches` row count (ascending) the way it names."""
+    and from each `switches` row count (ascending) the way it names. `act8`: the blocks round the
+    activations of calls of up to ACT8_ROWS rows to 8 bits."""
 
     widened_from: int | None = None
     batch: str = WIDENED
     switches: tuple[tuple[int, str], ...] = ()
+    act8: bool = False
 
     def __post_init__(self) -> None:
         if self.widened_from is not None and self.widened_from < 1:
@@ -96,9 +107,15 @@ class RowChoice:
         return way in (self.batch, *(w for _, w in self.switches)) or (way == BLOCKS and self.widened_from > 1)
 
     def describe(self) -> str:
-        if self.widened_from is None:
-            return BLOCKS
-        parts = [f"{BLOCKS} up to {self.widened_from - 1} rows"] if self.widened_from > 1 else []
+        top = None if self.widened_from is None else self.widened_from - 1  # the most rows the blocks take
+        parts, low = [], 1
+        if self.act8 and (top is None or top >= 1):
+            low = min(ACT8_ROWS, top or ACT8_ROWS) + 1
+            parts.append(f"{ACT8} up to {low - 1} rows")
+        if top is None:
+            return ", ".join([*parts, f"{BLOCKS} from {low}"]) if parts else BLOCKS
+        if top >= low:
+            parts.append(f"{BLOCKS} up to {top} rows" if low == 1 else f"{BLOCKS} {low}-{top} rows")
         parts.append(f"{self.batch} from {self.widened_from}" if parts or self.switches else self.batch)
         parts += [f"{way} from {start}" for start, way in self.switches]
         return ", ".join(parts)
@@ -152,6 +169,11 @@ def pick(seconds: dict[int, dict[str, float]]) -> RowChoice:
     return RowChoice(first_row(start), batch, tuple(switches))
 
 
+def act8_wins(seconds: dict[int, dict[str, float]]) -> bool:
+    """Whether the 8-bit activations (ACT8) beat the blocks by MARGIN at every bucket timed."""
+    return bool(seconds) and all(t[ACT8] < (1 - MARGIN) * t[BLOCKS] for t in seconds.values())
+
+
 def layers_timed(rows: int, layers: int) -> int:
     """How many of a shape's `layers` linears a call of `rows` rows multiplies while measuring."""
     if rows <= STREAM_ROWS:
@@ -161,14 +183,14 @@ def layers_timed(rows: int, layers: int) -> int:
 
 def measure(ways: dict[str, Callable[[torch.Tensor, int], object]], width: int, dtype: torch.dtype,
             rows: tuple[int, ...], layers: int = 1,
-            repeats: int = calibrate.REPEATS) -> dict[int, dict[str, float]]:
+            repeats: int = calibrate.REPEATS, every: bool = False) -> dict[int, dict[str, float]]:
     """Seconds of each way's call `fn(x, n)` on random rows x [r, width] of `dtype` over the first n
     of the shape's `layers` linears (layers_timed), the best of `repeats` after a
     warm-up (fewer where the calls took BUDGET_SECONDS already), from the largest r of `rows` down,
     until a bucket where none of the other ways beats the blocks (no smaller bucket can then start the
     crossover: `pick`), so a CPU where the blocks win times one bucket. The ways take turns call by
     call: a machine whose load changes while it measures (another model loading beside this one)
-    slows both alike, not whichever ran then."""
+    slows both alike, not whichever ran then. `every`: every bucket of `rows`, without that stop."""
     gen = torch.Generator().manual_seed(0)
     out: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
@@ -187,7 +209,7 @@ def measure(ways: dict[str, Callable[[torch.Tensor, int], object]], width: int, 
                 if min(spent.values()) >= BUDGET_SECONDS:
                     break
             out[r] = best
-            if not out[r][batch_way(out[r])] < (1 - MARGIN) * out[r][BLOCKS]:
+            if not every and not out[r][batch_way(out[r])] < (1 - MARGIN) * out[r][BLOCKS]:
                 break
     return out
 
@@ -207,7 +229,24 @@ def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype,
     most `max_rows` rows falls in. `build`: the kernels' build (its tag)."""
     rows = bucket_rows(max_rows)
     key = _key(kind, shape, dtype, ways, max_rows, build, layers)
-    return _from_list(calibrate.remembered(key, lambda: _as_list(pick(measure(ways, shape[1], dtype, rows, layers)))))
+
+    def measured() -> RowChoice:
+        act8 = ACT8 in ways and act8_wins(measure_act8(ways, shape[1], dtype, rows, layers))
+        rest = {name: fn for name, fn in ways.items() if name != ACT8}
+        if act8:  # the crossover against the blocks as they will run (ACT8 is the blocks above ACT8_ROWS)
+            rest[BLOCKS] = ways[ACT8]
+        choice = pick(measure(rest, shape[1], dtype, rows, layers))
+        return RowChoice(choice.widened_from, choice.batch, choice.switches, act8)
+
+    return _from_list(calibrate.remembered(key, lambda: _as_list(measured())))
+
+
+def measure_act8(ways: dict[str, Callable[[torch.Tensor, int], object]], width: int, dtype: torch.dtype,
+                 rows: tuple[int, ...], layers: int = 1, repeats: int = calibrate.REPEATS) -> dict[int, dict[str, float]]:
+    """Seconds of the blocks and of ACT8 (`ways`' entries) at each bucket of `rows` up to ACT8_ROWS,
+    as `measure` times them."""
+    few = tuple(r for r in rows if r <= ACT8_ROWS)
+    return measure({BLOCKS: ways[BLOCKS], ACT8: ways[ACT8]}, width, dtype, few, layers, repeats, every=True)
 
 
 def recalled(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_rows: int, build: str,
@@ -219,14 +258,14 @@ def recalled(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_ro
 
 
 def _key(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_rows: int, build: str, layers: int) -> str:
-    return "|".join(map(str, ("row kernels 3", kind, shape, dtype, bucket_rows(max_rows), build, f"{layers} layers",
+    return "|".join(map(str, ("row kernels 4", kind, shape, dtype, bucket_rows(max_rows), build, f"{layers} layers",
                               sorted(ways), machine_key())))
 
 
 def _from_list(kept: list) -> RowChoice:
-    return RowChoice(kept[0], kept[1], tuple((start, way) for start, way in kept[2]))
+    return RowChoice(kept[0], kept[1], tuple((start, way) for start, way in kept[2]), kept[3])
 
 
 def _as_list(choice: RowChoice) -> list:
     """A choice as the cache keeps it (JSON)."""
-    return [choice.widened_from, choice.batch, [list(x) for x in choice.switches]]
+    return [choice.widened_from, choice.batch, [list(x) for x in choice.switches], choice.act8]

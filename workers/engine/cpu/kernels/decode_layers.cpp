@@ -12,9 +12,9 @@
 
 KernelLinear::KernelLinear(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                            c10::optional<at::Tensor> offsets, c10::optional<at::Tensor> bias, bool strips,
-                           c10::optional<at::Tensor> packed, int64_t packed_from)
+                           c10::optional<at::Tensor> packed, int64_t packed_from, bool act8)
     : kind(kind), weight(std::move(weight)), scales(std::move(scales)), offsets(std::move(offsets)),
-      bias(std::move(bias)), strips(strips), packed(std::move(packed)), packed_from(packed_from) {
+      bias(std::move(bias)), strips(strips), packed(std::move(packed)), packed_from(packed_from), act8(act8) {
   TORCH_CHECK(packed_from == 0 || (this->packed.has_value() && this->packed->defined()),
               "KernelLinear: packed_from needs the packed values");
   TORCH_CHECK(kind == kInt4 || kind == kInt8 || kind == kDense, "KernelLinear: kind must be 0 (int4), 1 (int8) or 2 (dense)");
@@ -25,8 +25,8 @@ KernelLinear::KernelLinear(int64_t kind, at::Tensor weight, c10::optional<at::Te
 at::Tensor KernelLinear::operator()(const at::Tensor& x) const {
   if (packed_from > 0 && x.size(0) >= packed_from) return bf16_packed_linear(x, *packed, bias);
   switch (kind) {
-    case kInt4: return qlinear_int4(x, weight, *scales, *offsets, bias, strips);
-    case kInt8: return qlinear_int8(x, weight, *scales, c10::nullopt, bias, strips);
+    case kInt4: return qlinear_int4(x, weight, *scales, *offsets, bias, strips, act8);
+    case kInt8: return qlinear_int8(x, weight, *scales, c10::nullopt, bias, strips, act8);
     default: return dense_strips(x, weight, bias);
   }
 }

@@ -1,7 +1,7 @@
 // Weight-only quantized linears: the paths by row count and the entry points (qlinear_int4,
 // qlinear_int8, dense_strips). The layout and the paths: qlinear_common.h, qlinear_f32.h and
 // qlinear_bf16.h.
-#include "qlinear_bf16.h"
+#include "qlinear_act8.h"
 
 namespace {
 
@@ -147,10 +147,19 @@ at::Tensor float_panels(const at::Tensor& x, int64_t n, const c10::optional<at::
 #ifdef MMFUSION_QLINEAR_BF16
 template <typename Q>
 at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias, const Q* q, int64_t row_len,
-                     const uint16_t* s, const uint16_t* o, bool strips) {
+                     const uint16_t* s, const uint16_t* o, bool strips, bool act8) {
   const at::Tensor xc = x.contiguous();
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->numel() == n, "qlinear: bias must have ", n, " values");
+#ifdef MMFUSION_QLINEAR_ACT8
+  if (act8 && !strips && xc.size(0) <= kMaxRows) {
+    const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor y = at::empty({xc.size(0), n}, xc.options());
+    act8_rows(xc.data_ptr<c10::BFloat16>(), xc.size(0), xc.size(1), n, q, row_len, s, o,
+              bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<c10::BFloat16>());
+    return y;
+  }
+#endif
   const bool outer = outer_fits(xc.size(0), n) || (strips && n % 16 == 0);
   if (xc.size(0) >= kPanelRows && !outer) {
     const int64_t k = xc.size(1), blocks = k / kBlock;
@@ -180,7 +189,7 @@ at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Ten
 // x [M, K] (float32, bfloat16 or float16); qs uint8 [N, K / 2]; scales, offsets float16 [N, K / 32];
 // returns [M, N] in x's dtype
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
-                        c10::optional<at::Tensor> bias, bool strips) {
+                        c10::optional<at::Tensor> bias, bool strips, bool act8) {
   const int64_t n = qs.size(0), k = qs.size(1) * 2;
   check(x, scales, n, k, "qlinear_int4");
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qlinear_int4: qs must be contiguous uint8");
@@ -191,7 +200,7 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>());
 #ifdef MMFUSION_QLINEAR_BF16
-  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k / 2, s, o, strips);
+  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k / 2, s, o, strips, act8);
 #endif
   strips = strips && n % 16 == 0;
   if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n) && !strips) {
@@ -273,6 +282,14 @@ at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
 #endif
 }
 
+bool act8_built() {
+#ifdef MMFUSION_QLINEAR_ACT8
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool dense_strips_built() {
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
   return true;
@@ -284,7 +301,7 @@ bool dense_strips_built() {
 // x [M, K]; qs int8 [N, K]; scales float16 [N, K / 32]; returns [M, N] in x's dtype
 // offsets: none for int8 blocks (every format's kernel takes the same arguments: workers.quant.formats)
 at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
-                        c10::optional<at::Tensor> bias, bool strips) {
+                        c10::optional<at::Tensor> bias, bool strips, bool act8) {
   const int64_t n = qs.size(0), k = qs.size(1);
   check(x, scales, n, k, "qlinear_int8");
   TORCH_CHECK(!offsets.has_value() || !offsets->defined(), "qlinear_int8: int8 blocks take no offsets");
@@ -293,7 +310,7 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
   const int8_t* q = qs.data_ptr<int8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
 #ifdef MMFUSION_QLINEAR_BF16
-  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k, s, nullptr, strips);
+  if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k, s, nullptr, strips, act8);
 #endif
   strips = strips && n % 16 == 0;
   if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n) && !strips) {
