@@ -95,11 +95,11 @@ def test_a_choice_is_measured_once_per_machine_and_again_on_another(tmp_path, mo
     assert max(sizes) == 64 and min(sizes) == 16  # 64 went to the GEMM, 16 to the blocks: 4 and 1 untimed
 
 
-def test_8_bit_activations_are_taken_where_they_win_every_few_rows_bucket(tmp_path, monkeypatch):
+def test_8_bit_activations_are_taken_unless_the_blocks_beat_them_at_a_few_rows(tmp_path, monkeypatch):
     """Stand-in kernels through the real timer: ACT8 (the blocks with 8-bit activations, which are
-    the blocks above ACT8_ROWS rows) taken where it beats the blocks by MARGIN at 1 and 4 rows, and
-    the crossover then measured against it; not where it loses one of those buckets. Both kept in
-    the choice the cache holds."""
+    the blocks above ACT8_ROWS rows) taken unless the blocks beat it by MARGIN at 1 or 4 rows, and
+    the crossover then measured against it; not where they do. Both kept in the choice the cache
+    holds."""
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
     seen: dict[str, set[int]] = {}
 
@@ -120,7 +120,11 @@ def test_8_bit_activations_are_taken_where_they_win_every_few_rows_bucket(tmp_pa
     assert [choice.way(r) for r in (1, 4, 5)] == [BLOCKS, BLOCKS, WIDENED]
     seen.clear()
     assert row_kernels.choose(INT4, (64, 32), torch.bfloat16, ways, 512, "build-a") == choice and not seen  # kept
-    loses_at_4 = way(row_kernels.ACT8, lambda r: 0.001 if r == 1 else 0.004 if r <= 16 else 0.012)
+    # about level with the blocks at 4 rows (5% faster, within the margin): kept; beaten there: dropped
+    level_at_4 = way(row_kernels.ACT8, lambda r: 0.001 if r == 1 else 0.0038 if r <= 4 else 0.004 if r <= 16 else 0.012)
+    assert row_kernels.choose(INT4, (64, 48), torch.bfloat16, {**ways, row_kernels.ACT8: level_at_4}, 512,
+                              "build-a").act8
+    loses_at_4 = way(row_kernels.ACT8, lambda r: 0.001 if r == 1 else 0.006 if r <= 4 else 0.004 if r <= 16 else 0.012)
     choice = row_kernels.choose(INT4, (64, 64), torch.bfloat16, {**ways, row_kernels.ACT8: loses_at_4}, 512, "build-a")
     assert choice == RowChoice(2) and not choice.act8
     # a step of one row at most (max_batch_size 1): the 1-row bucket alone decides
