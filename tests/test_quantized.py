@@ -100,8 +100,15 @@ def test_one_float32_row_keeps_float32_precision(kind):
     assert bool(((got - want).abs() <= bound).all()), ((got - want).abs() / bound).max().item()
 
 
-needs_act8 = pytest.mark.skipif(KERNELS is None or not KERNELS.act8_built(),
-                                reason="the 8-bit activations' path needs AVX512-VNNI and AVX512-BF16 (an AVX512-BF16 build)")
+
+
+def _act8_built(dtype: torch.dtype) -> bool:
+    return KERNELS is not None and str(dtype).removeprefix("torch.") in KERNELS.act8_dtypes()
+
+
+# bfloat16 rows need AVX512-VNNI in an AVX512-BF16 build; float32 rows AVX2
+needs_act8 = pytest.mark.skipif(not _act8_built(torch.bfloat16),
+                                reason="the 8-bit activations' path for bfloat16 needs an AVX512-BF16 build with AVX512-VNNI")
 
 
 def _rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
@@ -115,16 +122,20 @@ def _rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (most / 127).double()).view(x.shape)
 
 
-@needs_act8
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", [INT4, INT8])
 @pytest.mark.parametrize("k", [32, 96, 576, 4160])
-def test_act8_rows_are_the_products_of_8_bit_activations(kind, k):
-    """`act8`, bfloat16 rows 1 to 4: the products of the blocks' values with the activations rounded
-    to 8 bits a block (_rounded_to_8_bits) in float64, to within the output's bfloat16 rounding and
-    float32 sums; so within half a step a block of the exact product. Rows of 1 to 130 blocks (the
-    kernels take 4 int4 or 2 int8 blocks a step: every remainder), an output count that is no
-    multiple of 4, a bias, and a block of zeros. From 5 rows, under `strips` and for float32 rows
-    the flag changes nothing."""
+def test_act8_rows_are_the_products_of_8_bit_activations(kind, k, dtype):
+    """`act8`, rows 1 to 4 (bfloat16 on AVX512-VNNI, float32 on AVX2): the products of the blocks'
+    values with the activations rounded to 8 bits a block (_rounded_to_8_bits) in float64, to within
+    the output's rounding and float32 sums; so within half a step a block of the exact product.
+    Rows of 1 to 130 blocks (the AVX-512 kernels take 4 int4 or 2 int8 blocks a step: every
+    remainder), an output count that is no multiple of 4, a bias, and a block of zeros. From 5
+    rows, under `strips` and for rows of another dtype the flag changes nothing."""
+    if not _act8_built(dtype):
+        pytest.skip(f"no 8-bit activations' path for {dtype} in this build ({KERNELS.act8_dtypes()})")
+    out_eps = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -23
     gen = torch.Generator().manual_seed(k + 1)
     n = 37
     qw = quantize(torch.randn(n, k, generator=gen) * 0.1, kind)
@@ -132,7 +143,7 @@ def test_act8_rows_are_the_products_of_8_bit_activations(kind, k):
     bias = torch.randn(n, generator=gen)
     call = getattr(KERNELS, qw.format.cpu_kernel)
     for rows in (1, 2, 3, 4):
-        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(rows, k, generator=gen).to(dtype)
         if k > BLOCK:
             x[0, :BLOCK] = 0
         for b in (None, bias):
@@ -140,15 +151,17 @@ def test_act8_rows_are_the_products_of_8_bit_activations(kind, k):
             x8 = _rounded_to_8_bits(x)
             want = x8 @ w.T + (0 if b is None else b.double())
             sums = x8.abs() @ w.abs().T
-            assert ((got - want).abs() <= 2 ** -8 * want.abs() + k * 2 ** -23 * sums + 1e-6).all(), (kind, k, rows)
+            assert ((got - want).abs() <= out_eps * want.abs() + k * 2 ** -23 * sums + 1e-6).all(), (kind, k, rows)
             exact = x.double() @ w.T + (0 if b is None else b.double())
             step = (x.double() - x8).abs() @ w.abs().T  # what the rounding can move each output
-            assert ((got - exact).abs() <= step + 2 ** -8 * exact.abs() + k * 2 ** -23 * sums + 1e-6).all()
+            assert ((got - exact).abs() <= step + out_eps * exact.abs() + k * 2 ** -23 * sums + 1e-6).all()
             assert not torch.equal(got, call(x, qw.qs, qw.scales, qw.offsets, b).double())  # it did round
-    for x in (torch.randn(5, k, generator=gen).to(torch.bfloat16), torch.randn(2, k, generator=gen)):
+    other = torch.float16 if dtype == torch.float32 else torch.float32
+    others = (torch.randn(2, k, generator=gen).to(other),) if not _act8_built(other) else ()
+    for x in (torch.randn(5, k, generator=gen).to(dtype), *others):
         assert torch.equal(call(x, qw.qs, qw.scales, qw.offsets, bias, False, True),
                            call(x, qw.qs, qw.scales, qw.offsets, bias))
-    x = torch.randn(2, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, k, generator=gen).to(dtype)
     assert torch.equal(call(x, qw.qs, qw.scales, qw.offsets, bias, True, True),
                        call(x, qw.qs, qw.scales, qw.offsets, bias, True))
 
@@ -331,33 +344,40 @@ def test_fresh_quantization_keeps_perplexity(fixture, source, kinds, request):
     assert ppl[INT4] <= ppl["none"] * 1.04, ppl  # the LM head stays int8 (lean.LeanLlama)
 
 
-@needs_act8
+@needs_kernels
 @pytest.mark.slow
 def test_act8_keeps_perplexity():
-    """SmolLM2's Q4_1 file in bfloat16 (`auto`), the text's prompt in chunks of 4 rows, so that every
-    linear multiplies calls of the few rows act8 takes: its perplexity with the activations rounded
-    to 8 bits stays within 1% (the int8 weights' bound above) of the same blocks with bfloat16
-    activations, and the rounding did change the log-probabilities."""
+    """SmolLM2's Q4_1 file with `dtype: auto` (bfloat16 with bf16 arithmetic, else float16 weights
+    and float32 math), the text's prompt in chunks of 4 rows, so that every linear multiplies calls
+    of the few rows act8 takes (every linear on its blocks): the log-probabilities with the
+    activations rounded to 8 bits move by under 0.1 nats a token on average, and the perplexity
+    stays within 2% (half the int4 weights' bound above) of the same blocks with the compute
+    dtype's activations. On this 114-token text the perplexity moved +0.4-0.5% in bfloat16 and
+    +0.5-1.3% in float32 math between builds whose moves per token were alike (0.05-0.06 nats):
+    the sign of the change is the text's, so the bound is looser than its mean move."""
     import math
 
     from workers.models import load_model
 
-    lm = load_model("smollm2-135m", dtype="bfloat16")
+    lm = load_model("smollm2-135m", dtype="auto")
     ids = lm.tokenizer(TEXT).input_ids
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=4))
     try:
+        if not _act8_built(eng.precision.compute):
+            pytest.skip(f"no 8-bit activations' path for {eng.precision.compute} in this build")
         assert eng.platform.precision.quantization == INT4
         ppl, scores = {}, {}
         for act8 in (False, True):
             for lin in eng.runner.lean.linears():
-                lin.act8 = act8
+                lin.rows, lin.act8 = None, act8
             out = eng.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))[0]
             scores[act8] = [s for s in out.prompt_logprobs if s is not None]
             ppl[act8] = math.exp(-sum(scores[act8]) / len(scores[act8]))
     finally:
         eng.close()
-    assert scores[True] != scores[False]
-    assert ppl[True] <= ppl[False] * 1.01, ppl
+    moved = [abs(a - b) for a, b in zip(scores[True], scores[False], strict=True)]
+    assert 0 < sum(moved) / len(moved) < 0.1, sum(moved) / len(moved)
+    assert ppl[True] <= ppl[False] * 1.02, ppl
 
 
 def _mapped(path) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ from workers.engine.cpu.decode_layers import FusedDecode
 from workers.engine.cpu.linears import Linear, Packs, fused, pack_for_tiles, quantized, tiles_fit
 from workers.engine.lean_parts import AttentionShape, rotation
 from workers.lean_rules import layer_windows
-from workers.precision import Precision
+from workers.precision import HALF, Precision
 from workers.quant.fuse import all_kept, linear_kind
 from workers.quant.weight import QuantizedWeight
 
@@ -141,8 +141,9 @@ class LeanLlama:
         bfloat16, the linears' values packed for them are a way too: `packs` gives them by key from
         the quantized weights (a file the copies share), else they are packed here; none where a
         choice kept from an earlier load takes no tiles, and those whose way is not chosen are let
-        go. Where the kernels round a few rows' activations to 8 bits (bfloat16 on AVX512-VNNI), that
-        is a way at up to row_kernels.ACT8_ROWS rows too. Returns the choice by linear, as the worker
+        go. Where the kernels round a few rows' activations to 8 bits (bfloat16 on AVX512-VNNI,
+        float32 on AVX2) and the model's weights are 16-bit, that is a way at up to
+        row_kernels.ACT8_ROWS rows too. Returns the choice by linear, as the worker
         logs it and status shows it."""
         kernels = self.norms
         if self.invariant or kernels is None or self.compute not in (torch.float32, torch.bfloat16):
@@ -151,8 +152,10 @@ class LeanLlama:
         for lin in self.linears():
             if lin.quant is not None and lin.kernels is not None:
                 groups.setdefault((lin.quant.kind, lin.shape), []).append(lin)
-        # the blocks with 8-bit activations at a few rows, where built and the activations are 16-bit already
-        act8 = self.compute == torch.bfloat16 and hasattr(kernels, "act8_built") and kernels.act8_built()
+        # the blocks with 8-bit activations at a few rows, where built for the activations' dtype, in a
+        # model of 16-bit weights (a float32 model keeps float32's precision)
+        act8 = (self.precision.weights in HALF and hasattr(kernels, "act8_dtypes")
+                and str(self.compute).removeprefix("torch.") in kernels.act8_dtypes())
         if self.compute == torch.bfloat16 and tiles_fit(kernels):
             keys = {id(lin): key for key, lin in self._keyed.items()}
             names = row_kernels.WAYS + ((row_kernels.ACT8,) if act8 else ())

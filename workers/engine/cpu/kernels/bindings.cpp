@@ -23,7 +23,7 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
                         c10::optional<at::Tensor> bias, bool strips, bool act8);
 at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
                         c10::optional<at::Tensor> bias, bool strips, bool act8);
-bool act8_built();
+std::vector<std::string> act8_dtypes();
 at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 at::Tensor qlinear_widened(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
                            c10::optional<at::Tensor> bias);
@@ -52,15 +52,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_rounds_as_torch", &silu_mul_rounds_as_torch_for,
         "whether silu_mul's rows of this tensor's dtype round as F.silu(g) * u does");
   // strips: every row count through the strips (where the output rows are whole vectors), whose sum
-  // for a row is the same whatever rows come with it (`deterministic`); act8: bfloat16 calls of up
-  // to 4 rows with the activations rounded to 8 bits (qlinear_act8.h), where act8_built()
+  // for a row is the same whatever rows come with it (`deterministic`); act8: calls of up to 4 rows
+  // with the activations rounded to 8 bits (qlinear_act8.h), for the dtypes of act8_dtypes()
   m.def("qlinear_int4", &qlinear_int4, "x @ W.T over int4 blocks of 32 (scale, offset), float32 math", pybind11::arg("x"),
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
         pybind11::arg("strips") = false, pybind11::arg("act8") = false, Unlocked());
   m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math", pybind11::arg("x"),
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
         pybind11::arg("strips") = false, pybind11::arg("act8") = false, Unlocked());
-  m.def("act8_built", &act8_built, "whether the 8-bit activations' path (act8) is built at this CPU level");
+  m.def("act8_dtypes", &act8_dtypes, "the activation dtypes the 8-bit activations' path (act8) is built for here");
   m.def("qlinear_widened", &qlinear_widened, "x @ W.T over int4 or int8 blocks through ATen's GEMM on widened weights",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"),
         pybind11::arg("bias"), Unlocked());

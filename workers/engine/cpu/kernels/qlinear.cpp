@@ -3,6 +3,8 @@
 // qlinear_bf16.h.
 #include "qlinear_act8.h"
 
+#include <string>
+
 namespace {
 
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
@@ -202,6 +204,7 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
 #ifdef MMFUSION_QLINEAR_BF16
   if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k / 2, s, o, strips, act8);
 #endif
+  act8 = act8 && !strips;  // `deterministic` asked for one order at every row count
   strips = strips && n % 16 == 0;
   if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n) && !strips) {
     const int64_t blocks = k / kBlock;
@@ -212,7 +215,9 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
-    if (strips) {
+    if (act8 && m <= kMaxRows && x.scalar_type() == at::kFloat) {
+      act8_rows_f32<T>(xf, m, kk, n, q, kk / 2, s, o, b, y);
+    } else if (strips) {
       outer_f32<T>(xf, m, kk, n, b, y, q, kk / 2, s, o);
     } else if (m > kMaxRows) {
       const int64_t blocks = kk / kBlock;
@@ -282,12 +287,15 @@ at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
 #endif
 }
 
-bool act8_built() {
+std::vector<std::string> act8_dtypes() {
+  std::vector<std::string> out;
 #ifdef MMFUSION_QLINEAR_ACT8
-  return true;
-#else
-  return false;
+  out.push_back("bfloat16");
 #endif
+#ifdef MMFUSION_QLINEAR_ACT8_F32
+  out.push_back("float32");
+#endif
+  return out;
 }
 
 bool dense_strips_built() {
@@ -312,6 +320,7 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
 #ifdef MMFUSION_QLINEAR_BF16
   if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k, s, nullptr, strips, act8);
 #endif
+  act8 = act8 && !strips;  // `deterministic` asked for one order at every row count
   strips = strips && n % 16 == 0;
   if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n) && !strips) {
     const int64_t blocks = k / kBlock;
@@ -320,7 +329,9 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
-    if (strips) {
+    if (act8 && m <= kMaxRows && x.scalar_type() == at::kFloat) {
+      act8_rows_f32<T>(xf, m, kk, n, q, kk, s, nullptr, b, y);
+    } else if (strips) {
       outer_f32<T>(xf, m, kk, n, b, y, q, kk, s, nullptr);
     } else if (m > kMaxRows) {
       const int64_t blocks = kk / kBlock;

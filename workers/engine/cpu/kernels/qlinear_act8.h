@@ -1,5 +1,6 @@
-// Up to four bfloat16 rows against int4 or int8 blocks with the activations rounded to 8 bits
-// (AVX512-VNNI, in the AVX512-BF16 builds): the `act8` choice of a few-row step (row_kernels).
+// Up to four rows against int4 or int8 blocks with the activations rounded to 8 bits: the `act8`
+// choice of a few-row step (row_kernels). bfloat16 rows on AVX512-VNNI (the AVX512-BF16 builds),
+// float32 rows on AVX2 (a model of 16-bit weights computing in float32, below).
 //
 // A decode step of a stream reads its weights from the cache or memory once, and the widening of
 // each block to bfloat16 (qlinear_bf16.h: about 8 vector operations a block) held it at 2-4x the
@@ -15,6 +16,13 @@
 
 #if defined(MMFUSION_QLINEAR_BF16) && defined(__AVX512VNNI__)
 #define MMFUSION_QLINEAR_ACT8 1
+#endif
+// float32 rows (16-bit weights with float32 math: a CPU without bf16 arithmetic), on AVX2: vpmaddubsw
+// multiplies 32 unsigned by 32 signed bytes into pairs of int16 sums (at most 2 x 255 x 127: no
+// saturation for nibbles, nor for int8 blocks made unsigned by their sign, as llama.cpp's AVX2 path
+// does), vpmaddwd adds the pairs into int32
+#if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
+#define MMFUSION_QLINEAR_ACT8_F32 1
 #endif
 
 namespace {
@@ -197,6 +205,129 @@ void act8_rows(const c10::BFloat16* x, int64_t m_count, int64_t k, int64_t n, co
         for (int64_t r = 0; r < m_count; ++r)
           for (int64_t i = 0; i < c; ++i)
             y[r * n + row + i] = static_cast<c10::BFloat16>(acc[r * c + i] + (bias != nullptr ? bias[row + i] : 0.f));
+      }
+    }
+  });
+}
+#endif
+
+#ifdef MMFUSION_QLINEAR_ACT8_F32
+// The float32 input rows rounded to 8 bits a block of 32, in order: the int8 values, a scale a block
+// (its largest magnitude / 127) and scale x the sum of its int8 values (an int4 block's offset term).
+struct Act8RowsF32 {
+  int64_t k, blocks;
+  std::vector<int8_t> q;
+  std::vector<float> scale, sums;
+
+  Act8RowsF32(const float* x, int64_t m, int64_t k)
+      : k(k), blocks(k / kBlock), q(m * k), scale(m * (k / kBlock)), sums(m * (k / kBlock)) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x + r * k + b * kBlock;
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+        const float most = mmfusion::hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                                         _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+        const __m256 inv = _mm256_set1_ps(most > 0.f ? 127.f / most : 0.f);
+        __m256i i32[4];
+        for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+        // int32 -> int16 -> int8 in order (packs interleaves the 128-bit halves: permute back)
+        const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[0], i32[1]), 0xD8);
+        const __m256i w16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[2], i32[3]), 0xD8);
+        const __m256i w8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(w16, w16b), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + r * k + b * kBlock), w8);
+        const float d = most / 127.f;
+        scale[r * blocks + b] = d;
+        sums[r * blocks + b] = d * static_cast<float>(_mm_cvtsi128_si32(t));
+      }
+  }
+};
+
+// an int4 block's 16 bytes as its 32 values 0-15 in order (low nibbles, then high)
+inline __m256i nibbles32(const uint8_t* q) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+// R float32 input rows (from r0) against C output rows of int4 or int8 blocks: y[r * C + c]. AVX2 has
+// 16 vector registers: C is 4 for one or two rows, 2 for three or four.
+template <int R, int C, typename Q>
+inline void act8_f32_dot(const Act8RowsF32& x, int64_t r0, const Q* q, const uint16_t* s, const uint16_t* o,
+                         float* y) {
+  constexpr bool int4 = std::is_same_v<Q, uint8_t>;
+  const int64_t blocks = x.blocks, row_len = int4 ? x.k / 2 : x.k;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][C];
+  float offset[R][C] = {};
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    if constexpr (C == 4) {  // the next C rows' matching bytes: one line a block (int4), two (int8)
+      const char* next = reinterpret_cast<const char*>(q + C * row_len) + b * C * (int4 ? kBlock / 2 : kBlock);
+      _mm_prefetch(next, _MM_HINT_T0);
+      if constexpr (!int4) _mm_prefetch(next + 64, _MM_HINT_T0);
+    }
+    __m256i xv[R];
+    float dx[R];
+    for (int r = 0; r < R; ++r) {
+      xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + (r0 + r) * x.k + b * kBlock));
+      dx[r] = x.scale[(r0 + r) * blocks + b];
+    }
+    for (int c = 0; c < C; ++c) {
+      const float dw = half_bits(s[c * blocks + b]);
+      __m256i w;
+      if constexpr (int4) {
+        w = nibbles32(q + c * row_len + b * (kBlock / 2));
+        const float m = half_bits(o[c * blocks + b]);  // the offset x the block's sum of x
+        for (int r = 0; r < R; ++r) offset[r][c] += m * x.sums[(r0 + r) * blocks + b];
+      } else {
+        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * row_len + b * kBlock));
+      }
+      const __m256i wu = int4 ? w : _mm256_sign_epi8(w, w);  // int8: |w| unsigned, its sign moved onto x
+      for (int r = 0; r < R; ++r) {
+        const __m256i xs = int4 ? xv[r] : _mm256_sign_epi8(xv[r], w);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs), ones);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r]), _mm256_cvtepi32_ps(dot), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * C + c] = mmfusion::hadd8(acc[r][c]) + offset[r][c];
+}
+
+template <int R, int C, typename Q>
+inline void act8_f32_pass(const Act8RowsF32& x, int64_t r0, const Q* q, const uint16_t* s, const uint16_t* o,
+                          int64_t c, float* acc) {
+  c == C ? act8_f32_dot<R, C>(x, r0, q, s, o, acc) : act8_f32_dot<R, 1>(x, r0, q, s, o, acc);
+}
+
+// 1 to 4 float32 rows against every output row: C output rows a pass, the rest one by one
+template <typename T, typename Q>
+void act8_rows_f32(const float* x, int64_t m_count, int64_t k, int64_t n, const Q* qs, int64_t row_len,
+                   const uint16_t* scales, const uint16_t* offsets, const float* bias, T* y) {
+  const Act8RowsF32 xr(x, m_count, k);
+  const int64_t blocks = k / kBlock, per = m_count <= 2 ? 4 : 2;
+  at::parallel_for(0, (n + per - 1) / per, 16 / per, [&](int64_t begin, int64_t end) {
+    float acc[kMaxRows * 4];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t row0 = g * per, c = n - row0 >= per ? per : 1;
+      for (int64_t row = row0; row < std::min(row0 + per, n); row += c) {
+        const Q* q = qs + row * row_len;
+        const uint16_t* s = scales + row * blocks;
+        const uint16_t* o = offsets != nullptr ? offsets + row * blocks : nullptr;
+        switch (m_count) {
+          case 4: act8_f32_pass<4, 2>(xr, 0, q, s, o, c, acc); break;
+          case 3: act8_f32_pass<3, 2>(xr, 0, q, s, o, c, acc); break;
+          case 2: act8_f32_pass<2, 4>(xr, 0, q, s, o, c, acc); break;
+          default: act8_f32_pass<1, 4>(xr, 0, q, s, o, c, acc); break;
+        }
+        for (int64_t r = 0; r < m_count; ++r)
+          for (int64_t i = 0; i < c; ++i) y[r * n + row + i] = static_cast<T>(acc[r * c + i] + (bias != nullptr ? bias[row + i] : 0.f));
       }
     }
   });
