@@ -72,14 +72,31 @@ struct Act8Rows {
   }
 };
 
+template <int R, int C>
+inline void zero_sums(__m512 (&acc)[R][C]) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+}
+
+// y[r * C + c]: the sum of acc[r][c]'s lanes
+template <int R, int C>
+inline void store_sums(const __m512 (&acc)[R][C], float* y) {
+  for (int r = 0; r < R; ++r) {
+    if constexpr (C == 4) {
+      _mm_storeu_ps(y + r * C, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      for (int c = 0; c < C; ++c) y[r * C + c] = _mm512_reduce_add_ps(acc[r][c]);
+    }
+  }
+}
+
 // R input rows against C output rows of int4 blocks (row c's at c * k / 2 bytes, c * blocks scales):
 // y[r * C + c]. Four blocks a step: one 64-byte load of their nibbles, two vpdpbusd.
 template <int R, int C>
 inline void act8_dot_int4(const Act8Rows& x, const uint8_t* q, const uint16_t* s, const uint16_t* o, float* y) {
   const int64_t blocks = x.blocks, half = x.k / 2;
   __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  zero_sums<R, C>(acc);
   // the offsets' term: offset x the block's sum of x, in any lane (all are summed at the end)
   for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
     const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, blocks - b0)) - 1);
@@ -117,13 +134,7 @@ inline void act8_dot_int4(const Act8Rows& x, const uint8_t* q, const uint16_t* s
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if constexpr (C == 4) {
-      _mm_storeu_ps(y + r * C, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-    } else {
-      for (int c = 0; c < C; ++c) y[r * C + c] = _mm512_reduce_add_ps(acc[r][c]);
-    }
-  }
+  store_sums<R, C>(acc, y);
 }
 
 // R input rows against C output rows of int8 blocks: two blocks a step. vpdpbusd takes one side
@@ -133,8 +144,7 @@ template <int R, int C>
 inline void act8_dot_int8(const Act8Rows& x, const int8_t* q, const uint16_t* s, float* y) {
   const int64_t blocks = x.blocks, k = x.k;
   __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  zero_sums<R, C>(acc);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   for (int64_t g = 0; g < x.groups; ++g) {
@@ -163,13 +173,7 @@ inline void act8_dot_int8(const Act8Rows& x, const int8_t* q, const uint16_t* s,
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    if constexpr (C == 4) {
-      _mm_storeu_ps(y + r * C, reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-    } else {
-      for (int c = 0; c < C; ++c) y[r * C + c] = _mm512_reduce_add_ps(acc[r][c]);
-    }
-  }
+  store_sums<R, C>(acc, y);
 }
 
 template <int R, typename Q>
