@@ -138,7 +138,7 @@ def test_decode_steps_with_8_bit_activations_in_one_call_give_the_loops_answers_
         if "bfloat16" not in lean.norms.act8_dtypes():
             pytest.skip("the 8-bit activations' path needs an AVX512-BF16 build with AVX512-VNNI")
         for lin in lean.linears():
-            lin.rows, lin.act8 = None, act8
+            lin.rows, lin.act8 = None, 4 if act8 else 0
         lean.decode_layers = lean.fused_decode() if fused else FusedDecode()
         return eng
 

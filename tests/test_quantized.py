@@ -100,15 +100,8 @@ def test_one_float32_row_keeps_float32_precision(kind):
     assert bool(((got - want).abs() <= bound).all()), ((got - want).abs() / bound).max().item()
 
 
-
-
 def _act8_built(dtype: torch.dtype) -> bool:
     return KERNELS is not None and str(dtype).removeprefix("torch.") in KERNELS.act8_dtypes()
-
-
-# bfloat16 rows need AVX512-VNNI in an AVX512-BF16 build; float32 rows AVX2
-needs_act8 = pytest.mark.skipif(not _act8_built(torch.bfloat16),
-                                reason="the 8-bit activations' path for bfloat16 needs an AVX512-BF16 build with AVX512-VNNI")
 
 
 def _rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +140,7 @@ def test_act8_rows_are_the_products_of_8_bit_activations(kind, k, dtype):
         if k > BLOCK:
             x[0, :BLOCK] = 0
         for b in (None, bias):
-            got = call(x, qw.qs, qw.scales, qw.offsets, b, False, True).double()
+            got = call(x, qw.qs, qw.scales, qw.offsets, b, False, 4).double()
             x8 = _rounded_to_8_bits(x)
             want = x8 @ w.T + (0 if b is None else b.double())
             sums = x8.abs() @ w.abs().T
@@ -159,10 +152,14 @@ def test_act8_rows_are_the_products_of_8_bit_activations(kind, k, dtype):
     other = torch.float16 if dtype == torch.float32 else torch.float32
     others = (torch.randn(2, k, generator=gen).to(other),) if not _act8_built(other) else ()
     for x in (torch.randn(5, k, generator=gen).to(dtype), *others):
-        assert torch.equal(call(x, qw.qs, qw.scales, qw.offsets, bias, False, True),
+        assert torch.equal(call(x, qw.qs, qw.scales, qw.offsets, bias, False, 4),
                            call(x, qw.qs, qw.scales, qw.offsets, bias))
     x = torch.randn(2, k, generator=gen).to(dtype)
-    assert torch.equal(call(x, qw.qs, qw.scales, qw.offsets, bias, True, True),
+    # act8 names the most rows it takes: 1 takes one row, not two
+    assert torch.equal(call(x, qw.qs, qw.scales, qw.offsets, bias, False, 1), call(x, qw.qs, qw.scales, qw.offsets, bias))
+    assert torch.equal(call(x[:1], qw.qs, qw.scales, qw.offsets, bias, False, 1),
+                       call(x[:1], qw.qs, qw.scales, qw.offsets, bias, False, 4))
+    assert torch.equal(call(x, qw.qs, qw.scales, qw.offsets, bias, True, 4),
                        call(x, qw.qs, qw.scales, qw.offsets, bias, True))
 
 
@@ -369,7 +366,7 @@ def test_act8_keeps_perplexity():
         ppl, scores = {}, {}
         for act8 in (False, True):
             for lin in eng.runner.lean.linears():
-                lin.rows, lin.act8 = None, act8
+                lin.rows, lin.act8 = None, 4 if act8 else 0
             out = eng.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))[0]
             scores[act8] = [s for s in out.prompt_logprobs if s is not None]
             ppl[act8] = math.exp(-sum(scores[act8]) / len(scores[act8]))

@@ -97,9 +97,9 @@ def test_a_choice_is_measured_once_per_machine_and_again_on_another(tmp_path, mo
 
 def test_8_bit_activations_are_taken_unless_the_blocks_beat_them_at_a_few_rows(tmp_path, monkeypatch):
     """Stand-in kernels through the real timer: ACT8 (the blocks with 8-bit activations, which are
-    the blocks above ACT8_ROWS rows) taken unless the blocks beat it by MARGIN at 1 or 4 rows, and
-    the crossover then measured against it; not where they do. Both kept in the choice the cache
-    holds."""
+    the blocks above ACT8_ROWS rows) taken up to the largest of the 1- and 4-row buckets, from the
+    smallest up, where the blocks do not beat it by MARGIN, and the crossover then measured against
+    the blocks as chosen. Both kept in the choice the cache holds."""
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
     seen: dict[str, set[int]] = {}
 
@@ -115,7 +115,7 @@ def test_8_bit_activations_are_taken_unless_the_blocks_beat_them_at_a_few_rows(t
     ways = {BLOCKS: blocks, WIDENED: gemm, row_kernels.ACT8: act8}
     choice = row_kernels.choose(INT4, (64, 32), torch.bfloat16, ways, 512, "build-a")
     # the crossover against act8's timings: the GEMM from 5 rows, where it starts at 2 against the blocks
-    assert choice == RowChoice(5, act8=True) and seen[row_kernels.ACT8] == {1, 4, 16, 64, 256, 512}
+    assert choice == RowChoice(5, act8=4) and seen[row_kernels.ACT8] == {1, 4}  # above 4 rows: the blocks
     assert choice.describe() == "act8 up to 4 rows, widened from 5"
     assert [choice.way(r) for r in (1, 4, 5)] == [BLOCKS, BLOCKS, WIDENED]
     seen.clear()
@@ -123,13 +123,19 @@ def test_8_bit_activations_are_taken_unless_the_blocks_beat_them_at_a_few_rows(t
     # about level with the blocks at 4 rows (5% faster, within the margin): kept; beaten there: dropped
     level_at_4 = way(row_kernels.ACT8, lambda r: 0.001 if r == 1 else 0.0038 if r <= 4 else 0.004 if r <= 16 else 0.012)
     assert row_kernels.choose(INT4, (64, 48), torch.bfloat16, {**ways, row_kernels.ACT8: level_at_4}, 512,
-                              "build-a").act8
+                              "build-a").act8 == 4
     loses_at_4 = way(row_kernels.ACT8, lambda r: 0.001 if r == 1 else 0.006 if r <= 4 else 0.004 if r <= 16 else 0.012)
     choice = row_kernels.choose(INT4, (64, 64), torch.bfloat16, {**ways, row_kernels.ACT8: loses_at_4}, 512, "build-a")
-    assert choice == RowChoice(2) and not choice.act8
+    # one row on it, four on the blocks: the GEMM beats those from 4 rows (the crossover at 2)
+    assert choice == RowChoice(2, act8=1) and choice.describe() == "act8 up to 1 rows, widened from 2"
+    loses_at_1 = way(row_kernels.ACT8, lambda r: 0.006 if r == 1 else 0.001 if r <= 4 else 0.004 if r <= 16 else 0.012)
+    assert row_kernels.choose(INT4, (64, 80), torch.bfloat16, {**ways, row_kernels.ACT8: loses_at_1}, 512,
+                              "build-a").act8 == 0  # from the smallest bucket up
+    with pytest.raises(ValueError, match="act8 must be a row count from 0 to 4"):
+        RowChoice(act8=5)
     # a step of one row at most (max_batch_size 1): the 1-row bucket alone decides
     assert row_kernels.choose(INT4, (64, 96), torch.bfloat16, {**ways, row_kernels.ACT8: loses_at_4}, 1,
-                              "build-a").act8
+                              "build-a").act8 == 1
 
 
 def test_long_calls_are_timed_fewer_times():

@@ -178,7 +178,7 @@ class LeanLlama:
             if self.compute == torch.bfloat16 and tiles_fit(kernels, sig[1]):
                 ways[row_kernels.PACKED] = lambda x, n, lins=lins: [lin.tiles(x) for lin in lins[:n]]
             if act8:
-                ways[row_kernels.ACT8] = lambda x, n, lins=lins: [lin.blocks(x, True) for lin in lins[:n]]
+                ways[row_kernels.ACT8] = lambda x, n, lins=lins: [lin.blocks(x, row_kernels.ACT8_ROWS) for lin in lins[:n]]
             chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows, kernels.__name__,
                                              layers=len(lins))
             for lin in lins:

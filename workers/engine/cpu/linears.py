@@ -80,7 +80,7 @@ class Linear:
         self.dense = None  # the weight the C++ strips read (make_invariant)
         self.rows = None  # quantized: the kernel by the step's row count (row_kernels.RowChoice; None: the blocks')
         self.packed16 = None  # quantized: its values packed for AMX tiles (the PACKED way), where chosen
-        self.act8 = False  # quantized: the blocks round a few rows' activations to 8 bits (row_kernels.ACT8)
+        self.act8 = 0  # quantized: the blocks round the activations of calls of up to this many rows to 8 bits
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
         self.packed = self.fp16 = self.quant = self.kernels = None
@@ -114,7 +114,7 @@ class Linear:
         lin.quant, lin.kernels, lin.own_bytes = qw, kernels, qw.nbytes
         lin.shape, lin.rows_per_call, lin.strips, lin.dense = (qw.out_features, qw.in_features), 0, False, None
         lin.rows = lin.packed16 = None
-        lin.act8 = False
+        lin.act8 = 0
         return lin
 
     @property
@@ -124,9 +124,10 @@ class Linear:
             return self.quant.kind
         return FP16 if self.fp16 is not None else ONEDNN if self.packed is not None else PLAIN
 
-    def blocks(self, x: torch.Tensor, act8: bool | None = None) -> torch.Tensor:
+    def blocks(self, x: torch.Tensor, act8: int | None = None) -> torch.Tensor:
         """A quantized linear through its format's C++ kernel on the blocks (workers.quant.formats);
-        `act8`: with a few rows' activations rounded to 8 bits or not (None: as chosen, self.act8)."""
+        `act8`: calls of up to this many rows (at most 4) round the activations to 8 bits (None: as
+        chosen, self.act8; 0: none)."""
         q = self.quant
         return getattr(self.kernels, q.format.cpu_kernel)(x, q.qs, q.scales, q.offsets, self.bias, self.strips,
                                                           self.act8 if act8 is None else act8)

@@ -25,13 +25,16 @@ in bfloat16 in the tiles' layout (a file every copy maps) and multiplied by ATen
 (kernels/amx_linear.cpp). Above the crossover, each bucket then takes PACKED unless WIDENED beats it
 by MARGIN (batch_way).
 
-Where the kernels have the 8-bit activations' path (AVX512-VNNI: kernels/qlinear_act8.h) and the
-model computes in bfloat16, the blocks' kernel may round a call's activations to 8 bits a block of
-32, as llama.cpp does, at up to ACT8_ROWS rows: ACT8, timed against the blocks at the buckets up
-to ACT8_ROWS and taken (RowChoice.act8) unless the blocks beat it there by MARGIN: it reads the same
-bytes with a third of the instructions (2.2-2.5x the blocks' speed on a Sapphire Rapids), and a
-load on a busy machine once timed a bucket level and dropped it for one linear of five. The
-crossover is then measured with the blocks as chosen.
+Where the kernels have the 8-bit activations' path for the compute dtype (bfloat16 on AVX512-VNNI,
+float32 on AVX2: kernels/qlinear_act8.h) and the model's weights are 16-bit, the blocks' kernel may
+round a call's activations to 8 bits a block of 32, as llama.cpp does, at up to ACT8_ROWS rows:
+ACT8, timed against the blocks at the buckets up to ACT8_ROWS and taken (RowChoice.act8: up to
+the largest such bucket) at each from the smallest up that the blocks do not beat by MARGIN: on a
+Sapphire Rapids it reads the same bytes with a third of the instructions
+(2.2-2.5x the blocks' speed on a Sapphire Rapids), and a load on a busy machine once timed a bucket
+level and dropped it for one linear of five; on AVX2, whose 16 registers hold half the output rows
+a pass at 3-4 rows, it may win one row and not four. The crossover is then measured with the blocks
+as chosen.
 """
 
 from __future__ import annotations
@@ -70,16 +73,18 @@ MIN_LAYERS = 2
 class RowChoice:
     """The blocks below `widened_from` rows, the many-rows way `batch` from there on (None: never),
     and from each `switches` row count (ascending) the way it names. `act8`: the blocks round the
-    activations of calls of up to ACT8_ROWS rows to 8 bits."""
+    activations of calls of up to this many rows (at most ACT8_ROWS; 0: none) to 8 bits."""
 
     widened_from: int | None = None
     batch: str = WIDENED
     switches: tuple[tuple[int, str], ...] = ()
-    act8: bool = False
+    act8: int = 0
 
     def __post_init__(self) -> None:
         if self.widened_from is not None and self.widened_from < 1:
             raise ValueError(f"widened_from must be a row count of at least 1 or None, got {self.widened_from}")
+        if not 0 <= self.act8 <= ACT8_ROWS:
+            raise ValueError(f"act8 must be a row count from 0 to {ACT8_ROWS}, got {self.act8}")
         if any(w not in (WIDENED, PACKED) for w in (self.batch, *(w for _, w in self.switches))):
             raise ValueError(f"the many-rows ways are {WIDENED!r} and {PACKED!r}, got {self.batch!r}, {self.switches}")
 
@@ -112,7 +117,7 @@ class RowChoice:
         top = None if self.widened_from is None else self.widened_from - 1  # the most rows the blocks take
         parts, low = [], 1
         if self.act8 and (top is None or top >= 1):
-            low = min(ACT8_ROWS, top or ACT8_ROWS) + 1
+            low = min(self.act8, top or self.act8) + 1
             parts.append(f"{ACT8} up to {low - 1} rows")
         if top is None:
             return ", ".join([*parts, f"{BLOCKS} from {low}"]) if parts else BLOCKS
@@ -171,9 +176,15 @@ def pick(seconds: dict[int, dict[str, float]]) -> RowChoice:
     return RowChoice(first_row(start), batch, tuple(switches))
 
 
-def act8_kept(seconds: dict[int, dict[str, float]]) -> bool:
-    """Whether the 8-bit activations (ACT8) stay: timed, and the blocks beat them by MARGIN at no bucket."""
-    return bool(seconds) and all(t[BLOCKS] >= (1 - MARGIN) * t[ACT8] for t in seconds.values())
+def act8_rows(seconds: dict[int, dict[str, float]]) -> int:
+    """Up to how many rows the 8-bit activations (ACT8) stay: the largest bucket timed up to which
+    the blocks beat them by MARGIN at none (0: at the smallest)."""
+    rows = 0
+    for r in sorted(seconds):
+        if seconds[r][BLOCKS] < (1 - MARGIN) * seconds[r][ACT8]:
+            break
+        rows = r
+    return rows
 
 
 def layers_timed(rows: int, layers: int) -> int:
@@ -233,10 +244,10 @@ def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype,
     key = _key(kind, shape, dtype, ways, max_rows, build, layers)
 
     def measured() -> RowChoice:
-        act8 = ACT8 in ways and act8_kept(measure_act8(ways, shape[1], dtype, rows, layers))
+        act8 = act8_rows(measure_act8(ways, shape[1], dtype, rows, layers)) if ACT8 in ways else 0
         rest = {name: fn for name, fn in ways.items() if name != ACT8}
-        if act8:  # the crossover against the blocks as they will run (ACT8 is the blocks above ACT8_ROWS)
-            rest[BLOCKS] = ways[ACT8]
+        if act8:  # the crossover against the blocks as they will run
+            rest[BLOCKS] = lambda x, n: (ways[ACT8] if x.shape[0] <= act8 else ways[BLOCKS])(x, n)
         choice = pick(measure(rest, shape[1], dtype, rows, layers))
         return RowChoice(choice.widened_from, choice.batch, choice.switches, act8)
 
@@ -260,7 +271,7 @@ def recalled(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_ro
 
 
 def _key(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_rows: int, build: str, layers: int) -> str:
-    return "|".join(map(str, ("row kernels 4", kind, shape, dtype, bucket_rows(max_rows), build, f"{layers} layers",
+    return "|".join(map(str, ("row kernels 5", kind, shape, dtype, bucket_rows(max_rows), build, f"{layers} layers",
                               sorted(ways), machine_key())))
 
 

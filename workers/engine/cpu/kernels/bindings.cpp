@@ -20,9 +20,9 @@ torch::Tensor silu_mul(torch::Tensor gu);
 bool silu_mul_f32_exact();
 bool silu_mul_rounds_as_torch_for(const at::Tensor& like);
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
-                        c10::optional<at::Tensor> bias, bool strips, bool act8);
+                        c10::optional<at::Tensor> bias, bool strips, int64_t act8);
 at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
-                        c10::optional<at::Tensor> bias, bool strips, bool act8);
+                        c10::optional<at::Tensor> bias, bool strips, int64_t act8);
 std::vector<std::string> act8_dtypes();
 at::Tensor dense_strips(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 at::Tensor qlinear_widened(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
@@ -52,14 +52,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_rounds_as_torch", &silu_mul_rounds_as_torch_for,
         "whether silu_mul's rows of this tensor's dtype round as F.silu(g) * u does");
   // strips: every row count through the strips (where the output rows are whole vectors), whose sum
-  // for a row is the same whatever rows come with it (`deterministic`); act8: calls of up to 4 rows
-  // with the activations rounded to 8 bits (qlinear_act8.h), for the dtypes of act8_dtypes()
+  // for a row is the same whatever rows come with it (`deterministic`); act8: calls of up to that
+  // many rows (at most 4) with the activations rounded to 8 bits (qlinear_act8.h), for the dtypes
+  // of act8_dtypes()
   m.def("qlinear_int4", &qlinear_int4, "x @ W.T over int4 blocks of 32 (scale, offset), float32 math", pybind11::arg("x"),
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
-        pybind11::arg("strips") = false, pybind11::arg("act8") = false, Unlocked());
+        pybind11::arg("strips") = false, pybind11::arg("act8") = 0, Unlocked());
   m.def("qlinear_int8", &qlinear_int8, "x @ W.T over int8 blocks of 32 (scale), float32 math", pybind11::arg("x"),
         pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"), pybind11::arg("bias"),
-        pybind11::arg("strips") = false, pybind11::arg("act8") = false, Unlocked());
+        pybind11::arg("strips") = false, pybind11::arg("act8") = 0, Unlocked());
   m.def("act8_dtypes", &act8_dtypes, "the activation dtypes the 8-bit activations' path (act8) is built for here");
   m.def("qlinear_widened", &qlinear_widened, "x @ W.T over int4 or int8 blocks through ATen's GEMM on widened weights",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scales"), pybind11::arg("offsets"),
@@ -68,10 +69,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         Unlocked());
   pybind11::class_<KernelLinear>(m, "KernelLinear", "one linear of these kernels: kind 0 int4, 1 int8, 2 dense strips")
       .def(pybind11::init<int64_t, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          c10::optional<at::Tensor>, bool, c10::optional<at::Tensor>, int64_t, bool>(),
+                          c10::optional<at::Tensor>, bool, c10::optional<at::Tensor>, int64_t, int64_t>(),
            pybind11::arg("kind"), pybind11::arg("weight"), pybind11::arg("scales"), pybind11::arg("offsets"),
            pybind11::arg("bias"), pybind11::arg("strips"), pybind11::arg("packed") = pybind11::none(),
-           pybind11::arg("packed_from") = 0, pybind11::arg("act8") = false)
+           pybind11::arg("packed_from") = 0, pybind11::arg("act8") = 0)
       .def("__call__", &KernelLinear::operator(), Unlocked());
   pybind11::class_<DecodeLayers>(m, "DecodeLayers", "a decode step through a Llama-family model's layers in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, bool>(), pybind11::arg("heads"),

@@ -12,7 +12,7 @@
 
 KernelLinear::KernelLinear(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales,
                            c10::optional<at::Tensor> offsets, c10::optional<at::Tensor> bias, bool strips,
-                           c10::optional<at::Tensor> packed, int64_t packed_from, bool act8)
+                           c10::optional<at::Tensor> packed, int64_t packed_from, int64_t act8)
     : kind(kind), weight(std::move(weight)), scales(std::move(scales)), offsets(std::move(offsets)),
       bias(std::move(bias)), strips(strips), packed(std::move(packed)), packed_from(packed_from), act8(act8) {
   TORCH_CHECK(packed_from == 0 || (this->packed.has_value() && this->packed->defined()),

@@ -22,11 +22,11 @@ struct KernelLinear {
   // rows take (row_kernels' choice; 0: none)
   c10::optional<at::Tensor> packed;
   int64_t packed_from;
-  bool act8;  // calls of up to 4 rows round the activations to 8 bits (row_kernels' choice)
+  int64_t act8;  // calls of up to this many rows round the activations to 8 bits (row_kernels' choice)
 
   KernelLinear(int64_t kind, at::Tensor weight, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> offsets,
                c10::optional<at::Tensor> bias, bool strips, c10::optional<at::Tensor> packed, int64_t packed_from,
-               bool act8);
+               int64_t act8);
   at::Tensor operator()(const at::Tensor& x) const;
 };
 

@@ -149,12 +149,12 @@ at::Tensor float_panels(const at::Tensor& x, int64_t n, const c10::optional<at::
 #ifdef MMFUSION_QLINEAR_BF16
 template <typename Q>
 at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias, const Q* q, int64_t row_len,
-                     const uint16_t* s, const uint16_t* o, bool strips, bool act8) {
+                     const uint16_t* s, const uint16_t* o, bool strips, int64_t act8) {
   const at::Tensor xc = x.contiguous();
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->numel() == n, "qlinear: bias must have ", n, " values");
 #ifdef MMFUSION_QLINEAR_ACT8
-  if (act8 && !strips && xc.size(0) <= kMaxRows) {
+  if (!strips && xc.size(0) <= std::min<int64_t>(act8, kMaxRows)) {
     const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
     at::Tensor y = at::empty({xc.size(0), n}, xc.options());
     act8_rows(xc.data_ptr<c10::BFloat16>(), xc.size(0), xc.size(1), n, q, row_len, s, o,
@@ -191,7 +191,7 @@ at::Tensor bf16_call(const at::Tensor& x, int64_t n, const c10::optional<at::Ten
 // x [M, K] (float32, bfloat16 or float16); qs uint8 [N, K / 2]; scales, offsets float16 [N, K / 32];
 // returns [M, N] in x's dtype
 at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tensor offsets,
-                        c10::optional<at::Tensor> bias, bool strips, bool act8) {
+                        c10::optional<at::Tensor> bias, bool strips, int64_t act8) {
   const int64_t n = qs.size(0), k = qs.size(1) * 2;
   check(x, scales, n, k, "qlinear_int4");
   TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous(), "qlinear_int4: qs must be contiguous uint8");
@@ -204,7 +204,7 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
 #ifdef MMFUSION_QLINEAR_BF16
   if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k / 2, s, o, strips, act8);
 #endif
-  act8 = act8 && !strips;  // `deterministic` asked for one order at every row count
+  if (strips) act8 = 0;  // `deterministic` asked for one order at every row count
   strips = strips && n % 16 == 0;
   if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n) && !strips) {
     const int64_t blocks = k / kBlock;
@@ -215,7 +215,7 @@ at::Tensor qlinear_int4(at::Tensor x, at::Tensor qs, at::Tensor scales, at::Tens
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
-    if (act8 && m <= kMaxRows && x.scalar_type() == at::kFloat) {
+    if (m <= std::min<int64_t>(act8, kMaxRows) && x.scalar_type() == at::kFloat) {
       act8_rows_f32<T>(xf, m, kk, n, q, kk / 2, s, o, b, y);
     } else if (strips) {
       outer_f32<T>(xf, m, kk, n, b, y, q, kk / 2, s, o);
@@ -309,7 +309,7 @@ bool dense_strips_built() {
 // x [M, K]; qs int8 [N, K]; scales float16 [N, K / 32]; returns [M, N] in x's dtype
 // offsets: none for int8 blocks (every format's kernel takes the same arguments: workers.quant.formats)
 at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::optional<at::Tensor> offsets,
-                        c10::optional<at::Tensor> bias, bool strips, bool act8) {
+                        c10::optional<at::Tensor> bias, bool strips, int64_t act8) {
   const int64_t n = qs.size(0), k = qs.size(1);
   check(x, scales, n, k, "qlinear_int8");
   TORCH_CHECK(!offsets.has_value() || !offsets->defined(), "qlinear_int8: int8 blocks take no offsets");
@@ -320,7 +320,7 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
 #ifdef MMFUSION_QLINEAR_BF16
   if (x.scalar_type() == at::kBFloat16) return bf16_call(x, n, bias, q, k, s, nullptr, strips, act8);
 #endif
-  act8 = act8 && !strips;  // `deterministic` asked for one order at every row count
+  if (strips) act8 = 0;  // `deterministic` asked for one order at every row count
   strips = strips && n % 16 == 0;
   if (x.size(0) >= kPanelRows && !outer_fits_f32(x.size(0), n) && !strips) {
     const int64_t blocks = k / kBlock;
@@ -329,7 +329,7 @@ at::Tensor qlinear_int8(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::opt
   return run(x, n, bias, [&](auto* y, const float* xf, int64_t m, int64_t kk, const float* b) {
     using T = std::remove_pointer_t<decltype(y)>;
 #if defined(MMFUSION_QLINEAR_AVX512) || defined(MMFUSION_QLINEAR_AVX2)
-    if (act8 && m <= kMaxRows && x.scalar_type() == at::kFloat) {
+    if (m <= std::min<int64_t>(act8, kMaxRows) && x.scalar_type() == at::kFloat) {
       act8_rows_f32<T>(xf, m, kk, n, q, kk, s, nullptr, b, y);
     } else if (strips) {
       outer_f32<T>(xf, m, kk, n, b, y, q, kk, s, nullptr);
