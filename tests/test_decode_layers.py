@@ -129,16 +129,18 @@ def test_decode_steps_on_the_amx_tiles_in_one_call_give_the_loops_answers_bit_fo
 def test_decode_steps_with_8_bit_activations_in_one_call_give_the_loops_answers_bit_for_bit():
     """Where a layer linear's blocks take the 8-bit activations at a few rows (row_kernels.ACT8), the
     one-call decode takes them too (KernelLinear's act8): its answers equal the loop's, and differ
-    from those of the bfloat16 activations."""
+    from those of the compute dtype's activations. A bfloat16 model computes in bfloat16 where the
+    CPU has bf16 arithmetic (the AVX512-VNNI path) and in float32 under the AVX2 switch (the AVX2 path)."""
     lm = tiny("llama", dtype="bfloat16")
 
     def engine(fused: bool, act8: bool) -> Engine:
         eng = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, quantization="int4"))
         lean = eng.runner.lean
-        if "bfloat16" not in lean.norms.act8_dtypes():
-            pytest.skip("the 8-bit activations' path needs an AVX512-BF16 build with AVX512-VNNI")
+        compute = str(eng.precision.compute).removeprefix("torch.")
+        if compute not in lean.norms.act8_dtypes():
+            pytest.skip(f"no 8-bit activations' path for {compute} at this CPU level ({lean.norms.act8_dtypes()})")
         for lin in lean.linears():
-            lin.rows, lin.act8 = None, 4 if act8 else 0
+            lin.rows = RowChoice(act8=4 if act8 else 0)  # every row count on the blocks
         lean.decode_layers = lean.fused_decode() if fused else FusedDecode()
         return eng
 

@@ -15,6 +15,7 @@ from support.models import dequantized_reference, hf_greedy, tiny
 
 from workers.engine import Engine, EngineConfig
 from workers.engine.cpu import extension
+from workers.engine.cpu.row_kernels import RowChoice
 from workers.engine.params import SamplingParams
 from workers.platform import for_source
 from workers.quant.formats import BLOCK
@@ -366,7 +367,7 @@ def test_act8_keeps_perplexity():
         ppl, scores = {}, {}
         for act8 in (False, True):
             for lin in eng.runner.lean.linears():
-                lin.rows, lin.act8 = None, 4 if act8 else 0
+                lin.rows = RowChoice(act8=4 if act8 else 0)  # every row count on the blocks
             out = eng.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))[0]
             scores[act8] = [s for s in out.prompt_logprobs if s is not None]
             ppl[act8] = math.exp(-sum(scores[act8]) / len(scores[act8]))

@@ -182,7 +182,7 @@ class LeanLlama:
             chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows, kernels.__name__,
                                              layers=len(lins))
             for lin in lins:
-                lin.rows, lin.act8 = chosen[sig], chosen[sig].act8
+                lin.rows = chosen[sig]
                 if not lin.rows.uses(row_kernels.PACKED):
                     lin.packed16 = None
         # the fused decode serves the layers (the LM head runs after it, by its own choice): their

@@ -65,7 +65,7 @@ class Linear:
     "plain"); the result is in the compute dtype (float32 for "fp16")."""
 
     __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels", "shape", "rows_per_call",
-                 "strips", "dense", "rows", "packed16", "act8")
+                 "strips", "dense", "rows", "packed16")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | bool, own: bool = False,
                  compute: torch.dtype | None = None):
@@ -80,7 +80,6 @@ class Linear:
         self.dense = None  # the weight the C++ strips read (make_invariant)
         self.rows = None  # quantized: the kernel by the step's row count (row_kernels.RowChoice; None: the blocks')
         self.packed16 = None  # quantized: its values packed for AMX tiles (the PACKED way), where chosen
-        self.act8 = 0  # quantized: the blocks round the activations of calls of up to this many rows to 8 bits
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
         self.packed = self.fp16 = self.quant = self.kernels = None
@@ -114,7 +113,6 @@ class Linear:
         lin.quant, lin.kernels, lin.own_bytes = qw, kernels, qw.nbytes
         lin.shape, lin.rows_per_call, lin.strips, lin.dense = (qw.out_features, qw.in_features), 0, False, None
         lin.rows = lin.packed16 = None
-        lin.act8 = 0
         return lin
 
     @property
@@ -123,6 +121,11 @@ class Linear:
         if self.quant is not None:
             return self.quant.kind
         return FP16 if self.fp16 is not None else ONEDNN if self.packed is not None else PLAIN
+
+    @property
+    def act8(self) -> int:
+        """The most rows a call of the blocks takes with its activations rounded to 8 bits (its choice's)."""
+        return self.rows.act8 if self.rows is not None else 0
 
     def blocks(self, x: torch.Tensor, act8: int | None = None) -> torch.Tensor:
         """A quantized linear through its format's C++ kernel on the blocks (workers.quant.formats);

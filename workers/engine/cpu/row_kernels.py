@@ -29,11 +29,11 @@ Where the kernels have the 8-bit activations' path for the compute dtype (bfloat
 float32 on AVX2: kernels/qlinear_act8.h) and the model's weights are 16-bit, the blocks' kernel may
 round a call's activations to 8 bits a block of 32, as llama.cpp does, at up to ACT8_ROWS rows:
 ACT8, timed against the blocks at the buckets up to ACT8_ROWS and taken (RowChoice.act8: up to
-the largest such bucket) at each from the smallest up that the blocks do not beat by MARGIN: on a
-Sapphire Rapids it reads the same bytes with a third of the instructions
-(2.2-2.5x the blocks' speed on a Sapphire Rapids), and a load on a busy machine once timed a bucket
-level and dropped it for one linear of five; on AVX2, whose 16 registers hold half the output rows
-a pass at 3-4 rows, it may win one row and not four. The crossover is then measured with the blocks
+the largest such bucket) at each from the smallest up that the blocks do not beat by MARGIN. It
+reads the same bytes with a third of the instructions (2.2-2.5x the blocks' speed on a Sapphire
+Rapids), and a load on a busy machine once timed a bucket level and dropped it for one linear of
+five, so level keeps it; on AVX2, whose 16 registers hold half the output rows a pass at 3-4 rows,
+it may win one row and not four. The crossover is then measured with the blocks
 as chosen.
 """
 
