@@ -328,6 +328,13 @@ def test_the_amx_tiles_way_multiplies_as_the_widened_values_do():
             got = kernels.bf16_packed_linear(x, packed, bias).float()
             want = x.float() @ w.T + bias.float()
             assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-2), (kind, rows, (got - want).abs().max())
+    # an input size that is no multiple of 32: the last pairs fill part of a tile
+    w = torch.randn(64, 130, generator=gen).to(torch.bfloat16)
+    for rows in (3, 40):
+        x = torch.randn(rows, 130, generator=gen).to(torch.bfloat16)
+        got = kernels.bf16_packed_linear(x, kernels.bf16_pack(w), None).float()
+        want = x.float() @ w.float().T
+        assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-2), (rows, (got - want).abs().max())
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.bf16_pack(torch.zeros(40, 128, dtype=torch.bfloat16))
 
