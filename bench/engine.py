@@ -585,28 +585,33 @@ def main() -> None:
     if "vllm_cpu" in systems and have_vllm_cpu():
         # vLLM at each dtype it serves on CPU; the engine is compared with the faster of each figure
         # (on AVX2, float32 gives its best throughput and bfloat16 its best single stream)
-        peers = [run_vllm_cpu(args.model, prompts, max_tokens, single_prompt(lm.vocab_size), args.threads,
-                              args.repeats, args.max_batch_size, args.max_batch_tokens, dtype=dt)
-                 for dt in ("float32", "bfloat16")]
+        peers = []
+        for dt in ("float32", "bfloat16"):
+            try:
+                peers.append(run_vllm_cpu(args.model, prompts, max_tokens, single_prompt(lm.vocab_size), args.threads,
+                                          args.repeats, args.max_batch_size, args.max_batch_tokens, dtype=dt))
+            except RuntimeError as e:  # one dtype that does not run leaves the other's figures
+                emit(system="vllm_cpu", dtype=dt, error=str(e).splitlines()[0][:500])
         for peer in peers:
             emit(**peer, **{k: v for k, v in common.items() if k != "dtype"})
-        best_rate = max(peers, key=lambda p: p["tokens_per_s"])
-        best_single = min(peers, key=lambda p: p["single_stream_ms_per_token"])
-        after = run_modes()  # the engine again beside vLLM's runs
-        for name, _, q, det in modes:
-            wall, useful, steps, _, _ = min(after[name], key=lambda r: r[0])
-            record(f"{name}_after_peers", wall, useful, steps=steps, repeats=args.repeats, quantization=q,
-                   deterministic=det)
-        ratios = {f"{k}_vs_vllm_cpu": round(v / best_rate["tokens_per_s"], 3) for k, v in rates.items()
-                  if k.startswith("engine")}
-        ratios["vllm_best_throughput_dtype"] = best_rate["dtype"]
-        if single is not None:  # ms/token: below 1 is faster than vLLM
-            ratios["vllm_best_single_stream_dtype"] = best_single["dtype"]
-            ratios["single_stream_eager_vs_vllm_cpu"] = round(
-                single["engine_eager_ms_per_token"] / best_single["single_stream_ms_per_token"], 3)
-            ratios["single_stream_compiled_vs_vllm_cpu"] = round(
-                single["engine_compiled_ms_per_token"] / best_single["single_stream_ms_per_token"], 3)
-        emit(summary="vllm_cpu", engine_dtype=args.dtype, **ratios)
+        if peers:
+            best_rate = max(peers, key=lambda p: p["tokens_per_s"])
+            best_single = min(peers, key=lambda p: p["single_stream_ms_per_token"])
+            after = run_modes()  # the engine again beside vLLM's runs
+            for name, _, q, det in modes:
+                wall, useful, steps, _, _ = min(after[name], key=lambda r: r[0])
+                record(f"{name}_after_peers", wall, useful, steps=steps, repeats=args.repeats, quantization=q,
+                       deterministic=det)
+            ratios = {f"{k}_vs_vllm_cpu": round(v / best_rate["tokens_per_s"], 3) for k, v in rates.items()
+                      if k.startswith("engine")}
+            ratios["vllm_best_throughput_dtype"] = best_rate["dtype"]
+            if single is not None:  # ms/token: below 1 is faster than vLLM
+                ratios["vllm_best_single_stream_dtype"] = best_single["dtype"]
+                ratios["single_stream_eager_vs_vllm_cpu"] = round(
+                    single["engine_eager_ms_per_token"] / best_single["single_stream_ms_per_token"], 3)
+                ratios["single_stream_compiled_vs_vllm_cpu"] = round(
+                    single["engine_compiled_ms_per_token"] / best_single["single_stream_ms_per_token"], 3)
+            emit(summary="vllm_cpu", engine_dtype=args.dtype, **ratios)
     if "start" in systems:
         emit(system="start", **start_times(args), model=args.model, dtype=args.dtype, threads=args.threads)
     if "long_prompt" in systems:

@@ -103,5 +103,7 @@ def run_vllm_cpu(source: str, prompts: list[list[int]], max_tokens: list[int], s
         shutil.rmtree(scratch, ignore_errors=True)
     line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith('{"system": "vllm_cpu"')), None)
     if out.returncode or line is None:
-        raise RuntimeError(f"vLLM CPU run failed (exit {out.returncode}): {out.stderr[-4000:]}")
+        # its engine core's root cause comes first, before the tracebacks of the processes around it
+        cause = next((x for x in out.stderr.splitlines() if "Error" in x and not x.startswith(" ")), "")
+        raise RuntimeError(f"vLLM CPU run failed (exit {out.returncode}, {dtype}): {cause}\n{out.stderr[-4000:]}")
     return json.loads(line)
