@@ -548,13 +548,13 @@ def main() -> None:
              bookkeeping_fraction=round(1 - fwd / wall, 4), **common)
     for name in [n for n in rates if n.startswith("engine")]:
         paired = {}
-        for other in [k for k in runs if k != name]:
-            # round by round (the two ran minutes apart at most) and on the model calls replayed alone:
-            # the best-of figures above can come from rounds far apart on a machine whose pace drifts
+        # the engine's modes round by round (the two ran minutes apart at most) and on the model calls
+        # replayed alone: the best-of figures can come from rounds far apart on a machine whose pace drifts
+        for other in [k for k in runs if k != name] if name in runs else []:
             paired[f"{name}_vs_{other}_by_round"] = [round(b[0] / a[0], 3) for a, b in zip(runs[name], runs[other])]
             paired[f"{name}_vs_{other}_forward_only"] = round(min(r[3] for r in runs[other]) / min(r[3] for r in runs[name]), 3)
         emit(summary=name, **{f"{name}_vs_{k}": round(rates[name] / v, 2) for k, v in rates.items() if k != name},
-             **(paired if name in runs else {}))
+             **paired)
     single = None
     singles: dict[str, dict] = {}
     stream_rates: dict[str, float] = {}  # one stream's tokens/s by system (apart from the workload's rates)
