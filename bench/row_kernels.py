@@ -3,7 +3,8 @@ the timings behind the choice, and where the 16-bit path (`quantization: none`) 
 
 For each distinct layer linear of the model (SmolLM2: q/k/v, o, gate/up, down), at each bucket of
 workers.engine.cpu.row_kernels: ms a call of the blocks' kernel, of the widened GEMM, of the AMX
-tiles on the values packed in bfloat16 (where the CPU has them), and of the
+tiles on the values packed in bfloat16 (where the CPU has them), of ATen's float32 GEMM on the
+values widened once to float32 (on a bfloat16 CPU without the tiles), and of the
 same linear as `quantization: none` packs it (oneDNN's bfloat16, FBGEMM's float16 or float32), and
 the way the engine chose. Then one summary line: the row count from which `none` is faster than
 what `auto` runs, per linear (the bf16/auto crossover; null: never within the buckets).
@@ -16,7 +17,7 @@ import torch
 from workers.engine import Engine, EngineConfig
 from workers.engine.cpu import row_kernels
 from workers.engine.cpu.calibrate import best_seconds
-from workers.engine.cpu.linears import pack_for_tiles, tiles_fit
+from workers.engine.cpu.linears import float32_fits, pack_for_tiles, tiles_fit, widen_to_float32
 
 
 def _layer_linears(eng: Engine) -> list:
@@ -43,12 +44,16 @@ def report(lm, quantization: str, max_rows: int) -> list[dict]:
             # the AMX tiles' way where the CPU has it (the engine keeps the packed values only where chosen)
             tiles = (pack_for_tiles(lin.kernels, {name: lin.quant})[name]
                      if auto.precision.compute == torch.bfloat16 and tiles_fit(lin.kernels, lin.shape) else None)
+            if lin.wide32 is None and tiles is None and float32_fits(lin.kernels, auto.precision.compute):
+                lin.set_values(row_kernels.FLOAT32, widen_to_float32({name: lin.quant})[name])  # read by its way only
             for rows in row_kernels.bucket_rows(max_rows):
                 # both paths compute in float32 on a CPU without bf16 arithmetic, in bfloat16 with it
                 x = torch.randn(rows, lin.shape[1], generator=gen).to(auto.precision.compute)
                 ways = [(row_kernels.BLOCKS, lin.blocks), (row_kernels.WIDENED, lin.widened), ("none", dense)]
                 if tiles is not None:
                     ways.insert(2, (row_kernels.PACKED, lambda x, p=tiles, q=lin: q.kernels.bf16_packed_linear(x, p, q.bias)))
+                if lin.wide32 is not None:
+                    ways.insert(2, (row_kernels.FLOAT32, lin.float32))
                 ms = {way: 1e3 * best_seconds(lambda fn=fn, x=x: fn(x)) for way, fn in ways}
                 chosen = lin.rows.way(rows) if lin.rows is not None else row_kernels.BLOCKS
                 if crossover[name] is None and ms["none"] < ms[chosen]:

@@ -46,7 +46,7 @@ def copy_size(workers: list[WorkerPlan]) -> CopySize:
     key = f"{w0.spec.model.source}|{str(w0.precision.weights).removeprefix('torch.')}"
     if w0.shared_packed_bytes:  # its quantized linears' file too (a variant without them counts the weights again: errs high)
         key += f"|{w0.precision.quantized_key}"
-    return CopySize(w0.device, own, key, w0.weight_bytes + w0.shared_packed_bytes + w0.shared_tiles_bytes)
+    return CopySize(w0.device, own, key, w0.weight_bytes + w0.shared_packed_bytes + w0.shared_batch_bytes)
 
 
 class PlanPlacer:
@@ -91,7 +91,7 @@ class PlanPlacer:
                 w = self._plan(spec, 0, d)
                 shared = " (shared by the copies on the device)" if w.shares_weights else ""
                 lines.append(f"  {name} on {d}: ~{mib(w.est_bytes)}: weights {mib(w.weight_bytes)}{shared}, "
-                             f"packed linears {mib(w.packed_bytes + w.shared_packed_bytes + w.shared_tiles_bytes)}, KV cache {mib(w.kv_cache_bytes)}, process "
+                             f"packed linears {mib(w.packed_bytes + w.shared_packed_bytes + w.shared_batch_bytes)}, KV cache {mib(w.kv_cache_bytes)}, process "
                              f"{mib(worker_overhead(d))}")
         return lines
 

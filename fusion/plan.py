@@ -59,9 +59,10 @@ class WorkerPlan:
     # weight-only quantized linears mapped from one file that its sharing copies on the device hold
     # once (workers.weights.quantized_cache), counted per (source, dtype) group like the weights
     shared_packed_bytes: int = 0
-    # on a CPU with AMX tiles, the same linears packed in bfloat16 for the tiles: one mapped file too
-    # (row_kernels' packed way), counted whole though only the linears whose choice takes it are read
-    shared_tiles_bytes: int = 0
+    # the same linears laid out for a many-rows way of the row kernels (batch_layout): packed in
+    # bfloat16 for AMX tiles, or widened to float32 on a bfloat16 CPU without them. One mapped file
+    # too, counted whole though only the linears whose measured choice takes it are read
+    shared_batch_bytes: int = 0
     kv_tokens: int | None = None  # the tokens its KV budget holds (None: the model's shape is known at load)
     precision: Precision | None = None  # the dtypes its weights, math and KV cache use (workers.precision)
 
@@ -105,7 +106,7 @@ class WorkerPlan:
     @property
     def est_bytes(self) -> int:
         """This worker alone: weights + its packed linears + KV cache + overhead."""
-        return (self.weight_bytes + self.packed_bytes + self.shared_packed_bytes + self.shared_tiles_bytes
+        return (self.weight_bytes + self.packed_bytes + self.shared_packed_bytes + self.shared_batch_bytes
                 + self.kv_cache_bytes + worker_overhead(self.device))
 
 
@@ -142,8 +143,8 @@ class DeploymentPlan:
                              + "".join(f"; its {kind} linears, {b / 2**20:.0f} MiB, counted once (in place of"
                                        " its 16-bit linears, which the copies do not keep)"
                                        for kind, b in g.get("quantized_bytes", {}).items())
-                             + (f"; its linears packed for AMX tiles (bfloat16), {g['tiles_bytes'] / 2**20:.0f} MiB,"
-                                " counted once (read where the measured choice takes them)" if g.get("tiles_bytes") else ""))
+                             + (f"; its linears {g['batch_layout']}, {g['batch_bytes'] / 2**20:.0f} MiB,"
+                                " counted once (read where the measured choice takes them)" if g.get("batch_bytes") else ""))
         return "\n".join(lines)
 
 
@@ -231,14 +232,19 @@ def packed_bytes(weights: int, prec: Precision) -> int:
     return 0
 
 
-def tiles_apply(device: str, prec: Precision) -> bool:
-    """Whether a CPU worker's quantized linears may take the AMX tiles' way (bfloat16 math on a CPU
-    with AMX tiles, as workers.engine.cpu.linears.tiles_fit decides at load)."""
+def batch_layout(device: str, prec: Precision) -> tuple[str, int]:
+    """The file of values a CPU worker's quantized linears may read at many rows, as words and bytes
+    a value: on a CPU with AMX tiles, bfloat16 packed for them (workers.engine.cpu.linears.tiles_fit);
+    bfloat16 math without them, float32 (linears.float32_fits); else none ("", 0)."""
     import torch
 
     from workers.capability import cpu_capability
 
-    return device_kind(device).host and prec.compute == torch.bfloat16 and cpu_capability().at_least("amx")
+    if not (device_kind(device).host and prec.quantized and prec.compute == torch.bfloat16):
+        return "", 0
+    if cpu_capability().at_least("amx"):
+        return "packed for AMX tiles (bfloat16)", 2
+    return "widened to float32", 4
 
 
 def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
@@ -250,11 +256,12 @@ def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
             # without sharing, each copy holds all of its 16-bit weights and its own quantized linears
             alone = weight_bytes(w.spec.model.source, _bytes(w.precision.weights)) + w.shared_packed_bytes
             g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0,
-                                        "quantized_bytes": {}, "tiles_bytes": 0, "alone": alone})
+                                        "quantized_bytes": {}, "batch_bytes": 0, "alone": alone,
+                                        "batch_layout": batch_layout(device, w.precision)[0]})
             g["copies"] += 1
             if w.shared_packed_bytes:  # one file per quantization kind beside the weights
                 g["quantized_bytes"][w.precision.quantization] = w.shared_packed_bytes
-                g["tiles_bytes"] = w.shared_tiles_bytes
+                g["batch_bytes"] = w.shared_batch_bytes
     return groups
 
 
@@ -263,7 +270,7 @@ def device_fixed_bytes(workers: list[WorkerPlan], device: str) -> int:
     on CUDA each group's owner process adds its context)."""
     owner = device_kind(device).owner_overhead
     return (sum(w.fixed_bytes for w in workers if w.device == device)
-            + sum(g["bytes"] + sum(g["quantized_bytes"].values()) + g["tiles_bytes"] + owner
+            + sum(g["bytes"] + sum(g["quantized_bytes"].values()) + g["batch_bytes"] + owner
                   for g in _shared_groups(workers, device).values()))
 
 
@@ -277,12 +284,13 @@ def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads
     w = WorkerPlan(worker_id, spec, weight_bytes(model.source, _bytes(prec.weights)), model.share_weights,
                    precision=prec)
     packed = packed_bytes(w.weight_bytes, prec)
-    tiles = weight_bytes(model.source, 2) if prec.quantized and tiles_apply(device, prec) else 0
+    per_value = batch_layout(device, prec)[1]
+    laid = weight_bytes(model.source, per_value) if per_value else 0
     if prec.quantized and w.shares_weights and device_kind(device).host:  # one mapped file on the device
-        w.shared_packed_bytes, w.shared_tiles_bytes = packed, tiles
+        w.shared_packed_bytes, w.shared_batch_bytes = packed, laid
         w.weight_bytes = kept_dense_bytes(model.source, _bytes(prec.weights), w.weight_bytes)
     else:
-        w.packed_bytes = packed + tiles
+        w.packed_bytes = packed + laid
     return w
 
 

@@ -13,7 +13,7 @@ from support.batch import tiny_variant, write_params
 from fusion.deploy import build_fusion
 from fusion.model_info import ModelInfo, MultiModelFusion
 from fusion.params import ParamsError, load_params, parse_variants
-from fusion.plan import OVERHEAD_BYTES, make_plan, tiles_apply, weight_bytes
+from fusion.plan import OVERHEAD_BYTES, batch_layout, make_plan, weight_bytes
 from routing.entrypoints import CLI, command
 from workers.spec import ModelSpec, WorkerSpec
 
@@ -163,18 +163,21 @@ def test_plan_counts_shared_quantized_linears_once(monkeypatch):
     assert 0 < w.shared_packed_bytes < 0.4 * packed.workers[0].packed_bytes
     saved = packed.devices["cpu"]["estimated_bytes"] - quant.devices["cpu"]["estimated_bytes"]
     bf16 = packed.workers[0]
-    assert saved == (3 * bf16.packed_bytes - w.shared_packed_bytes - w.shared_tiles_bytes + bf16.weight_bytes
+    assert saved == (3 * bf16.packed_bytes - w.shared_packed_bytes - w.shared_batch_bytes + bf16.weight_bytes
                      - w.weight_bytes)
     # what a copy holds, weights and linears: under 0.4x a bfloat16 copy's (the embedding stays 16-bit)
     assert w.weight_bytes + w.shared_packed_bytes < 0.4 * (bf16.weight_bytes + bf16.packed_bytes)
     assert "int4 linears" in quant.describe()
-    # on a CPU with AMX tiles the linears packed for them in bfloat16 are one more file, counted once
-    tiles = tiles_apply("cpu", w.precision)
-    assert w.shared_tiles_bytes == (weight_bytes("smollm2-135m", 2) if tiles else 0)
-    assert ("packed for AMX tiles" in quant.describe()) == tiles
+    # on a CPU with AMX tiles the linears packed for them in bfloat16 are one more file, counted once;
+    # on one computing in bfloat16 without them, the linears widened to float32
+    words, per_value = batch_layout("cpu", w.precision)
+    assert w.shared_batch_bytes == (weight_bytes("smollm2-135m", per_value) if per_value else 0)
+    assert ("packed for AMX tiles" in quant.describe()) == (per_value == 2)
+    assert ("widened to float32" in quant.describe()) == (per_value == 4)
+    assert batch_layout("cpu", bf16.precision) == ("", 0)  # not quantized: no such file
     private = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="int4",
                                                share_weights=False)]), 2, "cpu", kv_cache_memory="64MiB")
-    assert private.workers[0].packed_bytes == w.shared_packed_bytes + w.shared_tiles_bytes  # each copy its own
+    assert private.workers[0].packed_bytes == w.shared_packed_bytes + w.shared_batch_bytes  # each copy its own
     # auto: SmolLM2's Q4_1 file keeps its class, and is counted as int4
     auto = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16")]), 3, "cpu",
                      kv_cache_memory="64MiB").workers[0]

@@ -17,8 +17,24 @@ from workers import capability
 from workers.engine import Engine, EngineConfig
 from workers.engine.cpu import calibrate, extension, row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
-from workers.engine.cpu.linears import pack_for_tiles, tiles_fit
-from workers.engine.cpu.row_kernels import BLOCKS, BUCKETS, PACKED, WIDENED, RowChoice, batch_way, pick
+from workers.engine.cpu.linears import (
+    Linear,
+    float32_fits,
+    lay_out,
+    pack_for_tiles,
+    tiles_fit,
+    widen_to_float32,
+)
+from workers.engine.cpu.row_kernels import (
+    BLOCKS,
+    BUCKETS,
+    FLOAT32,
+    PACKED,
+    WIDENED,
+    RowChoice,
+    batch_way,
+    pick,
+)
 from workers.engine.params import SamplingParams
 from workers.quant.weight import INT4, INT8, quantize
 from workers.weights import quantized_cache
@@ -357,25 +373,94 @@ def test_packed_linears_are_written_once_and_mapped_by_every_copy(tmp_path, monk
     assert built[-1] == ["c"]
 
 
-def test_a_later_load_packs_only_the_tiles_its_kept_choice_takes(tmp_path, monkeypatch):
-    """A choice kept from an earlier load on this machine decides which linears are packed for the
-    tiles: none of those whose choice takes no tiles, each of those whose choice does."""
+def test_a_later_load_lays_out_only_the_values_its_kept_choice_takes(tmp_path, monkeypatch):
+    """A choice kept from an earlier load on this machine decides which linears get their values laid
+    out for a many-rows way (packed for AMX tiles, or widened to float32 on a bfloat16 CPU without
+    them): none of those whose choice does not take it, each of those whose choice does."""
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
     lm = tiny("llama", dtype="bfloat16")
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=INT4))
     lean = eng.runner.lean
-    if not tiles_fit(lean.norms):
-        pytest.skip("this CPU has no AMX tiles for bfloat16 (or the level is capped below amx): the way is not offered")
+    if lean.compute == torch.bfloat16 and tiles_fit(lean.norms):
+        way, values = PACKED, "packed16"
+    elif float32_fits(lean.norms, lean.compute):
+        way, values = FLOAT32, "wide32"
+    else:
+        pytest.skip(f"this CPU (level {capability.cpu_capability().level}) computes the model in "
+                    f"{lean.compute}: no way of the row kernels reads laid-out values here")
     asked: list[set[str]] = []
 
-    def packs(weights):
+    def packs(asked_way, weights):
+        assert asked_way == way
         asked.append(set(weights))
-        return pack_for_tiles(lean.norms, weights)
+        return lay_out(lean.norms, way, weights)
 
     again = lean.pick_row_kernels(64, packs)
     assert again == eng.kernels  # read back, not measured anew
     quantized = [lin for lin in lean.linears() if lin.quant is not None]
-    takes = [lin for lin in quantized if lin.rows.uses(PACKED)]
+    takes = [lin for lin in quantized if lin.rows.uses(way)]
     assert [len(keys) for keys in asked] == ([len(takes)] if takes else [])
     assert set(asked[0] if asked else ()) <= set(lean.quantized_weights())
-    assert all((lin.packed16 is not None) == (lin in takes) for lin in quantized)
+    assert all((getattr(lin, values) is not None) == (lin in takes) for lin in quantized)
+
+
+def test_the_float32_way_takes_the_buckets_it_wins_and_says_so():
+    """On a CPU whose bfloat16 GEMMs lose many rows to float32 ones, the float32 way takes the
+    buckets it wins by the margin, and the choice names it."""
+    seconds = {4: {BLOCKS: 1.0, WIDENED: 3.0, FLOAT32: 2.0}, 16: {BLOCKS: 2.0, WIDENED: 3.0, FLOAT32: 1.9},
+               64: {BLOCKS: 8.0, WIDENED: 9.0, FLOAT32: 5.0}, 512: {BLOCKS: 60.0, WIDENED: 50.0, FLOAT32: 30.0}}
+    choice = pick(seconds)
+    assert choice == RowChoice(17, FLOAT32)
+    assert [choice.way(r) for r in (1, 16, 17, 600)] == [BLOCKS, BLOCKS, FLOAT32, FLOAT32]
+    assert choice.describe() == "blocks up to 16 rows, float32 from 17" and choice.first(FLOAT32) == 17
+    # the widened GEMM still takes a bucket it wins
+    seconds[512][WIDENED] = 20.0
+    assert pick(seconds) == RowChoice(17, FLOAT32, ((65, WIDENED),))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", [INT4, INT8])
+def test_the_float32_way_multiplies_the_blocks_values_in_float32(kind):
+    """The blocks' values widened once to float32 and multiplied there give x @ W.T + bias of the
+    exact values (no bfloat16 rounding of the weights), rounded once to the activations' dtype, at
+    the rows its choice gives it; fewer rows keep the blocks."""
+    gen = torch.Generator().manual_seed(0)
+    qw = quantize(torch.randn(96, 128, generator=gen), kind)
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    lin = Linear.quantized(qw, bias, torch.bfloat16, KERNELS, "plain")
+    lin.set_values(FLOAT32, widen_to_float32({"w": qw})["w"])
+    lin.rows = RowChoice(5, FLOAT32)
+    w = qw.dequantize().double()
+    for rows in (1, 4, 5, 33):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+        got = lin(x)
+        want = x.double() @ w.T + bias.double()
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+        if rows >= 5:  # float32 sums of exact values, rounded once to bfloat16
+            assert torch.equal(got, want.to(torch.bfloat16)) or torch.allclose(
+                got.double(), want, rtol=2 ** -8, atol=1e-5), (kind, rows, (got.double() - want).abs().max())
+        torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=0.3)
+    lin.set_values(FLOAT32, None)
+    assert lin.wide32 is None
+
+
+def test_float32_values_are_a_file_of_their_own(tmp_path, monkeypatch):
+    """The values widened to float32 go to a file beside the tiles' packing, not into it, and a copy
+    maps them without widening again."""
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
+    built = []
+
+    def build(keys, dtype):
+        built.append(dtype)
+        return {k: torch.full((2, 64), float(i), dtype=dtype) for i, k in enumerate(keys)}
+
+    wide = quantized_cache.shared_packed("tiny:llama", torch.bfloat16, "int4", ["a"],
+                                         lambda: build(["a"], torch.float32), FLOAT32)
+    tiles = quantized_cache.shared_packed("tiny:llama", torch.bfloat16, "int4", ["a"],
+                                          lambda: build(["a"], torch.bfloat16))
+    again = quantized_cache.shared_packed("tiny:llama", torch.bfloat16, "int4", ["a"],
+                                          lambda: build(["a"], torch.float32), FLOAT32)
+    assert built == [torch.float32, torch.bfloat16]
+    assert again["a"].dtype == torch.float32 and tiles["a"].dtype == torch.bfloat16 and torch.equal(wide["a"], again["a"])
+    paths = {quantized_cache.packed_path("tiny:llama", torch.bfloat16, "int4", w) for w in (PACKED, FLOAT32)}
+    assert len(paths) == 2 and all(p.exists() for p in paths)

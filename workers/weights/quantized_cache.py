@@ -7,7 +7,8 @@ the file lives on in the cache beside the shared weights, keyed by the source's 
 
 On a CPU with AMX tiles, the same linears' values packed in bfloat16 for the tiles (the layout
 oneDNN's micro-kernel reads on this machine and torch) go to a file beside it, keyed also by the
-machine, and are shared the same way (`shared_packed`).
+machine, and are shared the same way (`shared_packed`); on one that computes in bfloat16 without
+them, their values widened to float32 (the row kernels' `float32` way) do.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from workers.weights.sources import source_key
 
 log = logging.getLogger("mmfusion.quantized_cache")
 FORMAT = "mmfusion-quantized-2"  # bump when the layout or a quantization rule changes
-PACKED_FORMAT = "mmfusion-tiles-1"  # the AMX tiles' packing (kernels/amx_linear.cpp)
+# the values as a many-rows way of workers.engine.cpu.row_kernels reads them: packed for the AMX
+# tiles (kernels/amx_linear.cpp), or widened to float32
+LAYOUTS = {"packed": ("tiles", "mmfusion-tiles-1"), "float32": ("float32", "mmfusion-float32-1")}
 
 
 def cache_path(source: str, dtype: torch.dtype, kind: str) -> Path:
@@ -77,30 +80,31 @@ def shared_quantized(source: str, dtype: torch.dtype, kind: str,
     return _read(path)
 
 
-def packed_path(source: str, dtype: torch.dtype, kind: str) -> Path:
+def packed_path(source: str, dtype: torch.dtype, kind: str, way: str = "packed") -> Path:
     machine = hashlib.sha1(machine_tag().encode()).hexdigest()[:12]
-    return cache_path(source, dtype, kind).with_suffix(f".tiles-{machine}.safetensors")
+    return cache_path(source, dtype, kind).with_suffix(f".{LAYOUTS[way][0]}-{machine}.safetensors")
 
 
 def shared_packed(source: str, dtype: torch.dtype, kind: str, keys: list[str],
-                  build: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The quantized linears of (source, dtype, kind) packed for AMX tiles, by key, as read-only
-    views of a file shared by the copies on this machine; `build()` packs them (all of `keys`)
-    when the file does not hold them yet."""
+                  build: Callable[[], dict[str, torch.Tensor]], way: str = "packed") -> dict[str, torch.Tensor]:
+    """The quantized linears of (source, dtype, kind) laid out for the many-rows `way` (LAYOUTS:
+    packed for AMX tiles, or widened to float32), by key, as read-only views of a file shared by the
+    copies on this machine; `build()` lays them out (all of `keys`) when the file does not hold them yet."""
     from safetensors.torch import save_file
 
-    path = packed_path(source, dtype, kind)
+    fmt = LAYOUTS[way][1]
+    path = packed_path(source, dtype, kind, way)
     with one_at_a_time(path):
         if path.exists():
             try:
                 tensors, meta = map_tensors(path)
-                if meta.get("format") == PACKED_FORMAT and set(keys) <= set(tensors):
+                if meta.get("format") == fmt and set(keys) <= set(tensors):
                     adopt(path, source)
                     return {key: tensors[key] for key in keys}
             except (ValueError, KeyError, OSError) as exc:
                 log.warning("packed linears %s unusable (%s): writing them again", path, exc)
         packed = {key: t.contiguous() for key, t in build().items()}
-        atomic_replace(path, lambda tmp: save_file(packed, str(tmp), metadata={"format": PACKED_FORMAT}))
+        atomic_replace(path, lambda tmp: save_file(packed, str(tmp), metadata={"format": fmt}))
     recorded(path, source)
     tensors, _ = map_tensors(path)
     return {key: tensors[key] for key in keys}

@@ -29,7 +29,7 @@ from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
 from workers.engine.cpu import row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
-from workers.engine.cpu.linears import Linear, Packs, fused, pack_for_tiles, quantized, tiles_fit
+from workers.engine.cpu.linears import Linear, Packs, float32_fits, fused, lay_out, quantized, tiles_fit
 from workers.engine.lean_parts import AttentionShape, rotation
 from workers.lean_rules import layer_windows
 from workers.precision import HALF, Precision
@@ -138,13 +138,14 @@ class LeanLlama:
         steps of up to `max_rows` rows (row_kernels), the LM head's by the rows it multiplies (one a
         sequence; at 64 of them the blocks took 3x oneDNN's time on an AMX CPU). Not under
         `deterministic`, whose strips take every row count. Where the CPU has AMX tiles for
-        bfloat16, the linears' values packed for them are a way too: `packs` gives them by key from
-        the quantized weights (a file the copies share), else they are packed here; none where a
-        choice kept from an earlier load takes no tiles, and those whose way is not chosen are let
-        go. Where the kernels round a few rows' activations to 8 bits (bfloat16 on AVX512-VNNI,
-        float32 on AVX2) and the model's weights are 16-bit, that is a way at up to
-        row_kernels.ACT8_ROWS rows too. Returns the choice by linear, as the worker
-        logs it and status shows it."""
+        bfloat16, the linears' values packed for them are a way too; where it computes in bfloat16
+        without them, the values widened to float32 are (linears.float32_fits). `packs(way,
+        weights)` gives them by key from the quantized weights (a file the copies share), else they
+        are laid out here; none where a choice kept from an earlier load takes no such way, and those
+        whose way is not chosen are let go. Where the kernels round a few rows' activations to 8 bits
+        (bfloat16 on AVX512-VNNI, float32 on AVX2) and the model's weights are 16-bit, that is a way
+        at up to row_kernels.ACT8_ROWS rows too. Returns the choice by linear, as the worker logs it
+        and status shows it."""
         kernels = self.norms
         if self.invariant or kernels is None or self.compute not in (torch.float32, torch.bfloat16):
             return {}
@@ -156,41 +157,51 @@ class LeanLlama:
         # model of 16-bit weights (a float32 model keeps float32's precision)
         act8 = (self.precision.weights in HALF and hasattr(kernels, "act8_dtypes")
                 and str(self.compute).removeprefix("torch.") in kernels.act8_dtypes())
+        # the ways whose values are laid out ahead (a shared file), with the shapes they serve
+        laid = {}
         if self.compute == torch.bfloat16 and tiles_fit(kernels):
-            keys = {id(lin): key for key, lin in self._keyed.items()}
-            names = row_kernels.WAYS + ((row_kernels.ACT8,) if act8 else ())
+            laid[row_kernels.PACKED] = lambda shape: tiles_fit(kernels, shape)
+        elif float32_fits(kernels, self.compute):
+            laid[row_kernels.FLOAT32] = lambda shape: True
+        names = (row_kernels.BLOCKS, row_kernels.WIDENED, *laid) + ((row_kernels.ACT8,) if act8 else ())
+        keys = {id(lin): key for key, lin in self._keyed.items()}
+        for way, fits in laid.items():
 
-            def wanted(sig: tuple, lins: list) -> bool:  # not where a kept choice takes no tiles
+            def wanted(sig: tuple, lins: list, way=way, fits=fits) -> bool:  # not where a kept choice takes no such way
                 kept = row_kernels.recalled(sig[0], sig[1], self.compute, names, max_rows,
                                             kernels.__name__, layers=len(lins))
-                return tiles_fit(kernels, sig[1]) and (kept is None or kept.uses(row_kernels.PACKED))
+                return fits(sig[1]) and (kept is None or kept.uses(way))
 
             want = {keys[id(lin)]: lin.quant for sig, lins in groups.items() if wanted(sig, lins) for lin in lins}
-            got = (packs or (lambda weights: pack_for_tiles(kernels, weights)))(want) if want else {}
-            for key, packed in got.items():
-                self._keyed[key].packed16 = packed
+            got = (packs or (lambda way, weights: lay_out(kernels, way, weights)))(way, want) if want else {}
+            for key, values in got.items():
+                self._keyed[key].set_values(way, values)
         chosen: dict[tuple, row_kernels.RowChoice] = {}
         for sig, lins in groups.items():
             # the layers' linears of the shape in turn, as a step multiplies them: their weights
             # stream from memory as they do in serving, not from a cache one linear would fit in
             ways = {row_kernels.BLOCKS: lambda x, n, lins=lins: [lin.blocks(x) for lin in lins[:n]],
                     row_kernels.WIDENED: lambda x, n, lins=lins: [lin.widened(x) for lin in lins[:n]]}
-            if self.compute == torch.bfloat16 and tiles_fit(kernels, sig[1]):
+            if row_kernels.PACKED in laid and laid[row_kernels.PACKED](sig[1]):
                 ways[row_kernels.PACKED] = lambda x, n, lins=lins: [lin.tiles(x) for lin in lins[:n]]
+            if row_kernels.FLOAT32 in laid:
+                ways[row_kernels.FLOAT32] = lambda x, n, lins=lins: [lin.float32(x) for lin in lins[:n]]
             if act8:
                 ways[row_kernels.ACT8] = lambda x, n, lins=lins: [lin.blocks(x, row_kernels.ACT8_ROWS) for lin in lins[:n]]
             chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows, kernels.__name__,
                                              layers=len(lins))
             for lin in lins:
                 lin.rows = chosen[sig]
-                if not lin.rows.uses(row_kernels.PACKED):
-                    lin.packed16 = None
+                for way in laid:
+                    if not lin.rows.uses(way):
+                        lin.set_values(way, None)
         # the fused decode serves the layers (the LM head runs after it, by its own choice): their
         # blocks, and the AMX tiles from where a linear's choice takes them, up to the fewest rows
-        # at which one takes the widened GEMM
+        # at which one takes a way of ATen's GEMMs (the widened values or the float32 ones)
         self.decode_layers = self.fused_decode()
         starts = [start for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                  if lin.rows is not None and (start := lin.rows.first(row_kernels.WIDENED)) is not None]
+                  for way in (row_kernels.WIDENED, row_kernels.FLOAT32)
+                  if lin.rows is not None and (start := lin.rows.first(way)) is not None]
         self.decode_layers.widened_from = min(starts) if starts else None
         return {f"{kind} {out}x{width}": c.describe() for (kind, (out, width)), c in chosen.items()}
 

@@ -17,7 +17,9 @@ Two packings, chosen per model at load (workers.precision):
   instead take ATen's GEMM on the blocks widened to the compute dtype, where the machine measured
   it faster for that row count (`rows`, workers.engine.cpu.row_kernels), or, on a CPU with AMX
   tiles, the blocks' values packed once in bfloat16 for the tiles (`packed16`, a view of a file
-  the copies share) multiplied by ATen's batch-reduce GEMM. Where the kernels could
+  the copies share) multiplied by ATen's batch-reduce GEMM, or, on a CPU that computes in bfloat16
+  without AMX tiles, the values widened once to float32 (`wide32`, a shared file's view too)
+  multiplied by ATen's float32 GEMM. Where the kernels could
   not be built, the blocks' float32 values are multiplied as a dense weight (`linears`' way).
 
 Packed weights are tensors of this process (an opaque layout, not a plain buffer), so they cannot
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from workers.capability import cpu_capability
 from workers.engine.cpu.invariant import in_tiles, invariant_any, invariant_rows
-from workers.engine.cpu.row_kernels import BLOCKS, PACKED, WIDENED
+from workers.engine.cpu.row_kernels import BLOCKS, FLOAT32, PACKED, WIDENED
 from workers.engine.lean_parts import fused_bias
 from workers.precision import FP16, ONEDNN, PLAIN
 from workers.quant.fuse import quantized_weight
@@ -46,8 +48,9 @@ from workers.quant.weight import QuantizedWeight
 PACK_ROWS = 8192
 # the AMX tiles' packing (kernels/amx_linear.cpp): output rows a panel; inputs go in pairs
 TILE_PANEL = 32
-# quantized weights by key -> their values packed for the tiles, by key (row_kernels' PACKED way)
-Packs = Callable[[dict[str, QuantizedWeight]], dict[str, torch.Tensor]]
+# (way, quantized weights by key) -> their values laid out for that way (row_kernels' PACKED: packed
+# for the tiles; FLOAT32: widened to float32), by key
+Packs = Callable[[str, dict[str, QuantizedWeight]], dict[str, torch.Tensor]]
 
 
 def fp16_fits(weight: torch.Tensor) -> bool:
@@ -65,7 +68,7 @@ class Linear:
     "plain"); the result is in the compute dtype (float32 for "fp16")."""
 
     __slots__ = ("weight", "bias", "packed", "fp16", "own_bytes", "quant", "kernels", "shape", "rows_per_call",
-                 "strips", "dense", "rows", "packed16")
+                 "strips", "dense", "rows", "packed16", "wide32")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str | bool, own: bool = False,
                  compute: torch.dtype | None = None):
@@ -80,6 +83,7 @@ class Linear:
         self.dense = None  # the weight the C++ strips read (make_invariant)
         self.rows = None  # quantized: the kernel by the step's row count (row_kernels.RowChoice; None: the blocks')
         self.packed16 = None  # quantized: its values packed for AMX tiles (the PACKED way), where chosen
+        self.wide32 = None  # quantized: its values in float32 (the FLOAT32 way), where chosen
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
         self.packed = self.fp16 = self.quant = self.kernels = None
@@ -112,7 +116,7 @@ class Linear:
         lin.bias = None if bias is None else bias.detach().to(compute)
         lin.quant, lin.kernels, lin.own_bytes = qw, kernels, qw.nbytes
         lin.shape, lin.rows_per_call, lin.strips, lin.dense = (qw.out_features, qw.in_features), 0, False, None
-        lin.rows = lin.packed16 = None
+        lin.rows = lin.packed16 = lin.wide32 = None
         return lin
 
     @property
@@ -143,6 +147,18 @@ class Linear:
     def tiles(self, x: torch.Tensor) -> torch.Tensor:
         """A quantized linear through AMX tiles on its values packed in bfloat16 (row_kernels)."""
         return self.kernels.bf16_packed_linear(x, self.packed16, self.bias)
+
+    def set_values(self, way: str, values: torch.Tensor | None) -> None:
+        """Its values as `way` (PACKED or FLOAT32) reads them; None lets them go."""
+        if way == PACKED:
+            self.packed16 = values
+        else:
+            self.wide32 = values
+
+    def float32(self, x: torch.Tensor) -> torch.Tensor:
+        """A quantized linear through ATen's float32 GEMM on its values widened to float32 (row_kernels)."""
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.wide32, bias).to(x.dtype)
 
     def make_invariant(self, compute: torch.dtype, like: int | None = None, kernels=None,
                        weight: torch.Tensor | None = None, own: bool = False) -> int:
@@ -189,6 +205,8 @@ class Linear:
                 return self.widened(x)
             if way == PACKED:
                 return self.tiles(x)
+            if way == FLOAT32:
+                return self.float32(x)
             return self.blocks(x)
         if self.fp16 is not None:
             if len(self.fp16) == 1:
@@ -237,6 +255,22 @@ def tiles_fit(kernels, shape: tuple[int, int] | None = None) -> bool:
     if not kernels.bf16_pack_supported():
         return False
     return shape is None or (shape[0] % TILE_PANEL == 0 and shape[1] % 2 == 0)
+
+
+def float32_fits(kernels, compute: torch.dtype) -> bool:
+    """Whether the float32 way may serve: bfloat16 math through the kernels on a CPU without AMX
+    tiles (as the capability level allows), where bfloat16 dot products may not outrun float32's."""
+    return kernels is not None and compute == torch.bfloat16 and not cpu_capability().at_least("amx")
+
+
+def widen_to_float32(weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+    """Each quantized weight's values in float32 (the FLOAT32 way's), by key."""
+    return {key: qw.dequantize().float().contiguous() for key, qw in weights.items()}
+
+
+def lay_out(kernels, way: str, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
+    """The values of `weights` as `way` (PACKED or FLOAT32) reads them, by key."""
+    return pack_for_tiles(kernels, weights) if way == PACKED else widen_to_float32(weights)
 
 
 def pack_for_tiles(kernels, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:

@@ -25,6 +25,15 @@ in bfloat16 in the tiles' layout (a file every copy maps) and multiplied by ATen
 (kernels/amx_linear.cpp). Above the crossover, each bucket then takes PACKED unless WIDENED beats it
 by MARGIN (batch_way).
 
+Where the CPU computes in bfloat16 without AMX tiles, a fourth way joins: FLOAT32, the blocks' values
+widened once to float32 (a file every copy maps) and multiplied by ATen's float32 GEMM, the
+activations widened on the way in and the result rounded back. An Intel core without its tiles issues
+bfloat16 dot products at half the rate of its float32 FMAs, so a bfloat16 GEMM of many rows does
+no more arithmetic a cycle than a float32 one and pays the conversions: on a Sapphire Rapids capped
+to AVX512-BF16, SmolLM2's layer linears at 64 rows took 1.3-1.7x as long in bfloat16 (blocks,
+widened or oneDNN's packed) as in float32. A CPU whose bfloat16 dot products run at twice the rate
+(AMD's Zen 4) measures the other way, and keeps the 16-bit ways.
+
 Where the kernels have the 8-bit activations' path for the compute dtype (bfloat16 on AVX512-VNNI,
 float32 on AVX2: kernels/qlinear_act8.h) and the model's weights are 16-bit, the blocks' kernel may
 round a call's activations to 8 bits a block of 32, as llama.cpp does, at up to ACT8_ROWS rows:
@@ -50,9 +59,11 @@ from workers.capability import machine_tag
 from workers.engine.cpu import calibrate
 
 BUCKETS = (1, 4, 16, 64, 256, 512)  # the step sizes (rows) measured
-# the quantized blocks' own kernels; ATen's GEMM on widened weights; AMX tiles on packed bfloat16 weights
-BLOCKS, WIDENED, PACKED = "blocks", "widened", "packed"
-WAYS = (BLOCKS, WIDENED, PACKED)
+# the quantized blocks' own kernels; ATen's GEMM on widened weights; AMX tiles on packed bfloat16
+# weights; ATen's float32 GEMM on the values widened once to float32
+BLOCKS, WIDENED, PACKED, FLOAT32 = "blocks", "widened", "packed", "float32"
+WAYS = (BLOCKS, WIDENED, PACKED, FLOAT32)
+BATCH_WAYS = (WIDENED, PACKED, FLOAT32)  # the many-rows ways
 # the blocks with the activations rounded to 8 bits, which the kernels take at up to ACT8_ROWS rows
 ACT8 = "act8"
 ACT8_ROWS = 4
@@ -85,8 +96,8 @@ class RowChoice:
             raise ValueError(f"widened_from must be a row count of at least 1 or None, got {self.widened_from}")
         if not 0 <= self.act8 <= ACT8_ROWS:
             raise ValueError(f"act8 must be a row count from 0 to {ACT8_ROWS}, got {self.act8}")
-        if any(w not in (WIDENED, PACKED) for w in (self.batch, *(w for _, w in self.switches))):
-            raise ValueError(f"the many-rows ways are {WIDENED!r} and {PACKED!r}, got {self.batch!r}, {self.switches}")
+        if any(w not in BATCH_WAYS for w in (self.batch, *(w for _, w in self.switches))):
+            raise ValueError(f"the many-rows ways are {', '.join(map(repr, BATCH_WAYS))}, got {self.batch!r}, {self.switches}")
 
     def way(self, rows: int) -> str:
         if self.widened_from is None or rows < self.widened_from:

@@ -16,7 +16,7 @@ from workers.engine import attention
 from workers.engine.cpu import calibrate, extension
 from workers.engine.cpu.backend import CPU_KERNELS, attention_kernels
 from workers.engine.cpu.lean import LeanLlama, lean_forward
-from workers.engine.cpu.linears import pack_for_tiles
+from workers.engine.cpu.linears import lay_out
 from workers.engine.runners.base import kv_dims, num_layers
 from workers.engine.runners.paged import PagedRunner
 from workers.weights.gguf_blocks import gguf_blocks
@@ -83,19 +83,20 @@ class CpuRunner(PagedRunner):
 
         mapped: list[torch.Tensor] = []
 
-        def packs(weights: dict) -> dict[str, torch.Tensor]:
-            # copies that share their weights map one file of the values packed for AMX tiles
+        def packs(way: str, weights: dict) -> dict[str, torch.Tensor]:
+            # copies that share their weights map one file of the values laid out for the way
+            # (packed for AMX tiles, or widened to float32)
             if not (lm.weights is not None and lm.weights.shared):
-                return pack_for_tiles(kernels, weights)
+                return lay_out(kernels, way, weights)
             got = shared_packed(lm.source, lm.dtype, precision.quantized_key, sorted(weights),
-                                lambda: pack_for_tiles(kernels, weights))
+                                lambda: lay_out(kernels, way, weights), way)
             mapped.extend(got.values())
             return got
 
         chosen = self.lean.pick_row_kernels(max_rows, packs)
-        # the packed values no linear's choice takes were read only while measuring: their pages
+        # the laid-out values no linear's choice takes were read only while measuring: their pages
         # leave this process's resident memory (the file stays in the page cache for the others)
-        kept = {lin.packed16.data_ptr() for lin in self.lean.linears() if lin.packed16 is not None}
+        kept = {t.data_ptr() for lin in self.lean.linears() for t in (lin.packed16, lin.wide32) if t is not None}
         drop_pages([t for t in mapped if t.data_ptr() not in kept])
         return chosen
 
