@@ -295,7 +295,8 @@ def kernel_lines(plan) -> list[str]:
         chosen = "; ".join(f"{k}: {v}" for k, v in known.items()) if known else \
             "measured at its first load on this CPU (its log and status show the choice)"
         lines.append(f"  worker {w.worker_id}: {chosen}")
-    head = "quantized linears by the step's rows (blocks, a GEMM on widened weights, or AMX tiles on packed ones):"
+    head = ("quantized linears by the step's rows (blocks, a GEMM on widened weights, AMX tiles on packed ones, "
+            "or a float32 GEMM on values widened once):")
     return [head, *lines] if lines else []
 
 

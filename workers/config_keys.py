@@ -134,7 +134,9 @@ MODEL_KEYS: tuple[Key, ...] = (
         "(docs/benchmarks.md). Which kernel a step's linears take is measured per row count at load "
         "(docs/cpus.md); on a CPU with AMX tiles the batches take the tiles on the values packed once in "
         "bfloat16, a second file the copies map (one stream about 2x faster than `none` there, the "
-        "workload level with it). CUDA: `int8` and `int4` on the device's lean forward (the Llama family) "
+        "workload level with it); on one computing in bfloat16 without them, ATen's float32 GEMM on the "
+        "values widened once to float32, a second file too (the workload about 1.3x `none` on an Intel "
+        "core capped to AVX512-BF16). CUDA: `int8` and `int4` on the device's lean forward (the Llama family) "
         "through Triton kernels, slower than bfloat16 there so far (an H200: one stream int4 4.5 against "
         "1.3 ms/token, docs/operations.md); the 16-bit weights stay loaded beside the blocks, and `auto` is "
         "`none` there",
