@@ -404,6 +404,31 @@ def test_a_later_load_lays_out_only_the_values_its_kept_choice_takes(tmp_path, m
     assert all((getattr(lin, values) is not None) == (lin in takes) for lin in quantized)
 
 
+def test_a_first_load_writes_only_the_float32_values_its_choice_takes(tmp_path, monkeypatch):
+    """On a bfloat16 CPU without AMX tiles, a load that measures times the float32 way on values
+    widened in its own memory and asks for the file's only for the linears whose choice takes it
+    (none at all where none does), so a CPU where bfloat16 wins writes no such file."""
+    lm = tiny("llama", dtype="bfloat16")
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "first"))
+    eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=INT4))
+    lean = eng.runner.lean
+    if not float32_fits(lean.norms, lean.compute) or tiles_fit(lean.norms):
+        pytest.skip(f"the float32 way is offered on a CPU computing in bfloat16 without AMX tiles; this one is at "
+                    f"level {capability.cpu_capability().level}, computing in {lean.compute}")
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "again"))  # nothing kept: measured anew
+    asked: list[set[str]] = []
+
+    def packs(way, weights):
+        asked.append(set(weights))
+        return lay_out(lean.norms, way, weights)
+
+    lean.pick_row_kernels(64, packs)
+    quantized = [lin for lin in lean.linears() if lin.quant is not None]
+    takes = {key for key, lin in lean._keyed.items() if lin.quant is not None and lin.rows.uses(FLOAT32)}
+    assert asked == ([takes] if takes else [])
+    assert all((lin.wide32 is not None) == lin.rows.uses(FLOAT32) for lin in quantized)
+
+
 def test_the_float32_way_takes_the_buckets_it_wins_and_says_so():
     """On a CPU whose bfloat16 GEMMs lose many rows to float32 ones, the float32 way takes the
     buckets it wins by the margin, and the choice names it."""

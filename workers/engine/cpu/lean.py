@@ -29,7 +29,16 @@ from workers.config_keys import FLOAT32_LEAN
 from workers.engine import attention
 from workers.engine.cpu import row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
-from workers.engine.cpu.linears import Linear, Packs, float32_fits, fused, lay_out, quantized, tiles_fit
+from workers.engine.cpu.linears import (
+    Linear,
+    Packs,
+    float32_fits,
+    fused,
+    lay_out,
+    quantized,
+    tiles_fit,
+    widen_to_float32,
+)
 from workers.engine.lean_parts import AttentionShape, rotation
 from workers.lean_rules import layer_windows
 from workers.precision import HALF, Precision
@@ -142,7 +151,11 @@ class LeanLlama:
         without them, the values widened to float32 are (linears.float32_fits). `packs(way,
         weights)` gives them by key from the quantized weights (a file the copies share), else they
         are laid out here; none where a choice kept from an earlier load takes no such way, and those
-        whose way is not chosen are let go. Where the kernels round a few rows' activations to 8 bits
+        whose way is not chosen are let go. The tiles are laid out before measuring (an AMX CPU
+        takes them for nearly every shape); the float32 values, which a CPU whose bfloat16 dot
+        products run at twice float32's rate never takes, are measured on values widened here,
+        layer by layer as the timing reaches them, and only those a choice takes go to the file.
+        Where the kernels round a few rows' activations to 8 bits
         (bfloat16 on AVX512-VNNI, float32 on AVX2) and the model's weights are 16-bit, that is a way
         at up to row_kernels.ACT8_ROWS rows too. Returns the choice by linear, as the worker logs it
         and status shows it."""
@@ -164,13 +177,24 @@ class LeanLlama:
         elif float32_fits(kernels, self.compute):
             laid[row_kernels.FLOAT32] = lambda shape: True
         names = (row_kernels.BLOCKS, row_kernels.WIDENED, *laid) + ((row_kernels.ACT8,) if act8 else ())
+        here: dict[int, torch.Tensor] = {}  # float32 values widened in this process for measuring, by id
+
+        def widened_here(lin: Linear) -> Linear:
+            if lin.wide32 is None:
+                values = widen_to_float32({"": lin.quant})[""]
+                here[id(values)] = values
+                lin.set_values(row_kernels.FLOAT32, values)
+            return lin
+
         keys = {id(lin): key for key, lin in self._keyed.items()}
         for way, fits in laid.items():
 
             def wanted(sig: tuple, lins: list, way=way, fits=fits) -> bool:  # not where a kept choice takes no such way
                 kept = row_kernels.recalled(sig[0], sig[1], self.compute, names, max_rows,
                                             kernels.__name__, layers=len(lins))
-                return fits(sig[1]) and (kept is None or kept.uses(way))
+                if kept is None:  # to be measured: the tiles ahead, the float32 values as the timing reaches them
+                    return way == row_kernels.PACKED and fits(sig[1])
+                return fits(sig[1]) and kept.uses(way)
 
             want = {keys[id(lin)]: lin.quant for sig, lins in groups.items() if wanted(sig, lins) for lin in lins}
             got = (packs or (lambda way, weights: lay_out(kernels, way, weights)))(way, want) if want else {}
@@ -185,7 +209,7 @@ class LeanLlama:
             if row_kernels.PACKED in laid and laid[row_kernels.PACKED](sig[1]):
                 ways[row_kernels.PACKED] = lambda x, n, lins=lins: [lin.tiles(x) for lin in lins[:n]]
             if row_kernels.FLOAT32 in laid:
-                ways[row_kernels.FLOAT32] = lambda x, n, lins=lins: [lin.float32(x) for lin in lins[:n]]
+                ways[row_kernels.FLOAT32] = lambda x, n, lins=lins: [widened_here(lin).float32(x) for lin in lins[:n]]
             if act8:
                 ways[row_kernels.ACT8] = lambda x, n, lins=lins: [lin.blocks(x, row_kernels.ACT8_ROWS) for lin in lins[:n]]
             chosen[sig] = row_kernels.choose(sig[0], sig[1], self.compute, ways, max_rows, kernels.__name__,
@@ -195,6 +219,20 @@ class LeanLlama:
                 for way in laid:
                     if not lin.rows.uses(way):
                         lin.set_values(way, None)
+        # the float32 values a choice takes that are not the file's yet (widened here for measuring,
+        # or none: another copy measured while this one waited): from the file now, those widened
+        # here let go first, so that the file's widening is the only copy
+        late = {keys[id(lin)]: lin for lins in groups.values() for lin in lins
+                if lin.rows is not None and lin.rows.uses(row_kernels.FLOAT32)
+                and (lin.wide32 is None or id(lin.wide32) in here)}
+        for lin in late.values():
+            lin.set_values(row_kernels.FLOAT32, None)
+        here.clear()
+        if late:
+            got = (packs or (lambda way, weights: lay_out(kernels, way, weights)))(
+                row_kernels.FLOAT32, {key: lin.quant for key, lin in late.items()})
+            for key, values in got.items():
+                self._keyed[key].set_values(row_kernels.FLOAT32, values)
         # the fused decode serves the layers (the LM head runs after it, by its own choice): their
         # blocks, and the AMX tiles from where a linear's choice takes them, up to the fewest rows
         # at which one takes a way of ATen's GEMMs (the widened values or the float32 ones)
