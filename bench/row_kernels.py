@@ -45,7 +45,7 @@ def report(lm, quantization: str, max_rows: int) -> list[dict]:
             tiles = (pack_for_tiles(lin.kernels, {name: lin.quant})[name]
                      if auto.precision.compute == torch.bfloat16 and tiles_fit(lin.kernels, lin.shape) else None)
             if lin.wide32 is None and tiles is None and float32_fits(lin.kernels, auto.precision.compute):
-                lin.set_values(row_kernels.FLOAT32, widen_to_float32({name: lin.quant})[name])  # read by its way only
+                lin.wide32 = widen_to_float32({name: lin.quant})[name]  # read by its way only
             for rows in row_kernels.bucket_rows(max_rows):
                 # both paths compute in float32 on a CPU without bf16 arithmetic, in bfloat16 with it
                 x = torch.randn(rows, lin.shape[1], generator=gen).to(auto.precision.compute)

@@ -152,9 +152,9 @@ class LeanLlama:
         weights)` gives them by key from the quantized weights (a file the copies share), else they
         are laid out here; none where a choice kept from an earlier load takes no such way, and those
         whose way is not chosen are let go. The tiles are laid out before measuring (an AMX CPU
-        takes them for nearly every shape); the float32 values, which a CPU whose bfloat16 dot
-        products run at twice float32's rate never takes, are measured on values widened here,
-        layer by layer as the timing reaches them, and only those a choice takes go to the file.
+        takes them for nearly every shape); the float32 way, which a CPU whose bfloat16 dot
+        products run at twice float32's rate never takes, is measured on values widened here,
+        layer by layer as the timing reaches them, and only those a choice takes are asked for.
         Where the kernels round a few rows' activations to 8 bits
         (bfloat16 on AVX512-VNNI, float32 on AVX2) and the model's weights are 16-bit, that is a way
         at up to row_kernels.ACT8_ROWS rows too. Returns the choice by linear, as the worker logs it
@@ -170,45 +170,37 @@ class LeanLlama:
         # model of 16-bit weights (a float32 model keeps float32's precision)
         act8 = (self.precision.weights in HALF and hasattr(kernels, "act8_dtypes")
                 and str(self.compute).removeprefix("torch.") in kernels.act8_dtypes())
-        # the ways whose values are laid out ahead (a shared file), with the shapes they serve
-        laid = {}
-        if self.compute == torch.bfloat16 and tiles_fit(kernels):
-            laid[row_kernels.PACKED] = lambda shape: tiles_fit(kernels, shape)
-        elif float32_fits(kernels, self.compute):
-            laid[row_kernels.FLOAT32] = lambda shape: True
-        names = (row_kernels.BLOCKS, row_kernels.WIDENED, *laid) + ((row_kernels.ACT8,) if act8 else ())
-        here: dict[int, torch.Tensor] = {}  # float32 values widened in this process for measuring, by id
-
-        def widened_here(lin: Linear) -> Linear:
-            if lin.wide32 is None:
-                values = widen_to_float32({"": lin.quant})[""]
-                here[id(values)] = values
-                lin.set_values(row_kernels.FLOAT32, values)
-            return lin
-
+        provide = packs or (lambda way, weights: lay_out(kernels, way, weights))
+        tiles = self.compute == torch.bfloat16 and tiles_fit(kernels)
+        wide = not tiles and float32_fits(kernels, self.compute)
+        extra = (row_kernels.PACKED,) if tiles else (row_kernels.FLOAT32,) if wide else ()
+        names = (row_kernels.BLOCKS, row_kernels.WIDENED, *extra) + ((row_kernels.ACT8,) if act8 else ())
         keys = {id(lin): key for key, lin in self._keyed.items()}
-        for way, fits in laid.items():
+        if tiles:
 
-            def wanted(sig: tuple, lins: list, way=way, fits=fits) -> bool:  # not where a kept choice takes no such way
+            def wanted(sig: tuple, lins: list) -> bool:  # not where a kept choice takes no tiles
                 kept = row_kernels.recalled(sig[0], sig[1], self.compute, names, max_rows,
                                             kernels.__name__, layers=len(lins))
-                if kept is None:  # to be measured: the tiles ahead, the float32 values as the timing reaches them
-                    return way == row_kernels.PACKED and fits(sig[1])
-                return fits(sig[1]) and kept.uses(way)
+                return tiles_fit(kernels, sig[1]) and (kept is None or kept.uses(row_kernels.PACKED))
 
             want = {keys[id(lin)]: lin.quant for sig, lins in groups.items() if wanted(sig, lins) for lin in lins}
-            got = (packs or (lambda way, weights: lay_out(kernels, way, weights)))(way, want) if want else {}
-            for key, values in got.items():
-                self._keyed[key].set_values(way, values)
+            for key, packed in (provide(row_kernels.PACKED, want) if want else {}).items():
+                self._keyed[key].packed16 = packed
+
+        def widened_here(lin: Linear) -> Linear:  # the float32 values for measuring, in this process
+            if lin.wide32 is None:
+                lin.wide32 = widen_to_float32({"": lin.quant})[""]
+            return lin
+
         chosen: dict[tuple, row_kernels.RowChoice] = {}
         for sig, lins in groups.items():
             # the layers' linears of the shape in turn, as a step multiplies them: their weights
             # stream from memory as they do in serving, not from a cache one linear would fit in
             ways = {row_kernels.BLOCKS: lambda x, n, lins=lins: [lin.blocks(x) for lin in lins[:n]],
                     row_kernels.WIDENED: lambda x, n, lins=lins: [lin.widened(x) for lin in lins[:n]]}
-            if row_kernels.PACKED in laid and laid[row_kernels.PACKED](sig[1]):
+            if tiles and tiles_fit(kernels, sig[1]):
                 ways[row_kernels.PACKED] = lambda x, n, lins=lins: [lin.tiles(x) for lin in lins[:n]]
-            if row_kernels.FLOAT32 in laid:
+            if wide:
                 ways[row_kernels.FLOAT32] = lambda x, n, lins=lins: [widened_here(lin).float32(x) for lin in lins[:n]]
             if act8:
                 ways[row_kernels.ACT8] = lambda x, n, lins=lins: [lin.blocks(x, row_kernels.ACT8_ROWS) for lin in lins[:n]]
@@ -216,23 +208,14 @@ class LeanLlama:
                                              layers=len(lins))
             for lin in lins:
                 lin.rows = chosen[sig]
-                for way in laid:
-                    if not lin.rows.uses(way):
-                        lin.set_values(way, None)
-        # the float32 values a choice takes that are not the file's yet (widened here for measuring,
-        # or none: another copy measured while this one waited): from the file now, those widened
-        # here let go first, so that the file's widening is the only copy
-        late = {keys[id(lin)]: lin for lins in groups.values() for lin in lins
-                if lin.rows is not None and lin.rows.uses(row_kernels.FLOAT32)
-                and (lin.wide32 is None or id(lin.wide32) in here)}
-        for lin in late.values():
-            lin.set_values(row_kernels.FLOAT32, None)
-        here.clear()
-        if late:
-            got = (packs or (lambda way, weights: lay_out(kernels, way, weights)))(
-                row_kernels.FLOAT32, {key: lin.quant for key, lin in late.items()})
-            for key, values in got.items():
-                self._keyed[key].set_values(row_kernels.FLOAT32, values)
+                lin.wide32 = None  # widened here for measuring, if at all: the file's views replace them below
+                if not lin.rows.uses(row_kernels.PACKED):
+                    lin.packed16 = None
+        # the float32 values of the linears whose choice takes them: from the file, once the values
+        # widened here are let go, so that the file's widening is the only copy
+        late = {keys[id(lin)]: lin.quant for lins in groups.values() for lin in lins if lin.rows.uses(row_kernels.FLOAT32)}
+        for key, values in (provide(row_kernels.FLOAT32, late) if late else {}).items():
+            self._keyed[key].wide32 = values
         # the fused decode serves the layers (the LM head runs after it, by its own choice): their
         # blocks, and the AMX tiles from where a linear's choice takes them, up to the fewest rows
         # at which one takes a way of ATen's GEMMs (the widened values or the float32 ones)

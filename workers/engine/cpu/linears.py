@@ -148,13 +148,6 @@ class Linear:
         """A quantized linear through AMX tiles on its values packed in bfloat16 (row_kernels)."""
         return self.kernels.bf16_packed_linear(x, self.packed16, self.bias)
 
-    def set_values(self, way: str, values: torch.Tensor | None) -> None:
-        """Its values as `way` (PACKED or FLOAT32) reads them; None lets them go."""
-        if way == PACKED:
-            self.packed16 = values
-        else:
-            self.wide32 = values
-
     def float32(self, x: torch.Tensor) -> torch.Tensor:
         """A quantized linear through ATen's float32 GEMM on its values widened to float32 (row_kernels)."""
         bias = None if self.bias is None else self.bias.float()
