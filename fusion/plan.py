@@ -61,7 +61,8 @@ class WorkerPlan:
     shared_packed_bytes: int = 0
     # the same linears laid out for a many-rows way of the row kernels (batch_layout): packed in
     # bfloat16 for AMX tiles, or widened to float32 on a bfloat16 CPU without them. One mapped file
-    # too, counted whole though only the linears whose measured choice takes it are read
+    # too, counted whole (the most it can hold), or not at all where an earlier load on this machine
+    # with the same settings chose that way for none of the linears (batch_file_needed)
     shared_batch_bytes: int = 0
     kv_tokens: int | None = None  # the tokens its KV budget holds (None: the model's shape is known at load)
     precision: Precision | None = None  # the dtypes its weights, math and KV cache use (workers.precision)
@@ -232,19 +233,35 @@ def packed_bytes(weights: int, prec: Precision) -> int:
     return 0
 
 
-def batch_layout(device: str, prec: Precision) -> tuple[str, int]:
-    """The file of values a CPU worker's quantized linears may read at many rows, as words and bytes
-    a value: on a CPU with AMX tiles, bfloat16 packed for them (workers.engine.cpu.linears.tiles_fit);
-    bfloat16 math without them, float32 (linears.float32_fits); else none ("", 0)."""
+def batch_layout(device: str, prec: Precision) -> tuple[str, str, int]:
+    """The file of values a CPU worker's quantized linears may read at many rows: the row kernels'
+    way that reads it, its words and bytes a value. On a CPU with AMX tiles, bfloat16 packed for
+    them (workers.engine.cpu.linears.tiles_fit); bfloat16 math without them, float32
+    (linears.float32_fits); else none ("", "", 0)."""
     import torch
 
     from workers.capability import cpu_capability
+    from workers.engine.cpu.row_kernels import FLOAT32, PACKED
 
     if not (device_kind(device).host and prec.quantized and prec.compute == torch.bfloat16):
-        return "", 0
+        return "", "", 0
     if cpu_capability().at_least("amx"):
-        return "packed for AMX tiles (bfloat16)", 2
-    return "widened to float32", 4
+        return PACKED, "packed for AMX tiles (bfloat16)", 2
+    return FLOAT32, "widened to float32", 4
+
+
+def batch_file_needed(spec: WorkerSpec, prec: Precision, way: str) -> bool:
+    """Whether a worker may read the linears laid out for `way`: false only where an earlier load
+    on this machine with the same model, precision, threads and batch chose it for none of them
+    (workers.kernel_notes: a CPU whose 16-bit ways win, such as AMD's Zen 4 against float32, then
+    writes no such file); true where no load has measured it yet."""
+    from workers import kernel_notes
+
+    if not spec.threads:
+        return True
+    known = kernel_notes.recall(kernel_notes.note_key(spec.model.source, prec, spec.threads,
+                                                      max(spec.batch_tokens, spec.batch_size)))
+    return known is None or kernel_notes.takes(known, way)
 
 
 def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
@@ -257,7 +274,7 @@ def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
             alone = weight_bytes(w.spec.model.source, _bytes(w.precision.weights)) + w.shared_packed_bytes
             g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0,
                                         "quantized_bytes": {}, "batch_bytes": 0, "alone": alone,
-                                        "batch_layout": batch_layout(device, w.precision)[0]})
+                                        "batch_layout": batch_layout(device, w.precision)[1]})
             g["copies"] += 1
             if w.shared_packed_bytes:  # one file per quantization kind beside the weights
                 g["quantized_bytes"][w.precision.quantization] = w.shared_packed_bytes
@@ -284,8 +301,8 @@ def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads
     w = WorkerPlan(worker_id, spec, weight_bytes(model.source, _bytes(prec.weights)), model.share_weights,
                    precision=prec)
     packed = packed_bytes(w.weight_bytes, prec)
-    per_value = batch_layout(device, prec)[1]
-    laid = weight_bytes(model.source, per_value) if per_value else 0
+    way, _, per_value = batch_layout(device, prec)
+    laid = weight_bytes(model.source, per_value) if per_value and batch_file_needed(spec, prec, way) else 0
     if prec.quantized and w.shares_weights and device_kind(device).host:  # one mapped file on the device
         w.shared_packed_bytes, w.shared_batch_bytes = packed, laid
         w.weight_bytes = kept_dense_bytes(model.source, _bytes(prec.weights), w.weight_bytes)

@@ -15,6 +15,7 @@ from fusion.model_info import ModelInfo, MultiModelFusion
 from fusion.params import ParamsError, load_params, parse_variants
 from fusion.plan import OVERHEAD_BYTES, batch_layout, make_plan, weight_bytes
 from routing.entrypoints import CLI, command
+from workers import kernel_notes
 from workers.spec import ModelSpec, WorkerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +151,32 @@ def test_plan_round_robin_devices_and_threads():
         make_plan(fusion, 2, ["tpu"])
 
 
+def test_plan_leaves_out_the_batch_file_no_linear_chose(monkeypatch, tmp_path):
+    """Where an earlier load on this machine with the same settings chose the many-rows way that
+    reads the laid-out file for none of the linears (its kernel note), the plan counts none of that
+    file; where one took it, or none measured yet, the file is counted whole."""
+    monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 8 * 2**30)
+    fusion = MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="int4")])
+
+    def planned():
+        return make_plan(fusion, 2, "cpu", kv_cache_memory="64MiB", threads_per_worker=1).workers[0]
+
+    w = planned()
+    way, _, per_value = batch_layout("cpu", w.precision)
+    if not per_value:
+        pytest.skip("this CPU lays out no file for many rows (quantized linears in bfloat16 need AVX512-BF16)")
+    whole = weight_bytes("smollm2-135m", per_value)
+    assert w.shared_batch_bytes == whole  # nothing measured yet: the most it can hold
+    key = kernel_notes.note_key("smollm2-135m", w.precision, 1, max(w.spec.batch_tokens, w.spec.batch_size))
+    kernel_notes.remember(key, {"int4 3072x576": "act8 up to 4 rows, blocks 5-16 rows, widened from 17",
+                                "int4 576x1536": "blocks"})
+    assert planned().shared_batch_bytes == 0
+    kernel_notes.remember(key, {"int4 3072x576": f"act8 up to 4 rows, {way} from 5", "int4 576x1536": "blocks"})
+    assert planned().shared_batch_bytes == whole
+    assert planned().shared_packed_bytes == w.shared_packed_bytes  # the blocks' own file is counted either way
+
+
 def test_plan_counts_shared_quantized_linears_once(monkeypatch):
     """int4 copies that share their weights map one file of quantized linears: the plan counts it
     once on the device (about 0.36x the bfloat16 packed linears a copy holds otherwise)."""
@@ -170,11 +197,11 @@ def test_plan_counts_shared_quantized_linears_once(monkeypatch):
     assert "int4 linears" in quant.describe()
     # on a CPU with AMX tiles the linears packed for them in bfloat16 are one more file, counted once;
     # on one computing in bfloat16 without them, the linears widened to float32
-    words, per_value = batch_layout("cpu", w.precision)
+    way, words, per_value = batch_layout("cpu", w.precision)
     assert w.shared_batch_bytes == (weight_bytes("smollm2-135m", per_value) if per_value else 0)
     assert ("packed for AMX tiles" in quant.describe()) == (per_value == 2)
     assert ("widened to float32" in quant.describe()) == (per_value == 4)
-    assert batch_layout("cpu", bf16.precision) == ("", 0)  # not quantized: no such file
+    assert batch_layout("cpu", bf16.precision) == ("", "", 0)  # not quantized: no such file
     private = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="int4",
                                                share_weights=False)]), 2, "cpu", kv_cache_memory="64MiB")
     assert private.workers[0].packed_bytes == w.shared_packed_bytes + w.shared_batch_bytes  # each copy its own

@@ -6,6 +6,7 @@ a step has, the CPU and torch; a deployment that changes any of them is measured
 from __future__ import annotations
 
 import hashlib
+import re
 
 from workers.capability import machine_tag
 from workers.files import cache_root, read_keyed, write_keyed
@@ -31,3 +32,9 @@ def recall(key: str) -> dict[str, str] | None:
     """What was picked under `key` at an earlier load on this machine, or None."""
     kept = read_keyed(_path(key), key)
     return dict(kept) if isinstance(kept, dict) else None
+
+
+def takes(kernels: dict[str, str], way: str) -> bool:
+    """Whether any linear's choice among `kernels` (a note: shape -> RowChoice.describe()) takes the
+    row kernels' way named `way` at some row count."""
+    return any(way in re.findall(r"[a-z0-9_]+", choice) for choice in kernels.values())
