@@ -329,21 +329,24 @@ def test_the_tiles_keep_a_bucket_the_widened_gemm_wins_by_less_than_the_margin()
 
 def test_the_amx_tiles_way_multiplies_as_the_widened_values_do():
     """The blocks' values packed for AMX tiles and multiplied there give x @ W.T + bias of the values
-    rounded to bfloat16 (summed in float32, rounded once), for row counts across a block of rows."""
+    rounded to bfloat16 (summed in float32, rounded once), for row counts across a block of rows,
+    in panels of 64 output rows where they divide into them and of 32 where they do not."""
     kernels = extension.kernel_module()
     if not tiles_fit(kernels):
         pytest.skip("this CPU has no AMX tiles for bfloat16 (or the level is capped below amx): the way is not offered")
     gen = torch.Generator().manual_seed(0)
-    for kind in (INT4, INT8):
-        qw = quantize(torch.randn(96, 128, generator=gen), kind)
-        bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    for kind, out in ((INT4, 96), (INT8, 96), (INT4, 128), (INT8, 192)):
+        qw = quantize(torch.randn(out, 128, generator=gen), kind)
+        bias = torch.randn(out, generator=gen).to(torch.bfloat16)
         packed = pack_for_tiles(kernels, {"w": qw})["w"]
+        panel = 64 if out % 64 == 0 else 32
+        assert packed.shape == (out // panel, 128 * panel)
         w = qw.dequantize().to(torch.bfloat16).float()
         for rows in (1, 5, 32, 33, 100):
             x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
             got = kernels.bf16_packed_linear(x, packed, bias).float()
             want = x.float() @ w.T + bias.float()
-            assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-2), (kind, rows, (got - want).abs().max())
+            assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-2), (kind, out, rows, (got - want).abs().max())
     # an input size that is no multiple of 32: the last pairs fill part of a tile
     w = torch.randn(64, 130, generator=gen).to(torch.bfloat16)
     for rows in (3, 40):

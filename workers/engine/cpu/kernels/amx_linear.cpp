@@ -1,6 +1,6 @@
 // A bfloat16 linear on AMX tiles through ATen's batch-reduce GEMM (at::native::cpublas::brgemm,
 // oneDNN's micro-kernel), over weights packed once into the layout the tiles read (pairs of inputs
-// side by side, panels of kPanel output rows). The packed weights are a plain tensor, not oneDNN's
+// side by side, panels of 64 or 32 output rows). The packed weights are a plain tensor, not oneDNN's
 // opaque one, so a file of them can be mapped by every copy of a model (row_kernels' "packed"
 // way). oneDNN's own linear on its prepacked weights costs 30-40 us a call at few rows on a 2-core
 // Sapphire Rapids, where this costs 7-20.
@@ -14,33 +14,38 @@
 #include "torch_lite.h"
 
 namespace {
-constexpr int64_t kPanel = 32;   // output rows a panel (two tiles' columns)
-// input rows a call of the micro-kernel: two tiles' rows where their activations fit the L1 data
-// cache (48 KiB on Sapphire Rapids), else one tile's. On SmolLM2's linears (2-core Sapphire
-// Rapids, timings alternated) 32 rows a call were the fastest for 576 inputs (the LM head at 64
-// rows: 3.3 ms against 4.3 for 16), and 16 for 1,536 (0.11 against 0.14 ms at 64 rows).
-constexpr int64_t kL1Bytes = 48 * 1024;
+// output rows a panel: 64 where the output rows divide into them, else 32 (two tiles' columns).
+// One call of the micro-kernel covers a panel, so wider panels halve the calls and the times each
+// row block of activations is read: on SmolLM2's linears (2-core Sapphire Rapids, the layouts
+// alternated call by call) panels of 64 took 0.80-0.93x the time of 32 at 64 to 512 rows, and the
+// same at 16.
+constexpr int64_t kPanel = 32, kWidePanel = 64;
+// input rows a call of the micro-kernel: two tiles' rows. Sixteen for 1,536 inputs (whose 32 rows
+// of activations overflow L1) took 1.1-1.25x the time of 32 at 64 to 512 rows in the same
+// measurements.
+constexpr int64_t kRowsACall = 32;
 
-int64_t row_block(int64_t k) { return 32 * k * 2 <= kL1Bytes ? 32 : 16; }
+int64_t panel_for(int64_t n) { return n % kWidePanel == 0 ? kWidePanel : kPanel; }
 }  // namespace
 
 bool bf16_pack_supported() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
-// w [N, K] bfloat16 (N a multiple of kPanel, K even) -> [N / kPanel, K * kPanel] in the tiles' layout
+// w [N, K] bfloat16 (N a multiple of kPanel, K even) -> [N / P, K * P] in the tiles' layout, P
+// output rows a panel (panel_for(N))
 at::Tensor bf16_pack(at::Tensor w) {
   TORCH_CHECK(bf16_pack_supported(), "bf16_pack: this CPU has no AMX tiles for bfloat16");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: w must be a 2-d bfloat16 tensor");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(n % kPanel == 0 && k % 2 == 0, "bf16_pack: out features must be a multiple of ", kPanel,
               " and in features even, got ", n, "x", k);
+  const int64_t panel = panel_for(n);
   const at::Tensor wt = w.t().contiguous();  // [K, N]: what the packing reads
-  at::Tensor out = at::empty({n / kPanel, k * kPanel}, w.options());
+  at::Tensor out = at::empty({n / panel, k * panel}, w.options());
   const auto* src = wt.data_ptr<c10::BFloat16>();
   auto* dst = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, n / kPanel, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      at::native::cpublas::pack(k, kPanel, n, kPanel, at::kBFloat16, at::kBFloat16, src + p * kPanel,
-                                dst + p * k * kPanel);
+      at::native::cpublas::pack(k, panel, n, panel, at::kBFloat16, at::kBFloat16, src + p * panel, dst + p * k * panel);
     }
   });
   return out;
@@ -51,9 +56,12 @@ at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at:
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_packed_linear: x must be 2-d bfloat16");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
               "bf16_packed_linear: packed must be bf16_pack's result");
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), n = panels * kPanel;
-  TORCH_CHECK(packed.size(1) == k * kPanel, "bf16_packed_linear: x has ", k, " features, the weights ",
-              packed.size(1) / kPanel);
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  // the panel's width is the layout's: a file packed with either width multiplies right
+  const int64_t panel = k > 0 && packed.size(1) % k == 0 ? packed.size(1) / k : 0;
+  TORCH_CHECK(panel == kPanel || panel == kWidePanel, "bf16_packed_linear: x has ", k,
+              " features, which do not match the packed weights [", packed.size(0), ", ", packed.size(1), "]");
+  const int64_t n = panels * panel;
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->numel() == n, "bf16_packed_linear: bias must have ", n, " values");
   at::Tensor out = at::empty({m, n}, x.options());
@@ -64,26 +72,24 @@ at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at:
   const auto* w = packed.data_ptr<c10::BFloat16>();
   const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
   auto* y = out.data_ptr<c10::BFloat16>();
-  const int64_t rows_a_call = row_block(k);
-  const int64_t blocks = (m + rows_a_call - 1) / rows_a_call;
-  // a panel's weights (K x 32) stay in L1/L2 while every block of rows passes them
+  const int64_t blocks = (m + kRowsACall - 1) / kRowsACall;
+  // a panel's weights (K x its width) stay in L1/L2 while every block of rows passes them
   at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(rows_a_call * kPanel);
+    std::vector<float> c(kRowsACall * panel);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t p = i / blocks, m0 = (i % blocks) * rows_a_call, rows = std::min(rows_a_call, m - m0);
-      at::native::cpublas::brgemm(rows, kPanel, k, k, kPanel, kPanel, false, a + m0 * k, w + p * k * kPanel,
-                                  c.data());
+      const int64_t p = i / blocks, m0 = (i % blocks) * kRowsACall, rows = std::min(kRowsACall, m - m0);
+      at::native::cpublas::brgemm(rows, panel, k, k, panel, panel, false, a + m0 * k, w + p * k * panel, c.data());
       for (int64_t r = 0; r < rows; ++r) {
-        c10::BFloat16* row = y + (m0 + r) * n + p * kPanel;
-        const float* cr = c.data() + r * kPanel;
+        c10::BFloat16* row = y + (m0 + r) * n + p * panel;
+        const float* cr = c.data() + r * panel;
 #ifdef __AVX512BF16__
-        for (int64_t j = 0; j < kPanel; j += 16) {
+        for (int64_t j = 0; j < panel; j += 16) {
           __m512 v = _mm512_loadu_ps(cr + j);
-          if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + p * kPanel + j));
+          if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + p * panel + j));
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
         }
 #else
-        for (int64_t j = 0; j < kPanel; ++j) row[j] = static_cast<c10::BFloat16>(cr[j] + (bp ? bp[p * kPanel + j] : 0.f));
+        for (int64_t j = 0; j < panel; ++j) row[j] = static_cast<c10::BFloat16>(cr[j] + (bp ? bp[p * panel + j] : 0.f));
 #endif
       }
     }
