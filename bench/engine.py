@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import subprocess
 import sys
@@ -523,11 +524,12 @@ def main() -> None:
         start_s = time.perf_counter() - t
 
     def run_modes() -> dict[str, list]:
-        """Each mode's workload runs, `args.repeats` of them, alternated: this machine's speed drifts
-        between runs."""
+        """Each mode's workload runs, `args.repeats` of them, alternated, every other round in the
+        reverse order: this machine's speed drifts between runs, often one way for minutes, and a
+        fixed order hands the drift to whichever mode runs second."""
         runs: dict[str, list] = {name: [] for name, _, _, _ in modes}
-        for _ in range(args.repeats):
-            for name, mode, q, det in modes:
+        for r in range(args.repeats):
+            for name, mode, q, det in modes if r % 2 == 0 else modes[::-1]:
                 runs[name].append(run_engine(lm, prompts, max_tokens, args, mode, q, det))
         return runs
 
@@ -551,7 +553,11 @@ def main() -> None:
         # the engine's modes round by round (the two ran minutes apart at most) and on the model calls
         # replayed alone: the best-of figures can come from rounds far apart on a machine whose pace drifts
         for other in [k for k in runs if k != name] if name in runs else []:
-            paired[f"{name}_vs_{other}_by_round"] = [round(b[0] / a[0], 3) for a, b in zip(runs[name], runs[other])]
+            by_round = [b[0] / a[0] for a, b in zip(runs[name], runs[other])]
+            paired[f"{name}_vs_{other}_by_round"] = [round(x, 3) for x in by_round]
+            # the rounds' geometric mean: with the order reversed every other round, a steady drift of
+            # the machine's pace cancels in it
+            paired[f"{name}_vs_{other}_by_round_mean"] = round(math.prod(by_round) ** (1 / len(by_round)), 3)
             paired[f"{name}_vs_{other}_forward_only"] = round(min(r[3] for r in runs[other]) / min(r[3] for r in runs[name]), 3)
         emit(summary=name, **{f"{name}_vs_{k}": round(rates[name] / v, 2) for k, v in rates.items() if k != name},
              **paired)
