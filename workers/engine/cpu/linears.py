@@ -46,7 +46,8 @@ from workers.quant.weight import QuantizedWeight
 # a taller one at ~12M/s (a 262,144-token LM head: 12 s; SmolLM2's: 2.5 s). Slices of PACK_ROWS
 # rows pack at the fast rate, and multiply as fast as the whole (Zen 3, 1 to 8 rows of input).
 PACK_ROWS = 8192
-# the AMX tiles' packing (kernels/amx_linear.cpp): output rows a panel; inputs go in pairs
+# the AMX tiles' packing (kernels/amx_linear.cpp) takes output rows in panels of 64, or of 32 where 64
+# does not divide them, so a linear's output rows must divide into TILE_PANEL; inputs go in pairs
 TILE_PANEL = 32
 # (way, quantized weights by key) -> their values laid out for that way (row_kernels' PACKED: packed
 # for the tiles; FLOAT32: widened to float32), by key

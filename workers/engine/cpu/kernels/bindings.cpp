@@ -85,7 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &DecodeLayers::size)
       .def("run", &DecodeLayers::run, Unlocked());
   m.def("bf16_pack_supported", &bf16_pack_supported, "whether this CPU packs bfloat16 weights for AMX tiles");
-  m.def("bf16_pack", &bf16_pack, "a [N, K] bfloat16 weight in the AMX tiles' layout, panels of 32 output rows", Unlocked());
+  m.def("bf16_pack", &bf16_pack, "a [N, K] bfloat16 weight in the AMX tiles' layout, panels of 64 output rows (32 where they do not divide)", Unlocked());
   m.def("bf16_packed_linear", &bf16_packed_linear, "x @ W.T (+ bias) in bfloat16 on AMX tiles over bf16_pack's weights",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), Unlocked());
   m.def("dense_strips_built", &dense_strips_built, "whether dense_strips is built at this CPU level");
