@@ -2,7 +2,8 @@
 the timings behind the choice, and where the 16-bit path (`quantization: none`) overtakes it.
 
 For each distinct layer linear of the model (SmolLM2: q/k/v, o, gate/up, down), at each bucket of
-workers.engine.cpu.row_kernels: ms a call of the blocks' kernel, of the widened GEMM, of the AMX
+workers.engine.cpu.row_kernels: ms a call of the blocks' kernel (and with the activations in 8 bits,
+`act8`, at the row counts its choice gives them), of the widened GEMM, of the AMX
 tiles on the values packed in bfloat16 (where the CPU has them), of ATen's float32 GEMM on the
 values widened once to float32 (on a bfloat16 CPU without the tiles), and of the
 same linear as `quantization: none` packs it (oneDNN's bfloat16, FBGEMM's float16 or float32), and
@@ -49,13 +50,18 @@ def report(lm, quantization: str, max_rows: int) -> list[dict]:
             for rows in row_kernels.bucket_rows(max_rows):
                 # both paths compute in float32 on a CPU without bf16 arithmetic, in bfloat16 with it
                 x = torch.randn(rows, lin.shape[1], generator=gen).to(auto.precision.compute)
-                ways = [(row_kernels.BLOCKS, lin.blocks), (row_kernels.WIDENED, lin.widened), ("none", dense)]
+                ways = [(row_kernels.BLOCKS, lambda x, q=lin: q.blocks(x, 0)), (row_kernels.WIDENED, lin.widened),
+                        ("none", dense)]
+                if rows <= lin.act8:  # the blocks with the activations in 8 bits, as chosen up to lin.act8 rows
+                    ways.insert(1, (row_kernels.ACT8, lin.blocks))
                 if tiles is not None:
                     ways.insert(2, (row_kernels.PACKED, lambda x, p=tiles, q=lin: q.kernels.bf16_packed_linear(x, p, q.bias)))
                 if lin.wide32 is not None:
                     ways.insert(2, (row_kernels.FLOAT32, lin.float32))
                 ms = {way: 1e3 * best_seconds(lambda fn=fn, x=x: fn(x)) for way, fn in ways}
                 chosen = lin.rows.way(rows) if lin.rows is not None else row_kernels.BLOCKS
+                if chosen == row_kernels.BLOCKS and rows <= lin.act8:
+                    chosen = row_kernels.ACT8
                 if crossover[name] is None and ms["none"] < ms[chosen]:
                     crossover[name] = rows
                 rows_out.append({"system": "row_kernels", "linear": name, "rows": rows, "chosen": chosen,
