@@ -340,7 +340,7 @@ def test_the_amx_tiles_way_multiplies_as_the_widened_values_do():
         bias = torch.randn(out, generator=gen).to(torch.bfloat16)
         packed = pack_for_tiles(kernels, {"w": qw})["w"]
         panel = 64 if out % 64 == 0 else 32
-        assert packed.shape == (out // panel, 128 * panel)
+        assert packed.shape == (out // panel, 128, panel)
         w = qw.dequantize().to(torch.bfloat16).float()
         for rows in (1, 5, 32, 33, 100):
             x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
@@ -356,6 +356,8 @@ def test_the_amx_tiles_way_multiplies_as_the_widened_values_do():
         assert torch.allclose(got, want, rtol=2 ** -7, atol=1e-2), (rows, (got - want).abs().max())
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.bf16_pack(torch.zeros(40, 128, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x has 64 features, the weights 130"):
+        kernels.bf16_packed_linear(torch.zeros(2, 64, dtype=torch.bfloat16), kernels.bf16_pack(w), None)
 
 
 def test_packed_linears_are_written_once_and_mapped_by_every_copy(tmp_path, monkeypatch):

@@ -32,7 +32,7 @@ log = logging.getLogger("mmfusion.quantized_cache")
 FORMAT = "mmfusion-quantized-2"  # bump when the layout or a quantization rule changes
 # the values as a many-rows way of workers.engine.cpu.row_kernels reads them: packed for the AMX
 # tiles (kernels/amx_linear.cpp), or widened to float32
-LAYOUTS = {"packed": ("tiles", "mmfusion-tiles-2"), "float32": ("float32", "mmfusion-float32-1")}
+LAYOUTS = {"packed": ("tiles", "mmfusion-tiles-3"), "float32": ("float32", "mmfusion-float32-1")}
 
 
 def cache_path(source: str, dtype: torch.dtype, kind: str) -> Path:

@@ -30,8 +30,8 @@ int64_t panel_for(int64_t n) { return n % kWidePanel == 0 ? kWidePanel : kPanel;
 
 bool bf16_pack_supported() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
-// w [N, K] bfloat16 (N a multiple of kPanel, K even) -> [N / P, K * P] in the tiles' layout, P
-// output rows a panel (panel_for(N))
+// w [N, K] bfloat16 (N a multiple of kPanel, K even) -> [N / P, K, P] in the tiles' layout, P
+// output rows a panel (panel_for(N)): the shape says the width, so either multiplies right
 at::Tensor bf16_pack(at::Tensor w) {
   TORCH_CHECK(bf16_pack_supported(), "bf16_pack: this CPU has no AMX tiles for bfloat16");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: w must be a 2-d bfloat16 tensor");
@@ -40,7 +40,7 @@ at::Tensor bf16_pack(at::Tensor w) {
               " and in features even, got ", n, "x", k);
   const int64_t panel = panel_for(n);
   const at::Tensor wt = w.t().contiguous();  // [K, N]: what the packing reads
-  at::Tensor out = at::empty({n / panel, k * panel}, w.options());
+  at::Tensor out = at::empty({n / panel, k, panel}, w.options());
   const auto* src = wt.data_ptr<c10::BFloat16>();
   auto* dst = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
@@ -54,14 +54,11 @@ at::Tensor bf16_pack(at::Tensor w) {
 // x [M, K] bfloat16 @ W.T (+ bias) for W packed by bf16_pack: [M, N] bfloat16, summed in float32
 at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "bf16_packed_linear: x must be 2-d bfloat16");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  (packed.size(2) == kPanel || packed.size(2) == kWidePanel),
               "bf16_packed_linear: packed must be bf16_pack's result");
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  // the panel's width is the layout's: a file packed with either width multiplies right
-  const int64_t panel = k > 0 && packed.size(1) % k == 0 ? packed.size(1) / k : 0;
-  TORCH_CHECK(panel == kPanel || panel == kWidePanel, "bf16_packed_linear: x has ", k,
-              " features, which do not match the packed weights [", packed.size(0), ", ", packed.size(1), "]");
-  const int64_t n = panels * panel;
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), panel = packed.size(2), n = panels * panel;
+  TORCH_CHECK(packed.size(1) == k, "bf16_packed_linear: x has ", k, " features, the weights ", packed.size(1));
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->numel() == n, "bf16_packed_linear: bias must have ", n, " values");
   at::Tensor out = at::empty({m, n}, x.options());
