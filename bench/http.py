@@ -301,10 +301,12 @@ def bench_stream(streams: int, new: int, repeats: int) -> None:
     """`streams` greedy streams of `new` tokens each on tiny:llama (float32: fast enough that the
     path, not the model, is what is measured): the engine in-process, then through serve's router
     over ZeroMQ (AsyncClient.stream) and over HTTP SSE, every stream's tokens checked against the
-    in-process ones, in order. Best of `repeats`. The deployment runs twice: its worker with as many
-    torch threads as the engine in-process, then (where there are 2 or more) with one core left to
-    the serving path (router, output process, gateway, client), as vLLM's CPU backend reserves one
-    for its API server; one line each."""
+    in-process ones, in order. Best of `repeats`, the in-process engine run again beside each
+    repeat of each deployment (this machine's pace drifts by 1.5x over minutes, and a rate measured
+    once before the deployments made their ratios the drift's). The deployment runs twice: its
+    worker with as many torch threads as the engine in-process, then (where there are 2 or more)
+    with one core left to the serving path (router, output process, gateway, client), as vLLM's CPU
+    backend reserves one for its API server; one line each."""
     import random
 
     import torch
@@ -319,23 +321,25 @@ def bench_stream(streams: int, new: int, repeats: int) -> None:
     eng = Engine(load_model("tiny:llama", dtype="float32"), EngineConfig(**cfg))
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     eng.generate(prompts[:2], params)  # warm
-    inproc, want, text = float("inf"), None, None
-    for _ in range(repeats):
+
+    def in_process() -> float:
         t = time.perf_counter()
-        outs = eng.generate(prompts, params)
-        inproc = min(inproc, time.perf_counter() - t)
-        want, text = [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
-    del eng
+        eng.generate(prompts, params)
+        return time.perf_counter() - t
+
+    outs = eng.generate(prompts, params)
+    want, text = [o.outputs[0].token_ids for o in outs], [o.outputs[0].text for o in outs]
     total = streams * new
     threads = torch.get_num_threads()
     for worker_threads in sorted({threads, max(1, threads - 1)}, reverse=True):
         proc, front, url, path = serve({"variants": {"m": {"model": {"source": "tiny:llama", "dtype": "float32",
                                                                     **cfg}}}}, "m,1", worker_threads)
-        best = {"zmq": float("inf"), "http": float("inf")}
+        best = {"inproc": float("inf"), "zmq": float("inf"), "http": float("inf")}
         sse_events, lost = 0, 0
         try:
             asyncio.run(_zmq_streams(front, prompts[:2], 4))  # warm-up
             for _ in range(repeats):
+                best["inproc"] = min(best["inproc"], in_process())
                 wall, got = asyncio.run(_zmq_streams(front, prompts, new))
                 lost += sum(g != w for g, w in zip(got, want))
                 best["zmq"] = min(best["zmq"], wall)
@@ -344,6 +348,7 @@ def bench_stream(streams: int, new: int, repeats: int) -> None:
                 best["http"], sse_events = min(best["http"], wall), events
         finally:
             stop(proc, path)
+        inproc = best["inproc"]
         emit(bench="http_stream", model="tiny:llama", dtype="float32", streams=streams, new_tokens=new,
              inprocess_threads=threads, worker_threads=worker_threads,
              inprocess_tokens_per_s=round(total / inproc, 1), zmq_tokens_per_s=round(total / best["zmq"], 1),
