@@ -288,10 +288,7 @@ def kernel_lines(plan) -> list[str]:
     for w in plan.workers:
         if w.precision is None or not w.precision.quantized or not device_kind(w.device).host:
             continue
-        spec = w.spec
-        rows = max(spec.batch_tokens, spec.batch_size)
-        known = kernel_notes.recall(kernel_notes.note_key(spec.model.source, w.precision, spec.threads, rows)) \
-            if spec.threads else None
+        known = kernel_notes.planned(w.spec, w.precision)
         chosen = "; ".join(f"{k}: {v}" for k, v in known.items()) if known else \
             "measured at its first load on this CPU (its log and status show the choice)"
         lines.append(f"  worker {w.worker_id}: {chosen}")

@@ -257,10 +257,7 @@ def batch_file_needed(spec: WorkerSpec, prec: Precision, way: str) -> bool:
     writes no such file); true where no load has measured it yet."""
     from workers import kernel_notes
 
-    if not spec.threads:
-        return True
-    known = kernel_notes.recall(kernel_notes.note_key(spec.model.source, prec, spec.threads,
-                                                      max(spec.batch_tokens, spec.batch_size)))
+    known = kernel_notes.planned(spec, prec)
     return known is None or kernel_notes.takes(known, way)
 
 

@@ -11,12 +11,22 @@ import re
 from workers.capability import machine_tag
 from workers.files import cache_root, read_keyed, write_keyed
 from workers.precision import Precision
+from workers.spec import WorkerSpec
 from workers.weights.sources import source_key
 
 
 def note_key(source: str, precision: Precision, threads: int, max_rows: int) -> str:
     return "|".join(map(str, ("kernels", source_key(source), precision, f"{threads} threads", f"{max_rows} rows",
                               machine_tag())))
+
+
+def planned(spec: WorkerSpec, precision: Precision) -> dict[str, str] | None:
+    """What an earlier load on this machine picked for a planned worker (its model, precision,
+    threads and most rows a step: max of its batch tokens and batch size, as the engine counts
+    them), or None: not measured yet, or the worker's threads not fixed by the plan."""
+    if not spec.threads:
+        return None
+    return recall(note_key(spec.model.source, precision, spec.threads, max(spec.batch_tokens, spec.batch_size)))
 
 
 def _path(key: str):
