@@ -88,6 +88,9 @@ class GroupStep:
     # its first block)
     prefill_blocks: torch.Tensor | None = None
     prefill_table: torch.Tensor | None = None
+    # the segments (indices into StepContext.segments) that the library's attention serves in this
+    # group instead of the prefill kernel (AttentionBackend.library_prefill), left out of its table
+    library_segments: list[int] = field(default_factory=list)
 
     def ensure_pairs(self, block_size: int) -> None:
         """pair_rows and pair_valid, from the spans: pair k of a row covers positions
@@ -302,7 +305,14 @@ def attend(ctx: StepContext, query: torch.Tensor, key: torch.Tensor, value: torc
         out[:d] = kernel(gs, query[:d], key_buf, value_buf, scaling, softcap)
     prefill = backend.prefill if backend is not None else None
     if (ctx.segments and softcap is None and prefill is not None and gs.prefill_table is not None
-            and prefill(out, query, key_buf, value_buf, gs, window, scaling)):
+            and (not len(gs.prefill_table) or prefill(out, query, key_buf, value_buf, gs, window, scaling))):
+        # the chunks the backend routes to the library (SDPA over their gathered keys) read only the
+        # positions they hold, as the kernel does: unzeroed blocks are safe for them
+        for i in gs.library_segments:
+            seg = ctx.segments[i]
+            rows = slice(seg.tok_start, seg.tok_start + seg.length)
+            out[rows] = _segment_attention(ctx, i, g, query[rows], key, value, key_buf, value_buf, scaling, window,
+                                           softcap)
         return out
     if ctx.segments and ctx.unzeroed:
         raise RuntimeError("prefill attention would read blocks that were not zeroed")

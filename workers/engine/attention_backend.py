@@ -54,13 +54,18 @@ class AttentionBackend:
     # both kernels read only the positions a row holds, never a whole block under a mask: new
     # blocks need no zeroing while they serve (the PyTorch paths would let stale memory through)
     own_positions_only: bool = False
+    # (a chunk's tokens, the keys it sees) -> whether the library's attention (PyTorch's SDPA over
+    # the chunk's keys gathered from their blocks, attention._segment_attention) serves that chunk
+    # instead of `prefill`, as measured on the machine (the CPU's: workers.engine.cpu.prefill_route);
+    # None: `prefill` serves every chunk
+    library_prefill: Callable[[int, int], bool] | None = None
 
     def metadata(self, holder: attention.ContextHolder, decode: list[Sequence], chunks: list[Chunk],
                  positions: list[int], block_size: int, device: torch.device, unzeroed: bool) -> attention.StepContext:
         """The step's layout for attention: decode rows first, then the chunks' tokens at `positions`."""
         groups = _group_steps(holder.windows, decode, chunks, positions, block_size, device)
         if chunks and self.prefill is not None:
-            _prefill_tables(holder.windows, groups, chunks, len(decode), block_size)
+            _prefill_tables(holder.windows, groups, chunks, len(decode), block_size, self.library_prefill)
         return attention.StepContext(num_decode=len(decode), num_tokens=len(positions), groups=groups,
                                      segments=_segments(holder.windows, chunks, len(decode), block_size),
                                      position=holder.position, windows=holder.windows, backend=self,
@@ -125,14 +130,19 @@ def _segments(windows: list, chunks: list[Chunk], first_token: int, bs: int) -> 
 
 
 def _prefill_tables(windows: list, steps: list[attention.GroupStep], chunks: list[Chunk], first_token: int,
-                    bs: int) -> None:
-    """The prefill kernel's view of the chunks (GroupStep.prefill_table), per cache group."""
+                    bs: int, library: Callable[[int, int], bool] | None = None) -> None:
+    """The prefill kernel's view of the chunks (GroupStep.prefill_table), per cache group; the
+    chunks `library` takes by their tokens and the keys they see there go to
+    GroupStep.library_segments instead."""
     for g, (gs, window) in enumerate(zip(steps, windows)):
         blocks, rows, t0 = [], [], first_token
-        for c in chunks:
+        for i, c in enumerate(chunks):
             first = first_block(window, c.start, bs)
-            rows.append((t0, c.length, c.start, len(blocks), first * bs))
-            blocks.extend(c.seq.blocks.tables[g][first: -(-(c.start + c.length) // bs)])
+            if library is not None and library(c.length, c.start + c.length - first * bs):
+                gs.library_segments.append(i)
+            else:
+                rows.append((t0, c.length, c.start, len(blocks), first * bs))
+                blocks.extend(c.seq.blocks.tables[g][first: -(-(c.start + c.length) // bs)])
             t0 += c.length
         gs.prefill_blocks = torch.tensor(blocks, dtype=torch.long)
-        gs.prefill_table = torch.tensor(rows, dtype=torch.long)
+        gs.prefill_table = torch.tensor(rows, dtype=torch.long).view(-1, 5)

@@ -77,6 +77,23 @@ def best_seconds(fn, repeats: int = REPEATS) -> float:
     return best
 
 
+def chunk_step(backend, n: int, start: int, block_size: int, windows: list, group: int = 0) -> attention.StepContext:
+    """A step of one chunk of n tokens at positions start.. attending in cache group `group` over
+    blocks in order (block b holds positions b * block_size..), laid out as `backend` routes it: in
+    the prefill kernel's table, or among the library's segments (AttentionBackend.library_prefill)."""
+    blocks = list(range(-(-(start + n) // block_size)))
+    positions = torch.arange(start, start + n)
+    gs = attention.GroupStep(positions // block_size, positions % block_size)
+    library = backend.library_prefill is not None and backend.library_prefill(n, start + n)
+    gs.library_segments = [0] if library else []
+    gs.prefill_blocks = torch.tensor([] if library else blocks, dtype=torch.long)
+    gs.prefill_table = torch.tensor([] if library else [(0, n, start, 0, 0)], dtype=torch.long).view(-1, 5)
+    seg = attention.Segment(0, n, start, [blocks if start else None] * len(windows), [0] * len(windows))
+    groups = [gs if i == group else attention.GroupStep(gs.write_blocks, gs.write_offsets) for i in range(len(windows))]
+    return attention.StepContext(num_decode=0, num_tokens=n, groups=groups, segments=[seg],
+                                 position={0: (group, 0)}, windows=windows, backend=backend)
+
+
 def _attention_seconds(holder: attention.ContextHolder, backend, layer: int, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]], start: int, block_size: int,
                        scaling: float) -> float:
@@ -84,19 +101,11 @@ def _attention_seconds(holder: attention.ContextHolder, backend, layer: int, q: 
     (blocks in order: block b holds positions b * block_size..), per cache."""
     g = holder.position[layer][0]
     n = q.shape[0]
-    blocks = list(range(-(-(start + n) // block_size)))
-    positions = torch.arange(start, start + n)
-    gs = attention.GroupStep(positions // block_size, positions % block_size)
-    gs.prefill_blocks = torch.tensor(blocks, dtype=torch.long)
-    gs.prefill_table = torch.tensor([(0, n, start, 0, 0)], dtype=torch.long)
-    seg = attention.Segment(0, n, start, [blocks] * len(holder.windows), [0] * len(holder.windows))
-    groups = [gs if i == g else attention.GroupStep(gs.write_blocks, gs.write_offsets)
-              for i in range(len(holder.windows))]
 
     def run() -> None:
         for keys, values in caches:
-            ctx = attention.StepContext(num_decode=0, num_tokens=n, groups=groups, segments=[seg],
-                                        position=holder.position, windows=holder.windows, backend=backend)
+            ctx = chunk_step(backend, n, start, block_size, holder.windows, g)
+            ctx.position = holder.position
             attention.attend(ctx, q, k, v, keys, values, layer, scaling, None, None)
 
     return best_seconds(run) / len(caches)

@@ -7,16 +7,18 @@ at load on that path (workers.engine.cpu.calibrate)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 from workers.capability import cpu_capability
 from workers.engine import attention
-from workers.engine.cpu import calibrate, extension
+from workers.engine.cpu import calibrate, extension, prefill_route
 from workers.engine.cpu.backend import CPU_KERNELS, attention_kernels
 from workers.engine.cpu.lean import LeanLlama, lean_forward
 from workers.engine.cpu.linears import lay_out
+from workers.engine.cpu.prefill_route import PrefillRoute
 from workers.engine.runners.base import kv_dims, num_layers
 from workers.engine.runners.paged import PagedRunner
 from workers.weights.gguf_blocks import gguf_blocks
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 
 LEAN_NOT_COMPILED = ("the lean forward runs this model (prepack_weights), faster eager than its transformers "
                      "modules compiled; set prepack_weights: false to compile those")
+PREFILL_NOTE = "prefill attention"  # pick_kernels' entry for the chunks' route, beside the linears'
 LONG_CHUNK_ROWS = 48  # query rows of one KV head in the smallest chunk of a long prompt (min_long_chunk)
 
 
@@ -76,9 +79,30 @@ class CpuRunner(PagedRunner):
         return lean
 
     def pick_kernels(self, max_rows: int) -> dict[str, str]:
-        """The quantized linears' kernel by the step's rows, measured here (workers.engine.cpu.row_kernels)."""
-        if self.lean is None:
-            return {}
+        """The quantized linears' kernel by the step's rows (workers.engine.cpu.row_kernels) and the
+        prompt chunks' attention by their size (workers.engine.cpu.prefill_route), measured here."""
+        chosen = self._pick_row_kernels(max_rows) if self.lean is not None else {}
+        route = self._pick_prefill_route(max_rows)
+        if route is not None:
+            chosen[PREFILL_NOTE] = route.describe()
+        return chosen
+
+    def _pick_prefill_route(self, max_rows: int) -> PrefillRoute | None:
+        """Which chunks the C++ prefill kernel attends and which PyTorch's SDPA does; None where the
+        kernel does not serve (or `deterministic`, whose prompts attend as decode rows)."""
+        kvh, dk, dv = kv_dims(self.lm)
+        if self.backend.prefill is None or self.batch_invariant or dk != dv:
+            return None
+        given = self.backend.library_prefill  # a route given with the backend (a test's) is kept
+        if given is not None:
+            return given if isinstance(given, PrefillRoute) else None
+        heads = self.model.config.get_text_config().num_attention_heads
+        route = prefill_route.chosen(self.backend, heads, kvh, dk, self.block_size, self.cache.keys.dtype,
+                                     self.lm.device, max_rows, extension.kernel_module().__name__)
+        self.backend = dataclasses.replace(self.backend, library_prefill=route if route.cells else None)
+        return route
+
+    def _pick_row_kernels(self, max_rows: int) -> dict[str, str]:
         lm, precision, kernels = self.lm, self.platform.precision, extension.kernel_module()
 
         mapped: list[torch.Tensor] = []
@@ -142,6 +166,7 @@ class CpuRunner(PagedRunner):
                        if isinstance(m, torch.nn.Linear) and any(f".{i}." in f".{name}." for i in range(layers))]
         key = "|".join(map(str, (source_key(self.lm.source), self.platform.precision, self.lean is not None,
                                  self.batch_invariant, self.backend.name, self.backend.prefill is not None,
+                                 self.backend.library_prefill,
                                  self.block_size, self.cache.keys.dtype, torch.get_num_threads(),
                                  cpu_capability().tag(),
                                  # the linears' kernels by rows (pick_kernels, before this): a chunk's
