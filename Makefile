@@ -50,7 +50,7 @@ serve: install
 # small tests'), but for those marked avx2, whose point is what an AVX2-only CPU does, and those
 # marked any_isa, which set their own level or only compile.
 AVX2_ENV := MMFUSION_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2
-ISA_TESTS := tests/test_lean.py tests/test_precision.py tests/test_models.py::test_dtypes tests/test_quantized.py \
+ISA_TESTS := tests/test_lean.py tests/test_prefill_route.py tests/test_precision.py tests/test_models.py::test_dtypes tests/test_quantized.py \
              tests/test_deterministic.py tests/test_decode_layers.py
 
 test: install

@@ -278,22 +278,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def kernel_lines(plan) -> list[str]:
-    """What validate_only says of the kernels picked by the step's rows: quantized linears on a CPU
-    measure theirs at load (workers.engine.cpu.row_kernels); what an earlier load on this machine
-    picked for the same model, precision, threads and batch is shown."""
+    """What validate_only says of the kernels a worker measures at load on a CPU: the quantized
+    linears' by the step's rows (workers.engine.cpu.row_kernels) and the prompt chunks' attention
+    (workers.engine.cpu.prefill_route). What an earlier load on this machine picked for the same
+    model, precision, threads and batch is shown; a quantized worker not measured yet says when it
+    will be."""
     from workers import kernel_notes
     from workers.devices import device_kind
 
     lines = []
     for w in plan.workers:
-        if w.precision is None or not w.precision.quantized or not device_kind(w.device).host:
+        if w.precision is None or not device_kind(w.device).host:
             continue
         known = kernel_notes.planned(w.spec, w.precision)
-        chosen = "; ".join(f"{k}: {v}" for k, v in known.items()) if known else \
-            "measured at its first load on this CPU (its log and status show the choice)"
-        lines.append(f"  worker {w.worker_id}: {chosen}")
-    head = ("quantized linears by the step's rows (blocks, a GEMM on widened weights, AMX tiles on packed ones, "
-            "or a float32 GEMM on values widened once):")
+        if known:
+            lines.append(f"  worker {w.worker_id}: " + "; ".join(f"{k}: {v}" for k, v in known.items()))
+        elif w.precision.quantized:
+            lines.append(f"  worker {w.worker_id}: measured at its first load on this CPU (its log and status show "
+                         "the choice)")
+    head = ("kernels measured at load (quantized linears by the step's rows: blocks, a GEMM on widened weights, "
+            "AMX tiles on packed ones, or a float32 GEMM on values widened once; prefill attention by the chunk's size):")
     return [head, *lines] if lines else []
 
 

@@ -1,4 +1,5 @@
-"""The kernels a model's workers picked by measuring at load (workers.engine.cpu.row_kernels), kept
+"""The kernels a model's workers picked by measuring at load (workers.engine.cpu.row_kernels, and
+prefill_route for the prompt chunks' attention), kept
 per machine in the cache so that `validate_only` shows them before any worker starts. A note is
 keyed by all the choice depends on: the model's weights, its precision, the threads, the most rows
 a step has, the CPU and torch; a deployment that changes any of them is measured again at load."""

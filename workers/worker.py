@@ -178,8 +178,7 @@ class EngineThread(threading.Thread):
                     print(f"worker: {spec.name}: {self.engine.compile_info.summary()}", file=sys.stderr, flush=True)
                 if self.engine.kernels:
                     chosen = "; ".join(f"{k}: {v}" for k, v in self.engine.kernels.items())
-                    print(f"worker: {spec.name}: quantized linears by the step's rows: {chosen}", file=sys.stderr,
-                          flush=True)
+                    print(f"worker: {spec.name}: kernels measured at load: {chosen}", file=sys.stderr, flush=True)
         except Exception as exc:  # a bad spec or a missing package: say so, stay up, wait for another ASSIGN
             traceback.print_exc()
             self.output.put_control({"type": P.LOAD_FAILED, "model_id": assign.model_id, "worker_id": assign.worker_id,
