@@ -166,6 +166,18 @@ class StepContext:
             self.masks[key] = m
         return m
 
+    def additive_mask(self, i: int, g: int, window: int | None, device, dtype: torch.dtype,
+                      repeat: int = 1) -> torch.Tensor:
+        """segment_mask as SDPA adds it: 0 where a key is seen, -inf where not, in `dtype`. Given the
+        boolean mask, ATen's CPU flash attention converts it on every call: a fifth of the time of a
+        512-token chunk over 4,096 keys (18.0 against 14.3 ms a layer, 2-core Sapphire Rapids)."""
+        key = ("a", i, g, window, repeat, dtype)
+        m = self.masks.get(key)
+        if m is None:
+            seen = self.segment_mask(i, g, window, device, repeat)
+            m = self.masks[key] = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+        return m
+
 
 # Up to this many decode rows attend one row at a time through SDPA (a handful of operations a
 # row); more go through the batched pairs below (a fixed twenty or so for the whole batch).
@@ -256,7 +268,7 @@ def _segment_attention(ctx: StepContext, i: int, g: int, q: torch.Tensor, key: t
         # the query heads that share a KV head attend as one head of g*c rows: each key block is
         # read once per KV head instead of once per query head
         c, per = q.shape[2], heads // kvh
-        mask = ctx.segment_mask(i, g, window, q.device, repeat=per)
+        mask = ctx.additive_mask(i, g, window, q.device, q.dtype, repeat=per)
         out = F.scaled_dot_product_attention(q.reshape(1, kvh, per * c, q.shape[-1]), k, v, attn_mask=mask,
                                              scale=scaling)
         return out.reshape(heads, c, -1).transpose(0, 1)

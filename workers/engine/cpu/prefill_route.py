@@ -85,7 +85,9 @@ def measure(backend: AttentionBackend, heads: int, kv_heads: int, head_dim: int,
         for k in KEYS:
             for rows in (r for r in ROWS if r <= min(k, max_tokens)):
                 q, kn, vn = rand(rows, heads, head_dim), rand(rows, kv_heads, head_dim), rand(rows, kv_heads, head_dim)
-                calls = [functools.partial(_attend, be, q, kn, vn, keys, values, k, block_size)
+                # one step for each way, its masks kept across calls as a step's layers share them
+                calls = [functools.partial(attention.attend, calibrate.chunk_step(be, rows, k - rows, block_size, [None]),
+                                           q, kn, vn, keys, values, 0, head_dim ** -0.5, None, None, written=True)
                          for be in (backend, library)]
                 out[(rows, k)] = _alternated(calls)
     return out
@@ -105,19 +107,11 @@ def _alternated(calls: list) -> tuple[float, ...]:
     return tuple(best)
 
 
-def _attend(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-            values: torch.Tensor, end: int, block_size: int) -> None:
-    """One layer's attention for a chunk of len(q) tokens ending at position `end`, as `backend`
-    routes it (its keys already in the cache)."""
-    ctx = calibrate.chunk_step(backend, q.shape[0], end - q.shape[0], block_size, [None])
-    attention.attend(ctx, q, k, v, keys, values, 0, q.shape[-1] ** -0.5, None, None, written=True)
-
-
 def chosen(backend: AttentionBackend, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
            device: torch.device, max_tokens: int, build: str) -> PrefillRoute:
     """The route for a model of these shapes computing in `dtype`, read from the cache or measured
     now. `build`: the kernels' build (its tag)."""
-    key = "|".join(map(str, ("prefill route 1", dtype, heads, kv_heads, head_dim, block_size,
+    key = "|".join(map(str, ("prefill route 2", dtype, heads, kv_heads, head_dim, block_size,
                              min(max_tokens, max(ROWS)), ROWS, KEYS, build, machine_key())))
     cells = calibrate.remembered(key, lambda: [list(c) for c in route_of(
         measure(backend, heads, kv_heads, head_dim, block_size, dtype, device, max_tokens)).cells])
