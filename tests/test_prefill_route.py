@@ -44,6 +44,15 @@ def test_the_library_takes_a_cell_only_where_it_and_every_larger_one_won():
     assert "SDPA" in route.describe() and "kernel" in PrefillRoute().describe()
 
 
+def test_a_chunk_whose_masks_would_outgrow_the_bound_stays_on_the_kernel():
+    limit = prefill_route.mask_limit(9, 3, torch.bfloat16)  # 3 query heads a KV head, 1 + 2 bytes a pair
+    assert limit * 3 * 3 <= prefill_route.MASK_BYTES < (limit + 1) * 3 * 3
+    route = PrefillRoute(((64, 256),), limit)
+    assert route(512, limit // 512) and not route(512, limit // 512 + 1)
+    assert PrefillRoute(((64, 256),))(512, 1 << 20)  # unbounded where no limit is given
+    assert "memory" in route.describe()
+
+
 def _reference(q, k, v, start, window, scaling):
     """Causal (windowed) attention of queries q [c, H, d] at positions start.. over k, v
     [start + c, kvh, d], in float64."""

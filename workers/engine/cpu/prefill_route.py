@@ -37,6 +37,11 @@ KEYS = (256, 1024, 4096)  # the positions it sees (its last position + 1)
 # the library replaces the kernel only where it is this much faster: timings on a busy machine are
 # noisy, and the kernel reads no gathered copy
 MARGIN = 0.10
+# the most bytes of masks SDPA may take for one chunk (its boolean mask and the additive one, a row
+# per query head of a KV head, a column per key: attention.StepContext.additive_mask). They live for
+# the step; a 512-token chunk of 4 query heads a KV head at 32,768 keys would take 200 MB. Beyond
+# this the kernel serves, which needs none
+MASK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +50,25 @@ class PrefillRoute:
     for some (rows, keys) of `cells` (none: the kernel serves every chunk)."""
 
     cells: tuple[tuple[int, int], ...] = ()
+    # the most tokens x keys a chunk's masks may span (within MASK_BYTES: mask_limit); 0: no bound
+    max_pairs: int = 0
 
     def __call__(self, tokens: int, keys: int) -> bool:
-        return any(tokens >= rows and keys >= k for rows, k in self.cells)
+        return (any(tokens >= rows and keys >= k for rows, k in self.cells)
+                and (not self.max_pairs or tokens * keys <= self.max_pairs))
 
     def describe(self) -> str:
         if not self.cells:
             return "the C++ kernel for every chunk"
         where = " or ".join(f"{rows}+ tokens over {keys}+ keys" for rows, keys in self.cells)
-        return f"PyTorch's SDPA for chunks of {where}; the C++ kernel below"
+        bound = f" (up to {self.max_pairs:,} tokens x keys: its masks' memory)" if self.max_pairs else ""
+        return f"PyTorch's SDPA for chunks of {where}{bound}; the C++ kernel below"
+
+
+def mask_limit(heads: int, kv_heads: int, dtype: torch.dtype) -> int:
+    """The most tokens x keys of a chunk whose masks (a boolean and an additive one in `dtype`, a row
+    per query head of a KV head) fit in MASK_BYTES."""
+    return MASK_BYTES // ((heads // kv_heads) * (1 + torch.finfo(dtype).bits // 8))
 
 
 def route_of(seconds: dict[tuple[int, int], tuple[float, float]]) -> PrefillRoute:
@@ -115,4 +130,4 @@ def chosen(backend: AttentionBackend, heads: int, kv_heads: int, head_dim: int, 
                              min(max_tokens, max(ROWS)), ROWS, KEYS, build, machine_key())))
     cells = calibrate.remembered(key, lambda: [list(c) for c in route_of(
         measure(backend, heads, kv_heads, head_dim, block_size, dtype, device, max_tokens)).cells])
-    return PrefillRoute(tuple((rows, k) for rows, k in cells))
+    return PrefillRoute(tuple((rows, k) for rows, k in cells), mask_limit(heads, kv_heads, dtype))
