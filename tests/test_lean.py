@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from support.models import hf_greedy, tiny
+from support.prefill import CHUNKS, reference_chunk, scattered_pool
 
 from workers.capability import cpu_capability
 from workers.engine import Engine, EngineConfig, attention
@@ -175,21 +176,6 @@ def test_cpu_decode_kernel_gives_a_row_the_same_result_alone_and_in_a_batch(wind
         assert torch.equal(got[0], together[r]), (r, lengths[r])
 
 
-def _reference_chunk(q, k, v, start, window, scaling):
-    """Causal (windowed) attention of a chunk's queries q [c, H, d] at positions start.. over the
-    sequence's keys k, v [start + c, kvh, d], in float64."""
-    c, heads, kvh = q.shape[0], q.shape[1], k.shape[1]
-    out = torch.empty(c, heads, v.shape[-1], dtype=torch.float64)
-    for i in range(c):
-        p = start + i
-        lo = max(0, p - window + 1) if window else 0
-        kk = k[lo: p + 1].double().repeat_interleave(heads // kvh, 1)  # [n, H, d]
-        vv = v[lo: p + 1].double().repeat_interleave(heads // kvh, 1)
-        s = torch.einsum("hd,nhd->hn", q[i].double(), kk) * scaling
-        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv)
-    return out
-
-
 # the AVX512-BF16 paths: each source defines its macro where the target has AVX512F and AVX512-BF16
 BF16_PATHS = ("MMFUSION_BF16_DOT", "MMFUSION_PREFILL_BF16", "MMFUSION_NORM_BF16", "MMFUSION_ROPE_BF16",
               "MMFUSION_SILU_BF16")
@@ -238,13 +224,10 @@ def test_cpu_prefill_kernel_matches_a_float64_reference(dtype, tol, window, bloc
     """Whole prompts and later chunks of one step, their blocks scattered over the pool, read in
     place by the kernel: as exact as the dtype's inputs allow."""
     kernel = _prefill_kernel(d, dtype)
-    rng = random.Random(0)
     gen = torch.Generator().manual_seed(2)
-    chunks = [(0, 1), (0, 17), (33, 16), (0, 70), (100, 5), (250, 40)]  # (first position, tokens)
-    num_blocks = sum(-(-(s + c) // block) for s, c in chunks) + 3
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    key = torch.zeros(num_blocks, kvh, block, d, dtype=dtype)
+    chunks = CHUNKS
+    free = scattered_pool(chunks, block)
+    key = torch.zeros(len(free), kvh, block, d, dtype=dtype)
     value = torch.zeros_like(key)
     n = 3 + sum(c for _, c in chunks)  # three decode rows first, which the kernel leaves alone
     q = torch.randn(n, heads + kvh, d, generator=gen).to(dtype)[:, :heads]  # strided, as lean's
@@ -260,7 +243,7 @@ def test_cpu_prefill_kernel_matches_a_float64_reference(dtype, tol, window, bloc
         first = max(0, start - window + 1) // block if window else 0
         table.append((t0, c, start, len(blocks), first * block))
         blocks.extend(own[first:])
-        refs.append(_reference_chunk(q[t0: t0 + c], k, v, start, window, 0.125))
+        refs.append(reference_chunk(q[t0: t0 + c], k, v, start, window, 0.125))
         t0 += c
     gs = attention.GroupStep(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
     gs.prefill_blocks, gs.prefill_table = torch.tensor(blocks), torch.tensor(table)

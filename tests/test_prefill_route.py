@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from support.prefill import CHUNKS, reference_chunk, scattered_pool
 
 from workers.capability import cpu_capability
 from workers.engine import Engine, EngineConfig, attention
@@ -53,21 +54,6 @@ def test_a_chunk_whose_masks_would_outgrow_the_bound_stays_on_the_kernel():
     assert "memory" in route.describe()
 
 
-def _reference(q, k, v, start, window, scaling):
-    """Causal (windowed) attention of queries q [c, H, d] at positions start.. over k, v
-    [start + c, kvh, d], in float64."""
-    heads, kvh = q.shape[1], k.shape[1]
-    out = torch.empty(q.shape[0], heads, v.shape[-1], dtype=torch.float64)
-    for i in range(q.shape[0]):
-        p = start + i
-        lo = max(0, p - window + 1) if window else 0
-        kk = k[lo: p + 1].double().repeat_interleave(heads // kvh, 1)
-        vv = v[lo: p + 1].double().repeat_interleave(heads // kvh, 1)
-        s = torch.einsum("hd,nhd->hn", q[i].double(), kk) * scaling
-        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv)
-    return out
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("window", [None, 20])
 def test_a_step_split_between_kernel_and_library_matches_a_float64_reference(dtype, tol, window):
@@ -76,13 +62,10 @@ def test_a_step_split_between_kernel_and_library_matches_a_float64_reference(dty
     their worst), which neither way may read."""
     d, heads, kvh, block = 64, 6, 2, 16
     backend = replace(_kernel_backend(dtype, d), library_prefill=PrefillRoute(((18, 1),)))
-    rng = random.Random(0)
     gen = torch.Generator().manual_seed(2)
-    chunks = [(0, 1), (0, 17), (33, 16), (0, 70), (100, 5), (250, 40)]  # (first position, tokens)
-    num_blocks = sum(-(-(s + c) // block) for s, c in chunks) + 3
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    key = torch.full((1, num_blocks, kvh, block, d), float("nan"), dtype=dtype)
+    chunks = CHUNKS
+    free = scattered_pool(chunks, block)
+    key = torch.full((1, len(free), kvh, block, d), float("nan"), dtype=dtype)
     value = torch.full_like(key, float("nan"))
     n = sum(c for _, c in chunks)
     q = torch.randn(n, heads, d, generator=gen).to(dtype)
@@ -104,7 +87,7 @@ def test_a_step_split_between_kernel_and_library_matches_a_float64_reference(dty
         else:
             table.append((t0, c, start, len(blocks), first * block))
             blocks.extend(own[first:])
-        refs.append(_reference(q[t0: t0 + c], k, v, start, window, 0.125))
+        refs.append(reference_chunk(q[t0: t0 + c], k, v, start, window, 0.125))
         t0 += c
     assert gs.library_segments == [3, 5] and len(table) == 4  # both ways serve this step
     gs.prefill_blocks, gs.prefill_table = torch.tensor(blocks), torch.tensor(table)
