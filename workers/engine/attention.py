@@ -148,14 +148,11 @@ class StepContext:
             got = self.prompt_groups[window] = (groups, [i for i in range(len(self.segments)) if i not in grouped])
         return got
 
-    def segment_mask(self, i: int, g: int, window: int | None, device, repeat: int = 1) -> torch.Tensor:
-        """Which keys each query row of segment i sees, [c, keys]; with `repeat`, the rows
-        repeated that many times (the query heads of one KV head, folded into rows)."""
-        key = ("s", i, g, window, repeat)
+    def segment_mask(self, i: int, g: int, window: int | None, device) -> torch.Tensor:
+        """Which keys each query row of segment i sees, [c, keys]."""
+        key = ("s", i, g, window)
         m = self.masks.get(key)
-        if m is None and repeat > 1:
-            m = self.masks[key] = self.segment_mask(i, g, window, device).repeat(repeat, 1)
-        elif m is None:
+        if m is None:
             seg = self.segments[i]
             first = seg.first_pos[g] if seg.blocks[g] is not None else 0
             q_pos = torch.arange(seg.start_pos, seg.start_pos + seg.length, device=device)[:, None]
@@ -168,14 +165,17 @@ class StepContext:
 
     def additive_mask(self, i: int, g: int, window: int | None, device, dtype: torch.dtype,
                       repeat: int = 1) -> torch.Tensor:
-        """segment_mask as SDPA adds it: 0 where a key is seen, -inf where not, in `dtype`. Given the
-        boolean mask, ATen's CPU flash attention converts it on every call: a fifth of the time of a
-        512-token chunk over 4,096 keys (18.0 against 14.3 ms a layer, 2-core Sapphire Rapids)."""
+        """segment_mask as SDPA adds it: 0 where a key is seen, -inf where not, in `dtype`; with
+        `repeat`, the rows repeated that many times (the query heads of one KV head, folded into
+        rows). Given the boolean mask, ATen's CPU flash attention converts it on every call: a fifth
+        of the time of a 512-token chunk over 4,096 keys (18.0 against 14.3 ms a layer, 2-core
+        Sapphire Rapids)."""
         key = ("a", i, g, window, repeat, dtype)
         m = self.masks.get(key)
         if m is None:
-            seen = self.segment_mask(i, g, window, device, repeat)
-            m = self.masks[key] = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+            seen = self.segment_mask(i, g, window, device)
+            m = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+            m = self.masks[key] = m.repeat(repeat, 1) if repeat > 1 else m
         return m
 
 

@@ -37,10 +37,11 @@ KEYS = (256, 1024, 4096)  # the positions it sees (its last position + 1)
 # the library replaces the kernel only where it is this much faster: timings on a busy machine are
 # noisy, and the kernel reads no gathered copy
 MARGIN = 0.10
-# the most bytes of masks SDPA may take for one chunk (its boolean mask and the additive one, a row
-# per query head of a KV head, a column per key: attention.StepContext.additive_mask). They live for
-# the step; a 512-token chunk of 4 query heads a KV head at 32,768 keys would take 200 MB. Beyond
-# this the kernel serves, which needs none
+# the most bytes of masks SDPA may take for one chunk (attention.StepContext.additive_mask: the
+# additive one has a row per query head of a KV head and a column per key; the boolean one it is
+# made from, counted as if it had as many rows, bounds it from above). They live for the step; a
+# 512-token chunk of 4 query heads a KV head at 32,768 keys would take 200 MB. Beyond this the
+# kernel serves, which needs none
 MASK_BYTES = 64 << 20
 
 
