@@ -10,8 +10,9 @@
                  graphs); the engine's decode graphs' capture time, and a decode step's host share
                  (filling the inputs) against its device share (the copy in, the replay, the tokens out);
   quantized:     one stream and the workload with `quantization` none, int8 and int4 (the weight-only
-                 Triton linears of workers.engine.cuda.triton_qlinear), eager; quantized_stream:
-                 one stream only;
+                 Triton linears of workers.engine.cuda.triton_qlinear; for int4 in bfloat16, torch's
+                 tinygemm at the decode buckets where it measured faster at load, named in
+                 `int4_kernels`), eager; quantized_stream: one stream only;
   deterministic: the same with `deterministic` off and on (the batch-invariant Triton kernels);
   census:        the CUDA kernels a decode step launches (torch.profiler over the decode graphs'
                  replays), by name, a step and a layer, and the device time a step by group
@@ -139,9 +140,13 @@ def parity(args) -> None:
 
 
 def timed_engine(lm, prompts, max_tokens, compile: str, device: str, batch: int = 64, tokens: int = 512,
-                 quantization: str = "none", deterministic: bool = False):
+                 quantization: str = "none", deterministic: bool = False, kernels: dict | None = None):
+    """The workload's wall time on a fresh engine; `kernels`: filled with what the engine measured
+    and chose at load (Engine.kernels: for int4 on a GPU, tinygemm's rows per shape)."""
     eng = Engine(lm, EngineConfig(max_batch_size=batch, max_batch_tokens=tokens, compile=compile,
                                   quantization=quantization, deterministic=deterministic))
+    if kernels is not None:
+        kernels.update(eng.kernels)
     eng.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
     sync(device)
@@ -221,13 +226,16 @@ def settings_rows(lm, prompts, max_tokens, args, settings: dict[str, dict], work
     prompt, new, useful = single_prompt(lm.vocab_size), 128, sum(max_tokens)
     row: dict = {"repeats": args.repeats}
     for label, cfg in settings.items():
-        one = min(timed_engine(lm, [prompt], [new], "false", args.device, batch=1, tokens=128, **cfg)
+        chosen: dict[str, str] = {}
+        one = min(timed_engine(lm, [prompt], [new], "false", args.device, batch=1, tokens=128, kernels=chosen, **cfg)
                   for _ in range(args.repeats))
         row[f"{label}_single_stream_ms_per_token"] = round(one / new * 1e3, 2)
         if workload:
-            many = min(timed_engine(lm, prompts, max_tokens, "false", args.device, **cfg)
+            many = min(timed_engine(lm, prompts, max_tokens, "false", args.device, kernels=chosen, **cfg)
                        for _ in range(args.repeats))
             row[f"{label}_workload_tokens_per_s"] = round(useful / many, 1)
+        if chosen:  # the last engine's choice (one stream's engine has the bucket of 1 row only)
+            row[f"{label}_kernels"] = chosen
     return row
 
 

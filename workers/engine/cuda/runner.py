@@ -37,6 +37,8 @@ import torch
 from workers.engine import attention
 from workers.engine.attention_backend import TORCH
 from workers.engine.block_manager import NO_BLOCK
+from workers.engine.cuda import int4_rows
+from workers.engine.cuda.int4pack import refusal as int4pack_refusal
 from workers.engine.cuda.lean import DeviceLean, DeviceStep
 from workers.engine.cuda.ops import PagedOps, select_ops
 from workers.engine.cuda.sampler import SamplingRows, sample_tokens
@@ -45,6 +47,7 @@ from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence
 from workers.engine.step_result import StepResult
+from workers.quant.weight import INT4
 from workers.weights.fused_layout import lay_out_fused
 from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
@@ -178,6 +181,23 @@ class CudaRunner(PagedRunner):
         # their tokens (what the device took past the host's work in the meantime): bench/gpu.py
         # reports the shares
         self.decode_steps, self.fill_seconds, self.launch_seconds, self.wait_seconds = 0, 0.0, 0.0, 0.0
+
+    def pick_kernels(self, max_rows: int) -> dict[str, str]:
+        """On a GPU in bfloat16, not `deterministic`: up to how many rows each int4 shape's calls go to
+        torch's tinygemm instead of the Triton kernel, measured here at the decode buckets
+        (workers.engine.cuda.int4_rows); the graphs captured after take the choice in."""
+        lean = self.device_lean
+        if lean is None or self.ops.name != "triton" or self.ops.invariant or self.lm.dtype != torch.bfloat16:
+            return {}
+        shapes = {}
+        for lin in lean.linears():
+            if lin.quant is not None and int4pack_refusal(lin.quant, torch.bfloat16) is None:
+                shapes.setdefault((lin.quant.out_features, lin.quant.in_features), lin.quant)
+        rows = {shape: int4_rows.measure(q, self.ops.qlinear, self.buckets, int4_rows.cuda_timer)[0]
+                for shape, q in shapes.items()}
+        lean.pack_int4(rows)
+        return {f"{INT4} {n}x{k}": f"torch's tinygemm up to {r} rows, Triton from {r + 1}" if r else
+                "Triton (tinygemm measured slower)" for (n, k), r in rows.items()}
 
     def compile_refusal(self) -> str | None:
         return GRAPHS_NOT_COMPILED if self.device_lean is not None else None
