@@ -267,6 +267,21 @@ def test_errors_are_openai_error_objects(oai, gw):
     assert info.value.body["param"] == "max_tokens"
     bad = httpx.post(gw.url + "/v1/completions", content=b"{not json", timeout=10)
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    # JSON's escapes can spell half of a UTF-16 pair, which is no text: a 400 naming where, even where
+    # the answer would echo it (an unknown model's name, a key), never a 500
+    for path, body, param, where in (
+            ("/v1/completions", b'{"model": "llama", "prompt": "x\\ud800", "max_tokens": 2}', "prompt", "prompt"),
+            ("/v1/chat/completions", b'{"model": "llama", "messages": [{"role": "user", "content": "\\udc00"}]}',
+             "messages", "messages[0].content"),
+            ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', "model", "model"),
+            ("/v1/completions", b'{"model": "llama", "prompt": "x", "\\ud800": 1}', "\\ud800", "\\ud800"),
+            ("/tokenize", b'{"model": "llama", "prompt": "\\ud800"}', "prompt", "prompt")):
+        bad = httpx.post(gw.url + path, content=body, headers={"content-type": "application/json"}, timeout=10)
+        assert bad.status_code == 400, bad.text
+        err = bad.json()["error"]
+        assert err["param"] == param and err["message"].startswith(f"malformed JSON body: {where} holds a lone UTF-16"), err
+    pair = oai.completions.create(model="llama", prompt="\U0001F600 x", max_tokens=2)  # a whole pair is text
+    assert pair.choices[0].finish_reason == "length"
     deep = b'{"model": "llama", "prompt": "x", "stop": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     for path in ("/v1/completions", "/v1/chat/completions"):  # past the parser's depth: a 400, not a 500
         bad = httpx.post(gw.url + path, content=deep, timeout=10)

@@ -119,6 +119,26 @@ def test_text_with_unicode_line_separators_stays_one_record(tmp_path):
     assert [json.loads(x) for x in text.splitlines()] == [{**recs[0], "again": True}, recs[1], recs[2]]
 
 
+def test_a_line_whose_escapes_spell_half_a_utf16_pair_is_that_lines_error_and_its_record_writes(tmp_path):
+    """JSON's escapes can spell a lone surrogate ("\\ud800"), which is no text: that line's error names
+    where it is, its record keeps the line as read (the parsed one could not be written), and the
+    lines around it are served."""
+    p = tmp_path / "req.jsonl"
+    p.write_text('{"prompt": "a"}\n{"prompt": "b\\ud800"}\n{"prompt": "c", "stop": ["\\udc00"]}\n'
+                 '{"prompt": "\\ud83d\\ude00"}\n')
+    lines = parse_file(p, "llama", NAMES, SOURCES).lines
+    assert [(ln.number, ln.error) for ln in lines] == [
+        (1, None), (2, "req.jsonl line 2: prompt holds a lone UTF-16 surrogate (\\ud800), which is not Unicode text"),
+        (3, "req.jsonl line 3: stop[0] holds a lone UTF-16 surrogate (\\udc00), which is not Unicode text"), (4, None)]
+    assert lines[1].request == '{"prompt": "b\\ud800"}' and lines[3].request == {"prompt": "\U0001F600"}
+    w = ResumableWriter(tmp_path / "out" / "output_req.jsonl")
+    for ln in lines:
+        w.write({"request": ln.request, "error": ln.error})
+    w.finish()
+    records = [json.loads(x) for x in (tmp_path / "out" / "output_req.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["request"] for r in records] == [ln.request for ln in lines]
+
+
 def test_a_byte_order_mark_is_read_past_and_a_line_not_utf8_is_that_lines_error(tmp_path):
     """A file written with a byte order mark (as some Windows tools do) serves its first line; a line
     that is not UTF-8 is an error naming the line and the byte, and the lines around it are served."""

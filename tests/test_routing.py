@@ -161,6 +161,11 @@ def test_the_command_line_client_reports_errors_by_name(two_archs, capsys):
     (dict(model="llama", prompt=[1, -2**63 - 1]), P.BAD_REQUEST, r"prompt\[1\] is out of range", "prompt"),
     (dict(model="llama", prompt=[1], stop_token_ids=[2**70]), P.BAD_REQUEST, r"stop_token_ids\[0\]",
      "stop_token_ids"),
+    # text the wire cannot carry (half of a UTF-16 pair, as JSON's escapes can spell it): by name too
+    (dict(model="llama", prompt="a\ud800"), P.BAD_REQUEST, r"prompt holds a lone UTF-16 surrogate \(\\ud800\)",
+     "prompt"),
+    (dict(model="llama", prompt=[1], stop=["ok", "\udfff"]), P.BAD_REQUEST, r"params\.stop\[1\] holds a lone",
+     "stop"),
 ])
 def test_bad_requests_get_errors(two_archs, kwargs, code, match, param):
     with Client(two_archs.frontend, timeout=30) as c:

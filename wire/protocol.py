@@ -159,6 +159,37 @@ def out_of_range(value: Any) -> list | None:
     return None
 
 
+def unencodable(value: Any) -> tuple[list, str] | None:
+    """(the key path to the first string, or key, that is not Unicode text UTF-8 can carry: a lone
+    UTF-16 surrogate such as JSON's "\\ud800" gives; that string) or None where there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return [], value
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        if isinstance(key, str) and unencodable(key) is not None:
+            return [key], key
+        found = unencodable(item)
+        if found is not None:
+            return [key, *found[0]], found[1]
+    return None
+
+
+def printable(key: Any) -> str:
+    """A key of a path as text that can be sent back: a lone surrogate in it spelled as an escape."""
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def text_error(path: list, text: str) -> str:
+    """The message for unencodable's finding: where it is and the code point that is not text."""
+    bad = next(c for c in text if 0xD800 <= ord(c) <= 0xDFFF)
+    where = "".join(f"[{k}]" if isinstance(k, int) else f".{printable(k)}" for k in path).lstrip(".") or "the value"
+    return f"{where} holds a lone UTF-16 surrogate (\\u{ord(bad):04x}), which is not Unicode text"
+
+
 def range_error(path: list) -> str:
     """The message for out_of_range's path: `params.seed is out of range: ...`, `prompt[0] ...`."""
     where = str(path[0]) + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path[1:])
@@ -166,11 +197,19 @@ def range_error(path: list) -> str:
 
 
 def pack(msg: dict) -> bytes:
-    """The frame of a message. An integer msgpack cannot carry (JSON has no limit) is a
-    ProtocolError that names where it is: `params.seed`, `prompt[0]`."""
+    """The frame of a message. An integer msgpack cannot carry (JSON has no limit), or a string that
+    is not Unicode text (a lone surrogate), is a ProtocolError that names where it is: `params.seed`,
+    `prompt[0]`."""
     msg.setdefault("v", VERSION)
     try:
         return msgpack.packb(msg, use_bin_type=True)
+    except UnicodeEncodeError:
+        found = unencodable(msg)
+        if found is None:
+            raise
+        path = found[0]
+        param = path[1] if path[0] == "params" and len(path) > 1 else path[0]
+        raise ProtocolError(text_error(*found), request_id=msg.get("id"), param=printable(param)) from None
     except OverflowError:
         path = out_of_range(msg)
         if path is None:

@@ -23,6 +23,7 @@ from fusion.data.files import (
     read_whole_lines,
     split_json_lines,
 )
+from wire.protocol import text_error, unencodable
 
 ROUTE_KEYS = ("model", "engine")
 
@@ -123,6 +124,10 @@ def parse_file(path: Path, default_variant: str, names: set[str], sources: dict[
         if not isinstance(req, dict):
             out.lines.append(JsonlLine(i, req, error=f"{where}: a request must be a JSON object, got "
                                                        f"{type(req).__name__}"))
+            continue
+        found = unencodable(req)
+        if found is not None:  # an escape spelling half of a UTF-16 pair: the line as read is its record
+            out.lines.append(JsonlLine(i, raw, error=f"{where}: {text_error(*found)}"))
             continue
         try:
             body = completion_body(req)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from routing.openai_requests import OpenAIError
+from wire.protocol import printable, text_error, unencodable
 
 
 def parse_body(body: bytes) -> dict:
@@ -17,6 +18,13 @@ def parse_body(body: bytes) -> dict:
         raise OpenAIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    # JSON's escapes can spell half of a UTF-16 pair ("\\ud800"), which no later step can encode:
+    # refused here, by where it is, before any echo of it (an error naming the model) or its send
+    found = unencodable(data) if b"\\u" in body else None
+    if found is not None:
+        path, text = found
+        raise OpenAIError(400, f"malformed JSON body: {text_error(path, text)}", param=printable(path[0]),
+                          code="invalid_json")
     return data
 
 
