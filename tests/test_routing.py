@@ -257,3 +257,16 @@ def test_stream_texts_add_up_to_the_final_text_with_stop_strings(two_archs):
             assert texts == final
             if "stop" in params:
                 assert stop not in final[0] and full.startswith(final[0]) and len(final[0]) < len(full)
+
+
+def test_best_of_beyond_n_is_refused_for_a_stream_and_served_whole(two_archs):
+    """best_of > n: the n best are known only once every sample ends, so a stream is refused by
+    name (it streamed every sample, more choices than n); the same request unstreamed returns n."""
+    params = {"max_tokens": 4, "temperature": 0.9, "seed": 3, "n": 1, "best_of": 3}
+    with Client(two_archs.frontend, timeout=60) as c:
+        with pytest.raises(RouterError, match=r"best_of \(3\) > n \(1\) cannot be streamed") as info:
+            list(c.stream("llama", [3, 4], **params))
+        assert info.value.code == P.BAD_REQUEST and info.value.param == "best_of"
+        assert [ch["index"] for ch in c.complete("llama", [3, 4], **params)["choices"]] == [0]
+        streamed = list(c.stream("llama", [3, 4], **{**params, "best_of": 1}))  # best_of == n streams
+        assert streamed

@@ -229,6 +229,11 @@ class EngineThread(threading.Thread):
             if task == P.CHAT and echo:  # it would prepend the whole rendered template to the reply
                 raise ParamError("echo", "echo is a completions parameter: a chat reply is only the new message "
                                  "(send the prompt to /v1/completions with echo for its text and log-probabilities)")
+            if msg.get("stream") and params.best_of is not None and params.best_of > params.n:
+                # the n best are known only once every sample has ended (OpenAI: best_of's results
+                # cannot be streamed); streaming every sample would send more choices than n
+                raise ParamError("best_of", f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the "
+                                 "best samples are known only at the end (leave best_of out, or stream false)")
             if task == P.CHAT and not params.ignore_eos:  # the reply ends with the template's end of turn
                 params.stop_token_ids = sorted(set(params.stop_token_ids) | set(end_of_turn_ids(self.engine.tokenizer)))
             # registered first: the output thread must know the request before its first step's output
