@@ -367,12 +367,16 @@ def test_a_closed_connection_cancels_the_request_on_the_worker(gw, dep):
 def test_metrics_parse_and_count(oai, gw):
     oai.completions.create(model="gpt2", prompt="metrics", max_tokens=3, **GREEDY)
     list(oai.completions.create(model="gpt2", prompt="metrics", max_tokens=3, stream=True, **GREEDY))
+    with pytest.raises(openai.BadRequestError):  # refused by the worker: counted against its model
+        oai.completions.create(model="gpt2", prompt="metrics", max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError):  # no model to count it against
+        oai.completions.create(model="no-such-model", prompt="metrics", max_tokens=1)
     text = httpx.get(gw.url + "/metrics", timeout=10).text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     reqs = {(s.labels["model"], s.labels["endpoint"], s.labels["status"]): s.value
             for s in fams["mmfusion_http_requests"].samples if s.name.endswith("_total")}
-    assert reqs[("gpt2", "completions", "200")] >= 2
-    assert any(v >= 1 for (m, e, st), v in reqs.items() if st == "404")
+    assert reqs[("gpt2", "completions", "200")] >= 2 and reqs[("gpt2", "completions", "400")] >= 1
+    assert reqs[("unknown", "completions", "404")] >= 1
     live = {s.labels["model"]: s.value for s in fams["mmfusion_live_workers"].samples}
     assert live == {"llama:0": 1.0, "gpt2:1": 1.0}
     gen = {s.labels["model"]: s.value for s in fams["mmfusion_generation_tokens"].samples

@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import logging
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -32,6 +33,11 @@ from routing.http.metrics import Metrics
 from routing.http.models_admin import model_admin_routes
 from routing.http.streaming import stream_response
 from wire import protocol as P
+
+# the model a request's work resolved to: its metrics' label when the work fails after that (a
+# worker's refusal of a bad parameter counts against the model, not "unknown"); set by target_for,
+# read by answer, within one request's context
+_RESOLVED: ContextVar[str | None] = ContextVar("resolved_model", default=None)
 
 log = logging.getLogger("mmfusion.http")
 OPEN_PATHS = ("/health", "/metrics")  # answered without an API key (probes, scrapers)
@@ -243,6 +249,7 @@ class Gateway:
         tokenizer_path = path.rsplit("/", 1)[-1] in ("tokenize", "detokenize", "tokenizer_info")
         key = (value, tokenizer_path) if isinstance(value, str) or value is None else None
         if key in self._targets:
+            _RESOLVED.set(self._targets[key].name)
             return self._targets[key]  # resolved against the current model table
         names = list(dict.fromkeys(m["name"] for m in models))
         default = names[0] if len(names) == 1 and tokenizer_path else None
@@ -255,6 +262,7 @@ class Gateway:
             target = O.resolve_model(value, models, default)
         if key is not None:
             self._targets[key] = target  # bounded: only names that resolved (the deployment's)
+        _RESOLVED.set(target.name)
         return target
 
     def error_response(self, exc: Exception) -> JSONResponse:
@@ -266,12 +274,14 @@ class Gateway:
         returns (a Response or a JSON body, the model label)."""
         t0 = time.perf_counter()
         label = "unknown"
+        _RESOLVED.set(None)
         try:
             resp, label = await work(t0)
         except ClientGone:
             resp = Response(status_code=CLIENT_GONE)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error object, never a crash
             resp = self.error_response(exc)
+            label = _RESOLVED.get() or label
         streamed = isinstance(resp, StreamingResponse)
         self.metrics.request_done(label, endpoint, resp.status_code if isinstance(resp, Response) else 200,
                                   None if streamed else time.perf_counter() - t0)
