@@ -107,7 +107,9 @@ def make_catalog(fusion: MultiModelFusion, plan: DeploymentPlan, variants: dict[
     for w in plan.workers:
         by_model.setdefault(w.model_id, []).append(w)
     sizes = {mid: copy_size(ws) for mid, ws in by_model.items()}
-    catalog = Catalog(dict(variants), placer, budget, sizes)
+    # a device with no budget evicts nothing, and takes no more copies than it had memory for at start
+    ceilings = {} if ray else {d: b for d, b in placer.avail.items() if b is not None}
+    catalog = Catalog(dict(variants), placer, budget, sizes, ceilings)
     started = Residency(budget)
     for mid, s in sizes.items():
         started.add(Resident(mid, s))

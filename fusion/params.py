@@ -64,7 +64,8 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
         "serve: the memory each device's copies may hold together (weights once per device, packed linears, KV "
         "pools, process overheads); a load that does not fit evicts the least recently used unpinned copies "
         "first. `auto`: the device's available memory when the deployment starts; null: no budget (nothing "
-        "is evicted)", lambda x: x is None or x == "auto" or parse_size(x) is not None),
+        "is evicted), though a load whose copies would pass the memory the device had available at start is "
+        "refused (`no_memory`, naming the figures) rather than started", lambda x: x is None or x == "auto" or parse_size(x) is not None),
     Key("autoload", _default(RouterConfig, "autoload"), "`true`, `false`",
         "serve: a request for a variant with no copy loaded loads one (it waits for it)",
         lambda x: isinstance(x, bool)),

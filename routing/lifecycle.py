@@ -145,6 +145,8 @@ class Catalog:
     placer: Placer
     budgets: dict[str, int | None] = field(default_factory=dict)
     sizes: dict[int, CopySize] = field(default_factory=dict)
+    # bytes available at start on the devices with no budget: what their copies may hold at most
+    ceilings: dict[str, int] = field(default_factory=dict)
 
     def available(self, by_name: dict[str, list[int]]) -> list[dict]:
         """The models entry of each variant with no copy loaded or loading (no ID)."""
@@ -224,7 +226,7 @@ class Lifecycle:
         self.pending = host.pending
         self.fail = host.fail
         self.log = host.log
-        self.residency = Residency(dict(catalog.budgets))
+        self.residency = Residency(dict(catalog.budgets), dict(catalog.ceilings))
         for mid, m in self.models.items():
             m.pinned = m.spec.pin
             if mid in catalog.sizes:

@@ -85,8 +85,12 @@ class Placement:
 
 
 class Residency:
-    def __init__(self, budgets: dict[str, int | None]):
+    def __init__(self, budgets: dict[str, int | None], ceilings: dict[str, int] | None = None):
         self.budgets = budgets  # device -> bytes (None: no budget there)
+        # device -> bytes the device had available when the deployment started, for a device with no
+        # budget: nothing is evicted there, but a load past what the device has is refused, not
+        # started (ten thousand copies of a small model took the machine's memory)
+        self.ceilings = {d: c for d, c in (ceilings or {}).items() if budgets.get(d) is None and c is not None}
         self.copies: dict[int, Resident] = {}
 
     def add(self, r: Resident) -> None:
@@ -140,7 +144,10 @@ class Residency:
     def _place_on(self, size: CopySize, busy: Callable[[int], bool], wait: bool = False, now: float = 0.0,
                   protect_s: float = 0.0) -> Placement | None:
         budget = self.budgets.get(size.device)
-        if budget is None or self.used(size.device, plus=size) <= budget:
+        if budget is None:
+            ceiling = self.ceilings.get(size.device)
+            return Placement(size, ()) if ceiling is None or self.used(size.device, plus=size) <= ceiling else None
+        if self.used(size.device, plus=size) <= budget:
             return Placement(size, ())
         evict: list[int] = []
         for r in self._victims(size.device, busy, wait, now, protect_s):
@@ -186,6 +193,12 @@ class Residency:
         parts = []
         for s in sizes:
             budget = self.budgets[s.device]
+            if budget is None:  # a ceiling's refusal
+                parts.append(f"on {s.device} a copy of {name!r} needs {mib(s.alone)} (with its shared weights), and the "
+                             f"copies there would then hold {mib(self.used(s.device, plus=s))}, more than the "
+                             f"{mib(self.ceilings[s.device])} the device had available when the deployment started "
+                             "(memory_budget is null: nothing is evicted; set one to evict, or load fewer)")
+                continue
             if s.alone > budget:
                 parts.append(f"on {s.device} a copy of {name!r} needs {mib(s.alone)} even alone, more than the "
                              f"memory_budget of {mib(budget)}")

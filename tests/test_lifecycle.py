@@ -319,6 +319,9 @@ def test_a_budget_smaller_than_the_copies_that_start_is_refused_before_anything_
     with pytest.raises(ValueError, match="memory_budget: the copies started on cpu need ~.* MiB, more than its budget"):
         make_catalog(fusion, plan, SPECS, {"memory_budget": "10MiB"})
     assert make_catalog(fusion, plan, SPECS, {"memory_budget": "auto"}).budgets["cpu"] > 2**20
+    unbudgeted = make_catalog(fusion, plan, SPECS, {"memory_budget": None})
+    assert unbudgeted.budgets == {"cpu": None} and unbudgeted.ceilings["cpu"] > 2**20  # the memory available now
+    assert make_catalog(fusion, plan, SPECS, {"memory_budget": None, "ray": True}).ceilings == {}  # Ray places it
 
 
 def _serve(d: Dispatch, ident: bytes, rid: str, model: str, now: float) -> None:
@@ -394,3 +397,33 @@ def test_an_operators_load_is_never_held_back():
     answer(d, b"w1", key, "rb", now=1.5)
     admin(d, P.LOAD, "l1", model="c", now=2.0)  # evicts b, serving for 1 s, past the minute's cap
     assert orders(sent(d)) == [(P.STOP_WORKER, 1)] and d.status()["models"]["held"] == 0
+
+
+def test_with_no_budget_a_load_past_the_memory_the_device_had_at_start_is_refused_at_once():
+    """memory_budget null evicts nothing; a load still takes no more copies than the memory the
+    device had available at start holds (ten thousand copies of a tiny model were once started,
+    a worker process each, until the machine ran out of memory): refused whole, at once, naming
+    the figures, nothing started; a load that fits starts; with no ceiling known, no limit."""
+    copy = one_copy()
+    placer = PlanPlacer(["cpu"], "auto", {"cpu": None})
+    catalog = Catalog(SPECS, placer, {"cpu": None}, {0: placer.size(SPECS["a"], "cpu")}, {"cpu": int(copy * 3.5)})
+    d = Dispatch([ModelEntry(0, "a", SPECS["a"])], RouterConfig(heartbeat_interval=0.5, liveness=4),
+                 [placer.worker_spec(SPECS["a"], 0, "cpu", None, 1)], catalog=catalog)
+    ready(d, b"w0", 0)
+    admin(d, P.LOAD, "big", model="b", copies=10**9)
+    out = sent(d)
+    (err,) = replies(out)
+    assert err["type"] == P.ERROR and err["code"] == P.NO_MEMORY, err
+    assert "no memory for 1000000000 copies of 'b', only for " in err["message"]
+    assert "the device had available when the deployment started (memory_budget is null" in err["message"]
+    assert orders(out) == [] and set(d.models) == {0}
+    admin(d, P.LOAD, "two", model="b", copies=2)
+    assert [t for t, _ in orders(sent(d))] == [P.START_WORKER] * 2
+    unbounded = Residency({"cpu": None})
+    size = CopySize("cpu", copy)
+    assert len(unbounded.choose_many("b", [size], 1000, lambda _: False)) == 1000
+    bounded = Residency({"cpu": None}, {"cpu": copy * 3})
+    assert len(bounded.choose_many("b", [size], 3, lambda _: False)) == 3
+    with pytest.raises(NoMemory, match="only for 3"):
+        bounded.choose_many("b", [size], 4, lambda _: False)
+    assert Residency({"cpu": 10 * copy}, {"cpu": copy}).choose_many("b", [size], 5, lambda _: False)  # a budget rules
