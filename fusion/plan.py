@@ -396,20 +396,26 @@ def make_plan(fusion: MultiModelFusion, num_workers: int | None = None, devices=
     by_dev: dict[str, list[int]] = {}
     for k, _, d in assign:
         by_dev.setdefault(d, []).append(k)
+    avail = {d: available_bytes(d) for d in by_dev}
+    for d, ks in by_dev.items():  # their processes alone: a count no device holds is refused before sizing each
+        floor = len(ks) * worker_overhead(d)
+        if avail[d] is not None and floor > avail[d]:
+            raise ValueError(f"device {d}: the {len(ks)} workers planned there need at least {floor / 2**30:.1f} GiB "
+                             f"for their processes alone, but {avail[d] / 2**30:.1f} GiB is available; use fewer "
+                             "workers or more devices")
     cores = os.cpu_count() or 1
+    rank = {k: i for ks in by_dev.values() for i, k in enumerate(ks)}  # a worker's place among its device's
+    mean_f = {d: sum(fusion.models[j % m].deltat_scaling_factor for j in ks) / len(ks) for d, ks in by_dev.items()}
     placing = []  # (model, model ID, device, threads, batch share) per worker
     for k, mid, dev in assign:
         info = fusion.models[mid]
-        peers = by_dev[dev]
+        peers = len(by_dev[dev])
         if device_kind(dev).host:  # the workers of the host split its cores
-            threads = threads_per_worker or max(1, cores // len(peers) + (1 if peers.index(k) < cores % len(peers)
-                                                                       else 0))
+            threads = threads_per_worker or max(1, cores // peers + (1 if rank[k] < cores % peers else 0))
         else:
             threads = threads_per_worker
-        mean_f = sum(fusion.models[j % m].deltat_scaling_factor for j in peers) / len(peers)
-        placing.append((info.spec, mid, dev, threads, info.deltat_scaling_factor / mean_f))
+        placing.append((info.spec, mid, dev, threads, info.deltat_scaling_factor / mean_f[dev]))
     # every `auto` worker of a device gets an equal share of what its weights and overheads leave
-    avail = {d: available_bytes(d) for d in by_dev}
     shares: dict[str, int] = {}
     for d, ks in by_dev.items():
         sized = [_sized(k, *placing[k]) for k in ks]

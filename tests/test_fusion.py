@@ -151,6 +151,20 @@ def test_plan_round_robin_devices_and_threads():
         make_plan(fusion, 2, ["tpu"])
 
 
+def test_a_worker_count_no_device_can_hold_is_refused_at_once(monkeypatch):
+    """num_workers past what the device's memory holds for their processes alone is refused before
+    each worker is sized (a million workers planned in quadratic time: validate_only hung); a count
+    that fits is planned, each worker with its place among its device's."""
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 8 * 2**30)
+    fusion = build_fusion(load_params(TINY), ["llama,1"])
+    for n in (100, 10**6):
+        with pytest.raises(ValueError, match=rf"device cpu: the {n} workers planned there need at least .* GiB for "
+                                             r"their processes alone, but 8\.0 GiB is available"):
+            make_plan(fusion, n, "cpu")
+    plan = make_plan(fusion, 4, "cpu", kv_cache_memory="1MiB")
+    assert [w.worker_id for w in plan.workers] == [0, 1, 2, 3] and all(w.threads >= 1 for w in plan.workers)
+
+
 def test_plan_leaves_out_the_batch_file_no_linear_chose(monkeypatch, tmp_path):
     """Where an earlier load on this machine with the same settings chose the many-rows way that
     reads the laid-out file for none of the linears (its kernel note), the plan counts none of that
@@ -284,6 +298,27 @@ def test_validate_only_prints_plan_without_loading():
     bad = subprocess.run([*command(CLI), "--mode", "serve", "--params", str(TINY), "--variants", "llama,1",
                           "--router", "tcp://127.0.0.1:5599"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "serve starts a router of its own" in bad.stderr, bad.stderr[-500:]
+
+
+def test_validate_only_names_a_source_no_worker_could_load(tmp_path):
+    """A variant's source that is no model on this machine (nothing there; a file that is no .gguf; a
+    directory with no config.json) is refused by validate_only, for any variant serve could load at
+    run time, not only the started ones; a good one plans."""
+    stray = tmp_path / "notes.txt"
+    stray.write_text("x")
+    for source, said in (("/no/such/model", "unknown model source '/no/such/model'"),
+                         (str(stray), "is neither a Hugging Face directory"),
+                         (str(tmp_path), "is neither a Hugging Face directory")):
+        params = tmp_path / "p.yaml"
+        params.write_text(f'variants:\n  llama: {{model: {{source: "tiny:llama"}}}}\n'
+                          f'  other: {{model: {{source: "{source}"}}}}\n')
+        out = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(params), "--variants", "llama,1"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and said in out.stderr, (source, out.stderr[-500:])
+    params.write_text('variants:\n  llama: {model: {source: "tiny:llama"}}\n')
+    out = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(params), "--variants", "llama,1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-500:]
 
 
 

@@ -49,8 +49,10 @@ def test_directory_without_config(tmp_path):
 def test_file_that_is_not_gguf(tmp_path):
     f = tmp_path / "weights.bin"
     f.write_bytes(b"x")
-    with pytest.raises(ValueError, match="not .gguf"):
+    with pytest.raises(ValueError, match="neither a Hugging Face directory .* nor a .gguf file"):
         load_model(str(f))
+    with pytest.raises(ValueError, match="neither a Hugging Face directory"):  # a directory without config.json
+        load_model(str(tmp_path))
 
 
 def test_dtypes():

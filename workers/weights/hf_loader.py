@@ -146,12 +146,10 @@ def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
         check_source(source)
         path = Path(source).expanduser()
     kw = dict(dtype=dtype, local_files_only=True)
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ValueError(f"{path} has no config.json: not a Hugging Face model directory")
+    if path.is_dir():  # check_source: one with a config.json, or else a .gguf file
         tok = from_directory(path)
         model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
-    elif path.suffix == ".gguf":
+    else:
         for mod in ("gguf", "accelerate"):
             if importlib.util.find_spec(mod) is None:
                 raise ValueError(f"loading GGUF needs {mod}: pip install {mod}")
@@ -167,8 +165,6 @@ def load_private(source: str, dtype: torch.dtype, use_cache: bool = True):
                 tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
                 model = AutoModelForCausalLM.from_pretrained(
                     str(path.parent), gguf_file=path.name, quantization_config=GgufConfig(dequantize=True), **kw)
-    else:
-        raise ValueError(f"model source {source!r} is a file but not .gguf")
     return model.eval(), tok
 
 

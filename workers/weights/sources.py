@@ -109,10 +109,16 @@ def embedded_gguf(name: str) -> Path:
 
 
 def check_source(source: str) -> None:
-    """ValueError naming what a source may be, unless it is an embedded model, tiny:<arch> or a
-    path that exists on this machine."""
-    if source in EMBEDDED or source.startswith("tiny:") or Path(source).expanduser().exists():
+    """ValueError naming what a source may be, unless it is an embedded model, tiny:<arch>, a
+    directory with a config.json or a .gguf file on this machine."""
+    if source in EMBEDDED or source.startswith("tiny:"):
         return
+    path = Path(source).expanduser()
+    if (path.is_dir() and (path / "config.json").is_file()) or (path.is_file() and path.suffix == ".gguf"):
+        return
+    if path.exists():
+        raise ValueError(f"model source {source!r} is neither a Hugging Face directory (one with a config.json) "
+                         "nor a .gguf file")
     raise ValueError(f"unknown model source {source!r}: not an embedded model ({', '.join(EMBEDDED)}), "
                      "not tiny:<arch>, and no such file or directory; give a Hugging Face directory or "
                      "a .gguf file")
