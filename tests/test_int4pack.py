@@ -81,6 +81,12 @@ def test_tinygemm_rows_take_the_buckets_it_wins_from_the_smallest_up():
     assert int4_rows.tinygemm_rows([(1, 2.0, 1.0), (64, 2.0, 1.0)]) == 64
 
 
+def test_the_rows_timed_run_past_the_decode_buckets_to_the_largest_step():
+    assert int4_rows.row_buckets([1, 2, 4, 8, 16, 32, 64], 512) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert int4_rows.row_buckets([1, 2, 4], 300) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]
+    assert int4_rows.row_buckets([1, 2, 4, 8], 6) == [1, 2, 4, 6, 8]
+
+
 def test_measure_times_both_ways_at_every_bucket_and_chooses_by_its_timings():
     """measure() on the CPU's twin, timed by the wall clock: every bucket timed for both, and the
     rows it returns are tinygemm_rows of those timings."""

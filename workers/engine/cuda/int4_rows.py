@@ -7,7 +7,8 @@ each worker times both on every distinct int4 shape at each decode bucket (CUDA 
 few calls, both on the same input) and gives tinygemm the buckets from the smallest up where it wins
 by MARGIN at that bucket and every one below it: one crossover per shape, so a noisy bucket does
 not flip a linear back and forth. A shape tinygemm never wins keeps the Triton kernel alone and no
-packed copy. Steps of more rows than the largest bucket (prompt chunks) stay on the Triton tiles.
+packed copy. The buckets go on past the decode steps' in powers of two up to the most rows a step
+can have (prompt chunks: max_batch_tokens), so the chunks take tinygemm too where it wins there.
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ CALLS = 20  # timed calls of each way at each bucket (after WARM_UP)
 WARM_UP = 3
 
 Timer = Callable[[Callable[[], object]], float]  # seconds one call of fn takes
+
+
+def row_buckets(decode: Sequence[int], max_rows: int) -> list[int]:
+    """The row counts timed: the decode buckets, then powers of two up to max_rows, and max_rows."""
+    out = set(decode)
+    b = max(decode, default=1)
+    while b * 2 < max_rows:
+        b *= 2
+        out.add(b)
+    out.add(max(max_rows, 1))
+    return sorted(out)
 
 
 def tinygemm_rows(timings: Sequence[tuple[int, float, float]], margin: float = MARGIN) -> int:

@@ -184,8 +184,8 @@ class CudaRunner(PagedRunner):
 
     def pick_kernels(self, max_rows: int) -> dict[str, str]:
         """On a GPU in bfloat16, not `deterministic`: up to how many rows each int4 shape's calls go to
-        torch's tinygemm instead of the Triton kernel, measured here at the decode buckets
-        (workers.engine.cuda.int4_rows); the graphs captured after take the choice in."""
+        torch's tinygemm instead of the Triton kernel, measured here at the decode buckets and on up
+        to `max_rows` (workers.engine.cuda.int4_rows); the graphs captured after take the choice in."""
         lean = self.device_lean
         if lean is None or self.ops.name != "triton" or self.ops.invariant or self.lm.dtype != torch.bfloat16:
             return {}
@@ -193,7 +193,8 @@ class CudaRunner(PagedRunner):
         for lin in lean.linears():
             if lin.quant is not None and int4pack_refusal(lin.quant, torch.bfloat16) is None:
                 shapes.setdefault((lin.quant.out_features, lin.quant.in_features), lin.quant)
-        rows = {shape: int4_rows.measure(q, self.ops.qlinear, self.buckets, int4_rows.cuda_timer)[0]
+        buckets = int4_rows.row_buckets(self.buckets, max_rows)
+        rows = {shape: int4_rows.measure(q, self.ops.qlinear, buckets, int4_rows.cuda_timer)[0]
                 for shape, q in shapes.items()}
         lean.pack_int4(rows)
         return {f"{INT4} {n}x{k}": f"torch's tinygemm up to {r} rows, Triton from {r + 1}" if r else
