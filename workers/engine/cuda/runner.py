@@ -197,8 +197,12 @@ class CudaRunner(PagedRunner):
         rows = {shape: int4_rows.measure(q, self.ops.qlinear, buckets, int4_rows.cuda_timer)[0]
                 for shape, q in shapes.items()}
         lean.pack_int4(rows)
-        return {f"{INT4} {n}x{k}": f"torch's tinygemm up to {r} rows, Triton from {r + 1}" if r else
-                "Triton (tinygemm measured slower)" for (n, k), r in rows.items()}
+        def note(r: int) -> str:
+            if r >= buckets[-1]:
+                return f"torch's tinygemm at every step (1 to {r} rows measured)"
+            return f"torch's tinygemm up to {r} rows, Triton from {r + 1}" if r else "Triton (tinygemm measured slower)"
+
+        return {f"{INT4} {n}x{k}": note(r) for (n, k), r in rows.items()}
 
     def compile_refusal(self) -> str | None:
         return GRAPHS_NOT_COMPILED if self.device_lean is not None else None
