@@ -616,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --model and a prompt (or --models / --status)")
     if args.copies is not None and args.copies < 1:  # not taken as the default: 0 copies is no request
         ap.error(f"--copies must be an integer >= 1, got {args.copies}")
+    if args.timeout is not None and not args.timeout > 0:  # nan too; not taken as the default
+        ap.error(f"--timeout must be a number of seconds > 0, got {args.timeout}")
     try:
         if problem := endpoint_problem(args.router, bind=False):
             raise ValueError(problem)
@@ -623,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(args.router, timeout=wait, curve_keys=args.curve_keys, curve_name=args.curve_name)
     except (ValueError, zmq.ZMQError) as exc:  # zmq's own refusal of a host it cannot read, too
         ap.error(f"--router {args.router!r} {exc}; give e.g. {P.DEFAULT_FRONTEND}")
+    except OSError as exc:  # a keys directory without the keys (zmq.auth's "Invalid certificate file")
+        ap.error(f"--curve-keys {args.curve_keys!r}: {exc}")
     with client as c:
         started = False  # the prompt is echoed, then its tokens: an error starts on a line of its own
         try:

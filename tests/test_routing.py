@@ -140,6 +140,12 @@ def test_the_command_line_client_reports_errors_by_name(two_archs, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--router", two_archs.frontend, "--load", "llama", "--copies", "0"])
     assert info.value.code == 2 and "--copies must be an integer >= 1, got 0" in capsys.readouterr().err
+    for flags, said in ((["--timeout", "-1"], "--timeout must be a number of seconds > 0, got -1.0"),
+                        (["--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan"),
+                        (["--curve-keys", "/no/such/keys"], "--curve-keys '/no/such/keys': ")):
+        with pytest.raises(SystemExit) as info:  # a usage error naming the flag, not a wait or a traceback
+            main(["--router", two_archs.frontend, "--status", *flags])
+        assert info.value.code == 2 and said in capsys.readouterr().err, flags
     assert main(["--router", two_archs.frontend, "hello", "--model", "99", "--max-tokens", "2"]) == 1
     out = capsys.readouterr()
     assert out.out == "hello\n" and out.err.startswith("error: unknown_model"), out
