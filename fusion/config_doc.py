@@ -22,8 +22,8 @@ INTRO = """# Configuration
 
 A deployment is described by a params YAML file (`--params`): named **variants**, each a model
 with its settings and its input data, and a **runconfig** for the deployment as a whole.
-`--variants NAME,COUNT ...` picks which variants run and how many copies of each; every copy is a
-model ID of its own. Command-line flags of `run_mm.py` (or `mmfusion`) override the runconfig key
+`--variants NAME,COUNT ...` picks which variants run and how many copies of each (1 to 1,024);
+every copy is a model ID of its own. Command-line flags of `run_mm.py` (or `mmfusion`) override the runconfig key
 of the same name (`--model_dir`, `--num_workers`, `--devices`, `--router`, `--frontend`,
 `--backend`, `--inference_steps`, `--threads_per_worker`, `--curve_keys`, `--insecure`,
 `--max_restarts`, `--restart_wait`, `--http`, `--api-key`, `--api_keys_file`, `--ray`), checked as

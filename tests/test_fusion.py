@@ -76,7 +76,8 @@ def test_variants_parsing():
     params = load_params(TINY)
     assert parse_variants(["llama,2", "gpt2"], params) == [("llama", 2), ("gpt2", 1)]
     assert parse_variants(["llama", 3], params) == [("llama", 3)]  # YAML [name, count]
-    for bad, match in ((["llama,x"], "integer"), (["llama,0"], ">= 1"), (["bert,1"], "'bert' is not in")):
+    for bad, match in ((["llama,x"], "integer"), (["llama,0"], "from 1 to 1024"), (["llama,1025"], "from 1 to 1024"),
+                       (["bert,1"], "'bert' is not in")):
         with pytest.raises(ParamsError, match=match):
             parse_variants(bad, params)
 
@@ -283,6 +284,9 @@ def test_validate_only_prints_plan_without_loading():
     bad = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(TINY),
                           "--variants", "nope,1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "'nope' is not in" in bad.stderr
+    bad = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(TINY),  # not built up first
+                          "--variants", "llama,1000000000"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "count must be from 1 to 1024 (a worker process each)" in bad.stderr, bad.stderr
     # the flags that override runconfig keys are checked as the file's keys are, and the addresses
     for flags, said in ((["--threads_per_worker", "0"], "--threads_per_worker must be a positive integer"),
                         (["--inference_steps", "-1"], "--inference_steps must be a positive integer"),
