@@ -10,6 +10,7 @@ import yaml
 
 from routing.dispatch import RouterConfig
 from routing.tenants import parse_tenants
+from wire import protocol as P
 from workers.config_keys import Key, parse_size
 from workers.spec import ModelSpec
 from workers.validate import is_int, is_number
@@ -188,11 +189,6 @@ def check_runconfig(run: dict, names, where) -> None:
             raise ParamsError(f"{where(key.name)} must be {key.valid}, got {run[key.name]!r}")
 
 
-# copies of one variant a deployment starts at most: each is a worker process of its own (a billion
-# asked for was built up, entry by entry, before the plan could say no memory holds them)
-MAX_COPIES = 1024
-
-
 def parse_variants(specs, params: dict) -> list[tuple[str, int]]:
     """['a,2', 'b'] or [['a', 2]] -> [('a', 2), ('b', 1)], checked against the params' variants."""
     where = params.get("_path", "params")
@@ -208,8 +204,8 @@ def parse_variants(specs, params: dict) -> list[tuple[str, int]]:
             n = int(count) if count else 1
         except ValueError:
             raise ParamsError(f"variant {text!r}: count must be an integer (NAME,COUNT)") from None
-        if not 1 <= n <= MAX_COPIES:
-            raise ParamsError(f"variant {text!r}: count must be from 1 to {MAX_COPIES} (a worker process each)")
+        if not 1 <= n <= P.MAX_COPIES:
+            raise ParamsError(f"variant {text!r}: count must be from 1 to {P.MAX_COPIES} (a worker process each)")
         if name not in params["variants"]:
             raise ParamsError(f"variant {name!r} is not in {where}; known: {sorted(params['variants'])}")
         out.append((name, n))

@@ -251,6 +251,9 @@ class Lifecycle:
         if not is_int(copies, 1):
             raise P.ProtocolError(f"copies must be an integer >= 1 (the copies wanted in all), got {copies!r}",
                                   request_id=rid)
+        if copies > P.MAX_COPIES:  # where no memory bound applies (Ray) a placement was built for each
+            raise P.ProtocolError(f"copies ({copies}) exceeds the limit of {P.MAX_COPIES} copies of a model (a "
+                                  "worker process each)", request_id=rid)
         if not isinstance(pin, bool):
             raise P.ProtocolError(f"pin must be true or false, got {pin!r}", request_id=rid)
         if any(m.name == name and m.state == P.STATE_UNLOADING for m in self.models.values()):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wire.protocol import BAD_REQUEST
+from wire.protocol import BAD_REQUEST, MAX_COPIES
 from workers.request_params import MAX_LOGPROBS
 from workers.validate import is_int
 
@@ -185,6 +185,9 @@ def load_args(body: dict) -> dict:
     pin = False if body.get("pin") is None else body["pin"]
     if not is_int(copies) or copies < 1:
         raise bad("copies", f"copies must be an integer >= 1 (the copies wanted in all), got {copies!r}")
+    if copies > MAX_COPIES:
+        raise bad("copies", f"copies ({copies}) exceeds the limit of {MAX_COPIES} copies of a model (a worker "
+                            "process each)")
     if not isinstance(pin, bool):
         raise bad("pin", f"pin must be true or false, got {pin!r}")
     return {"model": _model_name(body), "copies": copies, "pin": pin}

@@ -291,7 +291,8 @@ def test_errors_are_openai_error_objects(oai, gw):
     # models at run time: a key the endpoint does not take (a misspelt copies would load one copy)
     for path, body, param in (("/v1/models/load", {"model": "llama", "copie": 2}, "copie"),
                               ("/v1/models/unload", {"model": "llama", "pin": True}, "pin"),
-                              ("/v1/models/load", {"model": 5}, "model")):
+                              ("/v1/models/load", {"model": 5}, "model"),
+                              ("/v1/models/load", {"model": "llama", "copies": 10**9}, "copies")):
         bad = httpx.post(gw.url + path, json=body, timeout=10)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
     assert "takes model, copies, pin" in httpx.post(gw.url + "/v1/models/load", json={"model": "llama", "x": 1},

@@ -214,6 +214,7 @@ def test_a_load_and_an_unload_of_one_model_at_once_conflict():
     (P.LOAD, {"model": "nope"}, P.UNKNOWN_MODEL),
     (P.LOAD, {"model": "b", "copies": 0}, P.BAD_REQUEST),
     (P.LOAD, {"model": "b", "copies": True}, P.BAD_REQUEST),
+    (P.LOAD, {"model": "b", "copies": P.MAX_COPIES + 1}, P.BAD_REQUEST),  # a worker process each
     (P.LOAD, {"model": "b", "pin": "yes"}, P.BAD_REQUEST),
     (P.UNLOAD, {"model": "c"}, P.BAD_REQUEST),  # not loaded
     (P.UNLOAD, {"model": "a", "copies": -1}, P.BAD_REQUEST),
@@ -401,7 +402,7 @@ def test_an_operators_load_is_never_held_back():
 
 def test_with_no_budget_a_load_past_the_memory_the_device_had_at_start_is_refused_at_once():
     """memory_budget null evicts nothing; a load still takes no more copies than the memory the
-    device had available at start holds (ten thousand copies of a tiny model were once started,
+    device had available at start holds (6,948 copies of a tiny model were once started,
     a worker process each, until the machine ran out of memory): refused whole, at once, naming
     the figures, nothing started; a load that fits starts; with no ceiling known, no limit."""
     copy = one_copy()
@@ -410,11 +411,11 @@ def test_with_no_budget_a_load_past_the_memory_the_device_had_at_start_is_refuse
     d = Dispatch([ModelEntry(0, "a", SPECS["a"])], RouterConfig(heartbeat_interval=0.5, liveness=4),
                  [placer.worker_spec(SPECS["a"], 0, "cpu", None, 1)], catalog=catalog)
     ready(d, b"w0", 0)
-    admin(d, P.LOAD, "big", model="b", copies=10**9)
+    admin(d, P.LOAD, "big", model="b", copies=P.MAX_COPIES)
     out = sent(d)
     (err,) = replies(out)
     assert err["type"] == P.ERROR and err["code"] == P.NO_MEMORY, err
-    assert "no memory for 1000000000 copies of 'b', only for " in err["message"]
+    assert f"no memory for {P.MAX_COPIES} copies of 'b', only for " in err["message"]
     assert "the device had available when the deployment started (memory_budget is null" in err["message"]
     assert orders(out) == [] and set(d.models) == {0}
     admin(d, P.LOAD, "two", model="b", copies=2)
