@@ -306,24 +306,27 @@ def test_validate_only_prints_plan_without_loading():
 
 def test_validate_only_names_a_source_no_worker_could_load(tmp_path):
     """A variant's source that is no model on this machine (nothing there; a file that is no .gguf; a
-    directory with no config.json) is refused by validate_only, for any variant serve could load at
-    run time, not only the started ones; a good one plans."""
+    directory with no config.json) is refused by check_source; validate_only refuses it for any
+    variant serve could load at run time, not only the started ones; a good one plans."""
+    from workers.weights.sources import check_source
+
     stray = tmp_path / "notes.txt"
     stray.write_text("x")
     for source, said in (("/no/such/model", "unknown model source '/no/such/model'"),
                          (str(stray), "is neither a Hugging Face directory"),
                          (str(tmp_path), "is neither a Hugging Face directory")):
-        params = tmp_path / "p.yaml"
+        with pytest.raises(ValueError, match=re.escape(said)):
+            check_source(source)
+    (tmp_path / "config.json").write_text("{}")
+    check_source(str(tmp_path))  # a Hugging Face directory, as far as the source goes
+    params = tmp_path / "p.yaml"
+    for other, code in (("/no/such/model", 2), ("tiny:gpt2", 0)):
         params.write_text(f'variants:\n  llama: {{model: {{source: "tiny:llama"}}}}\n'
-                          f'  other: {{model: {{source: "{source}"}}}}\n')
+                          f'  other: {{model: {{source: "{other}"}}}}\n')
         out = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(params), "--variants", "llama,1"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 2 and said in out.stderr, (source, out.stderr[-500:])
-    params.write_text('variants:\n  llama: {model: {source: "tiny:llama"}}\n')
-    out = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(params), "--variants", "llama,1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-500:]
-
+        assert out.returncode == code and ("unknown model source '/no/such/model'" in out.stderr) == (code == 2), \
+            (other, out.stderr[-500:])
 
 
 def test_a_cuda_device_this_machine_lacks_is_refused_before_anything_starts(tmp_path):
