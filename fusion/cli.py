@@ -144,8 +144,8 @@ def place(mode: str, params: dict, fusion) -> tuple[object, object]:
         from workers.weights.sources import check_source
 
         specs = variant_specs(params).values() if mode in ("serve", "validate_only") else [m.spec for m in fusion.models]
-        for spec in specs:  # serve may load any variant at run time
-            check_source(spec.source)
+        for source in dict.fromkeys(s.source for s in specs):  # serve may load any variant at run time
+            check_source(source)
     plan_args = (fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
     if mode in ("predict", "infer", "eval") and run["router"]:
         plan = None  # the router's workers are already placed

@@ -90,7 +90,7 @@ class Residency:
         # device -> bytes the device had available when the deployment started, for a device with no
         # budget: nothing is evicted there, but a load past what the device has is refused, not
         # started (ten thousand copies of a small model took the machine's memory)
-        self.ceilings = {d: c for d, c in (ceilings or {}).items() if budgets.get(d) is None and c is not None}
+        self.ceilings = {d: c for d, c in (ceilings or {}).items() if budgets.get(d) is None}
         self.copies: dict[int, Resident] = {}
 
     def add(self, r: Resident) -> None:
