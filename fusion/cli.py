@@ -141,11 +141,12 @@ def place(mode: str, params: dict, fusion) -> tuple[object, object]:
     run = params["runconfig"]
     local = not run["router"] and not run["ray"]
     if local:  # what a worker here would load: named here, not by a worker's failed load seconds later
-        from workers.weights.sources import check_source
+        from workers.weights.sources import check_context, check_source
 
         specs = variant_specs(params).values() if mode in ("serve", "validate_only") else [m.spec for m in fusion.models]
-        for source in dict.fromkeys(s.source for s in specs):  # serve may load any variant at run time
+        for source, max_model_len in dict.fromkeys((s.source, s.max_model_len) for s in specs):  # serve: any variant
             check_source(source)
+            check_context(source, max_model_len)
     plan_args = (fusion, run["num_workers"], run["devices"], run["threads_per_worker"], run["kv_cache_memory"])
     if mode in ("predict", "infer", "eval") and run["router"]:
         plan = None  # the router's workers are already placed

@@ -307,8 +307,9 @@ def test_validate_only_prints_plan_without_loading():
 def test_validate_only_names_a_source_no_worker_could_load(tmp_path):
     """A variant's source that is no model on this machine (nothing there; a file that is no .gguf; a
     directory with no config.json) is refused by check_source; validate_only refuses it for any
-    variant serve could load at run time, not only the started ones; a good one plans."""
-    from workers.weights.sources import check_source
+    variant serve could load at run time, not only the started ones; a good one plans. A max_model_len
+    above the context a source declares is refused the same way (check_context), before any load."""
+    from workers.weights.sources import check_context, check_source
 
     stray = tmp_path / "notes.txt"
     stray.write_text("x")
@@ -319,13 +320,23 @@ def test_validate_only_names_a_source_no_worker_could_load(tmp_path):
             check_source(source)
     (tmp_path / "config.json").write_text("{}")
     check_source(str(tmp_path))  # a Hugging Face directory, as far as the source goes
+    check_context(str(tmp_path), 10**6)  # it declares no context: max_model_len sets it
+    (tmp_path / "config.json").write_text('{"text_config": {"max_position_embeddings": 4096}}')
+    check_context(str(tmp_path), 4096)
+    for source, limit, key in ((str(tmp_path), 4096, "max_position_embeddings"), ("tiny:gpt2", 512, "n_positions"),
+                               ("smollm2-135m", 8192, "llama.context_length")):  # the last from its GGUF header
+        with pytest.raises(ValueError, match=re.escape(f"{limit} tokens ({key} in its config): set max_model_len "
+                                                       f"to at most {limit}")):
+            check_context(source, limit + 1)
     params = tmp_path / "p.yaml"
-    for other, code in (("/no/such/model", 2), ("tiny:gpt2", 0)):
-        params.write_text(f'variants:\n  llama: {{model: {{source: "tiny:llama"}}}}\n'
-                          f'  other: {{model: {{source: "{other}"}}}}\n')
+    for other, said in (('source: "/no/such/model"', "unknown model source '/no/such/model'"),
+                        ('source: "tiny:gpt2", max_model_len: 4096', "max_model_len 4096 is above the context of "
+                                                                     "model 'tiny:gpt2', 512 tokens"),
+                        ('source: "tiny:gpt2", max_model_len: 512', None)):
+        params.write_text(f'variants:\n  llama: {{model: {{source: "tiny:llama"}}}}\n  other: {{model: {{{other}}}}}\n')
         out = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(params), "--variants", "llama,1"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert out.returncode == code and ("unknown model source '/no/such/model'" in out.stderr) == (code == 2), \
+        assert (out.returncode, said is None or said in out.stderr) == (0 if said is None else 2, True), \
             (other, out.stderr[-500:])
 
 

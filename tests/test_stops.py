@@ -77,6 +77,13 @@ def test_context_length_bounds_the_request():
     assert out.outputs[0].finish_reason == "length"
 
 
+def test_max_model_len_past_the_models_context_is_refused():
+    assert load_model("tiny:llama", dtype="float32", max_model_len=512).max_model_len == 512  # its own context
+    with pytest.raises(ValueError, match=r"max_model_len 513 is above the context of model 'tiny:llama', "
+                                         r"512 tokens \(max_position_embeddings in its config\)"):
+        load_model("tiny:llama", dtype="float32", max_model_len=513)
+
+
 def test_abort_frees_the_blocks(lm):
     eng = Engine(lm, EngineConfig(max_batch_size=2, max_batch_tokens=16))
     eng.add_request("a", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))

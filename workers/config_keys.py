@@ -87,7 +87,8 @@ MODEL_KEYS: tuple[Key, ...] = (
         "16-bit dtype (see docs/cpus.md)",
         lambda x: x in ("auto", "float32", "bfloat16", "float16", "float64")),
     Key("max_model_len", None, "a positive integer, or null",
-        "the longest sequence (prompt + generated) served; null: the model's own context length",
+        "the longest sequence (prompt + generated) served; null: the model's own context length. Above the "
+        "model's own, the load is refused",
         lambda x: x is None or is_int(x, 1)),
     Key("max_batch_size", 64, "a positive integer",
         "sequences a worker runs at once (before `deltat_scaling_factor` shares a device's capacity)",

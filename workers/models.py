@@ -51,11 +51,7 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
                 shared_weights.release_heap()
         model.to(dev)
         weights = shared_weights.private_info(model)
-    ctx = context_len(model.config)
-    if max_model_len is not None:
-        if max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-        ctx = min(ctx, max_model_len)
+    ctx = context_len(model.config, source, max_model_len)
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     if eos is None:
         eos = tok.eos_token_id

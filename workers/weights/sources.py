@@ -64,26 +64,64 @@ def architecture(source: str) -> str | None:
 
 def gguf_architecture(path: Path) -> str | None:
     """general.architecture of a GGUF file, read from its header (the first keys hold it)."""
-    scalars = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+    value = gguf_header(path, lambda key: key == "general.architecture")
+    return value if isinstance(value, str) else None
+
+
+def gguf_context(path: Path) -> tuple[str, int] | None:
+    """<arch>.context_length of a GGUF file, read from its header (it comes before the tokenizer's arrays)."""
+    arch = gguf_architecture(path)
+    if arch is None:
+        return None
+    key = f"{arch}.context_length"
+    value = gguf_header(path, lambda k: k == key)
+    return (key, value) if isinstance(value, int) and value > 0 else None
+
+
+# GGUF value type -> (struct format) of its scalars; 8 is a string, 9 an array
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_header(path: Path, wanted) -> str | int | float | bool | None:
+    """The value of the first key of a GGUF file's header that `wanted(key)` accepts, read key by key and
+    stopping there (the library's reader parses every tensor's entry and the whole vocabulary first: seconds
+    for a large file); None where no key is accepted, the file is no GGUF or an array is accepted."""
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 return None
             f.read(4 + 8)  # version, tensor count
             (count,) = struct.unpack("<Q", f.read(8))
-            for _ in range(min(count, 64)):
-                (klen,) = struct.unpack("<Q", f.read(8))
-                key = f.read(klen).decode("utf-8", "replace")
+
+            def string() -> bytes:
+                (n,) = struct.unpack("<Q", f.read(8))
+                return f.read(n)
+
+            def skip(vtype: int, n: int) -> None:
+                if vtype in _GGUF_SCALARS:
+                    f.seek(n * struct.calcsize(_GGUF_SCALARS[vtype]), 1)
+                elif vtype == 8:
+                    for _ in range(n):
+                        string()
+                else:
+                    raise struct.error(f"GGUF value type {vtype} not read here")
+
+            for _ in range(count):
+                key = string().decode("utf-8", "replace")
                 (vtype,) = struct.unpack("<I", f.read(4))
-                if vtype == 8:  # string
-                    (vlen,) = struct.unpack("<Q", f.read(8))
-                    value = f.read(vlen)
-                    if key == "general.architecture":
-                        return value.decode("utf-8", "replace")
-                elif vtype in scalars:
-                    f.read(scalars[vtype])
-                else:  # an array before the architecture: not a layout this reads
+                if wanted(key):
+                    if vtype == 8:
+                        return string().decode("utf-8", "replace")
+                    if vtype in _GGUF_SCALARS:
+                        fmt = _GGUF_SCALARS[vtype]
+                        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
                     return None
+                if vtype == 9:
+                    (etype,) = struct.unpack("<I", f.read(4))
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    skip(etype, n)
+                else:
+                    skip(vtype, 1)
     except (OSError, struct.error):
         return None
     return None
@@ -195,11 +233,50 @@ def _root_files(path: Path) -> list[tuple[str, int, int]]:
     return out
 
 
-def context_len(config) -> int:
-    """The longest sequence a model's config allows."""
-    cfg = config.get_text_config()
+def declared_context(config: dict) -> tuple[str, int] | None:
+    """The key and value of the longest sequence a model's (text) config declares, or None when it declares none."""
     for key in ("max_position_embeddings", "n_positions", "seq_length"):
-        val = getattr(cfg, key, None)
+        val = config.get(key)
         if isinstance(val, int) and val > 0:
-            return val
-    return DEFAULT_CONTEXT
+            return key, val
+    return None
+
+
+def source_context(source: str) -> tuple[str, int] | None:
+    """What a source declares as its context (the key and value), read without loading it; None where it declares
+    none."""
+    if source.startswith("tiny:"):
+        from workers.weights.tiny_configs import TINY_CONFIGS
+
+        cfg = TINY_CONFIGS.get(source.split(":")[1])
+        return None if cfg is None else declared_context(cfg)
+    gguf = source_gguf(source)
+    if gguf is not None:
+        return gguf_context(gguf)
+    config = Path(source).expanduser() / "config.json"
+    if not config.is_file():
+        return None
+    cfg = json.loads(config.read_text())
+    return declared_context(cfg.get("text_config") or cfg)
+
+
+def check_context(source: str, max_model_len: int | None, declared: tuple[str, int] | None = None) -> None:
+    """ValueError where `max_model_len` is above the context the source declares, as vLLM refuses it: positions
+    past it were never trained, and a limit quietly lowered would refuse requests the user planned for."""
+    declared = source_context(source) if declared is None and max_model_len is not None else declared
+    if max_model_len is not None and declared is not None and max_model_len > declared[1]:
+        raise ValueError(f"max_model_len {max_model_len} is above the context of model {source!r}, "
+                         f"{declared[1]} tokens ({declared[0]} in its config): set max_model_len to at most "
+                         f"{declared[1]}, or null for the model's own")
+
+
+def context_len(config, source: str, max_model_len: int | None = None) -> int:
+    """The longest sequence served of a loaded model's `config`: `max_model_len` where given (refused above what
+    the config declares: check_context), else the config's, DEFAULT_CONTEXT where it declares none."""
+    declared = declared_context(config.get_text_config().to_dict())
+    if max_model_len is None:
+        return DEFAULT_CONTEXT if declared is None else declared[1]
+    if max_model_len <= 0:
+        raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    check_context(source, max_model_len, declared)
+    return max_model_len
