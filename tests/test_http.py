@@ -17,7 +17,7 @@ from support.cluster import ROOT, TINY, Deployment, engine_reference, one_worker
 from support.cluster import TINY_CONFIG as CONFIG
 from support.models import plain_logits, tiny
 
-from routing.client import Client, RouterError
+from routing.client import AsyncClient, Client, RouterError
 from routing.entrypoints import CLI, GATEWAY, command
 from routing.http import openai as O
 from routing.http.app import GatewaySettings
@@ -389,7 +389,7 @@ def test_metrics_parse_and_count(oai, gw):
             "mmfusion_inter_token_latency_seconds", "mmfusion_prompt_tokens"} <= set(fams)
 
 
-def test_tokenizer_endpoints_and_per_model_base_urls(gw):
+def test_tokenizer_endpoints_and_per_model_base_urls(gw, dep):
     lm = tiny("llama", "float32")
     with httpx.Client(base_url=gw.url, timeout=10) as h:
         tok = h.post("/models/llama/tokenize", json={"prompt": "hey there", "add_special_tokens": False}).json()
@@ -407,6 +407,15 @@ def test_tokenizer_endpoints_and_per_model_base_urls(gw):
         assert r["model"] == "gpt2" and r["usage"]["completion_tokens"] == 2
         chat = h.post("/models/llama/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
         assert chat["tokens"] == chat_prompt(lm.tokenizer, [{"role": "user", "content": "hi"}], "llama")
+    # a reply of more IDs than a message holds was refused by the client as undecodable (a 502 over HTTP)
+    async def tokenize_long() -> None:
+        async with AsyncClient(dep.frontend, timeout=60) as ac:
+            with pytest.raises(RouterError, match=f"tokenize answers at most {P.MAX_TOKENIZE_IDS}") as refused:
+                await ac.result("llama", "x" * (P.MAX_TOKENIZE_IDS + 1), P.TOKENIZE)
+            assert refused.value.code == P.BAD_REQUEST
+            assert (await ac.result("llama", "x" * P.MAX_TOKENIZE_IDS, P.TOKENIZE))["count"] == P.MAX_TOKENIZE_IDS
+
+    asyncio.run(tokenize_long())
 
 
 def test_health_names_models_without_a_worker(gw):

@@ -88,6 +88,9 @@ RESTART_WAIT = 30.0
 MAX_PROMPT_ITEMS = 1 << 20
 MAX_MAP_ITEMS = 4096  # entries of any map in a message (a request's parameters, its logit_bias)
 MAX_SAMPLES = 1024  # per-sample entries in a chunk header
+# token IDs a tokenize reply holds at most: msgpack writes an ID in up to 5 bytes, so any vocabulary's reply
+# stays within MAX_MESSAGE_BYTES (a longer text's reply was refused by the client as undecodable)
+MAX_TOKENIZE_IDS = MAX_MESSAGE_BYTES // 8
 # copies of one model a deployment holds at most, started or loaded: each is a worker process (a
 # billion asked for was built up entry by entry before any memory check could refuse it)
 MAX_COPIES = 1024

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jinja2 import TemplateError
 
+from wire.protocol import MAX_TOKENIZE_IDS
 from workers.validate import ParamError
 
 # the tokens that end an assistant turn in the chat templates we know; those in the vocabulary stop
@@ -69,6 +70,9 @@ def tokenize(tokenizer, prompt, params: dict, model_name: str, max_model_len: in
         ids = list(tokenizer(prompt, add_special_tokens=add).input_ids)
     else:
         raise ValueError("prompt must be a string (or messages a list of {role, content} objects)")
+    if len(ids) > MAX_TOKENIZE_IDS:
+        raise ParamError("prompt", f"the prompt is {len(ids)} tokens; tokenize answers at most {MAX_TOKENIZE_IDS} "
+                                   "(split the text)")
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
 
