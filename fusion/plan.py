@@ -59,10 +59,10 @@ class WorkerPlan:
     # weight-only quantized linears mapped from one file that its sharing copies on the device hold
     # once (workers.weights.quantized_cache), counted per (source, dtype) group like the weights
     shared_packed_bytes: int = 0
-    # the same linears laid out for a many-rows way of the row kernels (batch_layout): packed in
-    # bfloat16 for AMX tiles, or widened to float32 on a bfloat16 CPU without them. One mapped file
-    # too, counted whole (the most it can hold), or not at all where an earlier load on this machine
-    # with the same settings chose that way for none of the linears (batch_file_needed)
+    # the same linears laid out for the many-rows ways of the row kernels (batch_layouts): packed in
+    # bfloat16 pairs (AMX tiles, or vdpbf16ps), and widened to float32 on a bfloat16 CPU without AMX.
+    # A mapped file each, counted whole (the most it can hold), or not at all where an earlier load on
+    # this machine with the same settings chose that way for none of the linears (batch_file_needed)
     shared_batch_bytes: int = 0
     kv_tokens: int | None = None  # the tokens its KV budget holds (None: the model's shape is known at load)
     precision: Precision | None = None  # the dtypes its weights, math and KV cache use (workers.precision)
@@ -233,21 +233,22 @@ def packed_bytes(weights: int, prec: Precision) -> int:
     return 0
 
 
-def batch_layout(device: str, prec: Precision) -> tuple[str, str, int]:
-    """The file of values a CPU worker's quantized linears may read at many rows: the row kernels'
-    way that reads it, its words and bytes a value. On a CPU with AMX tiles, bfloat16 packed for
-    them (workers.engine.cpu.linears.tiles_fit); bfloat16 math without them, float32
-    (linears.float32_fits); else none ("", "", 0)."""
+def batch_layouts(device: str, prec: Precision) -> list[tuple[str, str, int]]:
+    """The files of values a CPU worker's quantized linears may read at many rows: for each, the row
+    kernels' way that reads it, its words and bytes a value. Where bfloat16 math has dot products for
+    it (AMX tiles, or AVX512-BF16's vdpbf16ps), bfloat16 packed in pairs (workers.engine.cpu.linears.
+    tiles_fit); without AMX tiles, also float32 (linears.float32_fits); none where the math is not
+    bfloat16."""
     import torch
 
     from workers.capability import cpu_capability
     from workers.engine.cpu.row_kernels import FLOAT32, PACKED
 
     if not (device_kind(device).host and prec.quantized and prec.compute == torch.bfloat16):
-        return "", "", 0
+        return []
     if cpu_capability().at_least("amx"):
-        return PACKED, "packed for AMX tiles (bfloat16)", 2
-    return FLOAT32, "widened to float32", 4
+        return [(PACKED, "packed for AMX tiles (bfloat16)", 2)]
+    return [(PACKED, "packed in bfloat16 pairs", 2), (FLOAT32, "widened to float32", 4)]
 
 
 def batch_file_needed(spec: WorkerSpec, prec: Precision, way: str) -> bool:
@@ -271,7 +272,8 @@ def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
             alone = weight_bytes(w.spec.model.source, _bytes(w.precision.weights)) + w.shared_packed_bytes
             g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0,
                                         "quantized_bytes": {}, "batch_bytes": 0, "alone": alone,
-                                        "batch_layout": batch_layout(device, w.precision)[1]})
+                                        "batch_layout": " or ".join(words for _, words, _ in
+                                                                    batch_layouts(device, w.precision))})
             g["copies"] += 1
             if w.shared_packed_bytes:  # one file per quantization kind beside the weights
                 g["quantized_bytes"][w.precision.quantization] = w.shared_packed_bytes
@@ -298,8 +300,8 @@ def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads
     w = WorkerPlan(worker_id, spec, weight_bytes(model.source, _bytes(prec.weights)), model.share_weights,
                    precision=prec)
     packed = packed_bytes(w.weight_bytes, prec)
-    way, _, per_value = batch_layout(device, prec)
-    laid = weight_bytes(model.source, per_value) if per_value and batch_file_needed(spec, prec, way) else 0
+    laid = sum(weight_bytes(model.source, per_value) for way, _, per_value in batch_layouts(device, prec)
+               if batch_file_needed(spec, prec, way))
     if prec.quantized and w.shares_weights and device_kind(device).host:  # one mapped file on the device
         w.shared_packed_bytes, w.shared_batch_bytes = packed, laid
         w.weight_bytes = kept_dense_bytes(model.source, _bytes(prec.weights), w.weight_bytes)

@@ -13,7 +13,7 @@ from support.batch import tiny_variant, write_params
 from fusion.deploy import build_fusion
 from fusion.model_info import ModelInfo, MultiModelFusion
 from fusion.params import ParamsError, load_params, parse_variants
-from fusion.plan import OVERHEAD_BYTES, batch_layout, make_plan, weight_bytes
+from fusion.plan import OVERHEAD_BYTES, batch_layouts, make_plan, weight_bytes
 from routing.entrypoints import CLI, command
 from workers import kernel_notes
 from workers.spec import ModelSpec, WorkerSpec
@@ -178,17 +178,18 @@ def test_plan_leaves_out_the_batch_file_no_linear_chose(monkeypatch, tmp_path):
         return make_plan(fusion, 2, "cpu", kv_cache_memory="64MiB", threads_per_worker=1).workers[0]
 
     w = planned()
-    way, _, per_value = batch_layout("cpu", w.precision)
-    if not per_value:
+    layouts = batch_layouts("cpu", w.precision)
+    if not layouts:
         pytest.skip("this CPU lays out no file for many rows (quantized linears in bfloat16 need AVX512-BF16)")
-    whole = weight_bytes("smollm2-135m", per_value)
-    assert w.shared_batch_bytes == whole  # nothing measured yet: the most it can hold
+    sizes = {way: weight_bytes("smollm2-135m", per_value) for way, _, per_value in layouts}
+    assert w.shared_batch_bytes == sum(sizes.values())  # nothing measured yet: the most they can hold
     key = kernel_notes.note_key("smollm2-135m", w.precision, 1, max(w.spec.batch_tokens, w.spec.batch_size))
     kernel_notes.remember(key, {"int4 3072x576": "act8 up to 4 rows, blocks 5-16 rows, widened from 17",
                                 "int4 576x1536": "blocks"})
     assert planned().shared_batch_bytes == 0
-    kernel_notes.remember(key, {"int4 3072x576": f"act8 up to 4 rows, {way} from 5", "int4 576x1536": "blocks"})
-    assert planned().shared_batch_bytes == whole
+    for way, whole in sizes.items():  # each file counted where a choice takes its way
+        kernel_notes.remember(key, {"int4 3072x576": f"act8 up to 4 rows, {way} from 5", "int4 576x1536": "blocks"})
+        assert planned().shared_batch_bytes == whole
     assert planned().shared_packed_bytes == w.shared_packed_bytes  # the blocks' own file is counted either way
 
 
@@ -210,13 +211,14 @@ def test_plan_counts_shared_quantized_linears_once(monkeypatch):
     # what a copy holds, weights and linears: under 0.4x a bfloat16 copy's (the embedding stays 16-bit)
     assert w.weight_bytes + w.shared_packed_bytes < 0.4 * (bf16.weight_bytes + bf16.packed_bytes)
     assert "int4 linears" in quant.describe()
-    # on a CPU with AMX tiles the linears packed for them in bfloat16 are one more file, counted once;
-    # on one computing in bfloat16 without them, the linears widened to float32
-    way, words, per_value = batch_layout("cpu", w.precision)
-    assert w.shared_batch_bytes == (weight_bytes("smollm2-135m", per_value) if per_value else 0)
-    assert ("packed for AMX tiles" in quant.describe()) == (per_value == 2)
-    assert ("widened to float32" in quant.describe()) == (per_value == 4)
-    assert batch_layout("cpu", bf16.precision) == ("", "", 0)  # not quantized: no such file
+    # where bfloat16 has dot products, the linears packed in bfloat16 pairs are one more file, counted
+    # once; on one computing in bfloat16 without AMX tiles, the linears widened to float32 one more
+    layouts = batch_layouts("cpu", w.precision)
+    assert w.shared_batch_bytes == sum(weight_bytes("smollm2-135m", per_value) for _, _, per_value in layouts)
+    per_value = {per_value for _, _, per_value in layouts}
+    assert ("packed for AMX tiles" in quant.describe()) == (per_value == {2})
+    assert ("packed in bfloat16 pairs or widened to float32" in quant.describe()) == (per_value == {2, 4})
+    assert batch_layouts("cpu", bf16.precision) == []  # not quantized: no such file
     private = make_plan(MultiModelFusion([info("m", "smollm2-135m", dtype="bfloat16", quantization="int4",
                                                share_weights=False)]), 2, "cpu", kv_cache_memory="64MiB")
     assert private.workers[0].packed_bytes == w.shared_packed_bytes + w.shared_batch_bytes  # each copy its own

@@ -386,52 +386,70 @@ def test_a_later_load_lays_out_only_the_values_its_kept_choice_takes(tmp_path, m
     lm = tiny("llama", dtype="bfloat16")
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=INT4))
     lean = eng.runner.lean
-    if lean.compute == torch.bfloat16 and tiles_fit(lean.norms):
-        way, values = PACKED, "packed16"
-    elif float32_fits(lean.norms, lean.compute):
-        way, values = FLOAT32, "wide32"
-    else:
+    ways = {way: values for way, values, offered in ((PACKED, "packed16", lean.compute == torch.bfloat16
+                                                      and tiles_fit(lean.norms)),
+                                                     (FLOAT32, "wide32", float32_fits(lean.norms, lean.compute)))
+            if offered}
+    if not ways:
         pytest.skip(f"this CPU (level {capability.cpu_capability().level}) computes the model in "
                     f"{lean.compute}: no way of the row kernels reads laid-out values here")
-    asked: list[set[str]] = []
+    asked: dict[str, set[str]] = {}
 
     def packs(asked_way, weights):
-        assert asked_way == way
-        asked.append(set(weights))
-        return lay_out(lean.norms, way, weights)
+        assert asked_way in ways and asked_way not in asked
+        asked[asked_way] = set(weights)
+        return lay_out(lean.norms, asked_way, weights)
 
     again = lean.pick_row_kernels(64, packs)
     assert again == eng.kernels  # read back, not measured anew
     quantized = [lin for lin in lean.linears() if lin.quant is not None]
-    takes = [lin for lin in quantized if lin.rows.uses(way)]
-    assert [len(keys) for keys in asked] == ([len(takes)] if takes else [])
-    assert set(asked[0] if asked else ()) <= set(lean.quantized_weights())
-    assert all((getattr(lin, values) is not None) == (lin in takes) for lin in quantized)
+    for way, values in ways.items():
+        takes = [lin for lin in quantized if lin.rows.uses(way)]
+        assert len(asked.get(way, ())) == len(takes)
+        assert asked.get(way, set()) <= set(lean.quantized_weights())
+        assert all((getattr(lin, values) is not None) == (lin in takes) for lin in quantized)
 
 
-def test_a_first_load_writes_only_the_float32_values_its_choice_takes(tmp_path, monkeypatch):
+def test_a_first_load_writes_only_the_values_its_choice_takes(tmp_path, monkeypatch):
     """On a bfloat16 CPU without AMX tiles, a load that measures times the float32 way on values
-    widened in its own memory and asks for the file's only for the linears whose choice takes it
-    (none at all where none does), so a CPU where bfloat16 wins writes no such file."""
+    widened in its own memory, and the bfloat16 pairs on values packed there, and asks for each
+    file's only for the linears whose choice takes its way (none at all where none does), so a CPU
+    where the blocks or bfloat16 win writes no float32 file."""
     lm = tiny("llama", dtype="bfloat16")
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "first"))
     eng = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, quantization=INT4))
     lean = eng.runner.lean
-    if not float32_fits(lean.norms, lean.compute) or tiles_fit(lean.norms):
+    if not float32_fits(lean.norms, lean.compute):
         pytest.skip(f"the float32 way is offered on a CPU computing in bfloat16 without AMX tiles; this one is at "
                     f"level {capability.cpu_capability().level}, computing in {lean.compute}")
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path / "again"))  # nothing kept: measured anew
-    asked: list[set[str]] = []
+    asked: dict[str, set[str]] = {}
 
     def packs(way, weights):
-        asked.append(set(weights))
+        asked[way] = set(weights)
         return lay_out(lean.norms, way, weights)
 
     lean.pick_row_kernels(64, packs)
     quantized = [lin for lin in lean.linears() if lin.quant is not None]
-    takes = {key for key, lin in lean._keyed.items() if lin.quant is not None and lin.rows.uses(FLOAT32)}
-    assert asked == ([takes] if takes else [])
-    assert all((lin.wide32 is not None) == lin.rows.uses(FLOAT32) for lin in quantized)
+    # the bfloat16 pairs (vdpbf16ps) likewise: measured on values packed here, the file's asked for the chosen
+    for way, values in ((FLOAT32, "wide32"), (PACKED, "packed16")):
+        takes = {key for key, lin in lean._keyed.items() if lin.quant is not None and lin.rows.uses(way)}
+        assert asked.get(way) == (takes or None)
+        assert all((getattr(lin, values) is not None) == lin.rows.uses(way) for lin in quantized)
+
+
+def test_a_way_that_wins_few_rows_and_draws_many_takes_them_all():
+    """A many-rows way that beats the blocks by the margin at a small bucket and draws with them (within
+    the margin either way) at the larger ones starts there and keeps every larger bucket; where the
+    blocks beat it by the margin at a larger bucket, only a bucket above that one it wins can start it."""
+    seconds = {4: {BLOCKS: 1.0, WIDENED: 3.0, PACKED: 1.5}, 16: {BLOCKS: 2.0, WIDENED: 3.0, PACKED: 1.0},
+               64: {BLOCKS: 5.0, WIDENED: 6.0, PACKED: 4.3}, 256: {BLOCKS: 20.0, WIDENED: 22.0, PACKED: 19.0},
+               512: {BLOCKS: 40.0, WIDENED: 44.0, PACKED: 41.0}}
+    assert pick(seconds) == RowChoice(5, PACKED)
+    seconds[256][PACKED] = 23.0  # the blocks win 256 rows by the margin: 256 rows and fewer keep them
+    assert pick(seconds) == RowChoice()  # 512 rows only drew
+    seconds[512][PACKED] = 30.0
+    assert pick(seconds) == RowChoice(257, PACKED)
 
 
 def test_the_float32_way_takes_the_buckets_it_wins_and_says_so():

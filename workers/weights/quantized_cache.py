@@ -88,7 +88,7 @@ def packed_path(source: str, dtype: torch.dtype, kind: str, way: str = "packed")
 def shared_packed(source: str, dtype: torch.dtype, kind: str, keys: list[str],
                   build: Callable[[], dict[str, torch.Tensor]], way: str = "packed") -> dict[str, torch.Tensor]:
     """The quantized linears of (source, dtype, kind) laid out for the many-rows `way` (LAYOUTS:
-    packed for AMX tiles, or widened to float32), by key, as read-only views of a file shared by the
+    packed in bfloat16 pairs for AMX tiles or vdpbf16ps, or widened to float32), by key, as read-only views of a file shared by the
     copies on this machine; `build()` lays them out (all of `keys`) when the file does not hold them yet."""
     from safetensors.torch import save_file
 

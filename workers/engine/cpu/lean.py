@@ -172,11 +172,14 @@ class LeanLlama:
                 and str(self.compute).removeprefix("torch.") in kernels.act8_dtypes())
         provide = packs or (lambda way, weights: lay_out(kernels, way, weights))
         tiles = self.compute == torch.bfloat16 and tiles_fit(kernels)
-        wide = not tiles and float32_fits(kernels, self.compute)
-        extra = (row_kernels.PACKED,) if tiles else (row_kernels.FLOAT32,) if wide else ()
+        # AMX tiles take the packed values for nearly every shape: laid out before measuring. Without
+        # them (vdpbf16ps over the same layout) they are measured on values packed here, as float32's
+        early = tiles and kernels.amx_packs()
+        wide = float32_fits(kernels, self.compute)
+        extra = ((row_kernels.PACKED,) if tiles else ()) + ((row_kernels.FLOAT32,) if wide else ())
         names = (row_kernels.BLOCKS, row_kernels.WIDENED, *extra) + ((row_kernels.ACT8,) if act8 else ())
         keys = {id(lin): key for key, lin in self._keyed.items()}
-        if tiles:
+        if early:
 
             def wanted(sig: tuple, lins: list) -> bool:  # not where a kept choice takes no tiles
                 kept = row_kernels.recalled(sig[0], sig[1], self.compute, names, max_rows,
@@ -192,6 +195,11 @@ class LeanLlama:
                 lin.wide32 = widen_to_float32({"": lin.quant})[""]
             return lin
 
+        def packed_here(lin: Linear) -> Linear:  # the packed values for measuring, in this process
+            if lin.packed16 is None:
+                lin.packed16 = lay_out(kernels, row_kernels.PACKED, {"": lin.quant})[""]
+            return lin
+
         chosen: dict[tuple, row_kernels.RowChoice] = {}
         for sig, lins in groups.items():
             # the layers' linears of the shape in turn, as a step multiplies them: their weights
@@ -199,7 +207,8 @@ class LeanLlama:
             ways = {row_kernels.BLOCKS: lambda x, n, lins=lins: [lin.blocks(x) for lin in lins[:n]],
                     row_kernels.WIDENED: lambda x, n, lins=lins: [lin.widened(x) for lin in lins[:n]]}
             if tiles and tiles_fit(kernels, sig[1]):
-                ways[row_kernels.PACKED] = lambda x, n, lins=lins: [lin.tiles(x) for lin in lins[:n]]
+                ways[row_kernels.PACKED] = lambda x, n, lins=lins: [(lin if early else packed_here(lin)).tiles(x)
+                                                                    for lin in lins[:n]]
             if wide:
                 ways[row_kernels.FLOAT32] = lambda x, n, lins=lins: [widened_here(lin).float32(x) for lin in lins[:n]]
             if act8:
@@ -209,13 +218,16 @@ class LeanLlama:
             for lin in lins:
                 lin.rows = chosen[sig]
                 lin.wide32 = None  # widened here for measuring, if at all: the file's views replace them below
-                if not lin.rows.uses(row_kernels.PACKED):
-                    lin.packed16 = None
-        # the float32 values of the linears whose choice takes them: from the file, once the values
-        # widened here are let go, so that the file's widening is the only copy
-        late = {keys[id(lin)]: lin.quant for lins in groups.values() for lin in lins if lin.rows.uses(row_kernels.FLOAT32)}
-        for key, values in (provide(row_kernels.FLOAT32, late) if late else {}).items():
-            self._keyed[key].wide32 = values
+                if not early or not lin.rows.uses(row_kernels.PACKED):
+                    lin.packed16 = None  # packed here for measuring (likewise), or not taken
+        # the values of the linears whose choice takes a way measured on values laid out here: from the
+        # file, once those are let go, so that the file's are the only copy
+        for way, field in ((row_kernels.FLOAT32, "wide32"), (row_kernels.PACKED, "packed16")):
+            if way == row_kernels.PACKED and early:
+                continue
+            late = {keys[id(lin)]: lin.quant for lins in groups.values() for lin in lins if lin.rows.uses(way)}
+            for key, values in (provide(way, late) if late else {}).items():
+                setattr(self._keyed[key], field, values)
         # the fused decode serves the layers (the LM head runs after it, by its own choice): their
         # blocks, and the AMX tiles from where a linear's choice takes them, up to the fewest rows
         # at which one takes a way of ATen's GEMMs (the widened values or the float32 ones)

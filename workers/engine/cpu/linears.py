@@ -83,7 +83,7 @@ class Linear:
         self.strips = False
         self.dense = None  # the weight the C++ strips read (make_invariant)
         self.rows = None  # quantized: the kernel by the step's row count (row_kernels.RowChoice; None: the blocks')
-        self.packed16 = None  # quantized: its values packed for AMX tiles (the PACKED way), where chosen
+        self.packed16 = None  # quantized: its values packed in the AMX tiles' layout (the PACKED way), where chosen
         self.wide32 = None  # quantized: its values in float32 (the FLOAT32 way), where chosen
         compute = compute or weight.dtype
         self.bias = None if bias is None else bias.detach().to(compute)
@@ -146,7 +146,7 @@ class Linear:
         return self.kernels.qlinear_widened(x, q.qs, q.scales, q.offsets, self.bias)
 
     def tiles(self, x: torch.Tensor) -> torch.Tensor:
-        """A quantized linear through AMX tiles on its values packed in bfloat16 (row_kernels)."""
+        """A quantized linear on its values packed in bfloat16 pairs: AMX tiles, else vdpbf16ps (row_kernels)."""
         return self.kernels.bf16_packed_linear(x, self.packed16, self.bias)
 
     def float32(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,10 +241,11 @@ def quantized(modules: list[torch.nn.Linear], kind: str, blocks: dict[int, Quant
 
 
 def tiles_fit(kernels, shape: tuple[int, int] | None = None) -> bool:
-    """Whether the AMX tiles' way can serve: a CPU with AMX tiles for bfloat16 (as the capability
-    level allows: a capped run leaves them out), the kernels built with it, and (with `shape`,
-    (out, in)) whole panels of output rows and pairs of inputs."""
-    if kernels is None or not hasattr(kernels, "bf16_pack_supported") or not cpu_capability().at_least("amx"):
+    """Whether the packed values' way can serve: a CPU with bfloat16 dot products (AMX tiles, or
+    AVX512-BF16's vdpbf16ps over the same layout; as the capability level allows), the kernels built
+    with them, and (with `shape`, (out, in)) whole panels of output rows and pairs of inputs."""
+    if (kernels is None or not hasattr(kernels, "bf16_pack_supported")
+            or not cpu_capability().at_least("avx512_bf16")):
         return False
     if not kernels.bf16_pack_supported():
         return False
@@ -269,5 +270,5 @@ def lay_out(kernels, way: str, weights: dict[str, QuantizedWeight]) -> dict[str,
 
 def pack_for_tiles(kernels, weights: dict[str, QuantizedWeight]) -> dict[str, torch.Tensor]:
     """Each quantized weight's values (as the widened GEMM takes them: rounded to bfloat16) packed
-    for the AMX tiles, by key."""
+    in the AMX tiles' layout, by key."""
     return {key: kernels.bf16_pack(qw.dequantize().to(torch.bfloat16)) for key, qw in weights.items()}

@@ -16,14 +16,18 @@ result is cached under a key of the machine, torch, the kernels' build, the thre
 so a later load on the same machine reads it.
 
 The choice is one crossover per shape: the blocks below it, the widened GEMM from it on, taken
-only where the GEMM wins at that bucket and every larger one measured by MARGIN. So a noisy bucket
-in the middle does not flip a linear back and forth, and the same timings always give the same choice.
+only where the GEMM wins at that bucket by MARGIN and the blocks win none of the larger ones measured
+by MARGIN (level buckets take the GEMM's way too). So a noisy bucket in the middle does not flip a
+linear back and forth, and the same timings always give the same choice.
 `deterministic` takes none of this: its strips multiply every row count one way (Linear.make_invariant).
 
-Where the CPU has AMX tiles for bfloat16, a third way joins: PACKED, the blocks' values packed once
+Where the CPU has bfloat16 dot products, a third way joins: PACKED, the blocks' values packed once
 in bfloat16 in the tiles' layout (a file every copy maps) and multiplied by ATen's batch-reduce GEMM
-(kernels/amx_linear.cpp). Above the crossover, each bucket then takes PACKED unless WIDENED beats it
-by MARGIN (batch_way).
+on AMX tiles, or without them by the strips' register tiles (vdpbf16ps reads the same layout;
+kernels/amx_linear.cpp). Above the crossover, each bucket then takes PACKED unless WIDENED beats it
+by MARGIN (batch_way). On an AVX512-BF16 EPYC (Zen 5) it took 0.5-0.6x the blocks' time on
+SmolLM2's layer linears at 16 rows and 0.85-0.96x at 64-512, where the blocks widen their values on
+every call.
 
 Where the CPU computes in bfloat16 without AMX tiles, a fourth way joins: FLOAT32, the blocks' values
 widened once to float32 (a file every copy maps) and multiplied by ATen's float32 GEMM, the
@@ -152,6 +156,12 @@ def batch_way(timed: dict[str, float]) -> str:
     return fastest
 
 
+def blocks_win(timed: dict[str, float]) -> bool:
+    """Whether the blocks beat the bucket's many-rows way by MARGIN: no smaller bucket can then start
+    the crossover (`pick`)."""
+    return timed[BLOCKS] < (1 - MARGIN) * timed[batch_way(timed)]
+
+
 def bucket_rows(max_rows: int) -> tuple[int, ...]:
     """The buckets a step of at most `max_rows` rows can fall in: those up to the first that holds it."""
     i = bisect_left(BUCKETS, max(1, max_rows))
@@ -160,8 +170,8 @@ def bucket_rows(max_rows: int) -> tuple[int, ...]:
 
 def pick(seconds: dict[int, dict[str, float]]) -> RowChoice:
     """The choice from the timings of buckets of BUCKETS ({rows: {way: seconds}}): from the smallest
-    bucket at and above which the fastest of the other ways beats the blocks by MARGIN at every
-    bucket timed, each bucket's fastest other way. A step of rows between two buckets takes the
+    bucket that the fastest of the other ways beats the blocks at by MARGIN, and above which the blocks
+    beat it by MARGIN at no bucket timed, each bucket's fastest other way. A step of rows between two buckets takes the
     larger one's way; buckets below the largest timed one that are missing were not worth timing
     (a larger one kept the blocks)."""
     rows = sorted(seconds)
@@ -170,8 +180,11 @@ def pick(seconds: dict[int, dict[str, float]]) -> RowChoice:
         t = seconds[rows[i]]
         if t[batch_way(t)] < (1 - MARGIN) * t[BLOCKS]:
             start = i
-        else:
+        elif blocks_win(t):
             break
+        # level within the margin: a smaller bucket that the other way wins starts it there, and this
+        # one takes it too (on an AVX512-BF16 EPYC the packed values won 16 to 64 rows by 1.2-2x and
+        # drew at 256-512, where both are bound by the same dot products)
     if start is None:
         return RowChoice()
 
@@ -211,7 +224,7 @@ def measure(ways: dict[str, Callable[[torch.Tensor, int], object]], width: int, 
     """Seconds of each way's call `fn(x, n)` on random rows x [r, width] of `dtype` over the first n
     of the shape's `layers` linears (layers_timed), the best of `repeats` after a
     warm-up (fewer where the calls took BUDGET_SECONDS already), from the largest r of `rows` down,
-    until a bucket where none of the other ways beats the blocks (no smaller bucket can then start the
+    until a bucket where the blocks beat the other ways (no smaller bucket can then start the
     crossover: `pick`), so a CPU where the blocks win times one bucket. The ways take turns call by
     call: a machine whose load changes while it measures (another model loading beside this one)
     slows both alike, not whichever ran then. `every`: every bucket of `rows`, without that stop."""
@@ -233,7 +246,7 @@ def measure(ways: dict[str, Callable[[torch.Tensor, int], object]], width: int, 
                 if min(spent.values()) >= BUDGET_SECONDS:
                     break
             out[r] = best
-            if not every and not out[r][batch_way(out[r])] < (1 - MARGIN) * out[r][BLOCKS]:
+            if not every and blocks_win(out[r]):
                 break
     return out
 
@@ -282,7 +295,7 @@ def recalled(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_ro
 
 
 def _key(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_rows: int, build: str, layers: int) -> str:
-    return "|".join(map(str, ("row kernels 5", kind, shape, dtype, bucket_rows(max_rows), build, f"{layers} layers",
+    return "|".join(map(str, ("row kernels 6", kind, shape, dtype, bucket_rows(max_rows), build, f"{layers} layers",
                               sorted(ways), machine_key())))
 
 

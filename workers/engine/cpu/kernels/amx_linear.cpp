@@ -1,9 +1,12 @@
-// A bfloat16 linear on AMX tiles through ATen's batch-reduce GEMM (at::native::cpublas::brgemm,
-// oneDNN's micro-kernel), over weights packed once into the layout the tiles read (pairs of inputs
-// side by side, panels of 64 or 32 output rows). The packed weights are a plain tensor, not oneDNN's
-// opaque one, so a file of them can be mapped by every copy of a model (row_kernels' "packed"
-// way). oneDNN's own linear on its prepacked weights costs 30-40 us a call at few rows on a 2-core
-// Sapphire Rapids, where this costs 7-20.
+// A bfloat16 linear over weights packed once into the layout AMX tiles read (pairs of inputs side by
+// side, panels of 64 or 32 output rows): on AMX tiles through ATen's batch-reduce GEMM
+// (at::native::cpublas::brgemm, oneDNN's micro-kernel), and on a CPU with AVX512-BF16 and no tiles
+// through the strips' register tiles (qlinear_bf16.h's outer_tile: the same layout is vdpbf16ps's, a
+// pair of 16 output rows a vector). The packed weights are a plain tensor, not oneDNN's opaque one,
+// so a file of them can be mapped by every copy of a model (row_kernels' "packed" way). oneDNN's own
+// linear on its prepacked weights costs 30-40 us a call at few rows on a 2-core Sapphire Rapids,
+// where the tiles cost 7-20; on an AVX512-BF16 EPYC the quantized blocks' strips, which widen the
+// blocks on every call, took 1.3-1.6x oneDNN's time on SmolLM2's gate/up at 12-20 rows.
 #include <ATen/native/CPUBlas.h>
 
 #include <immintrin.h>
@@ -28,21 +31,48 @@ constexpr int64_t kRowsACall = 32;
 int64_t panel_for(int64_t n) { return n % kWidePanel == 0 ? kWidePanel : kPanel; }
 }  // namespace
 
-bool bf16_pack_supported() { return at::native::cpublas::could_pack(at::kBFloat16); }
+bool amx_packs() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+bool bf16_pack_supported() {
+#ifdef MMFUSION_QLINEAR_BF16
+  return true;  // the tiles where the CPU has them, else the strips' register tiles
+#else
+  return amx_packs();
+#endif
+}
+
+namespace {
+// panel p of w [N, K] in the tiles' layout: pair i of inputs of output row j at [i, j] (32 bits)
+void pack_pairs(const c10::BFloat16* w, int64_t k, int64_t panel, int64_t p, c10::BFloat16* dst) {
+  auto* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t j = 0; j < panel; ++j) {
+    const auto* row = reinterpret_cast<const uint32_t*>(w + (p * panel + j) * k);
+    for (int64_t i = 0; i < k / 2; ++i) out[i * panel + j] = row[i];
+  }
+}
+}  // namespace
 
 // w [N, K] bfloat16 (N a multiple of kPanel, K even) -> [N / P, K, P] in the tiles' layout, P
 // output rows a panel (panel_for(N)): the shape says the width, so either multiplies right
 at::Tensor bf16_pack(at::Tensor w) {
-  TORCH_CHECK(bf16_pack_supported(), "bf16_pack: this CPU has no AMX tiles for bfloat16");
+  TORCH_CHECK(bf16_pack_supported(), "bf16_pack: this CPU has neither AMX tiles nor AVX512-BF16 for bfloat16");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "bf16_pack: w must be a 2-d bfloat16 tensor");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(n % kPanel == 0 && k % 2 == 0, "bf16_pack: out features must be a multiple of ", kPanel,
               " and in features even, got ", n, "x", k);
   const int64_t panel = panel_for(n);
-  const at::Tensor wt = w.t().contiguous();  // [K, N]: what the packing reads
   at::Tensor out = at::empty({n / panel, k, panel}, w.options());
-  const auto* src = wt.data_ptr<c10::BFloat16>();
   auto* dst = out.data_ptr<c10::BFloat16>();
+  if (!amx_packs()) {
+    const at::Tensor wc = w.contiguous();
+    const auto* src = wc.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) pack_pairs(src, k, panel, p, dst + p * k * panel);
+    });
+    return out;
+  }
+  const at::Tensor wt = w.t().contiguous();  // [K, N]: what the packing reads
+  const auto* src = wt.data_ptr<c10::BFloat16>();
   at::parallel_for(0, n / panel, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       at::native::cpublas::pack(k, panel, n, panel, at::kBFloat16, at::kBFloat16, src + p * panel, dst + p * k * panel);
@@ -70,6 +100,29 @@ at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at:
   const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
   auto* y = out.data_ptr<c10::BFloat16>();
   const int64_t blocks = (m + kRowsACall - 1) / kRowsACall;
+#ifdef MMFUSION_QLINEAR_BF16
+  if (!amx_packs()) {  // vdpbf16ps over the same layout: MR rows x the panel's vectors in registers
+    const auto* wp = reinterpret_cast<const uint32_t*>(w);
+    at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t p = i / blocks, m0 = (i % blocks) * kRowsACall, rows = std::min(kRowsACall, m - m0);
+        row_tiles(rows, [&](int64_t r0, int64_t mr) {
+          with_rows(mr, [&]<int MR>() {
+            const int64_t at = m0 + r0;
+            if (panel == kWidePanel) {
+              outer_tile<MR, 4>(a + at * k, k, wp + p * (k / 2) * panel, panel, bp, p * panel, n, y + at * n);
+            } else {
+              outer_tile<MR, 2>(a + at * k, k, wp + p * (k / 2) * panel, panel, bp, p * panel, n, y + at * n);
+            }
+          });
+        });
+      }
+    });
+    return out;
+  }
+#else
+  TORCH_CHECK(amx_packs(), "bf16_packed_linear: this build has no AVX512-BF16 path and the CPU no AMX tiles");
+#endif
   // a panel's weights (K x its width) stay in L1/L2 while every block of rows passes them
   at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(kRowsACall * panel);

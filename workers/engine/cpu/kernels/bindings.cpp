@@ -29,6 +29,7 @@ at::Tensor qlinear_widened(at::Tensor x, at::Tensor qs, at::Tensor scales, c10::
                            c10::optional<at::Tensor> bias);
 bool dense_strips_built();
 bool bf16_pack_supported();
+bool amx_packs();
 at::Tensor bf16_pack(at::Tensor w);
 at::Tensor bf16_packed_linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias);
 
@@ -84,9 +85,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("placed", &DecodeLayers::placed)
       .def("__len__", &DecodeLayers::size)
       .def("run", &DecodeLayers::run, Unlocked());
-  m.def("bf16_pack_supported", &bf16_pack_supported, "whether this CPU packs bfloat16 weights for AMX tiles");
+  m.def("bf16_pack_supported", &bf16_pack_supported,
+        "whether bf16_pack and bf16_packed_linear run here: on AMX tiles, or on AVX512-BF16's vdpbf16ps");
+  m.def("amx_packs", &amx_packs, "whether bf16_packed_linear multiplies on AMX tiles (else vdpbf16ps)");
   m.def("bf16_pack", &bf16_pack, "a [N, K] bfloat16 weight in the AMX tiles' layout, panels of 64 output rows (32 where they do not divide)", Unlocked());
-  m.def("bf16_packed_linear", &bf16_packed_linear, "x @ W.T (+ bias) in bfloat16 on AMX tiles over bf16_pack's weights",
+  m.def("bf16_packed_linear", &bf16_packed_linear, "x @ W.T (+ bias) in bfloat16 over bf16_pack's weights (AMX tiles, else vdpbf16ps)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias"), Unlocked());
   m.def("dense_strips_built", &dense_strips_built, "whether dense_strips is built at this CPU level");
 }
