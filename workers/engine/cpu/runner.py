@@ -24,7 +24,7 @@ from workers.engine.runners.paged import PagedRunner
 from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
 from workers.weights.quantized_cache import shared_packed, shared_quantized
-from workers.weights.shared import drop_pages
+from workers.weights.shared import drop_pages, release_heap
 from workers.weights.sources import source_gguf, source_key
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class CpuRunner(PagedRunner):
 
         def packs(way: str, weights: dict) -> dict[str, torch.Tensor]:
             # copies that share their weights map one file of the values laid out for the way
-            # (packed for AMX tiles, or widened to float32)
+            # (packed in bfloat16 pairs, or widened to float32)
             if not (lm.weights is not None and lm.weights.shared):
                 return lay_out(kernels, way, weights)
             got = shared_packed(lm.source, lm.dtype, precision.quantized_key, sorted(weights),
@@ -122,6 +122,9 @@ class CpuRunner(PagedRunner):
         # leave this process's resident memory (the file stays in the page cache for the others)
         kept = {t.data_ptr() for lin in self.lean.linears() for t in (lin.packed16, lin.wide32) if t is not None}
         drop_pages([t for t in mapped if t.data_ptr() not in kept])
+        # the values laid out here for measuring (a model's packed or widened linears, hundreds of MB)
+        # are free again; glibc would keep their pages in this process otherwise
+        release_heap()
         return chosen
 
     def min_long_chunk(self) -> int:
