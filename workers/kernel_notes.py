@@ -10,6 +10,7 @@ import hashlib
 import re
 
 from workers.capability import machine_tag
+from workers.engine.cpu import row_kernels
 from workers.files import cache_root, read_keyed, write_keyed
 from workers.precision import Precision
 from workers.spec import WorkerSpec
@@ -17,8 +18,8 @@ from workers.weights.sources import source_key
 
 
 def note_key(source: str, precision: Precision, threads: int, max_rows: int) -> str:
-    return "|".join(map(str, ("kernels", source_key(source), precision, f"{threads} threads", f"{max_rows} rows",
-                              machine_tag())))
+    return "|".join(map(str, ("kernels", f"row kernels {row_kernels.VERSION}", source_key(source), precision,
+                              f"{threads} threads", f"{max_rows} rows", machine_tag())))
 
 
 def planned(spec: WorkerSpec, precision: Precision) -> dict[str, str] | None:
