@@ -16,7 +16,6 @@ from fusion.params import ParamsError, load_params, parse_variants
 from fusion.plan import OVERHEAD_BYTES, batch_layouts, make_plan, weight_bytes
 from routing.entrypoints import CLI, command
 from workers import kernel_notes
-from workers.engine.cpu import row_kernels
 from workers.spec import ModelSpec, WorkerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +193,7 @@ def test_plan_leaves_out_the_batch_file_no_linear_chose(monkeypatch, tmp_path):
     # a note from before the row kernels' rule changed is not read: the next load measures anew
     kernel_notes.remember(key, {"int4 3072x576": "blocks", "int4 576x1536": "blocks"})
     assert planned().shared_batch_bytes == 0
-    monkeypatch.setattr("workers.engine.cpu.row_kernels.VERSION", row_kernels.VERSION + 1)
+    monkeypatch.setattr("workers.kernel_notes.CHOICE_VERSION", kernel_notes.CHOICE_VERSION + 1)
     assert planned().shared_batch_bytes == sum(sizes.values())
     assert planned().shared_packed_bytes == w.shared_packed_bytes  # the blocks' own file is counted either way
 

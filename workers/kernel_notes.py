@@ -10,15 +10,19 @@ import hashlib
 import re
 
 from workers.capability import machine_tag
-from workers.engine.cpu import row_kernels
 from workers.files import cache_root, read_keyed, write_keyed
 from workers.precision import Precision
 from workers.spec import WorkerSpec
 from workers.weights.sources import source_key
 
+# the row kernels' measurement and rule (workers.engine.cpu.row_kernels keys its kept choices with it):
+# bumped when either changes, so that the choices kept on a machine, and the notes of them that plans
+# read here, are measured and written anew
+CHOICE_VERSION = 6
+
 
 def note_key(source: str, precision: Precision, threads: int, max_rows: int) -> str:
-    return "|".join(map(str, ("kernels", f"row kernels {row_kernels.VERSION}", source_key(source), precision,
+    return "|".join(map(str, ("kernels", f"row kernels {CHOICE_VERSION}", source_key(source), precision,
                               f"{threads} threads", f"{max_rows} rows", machine_tag())))
 
 

@@ -61,10 +61,8 @@ import torch
 
 from workers.capability import machine_tag
 from workers.engine.cpu import calibrate
+from workers.kernel_notes import CHOICE_VERSION
 
-# bumped when the measurement or its rule changes: the choices kept on a machine, and the notes of them
-# that plans read (workers.kernel_notes), are then measured and written anew
-VERSION = 6
 BUCKETS = (1, 4, 16, 64, 256, 512)  # the step sizes (rows) measured
 # the quantized blocks' own kernels; ATen's GEMM on widened weights; AMX tiles on packed bfloat16
 # weights; ATen's float32 GEMM on the values widened once to float32
@@ -298,7 +296,7 @@ def recalled(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_ro
 
 
 def _key(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_rows: int, build: str, layers: int) -> str:
-    return "|".join(map(str, (f"row kernels {VERSION}", kind, shape, dtype, bucket_rows(max_rows), build, f"{layers} layers",
+    return "|".join(map(str, (f"row kernels {CHOICE_VERSION}", kind, shape, dtype, bucket_rows(max_rows), build, f"{layers} layers",
                               sorted(ways), machine_key())))
 
 
