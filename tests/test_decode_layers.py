@@ -104,15 +104,15 @@ def test_qwen2s_biases_in_the_lean_forward_give_transformers_greedy():
 
 
 def test_decode_steps_on_the_amx_tiles_in_one_call_give_the_loops_answers_bit_for_bit():
-    """Where a layer linear's choice takes the AMX tiles from some rows on, the one-call decode
-    takes them from the same rows (KernelLinear's packed_from): its answers equal the loop's."""
+    """Where a layer linear's choice takes the packed values (AMX tiles, or vdpbf16ps without them) from
+    some rows on, the one-call decode takes them from the same rows (KernelLinear's packed_from): its answers equal the loop's."""
     lm = tiny("llama", dtype="bfloat16")
 
     def engine(fused: bool) -> Engine:
         eng = Engine(lm, EngineConfig(max_batch_size=8, max_batch_tokens=64, quantization="int4"))
         lean = eng.runner.lean
         if not tiles_fit(lean.norms):
-            pytest.skip("this CPU has no AMX tiles for bfloat16 (or the level is capped below amx)")
+            pytest.skip("this CPU has no bfloat16 dot products for the packed values (AMX or AVX512-BF16), or the level is capped below them")
         layer_linears = [x for layer in lean.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         packed = pack_for_tiles(lean.norms, {str(i): lin.quant for i, lin in enumerate(layer_linears)})
         for i, lin in enumerate(layer_linears):

@@ -328,12 +328,13 @@ def test_the_tiles_keep_a_bucket_the_widened_gemm_wins_by_less_than_the_margin()
 
 
 def test_the_amx_tiles_way_multiplies_as_the_widened_values_do():
-    """The blocks' values packed for AMX tiles and multiplied there give x @ W.T + bias of the values
+    """The blocks' values packed in the AMX tiles' layout and multiplied there (or by vdpbf16ps without
+    the tiles) give x @ W.T + bias of the values
     rounded to bfloat16 (summed in float32, rounded once), for row counts across a block of rows,
     in panels of 64 output rows where they divide into them and of 32 where they do not."""
     kernels = extension.kernel_module()
     if not tiles_fit(kernels):
-        pytest.skip("this CPU has no AMX tiles for bfloat16 (or the level is capped below amx): the way is not offered")
+        pytest.skip("this CPU has no bfloat16 dot products for the packed values (AMX or AVX512-BF16), or the level is capped below them: the way is not offered")
     gen = torch.Generator().manual_seed(0)
     for kind, out in ((INT4, 96), (INT8, 96), (INT4, 128), (INT8, 192)):
         qw = quantize(torch.randn(out, 128, generator=gen), kind)

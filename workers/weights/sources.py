@@ -260,11 +260,17 @@ def source_context(source: str) -> tuple[str, int] | None:
     return declared_context(cfg.get("text_config") or cfg)
 
 
-def check_context(source: str, max_model_len: int | None, declared: tuple[str, int] | None = None) -> None:
-    """ValueError where `max_model_len` is above the context the source declares, as vLLM refuses it: positions
-    past it were never trained, and a limit quietly lowered would refuse requests the user planned for."""
-    declared = source_context(source) if declared is None and max_model_len is not None else declared
-    if max_model_len is not None and declared is not None and max_model_len > declared[1]:
+def check_context(source: str, max_model_len: int | None) -> None:
+    """ValueError where `max_model_len` is above the context the source declares (read without loading it)."""
+    if max_model_len is not None:
+        refuse_past_context(source, max_model_len, source_context(source))
+
+
+def refuse_past_context(source: str, max_model_len: int, declared: tuple[str, int] | None) -> None:
+    """ValueError where `max_model_len` is above the `declared` context (key, value), as vLLM refuses it:
+    positions past it were never trained, and a limit quietly lowered would refuse requests the user
+    planned for."""
+    if declared is not None and max_model_len > declared[1]:
         raise ValueError(f"max_model_len {max_model_len} is above the context of model {source!r}, "
                          f"{declared[1]} tokens ({declared[0]} in its config): set max_model_len to at most "
                          f"{declared[1]}, or null for the model's own")
@@ -272,11 +278,11 @@ def check_context(source: str, max_model_len: int | None, declared: tuple[str, i
 
 def context_len(config, source: str, max_model_len: int | None = None) -> int:
     """The longest sequence served of a loaded model's `config`: `max_model_len` where given (refused above what
-    the config declares: check_context), else the config's, DEFAULT_CONTEXT where it declares none."""
+    the config declares), else the config's, DEFAULT_CONTEXT where it declares none."""
     declared = declared_context(config.get_text_config().to_dict())
     if max_model_len is None:
         return DEFAULT_CONTEXT if declared is None else declared[1]
     if max_model_len <= 0:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-    check_context(source, max_model_len, declared)
+    refuse_past_context(source, max_model_len, declared)
     return max_model_len

@@ -222,9 +222,7 @@ class LeanLlama:
                     lin.packed16 = None  # packed here for measuring (likewise), or not taken
         # the values of the linears whose choice takes a way measured on values laid out here: from the
         # file, once those are let go, so that the file's are the only copy
-        for way, field in ((row_kernels.FLOAT32, "wide32"), (row_kernels.PACKED, "packed16")):
-            if way == row_kernels.PACKED and early:
-                continue
+        for way, field in ((row_kernels.FLOAT32, "wide32"),) + (() if early else ((row_kernels.PACKED, "packed16"),)):
             late = {keys[id(lin)]: lin.quant for lins in groups.values() for lin in lins if lin.rows.uses(way)}
             for key, values in (provide(way, late) if late else {}).items():
                 setattr(self._keyed[key], field, values)
