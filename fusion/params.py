@@ -41,7 +41,8 @@ RUNCONFIG_KEYS: tuple[Key, ...] = (
     Key("kv_cache_memory", "auto", "a size (`2GiB`, `512MiB`, a number of bytes), or `auto`",
         "the KV cache pool of each worker whose model sets none; `auto`: half the device's available memory, "
         "less the weights and process overheads planned there, shared among its workers, and never more than "
-        "`max_batch_size` sequences of `max_model_len` tokens use",
+        "`max_batch_size` sequences of `max_model_len` tokens use (of 2,048 tokens where `max_model_len` is null: "
+        "the plan reads no model; a longer request that the pool cannot hold is refused by name)",
         lambda x: x == "auto" or parse_size(x) is not None),
     Key("router", None, "a `tcp://HOST:PORT` address, or null",
         "predict, infer and eval: send the requests to a router that is already running instead of "

@@ -5,10 +5,10 @@ a device split its cores as torch threads. Workers sharing a device split its ba
 proportion to their models' deltat_scaling_factor. Each worker gets a KV cache budget: its
 model's `kv_cache_memory`, else the runconfig's; `auto` shares KV_AUTO_SHARE of the device's
 available memory, less the weights and process overheads planned there, among its workers, and
-never more than max_batch_size sequences of max_model_len tokens can use. Memory per device is the
-weights plus the KV budgets plus a process overhead per worker, checked before any load. Copies of
-one (source, dtype) on a CPU device that share their weights (`share_weights`, the default:
-workers.weights.shared) count the weights once.
+never more than max_batch_size sequences of max_model_len tokens (DEFAULT_CTX where it is null)
+can use. Memory per device is the weights plus the KV budgets plus a process overhead per worker,
+checked before any load. Copies of one (source, dtype) on a CPU device that share their weights
+(`share_weights`, the default: workers.weights.shared) count the weights once.
 """
 
 from __future__ import annotations
