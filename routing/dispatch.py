@@ -148,6 +148,17 @@ class Dispatch:
         except P.ProtocolError as exc:
             self.outbox.client(client, P.error(exc.request_id, exc.code, str(exc), exc.param, exc.retry_after))
 
+    def misframed(self, client: bytes, frames: list[bytes]) -> None:
+        """A client's message of several frames, not one: answered by name, not dropped, so that its
+        sender is not left waiting. A REQ socket puts an empty frame first and reads only a reply
+        that has one too; a stream needs a DEALER, which sends the message alone."""
+        req = len(frames) == 2 and frames[0] == b""
+        why = ("a REQ socket's message (an empty frame, then the message): connect a DEALER socket (as "
+               "routing.client does), which sends the message alone and can read a stream's many replies"
+               if req else f"a message of {len(frames)} frames: send each message as one frame")
+        self.outbox.client(client, P.error(None, P.BAD_REQUEST, f"a message is one frame, a msgpack map; got {why}"),
+                           envelope=req)
+
     def _resolve(self, model, rid, now: float) -> list[int]:
         if isinstance(model, int):
             if model not in self.models:

@@ -82,8 +82,9 @@ class Outbox:
                 group.clear()
         return merged
 
-    def client(self, client: bytes, msg: dict) -> None:
-        self.sends.append(Send(FRONT, [client, P.pack(msg)]))
+    def client(self, client: bytes, msg: dict, envelope: bool = False) -> None:
+        """`envelope`: after an empty frame, as a REQ socket reads its replies."""
+        self.sends.append(Send(FRONT, [client, b"", P.pack(msg)] if envelope else [client, P.pack(msg)]))
 
     def data(self, client: bytes, body: bytes, key: str) -> None:
         """A worker's data message for a request, forwarded as is."""

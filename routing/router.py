@@ -147,9 +147,11 @@ class Router:
             frames = recv_routed(sock)
             if frames is None:
                 break
-            if len(frames) != 2:
-                continue  # a peer speaking another protocol: nothing sensible to answer
             now = time.monotonic()
+            if len(frames) != 2:
+                if front:  # a client answered; a worker speaking another protocol has no one to read it
+                    d.misframed(frames[0], frames[1:])
+                continue
             try:  # a bug here must cost one message, never the router
                 if front:
                     d.client(frames[0], frames[1], now)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import pytest
+import zmq
 from support.cluster import Deployment, engine_reference
 from support.models import tiny
 
@@ -212,6 +213,32 @@ def test_garbage_and_oversized_frames(two_archs, frame, match):
         reply = c.recv(time.monotonic() + 30)
         assert reply["type"] == P.ERROR and match in reply["message"]
         assert c.complete(model="gpt2", prompt=[1, 2], max_tokens=1)["choices"]
+
+
+def test_a_message_of_several_frames_is_answered_by_name(two_archs):
+    """A REQ socket (an empty frame, then the message) and a DEALER sending a message in three frames
+    used to be dropped without a word, their senders waiting for ever. Each gets an error that says
+    what to send; the REQ socket's comes after an empty frame, the only reply it can read."""
+    ctx = zmq.Context.instance()
+    req = ctx.socket(zmq.REQ)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        for s in (req, dealer):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, 30_000)
+            s.connect(two_archs.frontend)
+        models = P.pack({"type": P.MODELS, "id": "m"})
+        req.send(models)
+        reply = msgpack.unpackb(req.recv())
+        assert reply["type"] == P.ERROR and reply["code"] == P.BAD_REQUEST and "DEALER" in reply["message"]
+        dealer.send_multipart([models, models, models])
+        reply = msgpack.unpackb(dealer.recv())
+        assert reply["type"] == P.ERROR and "3 frames" in reply["message"]
+        dealer.send(models)  # the same socket is served as before
+        assert msgpack.unpackb(dealer.recv())["type"] == P.REPLY
+    finally:
+        req.close()
+        dealer.close()
 
 
 def test_a_request_past_the_size_limits_gets_its_answer(two_archs):
