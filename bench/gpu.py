@@ -10,10 +10,12 @@
                  graphs); the engine's decode graphs' capture time, and a decode step's host share
                  (filling the inputs) against its device share (the copy in, the replay, the tokens out);
   quantized:     one stream and the workload with `quantization` none, int8 and int4 (the weight-only
-                 Triton linears of workers.engine.cuda.triton_qlinear; for int4 in bfloat16, torch's
-                 tinygemm at the decode buckets where it measured faster at load, named in
-                 `int4_kernels`), eager; quantized_stream: one stream only;
-  deterministic: the same with `deterministic` off and on (the batch-invariant Triton kernels);
+                 Triton linears of workers.engine.cuda.triton_qlinear, each weight's row kernel shape
+                 measured at load; for int4 in bfloat16, torch's tinygemm at the decode buckets where
+                 it measured faster at load; both named in `int8_kernels` / `int4_kernels`), eager;
+                 quantized_stream: one stream only;
+  deterministic: the same with `deterministic` off and on (the batch-invariant Triton kernels, each
+                 dense weight's tiles measured at load, named in `on_kernels`);
   census:        the CUDA kernels a decode step launches (torch.profiler over the decode graphs'
                  replays), by name, a step and a layer, and the device time a step by group
                  (attention, GEMM, norm, KV and rotary, elementwise, sampling): one stream and 64;

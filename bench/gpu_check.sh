@@ -26,16 +26,17 @@ bench() {  # bench() SECONDS ARGS...: one bench/gpu.py run, its JSON lines appen
 }
 bench 150 --repeats 2 --parts parity,single_stream,workload,census
 # one process, no xdist: the CUDA tests and the Triton kernels' tests (compiled on the GPU there)
-timeout 150 $py -m pytest -q -o addopts="" -p no:cacheprovider --tb=short -rfE tests/test_triton_kernels.py \
+timeout 140 $py -m pytest -q -o addopts="" -p no:cacheprovider --tb=short -rfE tests/test_triton_kernels.py \
     tests/test_cuda_runner.py tests/test_census.py tests/test_compiled.py tests/test_scheduler.py \
     tests/test_sampling.py tests/test_weight_owner.py tests/test_int4pack.py \
     -k "cuda or kernel or triton or custom_op or census" \
     >"$out/cuda_tests.txt" 2>&1
 tail -12 "$out/cuda_tests.txt"
-# the weight-only linears and the batch-invariant kernels against the 16-bit weights
-bench 75 --repeats 1 --parts quantized,deterministic
+# the weight-only linears and the batch-invariant kernels against the 16-bit weights (each engine
+# times its linears' shapes at load; the first compiles the candidates)
+bench 90 --repeats 1 --parts quantized,deterministic
 # a bigger shape, Llama 3.2 1B's: one stream in bf16, int8 and int4
-bench 45 --model llama-3.2-1b --repeats 1 --parts quantized_stream
+bench 50 --model llama-3.2-1b --repeats 1 --parts quantized_stream
 # three copies on one GPU sharing one weight owner, behind the HTTP gateway
 bench 60 --repeats 1 --parts deployment
 tail -20 "$out/gpu_bench.err"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from support.models import hf_greedy, tiny
 
+from workers import files
 from workers.capability import AVX2_ENV, ISA_ENV, cpu_capability, decide
 from workers.engine import Engine, EngineConfig
 from workers.engine.cpu import extension
@@ -198,23 +199,21 @@ def test_the_measured_price_is_kept_for_the_next_load(tmp_path, monkeypatch):
     """The measurement is a large part of a warm reload: it is kept in the cache under a key of all
     it depends on, read back by the next load with that key, and measured again for another key
     or when the kept file is unreadable."""
-    from workers.engine.cpu import calibrate
-
     monkeypatch.setenv("MMFUSION_CACHE", str(tmp_path))
     calls = []
 
     def measure(span):
         return lambda: calls.append(span) or span
 
-    assert calibrate.remembered("model a|float32|2 threads", measure(300)) == 300
-    assert calibrate.remembered("model a|float32|2 threads", measure(999)) == 300 and calls == [300]
-    assert calibrate.remembered("model a|float32|1 thread", measure(120)) == 120 and calls == [300, 120]
+    assert files.remembered("model a|float32|2 threads", measure(300)) == 300
+    assert files.remembered("model a|float32|2 threads", measure(999)) == 300 and calls == [300]
+    assert files.remembered("model a|float32|1 thread", measure(120)) == 120 and calls == [300, 120]
     for kept in (tmp_path / "calibration").iterdir():
         kept.write_text("{not json")
-    assert calibrate.remembered("model a|float32|2 threads", measure(310)) == 310 and calls == [300, 120, 310]
+    assert files.remembered("model a|float32|2 threads", measure(310)) == 310 and calls == [300, 120, 310]
     lm = tiny("llama", dtype="float32")  # an engine's own key: its second load reads what its first measured
     first = Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=32)).attention_span
-    files = sorted((tmp_path / "calibration").glob("*.json"))
-    assert len(files) == 3
+    kept = sorted((tmp_path / "calibration").glob("*.json"))
+    assert len(kept) == 3
     assert Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=32)).attention_span == first
-    assert sorted((tmp_path / "calibration").glob("*.json")) == files
+    assert sorted((tmp_path / "calibration").glob("*.json")) == kept

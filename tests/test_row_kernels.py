@@ -13,7 +13,7 @@ import torch
 import yaml
 from support.models import tiny
 
-from workers import capability
+from workers import capability, files
 from workers.engine import Engine, EngineConfig
 from workers.engine.cpu import calibrate, extension, row_kernels
 from workers.engine.cpu.decode_layers import FusedDecode
@@ -206,7 +206,7 @@ def test_copies_measuring_together_measure_once(tmp_path, monkeypatch):
         return 257
 
     with ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda _: calibrate.remembered("a key", slow), range(4)))
+        got = list(pool.map(lambda _: files.remembered("a key", slow), range(4)))
     assert got == [257] * 4 and len(measured) == 1
 
 

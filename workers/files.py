@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 CACHE_ENV = "MMFUSION_CACHE"
+T = TypeVar("T")
 
 
 def cache_root() -> Path:
@@ -84,6 +87,37 @@ def write_keyed(path: Path, key: str, value) -> None:
         atomic_replace(path, lambda tmp: tmp.write_text(json.dumps({"key": key, "value": value})))
     except OSError:
         pass
+
+
+_MISSING = object()  # nothing kept (a kept figure may be None)
+
+
+def remembered(key: str, measure: Callable[[], T]) -> T:
+    """The figure measured earlier on this machine under `key` (everything it depends on: model,
+    dtype, kernels, threads, the CPU or GPU), else `measure()`, kept for the next load under the
+    cache's `calibration/`. A missing or unreadable file is measured again. The figure is anything
+    JSON keeps (a number, a list of names). Copies starting together measure it once: the others
+    wait, then read it (and no copy's measurement shares the device with another's)."""
+    path = _calibration_path(key)
+    kept = read_keyed(path, key, _MISSING)
+    if kept is not _MISSING:
+        return kept
+    with one_at_a_time(path):
+        kept = read_keyed(path, key, _MISSING)
+        if kept is not _MISSING:
+            return kept
+        value = measure()
+        write_keyed(path, key, value)
+    return value
+
+
+def recalled(key: str, default: object = None) -> object:
+    """The figure `remembered` keeps under `key`, or `default` where none is kept yet."""
+    return read_keyed(_calibration_path(key), key, default)
+
+
+def _calibration_path(key: str) -> Path:
+    return cache_root() / "calibration" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
 
 
 def fsync_dir(path: Path) -> None:

@@ -25,6 +25,7 @@ from workers.engine.cuda import (  # noqa: E402
     triton_fused,
     triton_invariant,
     triton_qlinear,
+    triton_splits,
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -75,19 +76,22 @@ def main() -> None:
     # the kernels whose code differs with the activations' dtype, in both (float32: IEEE dots;
     # bfloat16: the tensor cores)
     for dtype in ("bf16", "fp32"):
-        compile_one(triton_invariant._linear_kernel, dtype,
-                    dict(HAS_BIAS=True, BM=triton_invariant.BLOCK_M, BN=triton_invariant.BLOCK_N,
-                         BK=triton_invariant.BLOCK_K, WIDE=dtype == "fp32"))
+        # the default tiles, and (16-bit) tiles split over the inputs with their second kernel
+        for tiles in (triton_invariant.DEFAULT, *([triton_invariant.Tiles(16, 64, 4)] if dtype == "bf16" else [])):
+            compile_one(triton_invariant._linear_kernel, dtype,
+                        dict(HAS_BIAS=True, BM=triton_invariant.BLOCK_M, BN=tiles.bn, BK=tiles.bk,
+                             WIDE=dtype == "fp32", SPLIT=tiles.split))
         for int4 in (True, False):
             blocks = {"qs_ptr": "*u8" if int4 else "*i8", "scales_ptr": "*fp16", "offsets_ptr": "*fp16"}
             if dtype == "bf16":  # the row kernel widens everything to float32 either way
-                compile_one(triton_qlinear._qgemv_kernel, dtype,
-                            dict(INT4_BLOCKS=int4, HAS_BIAS=True, HALF_K=triton_qlinear.HALF,
-                                 BLOCK_N=triton_qlinear.GEMV_N, CHUNK=triton_qlinear.GEMV_CHUNK), blocks)
+                for gemv in (triton_qlinear.DEFAULT_GEMV, triton_qlinear.Gemv(16, 8, 4)):
+                    compile_one(triton_qlinear._qgemv_kernel, dtype,
+                                dict(INT4_BLOCKS=int4, HAS_BIAS=True, HALF_K=triton_qlinear.HALF,
+                                     BLOCK_N=gemv.n, CHUNK=gemv.chunk, SPLIT=gemv.split), blocks)
             compile_one(triton_qlinear._qlinear_kernel, dtype,
                         dict(INT4_BLOCKS=int4, HAS_BIAS=True, HALF_K=triton_qlinear.HALF, BLOCK_M=64, BLOCK_N=64,
                              SPLIT16=dtype == "bf16", EMULATE=False), blocks)
-
+    compile_one(triton_splits._sum_splits_kernel, "bf16", dict(SPLIT=4, HAS_BIAS=True, BLOCK=triton_splits.SUM_BLOCK))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,51 +19,17 @@ under a key of all it depends on, and a later load reads it back.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 
 from workers.engine import attention
-from workers.files import cache_root, one_at_a_time, read_keyed, write_keyed
 
 CHUNK = 16  # query tokens of the measured chunk
 NEAR, FAR = 128, 2048  # the chunk's first positions in the two measurements
 REPEATS = 3  # best of: the timings of a loaded machine are noisy
 COLD_BYTES = 96 << 20  # more than a CPU's last-level cache: the scratch layers' keys and values
 SPAN_LIMITS = (16, 1 << 20)
-T = TypeVar("T")
-_MISSING = object()  # nothing kept (a kept figure may be None)
-
-
-def remembered(key: str, measure: Callable[[], T]) -> T:
-    """The figure measured earlier under `key` (everything it depends on: model, dtype, kernels,
-    threads, CPU), else `measure()`, kept for the next load. A missing or unreadable file is
-    measured again. The figure is anything JSON keeps (a number, a list of names). Copies starting
-    together measure it once: the others wait, then read it (and no copy's measurement shares the
-    cores with another's)."""
-    path = _path(key)
-    kept = read_keyed(path, key, _MISSING)
-    if kept is not _MISSING:
-        return kept
-    with one_at_a_time(path):
-        kept = read_keyed(path, key, _MISSING)
-        if kept is not _MISSING:
-            return kept
-        value = measure()
-        write_keyed(path, key, value)
-    return value
-
-
-def recalled(key: str, default: object = None) -> object:
-    """The figure `remembered` keeps under `key`, or `default` where none is kept yet."""
-    return read_keyed(_path(key), key, default)
-
-
-def _path(key: str):
-    return cache_root() / "calibration" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.json"
 
 
 def best_seconds(fn, repeats: int = REPEATS) -> float:

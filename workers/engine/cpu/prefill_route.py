@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers import files
 from workers.engine import attention
 from workers.engine.attention_backend import AttentionBackend
 from workers.engine.cpu import calibrate
@@ -129,6 +130,6 @@ def chosen(backend: AttentionBackend, heads: int, kv_heads: int, head_dim: int, 
     now. `build`: the kernels' build (its tag)."""
     key = "|".join(map(str, ("prefill route 2", dtype, heads, kv_heads, head_dim, block_size,
                              min(max_tokens, max(ROWS)), ROWS, KEYS, build, machine_key())))
-    cells = calibrate.remembered(key, lambda: [list(c) for c in route_of(
+    cells = files.remembered(key, lambda: [list(c) for c in route_of(
         measure(backend, heads, kv_heads, head_dim, block_size, dtype, device, max_tokens)).cells])
     return PrefillRoute(tuple((rows, k) for rows, k in cells), mask_limit(heads, kv_heads, dtype))

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers import files
 from workers.capability import machine_tag
 from workers.engine.cpu import calibrate
 from workers.kernel_notes import CHOICE_VERSION
@@ -276,7 +277,7 @@ def choose(kind: str, shape: tuple[int, int], dtype: torch.dtype,
         choice = pick(measure(rest, shape[1], dtype, rows, layers))
         return RowChoice(choice.widened_from, choice.batch, choice.switches, act8)
 
-    return _from_list(calibrate.remembered(key, lambda: _as_list(measured())))
+    return _from_list(files.remembered(key, lambda: _as_list(measured())))
 
 
 def measure_act8(ways: dict[str, Callable[[torch.Tensor, int], object]], width: int, dtype: torch.dtype,
@@ -291,7 +292,7 @@ def recalled(kind: str, shape: tuple[int, int], dtype: torch.dtype, ways, max_ro
              layers: int = 1) -> RowChoice | None:
     """The choice `choose` keeps for the same arguments (`ways`: their names), or None where it has
     not measured it on this machine yet: a load can skip preparing a way its choice does not take."""
-    kept = calibrate.recalled(_key(kind, shape, dtype, ways, max_rows, build, layers))
+    kept = files.recalled(_key(kind, shape, dtype, ways, max_rows, build, layers))
     return None if kept is None else _from_list(kept)
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers import files
 from workers.capability import cpu_capability
 from workers.engine import attention
 from workers.engine.cpu import calibrate, extension, prefill_route
@@ -175,7 +176,7 @@ class CpuRunner(PagedRunner):
                                  # the linears' kernels by rows (pick_kernels, before this): a chunk's
                                  # cost is measured on the ways that run it
                                  sorted({str(lin.rows) for lin in self.lean.linears()} if self.lean else ()))))
-        return calibrate.remembered(key, lambda: calibrate.attention_span(
+        return files.remembered(key, lambda: calibrate.attention_span(
             self.holder, self.backend, linears, layers, cfg.num_attention_heads, kvh, dk, self.block_size,
             self.cache.keys.dtype, self.lm.device))
 

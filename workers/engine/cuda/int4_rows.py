@@ -3,8 +3,8 @@
 The Triton kernel (triton_qlinear) reads the blocks as the file lays them out; tinygemm
 (int4pack) reads them repacked for the tensor cores. Which is faster at a decode step's rows
 depends on the GPU and the shape, and neither was measured side by side when this was written, so
-each worker times both on every distinct int4 shape at each decode bucket (CUDA events, best of a
-few calls, both on the same input) and gives tinygemm the buckets from the smallest up where it wins
+each worker times both on every distinct int4 shape at each decode bucket (workers.engine.cuda.timing,
+both on the same input) and gives tinygemm the buckets from the smallest up where it wins
 by MARGIN at that bucket and every one below it: one crossover per shape, so a noisy bucket does
 not flip a linear back and forth. A shape tinygemm never wins keeps the Triton kernel alone and no
 packed copy. The buckets go on past the decode steps' in powers of two up to the most rows a step
@@ -18,13 +18,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from workers.engine.cuda.int4pack import Int4Pack
+from workers.engine.cuda.timing import Timer
 from workers.quant.weight import QuantizedWeight
 
 MARGIN = 0.05  # tinygemm replaces the Triton kernel only where it is this much faster
-CALLS = 20  # timed calls of each way at each bucket (after WARM_UP)
-WARM_UP = 3
-
-Timer = Callable[[Callable[[], object]], float]  # seconds one call of fn takes
 
 
 def row_buckets(decode: Sequence[int], max_rows: int) -> list[int]:
@@ -48,21 +45,6 @@ def tinygemm_rows(timings: Sequence[tuple[int, float, float]], margin: float = M
             break
         upto = rows
     return upto
-
-
-def cuda_timer(fn: Callable[[], object]) -> float:
-    """The fastest of CALLS calls of fn on the current CUDA stream, timed by CUDA events."""
-    for _ in range(WARM_UP):
-        fn()
-    best = float("inf")
-    for _ in range(CALLS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
 
 
 def measure(weight: QuantizedWeight, qlinear: Callable[..., torch.Tensor], buckets: Sequence[int],

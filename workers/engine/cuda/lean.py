@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,10 @@ from workers.precision import Precision
 from workers.quant.fuse import all_kept, linear_kind, quantized_weight
 from workers.quant.weight import INT4, QuantizedWeight
 from workers.weights.fused_layout import side_by_side
+
+if TYPE_CHECKING:  # the Triton kernels' modules: imported where Triton runs them
+    from workers.engine.cuda.triton_invariant import Tiles
+    from workers.engine.cuda.triton_qlinear import Gemv
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,6 +154,23 @@ class DeviceLean:
         for layer in self.layers:
             layer.qkv, layer.o = packed(layer.qkv), packed(layer.o)
             layer.gate_up, layer.down = packed(layer.gate_up), packed(layer.down)
+
+    def set_shapes(self, tiles: dict[tuple[int, int], Tiles], gemv: dict[tuple[str, int, int], Gemv]) -> None:
+        """Give each linear the shape measured for its weight (workers.engine.cuda.tile_choice): a dense
+        one of (outputs, inputs) in `tiles` its batch-invariant tiles (PagedOps.linear takes them under
+        `deterministic`), weight-only blocks of (kind, outputs, inputs) in `gemv` their row kernel's."""
+        def shaped(lin: DeviceLinear) -> DeviceLinear:
+            q = lin.quant
+            if q is not None and (q.kind, q.out_features, q.in_features) in gemv:
+                return replace(lin, qlinear=partial(self.ops.qlinear, gemv=gemv[q.kind, q.out_features, q.in_features]))
+            if lin.weight is not None and tuple(lin.weight.shape) in tiles:
+                return replace(lin, dense=partial(self.ops.linear, tiles=tiles[tuple(lin.weight.shape)]))
+            return lin
+
+        self.lm_head = shaped(self.lm_head)
+        for layer in self.layers:
+            layer.qkv, layer.o = shaped(layer.qkv), shaped(layer.o)
+            layer.gate_up, layer.down = shaped(layer.gate_up), shaped(layer.down)
 
     def linears(self) -> list[DeviceLinear]:
         return [self.lm_head] + [x for lay in self.layers for x in (lay.qkv, lay.o, lay.gate_up, lay.down)]

@@ -42,6 +42,7 @@ from workers.engine.cuda.int4pack import refusal as int4pack_refusal
 from workers.engine.cuda.lean import DeviceLean, DeviceStep
 from workers.engine.cuda.ops import PagedOps, select_ops
 from workers.engine.cuda.sampler import SamplingRows, sample_tokens
+from workers.engine.cuda.timing import Timer, cuda_timer
 from workers.engine.runners.base import Launched, chunk_tokens, kept_rows
 from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
@@ -182,27 +183,53 @@ class CudaRunner(PagedRunner):
         # reports the shares
         self.decode_steps, self.fill_seconds, self.launch_seconds, self.wait_seconds = 0, 0.0, 0.0, 0.0
 
-    def pick_kernels(self, max_rows: int) -> dict[str, str]:
-        """On a GPU in bfloat16, not `deterministic`: up to how many rows each int4 shape's calls go to
-        torch's tinygemm instead of the Triton kernel, measured here at the decode buckets and on up
-        to `max_rows` (workers.engine.cuda.int4_rows); the graphs captured after take the choice in."""
+    def pick_kernels(self, max_rows: int, timer: Timer = cuda_timer) -> dict[str, str]:
+        """With the Triton kernels, measured here on every distinct linear shape (`timer`: on the GPU,
+        CUDA events), for the graphs captured after to take in:
+        - weight-only blocks: the row kernel's shape (workers.engine.cuda.tile_choice);
+        - under `deterministic`, the dense linears' tiles;
+        - in bfloat16 and not `deterministic`: up to how many rows each int4 shape's calls go to
+          torch's tinygemm instead (workers.engine.cuda.int4_rows), at the decode buckets and on up
+          to `max_rows`."""
         lean = self.device_lean
-        if lean is None or self.ops.name != "triton" or self.ops.invariant or self.lm.dtype != torch.bfloat16:
+        if lean is None or not self.ops.name.startswith("triton"):
             return {}
+        from workers.engine.cuda import tile_choice  # the Triton kernels' modules: where they run
+        from workers.engine.cuda.triton_qlinear import GEMV_ROWS
+
+        invariant = self.ops.invariant
+        gemv_rows = tile_choice.timing_rows(self.buckets, max_rows if invariant else GEMV_ROWS)
+        dense_rows = tile_choice.timing_rows(self.buckets, max_rows)
+        gemv, tiles = {}, {}
+        for lin in lean.linears():
+            q = lin.quant
+            if q is not None and (q.kind, q.out_features, q.in_features) not in gemv:
+                gemv[q.kind, q.out_features, q.in_features] = tile_choice.gemv_shape(
+                    q, self.ops.qlinear, self.lm.dtype, gemv_rows, timer)
+            elif q is None and invariant and tuple(lin.weight.shape) not in tiles:
+                tiles[tuple(lin.weight.shape)] = tile_choice.dense_tiles(lin.weight, self.ops.linear, dense_rows,
+                                                                         timer)
+        lean.set_shapes(tiles, gemv)
+        notes = {f"{kind} {n}x{k}": shape.name for (kind, n, k), shape in gemv.items()}
+        notes.update({f"dense {n}x{k}": shape.name for (n, k), shape in tiles.items()})
+        if invariant or self.lm.dtype != torch.bfloat16:
+            return notes
         shapes = {}
         for lin in lean.linears():
             if lin.quant is not None and int4pack_refusal(lin.quant, torch.bfloat16) is None:
-                shapes.setdefault((lin.quant.out_features, lin.quant.in_features), lin.quant)
+                shapes.setdefault((lin.quant.out_features, lin.quant.in_features), lin)
         buckets = int4_rows.row_buckets(self.buckets, max_rows)
-        rows = {shape: int4_rows.measure(q, self.ops.qlinear, buckets, int4_rows.cuda_timer)[0]
-                for shape, q in shapes.items()}
+        rows = {shape: int4_rows.measure(lin.quant, lin.qlinear, buckets, timer)[0] for shape, lin in shapes.items()}
         lean.pack_int4(rows)
+
         def note(r: int) -> str:
             if r >= buckets[-1]:
                 return f"torch's tinygemm at every step (1 to {r} rows measured)"
             return f"torch's tinygemm up to {r} rows, Triton from {r + 1}" if r else "Triton (tinygemm measured slower)"
 
-        return {f"{INT4} {n}x{k}": note(r) for (n, k), r in rows.items()}
+        for (n, k), r in rows.items():
+            notes[f"{INT4} {n}x{k}"] = f"{note(r)}; Triton's {notes[f'{INT4} {n}x{k}']}"
+        return notes
 
     def compile_refusal(self) -> str | None:
         return GRAPHS_NOT_COMPILED if self.device_lean is not None else None

@@ -5,8 +5,11 @@ reads a quarter (int4) or half (int8) of bfloat16's weight bytes.
 Two kernels:
 - a few rows (decode): one program a row and BLOCK_N outputs, walking the input CHUNK blocks at a
   time with products and sums in float32 registers (a [16, 64] tile's dot at one row would spend
-  sixteen times the multiplies, and the GPU's float32 dot is multiply-adds). A row's sums take one
-  order whatever the number of rows, so `deterministic` takes this kernel for every row count.
+  sixteen times the multiplies, and the GPU's float32 dot is multiply-adds), over all the blocks
+  or over one of SPLIT ranges whose sums a second kernel adds in order
+  (workers.engine.cuda.triton_splits). The shape (`Gemv`) is the weight's, measured at load
+  (workers.engine.cuda.tile_choice), never the step's: a row's sums take one order whatever the
+  number of rows, so `deterministic` takes this kernel for every row count.
 - many rows: one program a [BLOCK_M, BLOCK_N] tile of y. It walks the input in blocks of 32:
   each block's scale (and offset, int4) per output row, its values widened to float32 as
   `QuantizedWeight.dequantize` gives them (the GGUF file's own values), and two dots of 16 inputs.
@@ -25,10 +28,13 @@ Set TRITON_INTERPRET before this module is imported: Triton reads it when the ke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from workers.engine.cuda import triton_splits
 from workers.engine.cuda.triton_common import INTERPRETED
 from workers.quant.formats import BLOCK
 from workers.quant.weight import INT4, QuantizedWeight
@@ -102,18 +108,20 @@ def _qlinear_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, M
 
 
 @triton.jit
-def _qgemv_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, N, K,
+def _qgemv_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, B_RANGE,
                   stride_xm, stride_qn, stride_sn, stride_om,
                   INT4_BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_b = tl.arange(0, CHUNK)
     offs_h = tl.arange(0, HALF_K)
     mask_n = offs_n < N
     blocks = K // (2 * HALF_K)
+    b_lo = tl.program_id(2) * B_RANGE
+    b_hi = tl.minimum(b_lo + B_RANGE, blocks)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for c in range(0, blocks, CHUNK):
+    for c in range(b_lo, b_hi, CHUNK):
         b = c + offs_b
         mask_b = b < blocks
         x_at = x_ptr + m * stride_xm + b[:, None] * (2 * HALF_K) + offs_h[None, :]
@@ -134,36 +142,72 @@ def _qgemv_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, N, 
             w_lo = tl.load(w_at, mask=nb[:, :, None], other=0).to(tl.float32) * scale
             w_hi = tl.load(w_at + HALF_K, mask=nb[:, :, None], other=0).to(tl.float32) * scale
         acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:  # this range's sums; triton_splits adds the ranges in order
+        tl.store(part_ptr + (tl.program_id(2) * M + m) * N + offs_n, acc, mask=mask_n)
 
 
 GEMV_ROWS = 16  # up to this many rows, qlinear takes the kernel of one program a row
-GEMV_N, GEMV_CHUNK = 32, 8  # its outputs a program and blocks of 32 inputs an iteration
 
 
-def _qgemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class Gemv:
+    """The row kernel's shape for a weight: `n` outputs a program, `chunk` blocks of 32 inputs an
+    iteration, the blocks in `split` ranges (1: one program walks them all)."""
+
+    n: int = 32
+    chunk: int = 8
+    split: int = 1
+
+    def __post_init__(self):
+        if self.n < 1 or self.chunk < 1 or self.split < 1 or (self.n & (self.n - 1)) or (self.chunk & (self.chunk - 1)):
+            raise ValueError(f"the row kernel needs n and chunk powers of two and split >= 1, got {self}")
+
+    @property
+    def name(self) -> str:
+        return f"rows of {self.n} outputs, {self.chunk} blocks a step" + (
+            f", {self.split} ranges" if self.split > 1 else "")
+
+
+DEFAULT_GEMV = Gemv()
+# what tile_choice times against DEFAULT_GEMV (each a compile a row-count class on a GPU's first load,
+# so few): fewer outputs a program (twice the programs, half the values in a program's registers),
+# fewer blocks a step, the blocks in four ranges
+GEMV_CANDIDATES = (Gemv(16, 8), Gemv(32, 4), Gemv(32, 8, 4))
+
+
+def _qgemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor,
+           gemv: Gemv = DEFAULT_GEMV) -> torch.Tensor:
     m, k = x.shape
     n = weight.out_features
     int4 = weight.kind == INT4
-    _qgemv_kernel[(m, triton.cdiv(n, GEMV_N))](
+    blocks = k // BLOCK
+    split = min(gemv.split, triton.cdiv(blocks, gemv.chunk))
+    b_range = triton_splits.range_length(triton.cdiv(blocks, gemv.chunk), split, gemv.chunk)
+    split = triton.cdiv(blocks, b_range)  # no empty range
+    part = triton_splits.partials(split, m, n, x.device) if split > 1 else out
+    _qgemv_kernel[(m, triton.cdiv(n, gemv.n), split)](
         x, weight.qs, weight.scales, weight.offsets if int4 else weight.scales, bias if bias is not None else x, out,
-        n, k, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0),
-        INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_N=GEMV_N, CHUNK=GEMV_CHUNK)
-    return out
+        part, m, n, k, b_range, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0),
+        INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_N=gemv.n, CHUNK=gemv.chunk, SPLIT=split)
+    return triton_splits.sum_splits(part, bias, out) if split > 1 else out
 
 
-def qlinear_invariant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def qlinear_invariant(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                      gemv: Gemv = DEFAULT_GEMV) -> torch.Tensor:
     """qlinear with the kernel of one program a row for every number of rows (`deterministic`): a
-    row's sums do not depend on the rows beside it."""
-    return qlinear(x, weight, bias, block_m=1)
+    row's sums do not depend on the rows beside it (`gemv` is the weight's, never the step's)."""
+    return qlinear(x, weight, bias, block_m=1, gemv=gemv)
 
 
 def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-            block_m: int | None = None) -> torch.Tensor:
+            block_m: int | None = None, gemv: Gemv = DEFAULT_GEMV) -> torch.Tensor:
     """ops.reference_qlinear's contract: x [M, K] -> [M, N] in x's dtype. `block_m`: the
-    rows a tile, 1 for the kernel of one program a row (None: by the number of rows)."""
+    rows a tile, 1 for the kernel of one program a row (None: by the number of rows); `gemv`: that
+    kernel's shape for this weight (workers.engine.cuda.tile_choice measures it)."""
     m, k = x.shape
     n = weight.out_features
     if k != weight.in_features:
@@ -173,7 +217,7 @@ def qlinear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None 
         return out
     x = x.contiguous()
     if block_m == 1 or (block_m is None and m <= GEMV_ROWS):
-        return _qgemv(x, weight, bias, out)
+        return _qgemv(x, weight, bias, out, gemv)
     int4 = weight.kind == INT4
     block_m = block_m or (32 if m <= 32 else 64)
     block_n = 64
