@@ -19,13 +19,14 @@
   census:        the CUDA kernels a decode step launches (torch.profiler over the decode graphs'
                  replays), by name, a step and a layer, and the device time a step by group
                  (attention, GEMM, norm, KV and rotary, elementwise, sampling): one stream and 64;
-  deployment:    `run_mm.py --mode serve` with the HTTP gateway, --copies copies of the model in bf16
-                 on one GPU sharing one weight owner: the plan (`validate_only`), the workload as
-                 concurrent streaming HTTP requests (tokens/s), each copy's greedy answer to one
-                 prompt (all equal?), the GPU memory of every process (nvidia-smi) against the plan,
-                 and whether any of its processes aborted at exit (`deployment_exit`).
+  deployment:    bench/gpu_deploy.py: one deployment behind the HTTP gateway on one GPU, --copies
+                 copies of the model sharing one weight owner and one copy of --second-model: the
+                 plan; the engine in-process, one copy over HTTP and every copy (tokens/s); each
+                 model alone and both at once; each copy's greedy answer; every process's GPU
+                 memory against the plan and the allowance of a copy; aborts at exit.
 
-    python bench/gpu.py [--model smollm2-135m] [--device cuda:0] [--copies 3] [--parts ...] [--random-weights]
+    python bench/gpu.py [--model smollm2-135m] [--device cuda:0] [--copies 3] [--second-model llama-3.2-1b]
+                        [--parts ...] [--random-weights]
 
 --random-weights builds a model of the source's shape with random weights (they run at the speed
 of the real ones), for a machine where the model's files are not at hand; parity then compares
@@ -45,9 +46,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 ROOT = Path(__file__).resolve().parents[1]
 
 import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
+import os  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -55,8 +54,6 @@ import torch  # noqa: E402
 
 from bench.engine import emit, run_hf_static, single_prompt, workload  # noqa: E402
 from bench.machine import describe  # noqa: E402
-from bench.router import free_port  # noqa: E402
-from routing.entrypoints import CLI, command  # noqa: E402
 from workers.engine import Engine, EngineConfig  # noqa: E402
 from workers.engine.attention import hf_attention  # noqa: E402
 from workers.engine.params import SamplingParams  # noqa: E402
@@ -72,9 +69,6 @@ SHAPES = {"smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate
                                num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
                                max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
                                rope_parameters={"rope_type": "default", "rope_theta": 500000.0})}
-# what a process that aborts at exit prints (torch's CUDA IPC teardown, a C++ exception in a destructor)
-ABORT_MARKS = ("terminate called", "could not unlink the shared memory file",
-               "Producer process has been terminated before all shared CUDA tensors released")
 # the kernel census's groups: a kernel's group is the first whose words its name holds
 KERNEL_GROUPS = (("attention", ("attention", "_segment_kernel", "_merge_kernel", "flash", "fmha")),
                  ("sampling", ("argmax", "sort", "scan", "cumsum", "topk", "softmax", "multinomial")),
@@ -318,109 +312,27 @@ def census(args) -> None:
              model=args.model, dtype="bfloat16", device=device_name(args.device))
 
 
-def gpu_memory_by_pid() -> dict[int, int]:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    rows = [line.split(",") for line in out.strip().splitlines() if line.strip()]
-    return {int(pid): int(mib) * 2**20 for pid, mib in rows}
+def inprocess_wall(args, prompts, max_tokens) -> float:
+    """The deployment part's peer: the workload's seconds on the model's engine in this process, best
+    of the repeats; the model is let go of after, so that only this process's context stays."""
+    import gc
+
+    lm = load_model(args.model, dtype="bfloat16", device=args.device)
+    wall = min(timed_engine(lm, prompts, max_tokens, "false", args.device) for _ in range(args.repeats))
+    del lm
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return wall
 
 
-async def stream_all(url: str, model: str, prompts, max_tokens) -> tuple[float, int]:
-    import httpx
+def own_gpu_memory(args) -> int | None:
+    """This process's GPU memory (nvidia-smi), None off a GPU."""
+    if not args.device.startswith("cuda"):
+        return None
+    from bench.gpu_deploy import gpu_memory_by_pid
 
-    async def one(client, p, m):
-        body = {"model": model, "prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        n = 0
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        n = chunk["usage"]["completion_tokens"]
-        return n
-
-    limits = httpx.Limits(max_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        t = time.perf_counter()
-        counts = await asyncio.gather(*[one(client, p, m) for p, m in zip(prompts, max_tokens)])
-        return time.perf_counter() - t, sum(counts)
-
-
-def role(cmdline: list[str]) -> str:
-    text = " ".join(cmdline)
-    return next((name for key, name in (("--http", "serve"), ("owner", "weight owner"), ("routing.http", "http gateway"))
-                 if key in text), "worker")
-
-
-def deployment(args) -> None:
-    import httpx
-    import psutil
-
-    from fusion.deploy import build_fusion
-    from fusion.params import load_params
-    from fusion.plan import make_plan
-
-    params = {"variants": {"m": {"model": {"source": args.model, "dtype": "bfloat16", "max_batch_size": 64}}},
-              "runconfig": {"devices": args.device}}
-    cfg = ROOT / "bench" / "_gpu.yaml"
-    cfg.write_text(json.dumps(params))
-    variants = f"m,{args.copies}"
-    plan = make_plan(build_fusion(load_params(cfg), [variants]), None, args.device, None)
-    shown = subprocess.run([*command(CLI), "--mode", "validate_only", "--params", str(cfg), "--variants", variants],
-                           cwd=ROOT, capture_output=True, text=True)
-    emit(part="validate_only", rc=shown.returncode, output=shown.stdout.strip().splitlines()[-12:])
-    front, http = f"tcp://127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    # the deployment's stderr (its workers' and owners' too), read for aborts once it has stopped
-    log = tempfile.TemporaryFile()  # unnamed: nothing is left in /tmp, however the part ends
-    proc = subprocess.Popen([*command(CLI), "--mode", "serve", "--params", str(cfg), "--variants", variants,
-                             "--frontend", front, "--backend", f"tcp://127.0.0.1:{free_port()}", "--http", http],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://{http}"
-    try:
-        t0 = time.perf_counter()
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.perf_counter() - t0 > 600:
-                raise RuntimeError("run_mm.py serve did not become healthy")
-            time.sleep(0.5)
-        ready_s = time.perf_counter() - t0
-        answers = []
-        for i in range(args.copies):
-            r = httpx.post(f"{url}/v1/completions", timeout=120,
-                           json={"model": f"m:{i}", "prompt": "The three primary colours are", "max_tokens": 16,
-                                 "temperature": 0})
-            r.raise_for_status()
-            answers.append(r.json()["choices"][0]["text"])
-        prompts, max_tokens = workload(64, args.vocab)
-        runs = [asyncio.run(stream_all(url, "m", prompts, max_tokens)) for _ in range(args.repeats)]
-        wall, got = min(runs)
-        mem = gpu_memory_by_pid() if args.device.startswith("cuda") else {}
-        tree = {p.pid: p for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]}
-        ours = {pid: b for pid, b in mem.items() if pid in tree}
-        names = {pid: f"{pid} {role(tree[pid].cmdline())}" for pid in ours}
-        planned = plan.devices[args.device]["estimated_bytes"]
-        emit(part="deployment", copies=args.copies, ready_s=round(ready_s, 1),
-             greedy_answers_equal=all(a == answers[0] for a in answers), answer=answers[0],
-             http_stream_tokens_per_s=round(got / wall, 1), tokens=got, expected_tokens=sum(max_tokens),
-             gpu_memory_mib={names[p]: b // 2**20 for p, b in ours.items()},
-             gpu_memory_total_mib=sum(ours.values()) // 2**20,
-             plan_total_mib=planned // 2**20, repeats=args.repeats)
-    finally:
-        cfg.unlink(missing_ok=True)
-        proc.terminate()
-        proc.wait(timeout=120)
-        log.seek(0)
-        text = log.read().decode(errors="replace")
-        log.close()
-        sys.stderr.write(text)
-        aborts = [line for line in text.splitlines() if any(mark in line for mark in ABORT_MARKS)]
-        emit(part="deployment_exit", rc=proc.returncode, aborted=bool(aborts), abort_lines=aborts[:6])
+    return gpu_memory_by_pid().get(os.getpid())
 
 
 def main() -> None:
@@ -428,6 +340,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--copies", type=int, default=3)
+    ap.add_argument("--second-model", default="llama-3.2-1b",
+                    help="deployment: the model sharing the GPU with --model's copies")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=49152, help="deployment: token ids of the workload below this")
     ap.add_argument("--parts", default="parity,workload,single_stream,quantized,deterministic,census,deployment")
@@ -437,9 +351,12 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA device (--device cpu runs its parts on the CPU)")
     emit(**describe("gpu", sys.argv), gpu=device_name(args.device))
+    args.second_shape = args.second = args.second_model
     if args.random_weights:
         tmp = tempfile.TemporaryDirectory(prefix="mmfusion-random-")
-        args.shape, args.model = args.model, random_weights(args.model, Path(tmp.name))
+        args.shape, args.model = args.model, random_weights(args.model, Path(tmp.name) / "first")
+        if "deployment" in args.parts:
+            args.second = random_weights(args.second_model, Path(tmp.name) / "second")
         emit(random_weights=True, shape=args.shape)
     if "parity" in args.parts:
         parity(args)
@@ -448,7 +365,9 @@ def main() -> None:
     if "census" in args.parts:
         census(args)
     if "deployment" in args.parts:
-        deployment(args)
+        from bench.gpu_deploy import deployment
+
+        deployment(args, lambda p, m: inprocess_wall(args, p, m), lambda: own_gpu_memory(args))
 
 
 if __name__ == "__main__":

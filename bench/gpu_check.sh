@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks as one prepared run of under 8 minutes, for a machine with a CUDA GPU. In order of
+# The GPU checks as one prepared run of under 9 minutes, for a machine with a CUDA GPU. In order of
 # what they tell, so that a run cut short keeps the most: bench/gpu.py on a model of SmolLM2's shape
 # with random weights (parity, one stream, the workload, the kernel census), the CUDA tests (the
 # Triton kernels compiled, the decode graphs, the census, the weight owner), the quantized and
-# deterministic parts, Llama 3.2 1B's shape, then a three-copy deployment behind the HTTP gateway.
+# deterministic parts, Llama 3.2 1B's shape, then a deployment of three copies and a second model
+# behind the HTTP gateway.
 # No model files are needed. Everything goes to $OUT (default ./gpu-out) as it is made:
 # versions.txt, gpu_bench.jsonl (the figures), gpu_bench.err, cuda_tests.txt (the whole pytest
 # log, failures' tracebacks included).
@@ -37,6 +38,7 @@ tail -12 "$out/cuda_tests.txt"
 bench 90 --repeats 1 --parts quantized,deterministic
 # a bigger shape, Llama 3.2 1B's: one stream in bf16, int8 and int4
 bench 50 --model llama-3.2-1b --repeats 1 --parts quantized_stream
-# three copies on one GPU sharing one weight owner, behind the HTTP gateway
-bench 60 --repeats 1 --parts deployment
+# three copies on one GPU sharing one weight owner and a copy of Llama 3.2 1B's shape, behind the
+# HTTP gateway: in-process against one copy, one copy against three, each model beside the other
+bench 100 --repeats 1 --parts deployment
 tail -20 "$out/gpu_bench.err"
