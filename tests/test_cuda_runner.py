@@ -245,6 +245,39 @@ def test_quantized_linears_give_transformers_greedy_on_their_values(arch, kind):
         assert o.outputs[0].token_ids == hf_greedy(ref, p, 8)
 
 
+def test_steps_with_prompt_chunks_run_padded_to_their_token_bucket():
+    """A step with prompt chunks (prefill, and chunks beside decode rows) runs from the step buffers
+    padded to its token bucket: the body its graph captures on a GPU (workers.engine.cuda.mixed_steps).
+    Each such step's kept logits equal the eager forward's on the same step; a step whose kept rows
+    the buffers cannot hold (a prompt's scores keep every row) runs eagerly; greedy tokens equal
+    transformers'."""
+    lm = tiny("llama", dtype="float32")
+    eng = _engine(lm, max_batch_size=4, max_batch_tokens=32)
+    runner = eng.runner
+    assert runner.token_buckets == [16, 32] and runner.steps.seqs == 4
+    paths = []
+    padded = runner._forward
+
+    def both(decode, chunks):
+        got = padded(decode, chunks)
+        paths.append(("buffers" if got.data_ptr() == runner.steps.logits.data_ptr() else "eager", len(decode),
+                      len(chunks)))
+        torch.testing.assert_close(got, runner._eager_forward(decode, chunks), atol=1e-5, rtol=1e-5)
+        return got
+
+    runner._forward = both
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (5, 23, 11, 40)]
+    outs = eng.generate(prompts, [_greedy(6)] * len(prompts))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, 6)
+    assert all(kind == "buffers" for kind, _, _ in paths), paths
+    assert any(d and c for _, d, c in paths), paths  # chunks beside decode rows
+    scored = eng.generate([prompts[1]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))[0]
+    assert len(scored.prompt_logprobs) == len(prompts[1])
+    assert paths[-1][0] == "eager"  # 23 kept rows: more than the buffers' 4
+
+
 def test_the_lean_forward_fuses_linears_over_the_weights_with_no_copy():
     """A copy with weights of its own lays each layer's q/k/v and gate/up out side by side (Qwen 2's
     biases too): the fused linears are views of the model's weights, and its answers are unchanged."""
@@ -374,18 +407,21 @@ def test_quantized_decode_graphs_on_cuda_give_transformers_greedy_on_their_value
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_graphs_on_cuda_equal_eager_and_transformers():
-    """On a GPU: every bucket captured, the replayed steps' greedy tokens (steps started ahead of
-    the last one's tokens) equal the same runner's eager steps and transformers' generate."""
+    """On a GPU: every decode bucket and every token bucket of the steps with prompt chunks
+    captured, the replayed steps' greedy tokens (decode steps started ahead of the last one's
+    tokens) equal the same runner's eager steps and transformers' generate."""
     from workers.models import load_model
 
     lm = load_model("tiny:llama", dtype="float32", device="cuda")
     eng = _engine(lm, device="cuda")
     assert _captured(eng) == set(eng.runner.buckets)
+    assert set(eng.runner.step_graphs) == set(eng.runner.token_buckets) == {16, 32, 64}
     rng = random.Random(8)
-    prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (3, 9, 1, 17, 5)]
+    prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (3, 9, 1, 17, 5, 60)]
     outs = eng.generate(prompts, [_greedy(10)] * len(prompts))
     eager = _engine(lm, device="cuda")
     eager.runner.graphs.clear()
+    eager.runner.step_graphs.clear()
     again = eager.generate(prompts, [_greedy(10)] * len(prompts))
     for p, o, a in zip(prompts, outs, again):
         assert o.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(lm.model, p, 10)

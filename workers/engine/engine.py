@@ -124,7 +124,7 @@ class Engine:
         self.attention_span = self.runner.attention_span()
         self.scheduler = Scheduler(cfg.scheduler_config(self.attention_span, self.runner.min_long_chunk()), blocks)
         self.compile_info = prepare(self.runner, lm, cfg.compile, cfg.buckets())
-        self.runner.capture_graphs()
+        self.runner.capture_graphs(max_rows)
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
         self._seed_rng = random.Random()

@@ -27,6 +27,7 @@ Off a GPU the same step function runs eagerly with the reference paged ops
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ from workers.engine.block_manager import NO_BLOCK
 from workers.engine.cuda import int4_rows
 from workers.engine.cuda.int4pack import refusal as int4pack_refusal
 from workers.engine.cuda.lean import DeviceLean, DeviceStep
+from workers.engine.cuda.mixed_steps import StepBuffers, token_buckets
 from workers.engine.cuda.ops import PagedOps, select_ops
 from workers.engine.cuda.sampler import SamplingRows, sample_tokens
 from workers.engine.cuda.timing import Timer, cuda_timer
@@ -177,6 +179,9 @@ class CudaRunner(PagedRunner):
         self.graphs_on = lm.device.type == "cuda" if graphs is None else graphs
         self.overlap = self.graphs_on if overlap is None else overlap
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, all greedy) -> graph
+        self.step_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # tokens -> graph of a step with prompt chunks
+        self.steps: StepBuffers | None = None  # their buffers (capture_graphs)
+        self.token_buckets: list[int] = []
         self.capture_seconds = 0.0
         # decode steps; their time filling the inputs (the host), launching them, and waiting for
         # their tokens (what the device took past the host's work in the meantime): bench/gpu.py
@@ -247,30 +252,47 @@ class CudaRunner(PagedRunner):
         buf.logits[:n].copy_(logits)
         buf.tokens[:n].copy_(torch.argmax(logits, dim=-1) if greedy else sample_tokens(logits, buf.sampling(n)))
 
+    def _step_body(self, n: int) -> None:
+        """A step with prompt chunks of n (bucket) tokens, from the step buffers to the kept rows'
+        logits (workers.engine.cuda.mixed_steps)."""
+        steps = self.steps
+        logits = self.device_lean.forward(steps.step(n), (self.cache.keys, self.cache.values), steps.keep)
+        steps.logits.copy_(logits)
+
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
-        """Capture every bucket's decode graph now (padded rows only: they write the dummy block)."""
-        if self.device_lean is None or not self.graphs_on:
+    def capture_graphs(self, max_rows: int) -> None:
+        """The buffers of the steps with prompt chunks (up to `max_rows` tokens), and where graphs
+        run, every decode bucket's graphs and every token bucket's graph, captured now (padded rows
+        only: they write the dummy block)."""
+        if self.device_lean is None:
+            return
+        self.token_buckets = token_buckets(max_rows)
+        self.steps = StepBuffers(self.token_buckets[-1], self.buckets[-1], self.width, self.lm.vocab_size,
+                                 self.lm.dtype, self.lm.device)
+        if not self.graphs_on:
             return
         t = time.perf_counter()
         host = self.buffers.next_host()
         self._fill(host, [], self.buckets[-1])
         self.buffers.device_inputs.copy_(host.inputs)
-        pool = None
+        self.steps.fill([], [], self.token_buckets[-1], self.dummy, self.block_size)
+        self.steps.copy_in()
+        bodies = [*((functools.partial(self._decode_body, b, greedy), (b, greedy))
+                    for b in reversed(self.buckets) for greedy in (True, False)),
+                  *((functools.partial(self._step_body, n), n) for n in reversed(self.token_buckets))]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for b in self.buckets:  # warm-up runs: kernels compiled, allocator settled, outside capture
-                for greedy in (True, False):
-                    self._decode_body(b, greedy)
+            for body, _ in bodies:  # warm-up runs: kernels compiled, allocator settled, outside capture
+                body()
         torch.cuda.current_stream().wait_stream(stream)
-        for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its memory pool
-            for greedy in (True, False):  # a graph for all-greedy steps, and one that samples
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._decode_body(b, greedy)
-                pool = g.pool()
-                self.graphs[b, greedy] = g
+        pool = None
+        for body, key in bodies:  # the largest first: the smaller ones reuse its memory pool
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                body()
+            pool = g.pool()
+            (self.step_graphs if isinstance(key, int) else self.graphs)[key] = g
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t
 
@@ -414,9 +436,26 @@ class CudaRunner(PagedRunner):
         return result
 
     def _forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
-        """Any step, eagerly, on the lean forward: one block-table row a sequence."""
+        """A step with prompt chunks, on the lean forward: its token bucket's graph (or the same body
+        eagerly, off a GPU) where the step buffers hold it, else eagerly. The logits of its kept
+        rows, in order."""
         if self.device_lean is None:
             return super()._forward(decode, chunks)
+        steps = self.steps
+        total = len(decode) + sum(c.length for c in chunks)
+        n = next((b for b in self.token_buckets if b >= total), None)
+        kept = None if steps is None or n is None else steps.fill(decode, chunks, n, self.dummy, self.block_size)
+        if kept is None:
+            return self._eager_forward(decode, chunks)
+        steps.copy_in()
+        if n in self.step_graphs:
+            self.step_graphs[n].replay()
+        else:
+            self._step_body(n)
+        return steps.logits[:kept]
+
+    def _eager_forward(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
+        """Any step, eagerly, on the lean forward: one block-table row a sequence."""
         bs, dev = self.block_size, self.lm.device
         seqs = decode + [c.seq for c in chunks]
         tables = [[b if b != NO_BLOCK else self.dummy for b in s.blocks.tables[0]] for s in seqs]

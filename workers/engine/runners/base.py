@@ -124,8 +124,9 @@ class Runner(ABC):
     def warm_up(self) -> None:  # noqa: B027 - nothing to build ahead for an eager runner
         """Build what the first steps would otherwise build (compiled graphs of every bucket)."""
 
-    def capture_graphs(self) -> None:  # noqa: B027 - a device without graphs captures nothing
-        """Capture the device graphs its steps replay, before the first request."""
+    def capture_graphs(self, max_rows: int) -> None:  # noqa: B027 - a device without graphs captures nothing
+        """Capture the device graphs its steps replay (steps of up to `max_rows` tokens), before the
+        first request."""
 
     def launch(self, plan: SchedulerOutput, ahead_of: SchedulerOutput | None = None) -> Launched:
         """Start the step `plan` planned. `ahead_of`: the plan of the step still running, whose
