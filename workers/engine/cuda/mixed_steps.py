@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from workers.devices import device_kind
 from workers.engine.block_manager import NO_BLOCK
 from workers.engine.cuda.lean import DeviceStep
 from workers.engine.runners.base import chunk_tokens, kept_rows
@@ -48,7 +49,7 @@ class StepBuffers:
         self.tokens, self.seqs, self.width = tokens, seqs, table_width
         size = len(_FIELDS) * tokens + seqs + seqs * table_width
         self.device_inputs = torch.zeros(size, dtype=torch.long, device=device)
-        pinned = device.type != "cpu" and torch.cuda.is_available()
+        pinned = not device_kind(device).host and torch.cuda.is_available()
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=pinned)
         self.fields = {name: self.device_inputs[i * tokens:(i + 1) * tokens] for i, name in enumerate(_FIELDS)}
         at = len(_FIELDS) * tokens
