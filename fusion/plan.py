@@ -346,6 +346,10 @@ def place_worker(existing: list[WorkerPlan], model: ModelSpec, model_id: int, de
             raise ValueError(f"device {device}: no memory left for worker {w.worker_id}'s KV cache after the "
                              "weights and process overheads planned there; use fewer workers or more devices, "
                              "or give kv_cache_memory")
+    elif per_token is not None and budget < per_token * w.block_size:  # the engine would refuse it at load
+        raise ValueError(f"variant {model.name!r}: kv_cache_memory of {budget} bytes holds no KV block "
+                         f"({w.block_size} tokens of {per_token} bytes each, {per_token * w.block_size} bytes): "
+                         "raise kv_cache_memory, or set it to auto")
     w.kv_tokens = None if per_token is None else budget // per_token
     w.spec = w.spec.placed(kv_cache_bytes=budget, cpus=_free_cores(existing, threads)
                            if bind and device_kind(device).host else None)

@@ -102,6 +102,9 @@ def test_variants_parsing():
     ("variants:\n  a: {model: {source: x, max_batch_size: many}}\n",
      r"variants\.a\.model\.max_batch_size must be a positive integer, got 'many'"),
     ("variants:\n  a: {model: {source: x, max_batch_tokens: 0}}\n", r"model\.max_batch_tokens must be"),
+    # quietly raised to max_batch_size by the plan before; the engine refuses it as vLLM does
+    ("variants:\n  a: {model: {source: x, max_batch_tokens: 8}}\n",
+     r"model\.max_batch_tokens \(8\) must be >= model\.max_batch_size \(64\)"),
     ("variants:\n  a: {model: {source: x, dtype: int4}}\n", r"model\.dtype must be `auto`"),
     ("variants:\n  a: {model: {source: x, share_weights: maybe}}\n", r"model\.share_weights must be"),
     ("variants:\n  a: {model: {source: x, top_p: 1.5}}\n", r"model\.top_p must be a number in \(0, 1\]"),
@@ -250,8 +253,8 @@ def test_deltat_scaling_factor_shares_batch_capacity():
 
 def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
     monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 8 * 2**30)
-    fusion = MultiModelFusion([info("m", "smollm2-135m", max_batch_size=100000, dtype="bfloat16",
-                                    quantization="none")])
+    fusion = MultiModelFusion([info("m", "smollm2-135m", max_batch_size=100000, max_batch_tokens=100000,
+                                    dtype="bfloat16", quantization="none")])
     plan = make_plan(fusion, 2, "cpu")  # auto: half of 8 GiB, less weights and overheads, shared by the two
     w = plan.workers[0]
     # the two copies share their weights, and each holds its own prepacked linears (about as many bytes)
@@ -278,6 +281,11 @@ def test_plan_gives_kv_budgets_and_refuses_what_does_not_fit(monkeypatch):
         info("m", "tiny:llama", kv_cache_memory="lots")
     with pytest.raises(ValueError, match="kv_cache_memory 'lots' is not a size"):
         make_plan(fusion, 1, "cpu", kv_cache_memory="lots")
+    # a budget too small for one block was planned as a pool of 0 tokens, and the worker's load failed
+    block = 16 * 30 * 2 * 3 * 64 * kv_element
+    with pytest.raises(ValueError, match=rf"variant 'm': kv_cache_memory of {block - 1} bytes holds no KV block"):
+        make_plan(fusion, 1, "cpu", kv_cache_memory=str(block - 1))
+    assert make_plan(fusion, 1, "cpu", kv_cache_memory=str(block)).workers[0].kv_tokens == 16
 
 
 def test_validate_only_prints_plan_without_loading():

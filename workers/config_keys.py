@@ -94,7 +94,8 @@ MODEL_KEYS: tuple[Key, ...] = (
         "sequences a worker runs at once (before `deltat_scaling_factor` shares a device's capacity)",
         lambda x: is_int(x, 1)),
     Key("max_batch_tokens", 512, "a positive integer",
-        "tokens a worker's step computes at most (decode tokens plus prefill chunks)", lambda x: is_int(x, 1)),
+        "tokens a worker's step computes at most (decode tokens plus prefill chunks); at least `max_batch_size`",
+        lambda x: is_int(x, 1)),
     Key("long_prefill_tokens", 16, "a positive integer",
         "while sequences decode, a prompt longer than `max_batch_tokens` computes a chunk costing about this many "
         "tokens a step, or half as many as sequences decode (a token deep in the prompt counts more: its attention "

@@ -65,6 +65,10 @@ class ModelSpec:
             value = getattr(self, key.name)
             if key.check is not None and not key.check(value):
                 raise ValueError(f"model.{key.name} must be {key.valid}, got {value!r}")
+        if self.max_batch_tokens < self.max_batch_size:  # as the scheduler refuses it (and vLLM)
+            raise ValueError(f"model.max_batch_tokens ({self.max_batch_tokens}) must be >= model.max_batch_size "
+                             f"({self.max_batch_size}): a step computes a token of each sequence it runs; raise "
+                             "max_batch_tokens or lower max_batch_size")
         path = out_of_range({f.name: getattr(self, f.name) for f in fields(self)})
         if path is not None:  # the spec travels to its workers as a message
             raise ValueError(f"model.{range_error(path)}")
