@@ -345,6 +345,8 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=3)
     ap.add_argument("--second-model", default="llama-3.2-1b",
                     help="deployment: the model sharing the GPU with --model's copies")
+    ap.add_argument("--gpu-sharing", default="auto", choices=("auto", "mps", "timeslice"),
+                    help="deployment: how its workers share the GPU (runconfig gpu_sharing)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=49152, help="deployment: token ids of the workload below this")
     ap.add_argument("--parts", default="parity,workload,single_stream,quantized,deterministic,census,deployment")

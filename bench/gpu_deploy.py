@@ -13,6 +13,9 @@ a second model (`--second-model`: Llama 3.2 1B's shape by default). Measured, in
   its model's weights;
 - whether any process printed an abort at exit (`deployment_exit`).
 
+`--gpu-sharing` sets the deployment's `gpu_sharing` (`auto`: NVIDIA MPS where its control program
+is installed; `timeslice` to measure against it); the plan's `validate_only` line names the choice.
+
 The workload is bench/engine.py's (64 greedy streams, no early stop), every token counted from
 the streams' usage.
 """
@@ -152,7 +155,7 @@ def deployment(args, inprocess: Callable[[list, list], float], own_gpu_memory: C
     model = {"dtype": "bfloat16", "max_batch_size": 64}
     params = {"variants": {"m": {"model": {"source": args.model, **model}},
                            "s": {"model": {"source": args.second, **model}}},
-              "runconfig": {"devices": args.device}}
+              "runconfig": {"devices": args.device, "gpu_sharing": args.gpu_sharing}}
     fd, name = tempfile.mkstemp(prefix="mmfusion-gpu-", suffix=".yaml")
     cfg = Path(name)
     with os.fdopen(fd, "w") as f:
@@ -187,7 +190,8 @@ def deployment(args, inprocess: Callable[[list, list], float], own_gpu_memory: C
         both = stream_together(url, {"m:0": (prompts, max_tokens), "s": (prompts, max_tokens)})
         with_second = both["m:0"][1] / both["m:0"][0]
         with_first = both["s"][1] / both["s"][0]
-        emit(part="deployment", copies=args.copies, second_model=args.second_shape, ready_s=round(ready_s, 1),
+        emit(part="deployment", copies=args.copies, second_model=args.second_shape, gpu_sharing=args.gpu_sharing,
+             ready_s=round(ready_s, 1),
              greedy_answers_equal=all(a == answers[0] for a in answers), answer=answers[0],
              inprocess_tokens_per_s=round(alone_inprocess, 1), one_copy_http_tokens_per_s=round(one, 1),
              copies_http_tokens_per_s=round(every, 1),
