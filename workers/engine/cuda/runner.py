@@ -200,11 +200,9 @@ class CudaRunner(PagedRunner):
         if lean is None or not self.ops.name.startswith("triton"):
             return {}
         from workers.engine.cuda import tile_choice  # the Triton kernels' modules: where they run
-        from workers.engine.cuda.triton_qlinear import GEMV_ROWS
 
         invariant = self.ops.invariant
-        gemv_rows = tile_choice.timing_rows(self.buckets, max_rows if invariant else GEMV_ROWS)
-        dense_rows = tile_choice.timing_rows(self.buckets, max_rows)
+        gemv_rows = tile_choice.ANY_ROWS if invariant else tile_choice.FEW_ROWS
         gemv, tiles = {}, {}
         for lin in lean.linears():
             q = lin.quant
@@ -212,8 +210,8 @@ class CudaRunner(PagedRunner):
                 gemv[q.kind, q.out_features, q.in_features] = tile_choice.gemv_shape(
                     q, self.ops.qlinear, self.lm.dtype, gemv_rows, timer)
             elif q is None and invariant and tuple(lin.weight.shape) not in tiles:
-                tiles[tuple(lin.weight.shape)] = tile_choice.dense_tiles(lin.weight, self.ops.linear, dense_rows,
-                                                                         timer)
+                tiles[tuple(lin.weight.shape)] = tile_choice.dense_tiles(lin.weight, self.ops.linear,
+                                                                         tile_choice.ANY_ROWS, timer)
         lean.set_shapes(tiles, gemv)
         notes = {f"{kind} {n}x{k}": shape.name for (kind, n, k), shape in gemv.items()}
         notes.update({f"dense {n}x{k}": shape.name for (n, k), shape in tiles.items()})

@@ -5,12 +5,12 @@ has 576, which tiles of 32 outputs give 18 programs on a GPU of 132 multiprocess
 every input. Narrower tiles, wider steps or the inputs split in ranges (workers.engine.cuda.
 triton_splits) can be faster, and which is depends on the GPU and the shape. So each worker times
 the default and the candidates on every distinct shape (workers.engine.cuda.timing, all on the
-same inputs) at a few row counts, and a weight takes the candidate whose time relative to the
+same inputs) at a few fixed row counts, and a weight takes the candidate whose time relative to the
 default's, averaged over the rows, is lowest, where that is at least MARGIN lower; else the default.
 
 The choice is the weight's for every step, whatever its rows: a row's sums keep one order in any
 batch, so `deterministic` takes it too. It is kept in the cache (workers.files.remembered) under
-the GPU's name, torch's and Triton's versions, the shape, the dtype and the rows timed: later loads
+the GPU's name, torch's and Triton's versions, the shape and the dtype: later loads
 on the machine, and the copies of a deployment, read it rather than time it again, so a
 `deterministic` answer keeps its bits from one load to the next (a timing's noise would otherwise
 be free to pick another shape).
@@ -30,7 +30,7 @@ import triton
 from workers.devices import device_kind
 from workers.engine.cuda.timing import Timer
 from workers.engine.cuda.triton_invariant import CANDIDATES, DEFAULT, Tiles
-from workers.engine.cuda.triton_qlinear import DEFAULT_GEMV, GEMV_CANDIDATES, Gemv
+from workers.engine.cuda.triton_qlinear import DEFAULT_GEMV, GEMV_CANDIDATES, GEMV_ROWS, Gemv
 from workers.files import remembered
 from workers.quant.weight import QuantizedWeight
 
@@ -40,10 +40,10 @@ VERSION = 1  # of the measurement and its rule: a kept choice of another version
 C = TypeVar("C", bound=Hashable)
 
 
-def timing_rows(buckets: Sequence[int], upto: int) -> list[int]:
-    """The row counts timed: the smallest decode bucket, a middle one and the largest up to `upto`."""
-    within = [b for b in sorted(buckets) if b <= upto] or [min(buckets)]
-    return sorted({within[0], within[len(within) // 2], within[-1]})
+# the row counts timed: fixed, so that a weight's choice (and under `deterministic` its bits)
+# never depends on the engine's batch limits, which differ between a deployment's engines
+FEW_ROWS = (1, 4, GEMV_ROWS)  # the row kernel, where more rows take the tiles
+ANY_ROWS = (1, 8, 64)  # a shape that serves every step (`deterministic`)
 
 
 def choose(default: C, candidates: Sequence[C], time_of: Callable[[C, int], float], rows: Sequence[int],
