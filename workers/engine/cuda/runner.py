@@ -275,9 +275,11 @@ class CudaRunner(PagedRunner):
         self.buffers.device_inputs.copy_(host.inputs)
         self.steps.fill([], [], self.token_buckets[-1], self.dummy, self.block_size)
         self.steps.copy_in()
-        bodies = [*((functools.partial(self._decode_body, b, greedy), (b, greedy))
-                    for b in reversed(self.buckets) for greedy in (True, False)),
-                  *((functools.partial(self._step_body, n), n) for n in reversed(self.token_buckets))]
+        # the largest steps first (a prompt step's tokens outnumber a decode step's rows): the
+        # smaller ones reuse their memory pool
+        bodies = [*((functools.partial(self._step_body, n), n) for n in reversed(self.token_buckets)),
+                  *((functools.partial(self._decode_body, b, greedy), (b, greedy))
+                    for b in reversed(self.buckets) for greedy in (True, False))]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -285,7 +287,7 @@ class CudaRunner(PagedRunner):
                 body()
         torch.cuda.current_stream().wait_stream(stream)
         pool = None
-        for body, key in bodies:  # the largest first: the smaller ones reuse its memory pool
+        for body, key in bodies:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 body()
