@@ -16,13 +16,16 @@ its input tokens taken on the device from step n's sampled tokens (the `source` 
 tokens are then read and applied while step n+1 runs. Two pinned host twins of the inputs take
 turns, so filling one never races the copies of the other.
 
-Prefill and mixed steps, and decode rows that ask for log-probabilities, run the same forward
-eagerly (the latter replay the graph and sample on the host from its logits). Models without the
-lean forward keep transformers' modules, compiled with piecewise CUDA graphs (PagedRunner).
+Steps with prompt chunks (prefill, and chunks beside decode rows) are graphs too, one a bucket of
+tokens (workers.engine.cuda.mixed_steps), leaving the kept rows' logits to the host sampler; one
+that keeps more rows than a step has sequences (a prompt's scores) runs the same forward eagerly.
+Decode rows that ask for log-probabilities replay the decode graph and sample on the host from its
+logits. Models without the lean forward keep transformers' modules, compiled with piecewise CUDA
+graphs (PagedRunner).
 
-Off a GPU the same step function runs eagerly with the reference paged ops
-(workers.engine.cuda.ops): tests/test_cuda_runner.py runs it on the CPU. Not yet run on a GPU
-(docs/operations.md).
+Off a GPU the same step functions run eagerly with the reference paged ops
+(workers.engine.cuda.ops): tests/test_cuda_runner.py runs them on the CPU. The decode graphs ran
+on an H100 and an H200; the prompt steps' graphs are not yet run on a GPU (docs/operations.md).
 """
 
 from __future__ import annotations
