@@ -76,15 +76,15 @@ def main() -> None:
     # the kernels whose code differs with the activations' dtype, in both (float32: IEEE dots;
     # bfloat16: the tensor cores)
     for dtype in ("bf16", "fp32"):
-        # the default tiles, and (16-bit) tiles split over the inputs with their second kernel
-        for tiles in (triton_invariant.DEFAULT, *([triton_invariant.Tiles(16, 64, 4)] if dtype == "bf16" else [])):
+        # the default tiles, and (16-bit) every candidate tile_choice times, ranges of inputs included
+        for tiles in (triton_invariant.DEFAULT, *(triton_invariant.CANDIDATES if dtype == "bf16" else ())):
             compile_one(triton_invariant._linear_kernel, dtype,
                         dict(HAS_BIAS=True, BM=triton_invariant.BLOCK_M, BN=tiles.bn, BK=tiles.bk,
                              WIDE=dtype == "fp32", SPLIT=tiles.split))
         for int4 in (True, False):
             blocks = {"qs_ptr": "*u8" if int4 else "*i8", "scales_ptr": "*fp16", "offsets_ptr": "*fp16"}
             if dtype == "bf16":  # the row kernel widens everything to float32 either way
-                for gemv in (triton_qlinear.DEFAULT_GEMV, triton_qlinear.Gemv(16, 8, 4)):
+                for gemv in (triton_qlinear.DEFAULT_GEMV, *triton_qlinear.GEMV_CANDIDATES):
                     compile_one(triton_qlinear._qgemv_kernel, dtype,
                                 dict(INT4_BLOCKS=int4, HAS_BIAS=True, HALF_K=triton_qlinear.HALF,
                                      BLOCK_N=gemv.n, CHUNK=gemv.chunk, SPLIT=gemv.split), blocks)
