@@ -85,9 +85,13 @@ def main() -> None:
             blocks = {"qs_ptr": "*u8" if int4 else "*i8", "scales_ptr": "*fp16", "offsets_ptr": "*fp16"}
             if dtype == "bf16":  # the row kernel widens everything to float32 either way
                 for gemv in (triton_qlinear.DEFAULT_GEMV, *triton_qlinear.GEMV_CANDIDATES):
-                    compile_one(triton_qlinear._qgemv_kernel, dtype,
-                                dict(INT4_BLOCKS=int4, HAS_BIAS=True, HALF_K=triton_qlinear.HALF,
-                                     BLOCK_N=gemv.n, CHUNK=gemv.chunk, SPLIT=gemv.split), blocks)
+                    shape = dict(INT4_BLOCKS=int4, HAS_BIAS=True, HALF_K=triton_qlinear.HALF, BLOCK_N=gemv.n,
+                                 SPLIT=gemv.split)
+                    if gemv.flat:
+                        compile_one(triton_qlinear._qgemv_flat_kernel, dtype,
+                                    dict(shape, BLOCK_K=gemv.chunk * 2 * triton_qlinear.HALF), blocks)
+                    else:
+                        compile_one(triton_qlinear._qgemv_kernel, dtype, dict(shape, CHUNK=gemv.chunk), blocks)
             compile_one(triton_qlinear._qlinear_kernel, dtype,
                         dict(INT4_BLOCKS=int4, HAS_BIAS=True, HALF_K=triton_qlinear.HALF, BLOCK_M=64, BLOCK_N=64,
                              SPLIT16=dtype == "bf16", EMULATE=False), blocks)

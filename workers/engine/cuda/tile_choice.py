@@ -35,7 +35,7 @@ from workers.files import remembered
 from workers.quant.weight import QuantizedWeight
 
 MARGIN = 0.05  # a candidate replaces the default only where it is this much faster
-VERSION = 1  # of the measurement and its rule: a kept choice of another version is timed anew
+VERSION = 2  # of the measurement and its rule: a kept choice of another version is timed anew
 
 C = TypeVar("C", bound=Hashable)
 
@@ -90,7 +90,7 @@ def gemv_shape(weight: QuantizedWeight, qlinear: Callable[..., torch.Tensor], dt
         xs = _inputs(weight.in_features, rows, dtype, weight.qs.device)
         g = choose(DEFAULT_GEMV, GEMV_CANDIDATES,
                    lambda g, r: timer(lambda: qlinear(xs[r], weight, None, gemv=g)), rows)[0]
-        return [g.n, g.chunk, g.split]
+        return [g.n, g.chunk, g.split, g.flat]
 
     key = _key(weight.kind, (weight.out_features, weight.in_features), dtype, rows, GEMV_CANDIDATES,
                weight.qs.device)

@@ -7,7 +7,9 @@ Two kernels:
   time with products and sums in float32 registers (a [16, 64] tile's dot at one row would spend
   sixteen times the multiplies, and the GPU's float32 dot is multiply-adds), over all the blocks
   or over one of SPLIT ranges whose sums a second kernel adds in order
-  (workers.engine.cuda.triton_splits). The shape (`Gemv`) is the weight's, measured at load
+  (workers.engine.cuda.triton_splits); or, two-dimensional, over [BLOCK_N, 32 x CHUNK] tiles of the
+  weights widened with their blocks' scales, the products summed per lane and across the lanes
+  once at the end. The shape (`Gemv`) is the weight's, measured at load
   (workers.engine.cuda.tile_choice), never the step's: a row's sums take one order whatever the
   number of rows, so `deterministic` takes this kernel for every row count.
 - many rows: one program a [BLOCK_M, BLOCK_N] tile of y. It walks the input in blocks of 32:
@@ -150,6 +152,45 @@ def _qgemv_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, par
         tl.store(part_ptr + (tl.program_id(2) * M + m) * N + offs_n, acc, mask=mask_n)
 
 
+@triton.jit
+def _qgemv_flat_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, B_RANGE,
+                       stride_xm, stride_qn, stride_sn, stride_om,
+                       INT4_BLOCKS: tl.constexpr, HAS_BIAS: tl.constexpr, HALF_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """The row kernel over [BLOCK_N, BLOCK_K] tiles of the inputs in order, each weight widened with
+    its own block's scale (and offset), products summed per lane and across the lanes once at the
+    end: two-dimensional, where the kernel above reduces [outputs, blocks, 16] tiles every step."""
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    k_lo = tl.program_id(2) * B_RANGE * (2 * HALF_K)
+    k_hi = tl.minimum(k_lo + B_RANGE * (2 * HALF_K), K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + offs_k
+        mask_k = k < K
+        nk = mask_n[:, None] & mask_k[None, :]
+        x = tl.load(x_ptr + m * stride_xm + k, mask=mask_k, other=0.0).to(tl.float32)
+        b = k // (2 * HALF_K)
+        scale = tl.load(scales_ptr + offs_n[:, None] * stride_sn + b[None, :], mask=nk, other=0.0).to(tl.float32)
+        if INT4_BLOCKS:  # value j of a block in byte j's low nibble, value j + 16 in its high one
+            byte = tl.load(qs_ptr + offs_n[:, None] * stride_qn + (b * HALF_K + k % HALF_K)[None, :], mask=nk, other=0)
+            q = (byte >> ((k % (2 * HALF_K)) // HALF_K * 4)[None, :]) & 15
+            offset = tl.load(offsets_ptr + offs_n[:, None] * stride_sn + b[None, :], mask=nk, other=0.0).to(tl.float32)
+            w = q.to(tl.float32) * scale + offset
+        else:
+            w = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=nk, other=0).to(tl.float32) * scale
+        acc += w * x[None, :]
+    total = tl.sum(acc, axis=1)
+    if SPLIT == 1:
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:  # this range's sums; triton_splits adds the ranges in order
+        tl.store(part_ptr + (tl.program_id(2) * M + m) * N + offs_n, total, mask=mask_n)
+
+
 GEMV_ROWS = 16  # up to this many rows, qlinear takes the kernel of one program a row
 
 
@@ -161,6 +202,7 @@ class Gemv:
     n: int = 32
     chunk: int = 8
     split: int = 1
+    flat: bool = False  # the two-dimensional kernel (_qgemv_flat_kernel)
 
     def __post_init__(self):
         if self.n < 1 or self.chunk < 1 or self.split < 1 or (self.n & (self.n - 1)) or (self.chunk & (self.chunk - 1)):
@@ -168,15 +210,15 @@ class Gemv:
 
     @property
     def name(self) -> str:
-        return f"rows of {self.n} outputs, {self.chunk} blocks a step" + (
-            f", {self.split} ranges" if self.split > 1 else "")
+        return (f"{'flat ' if self.flat else ''}rows of {self.n} outputs, {self.chunk} blocks a step"
+                + (f", {self.split} ranges" if self.split > 1 else ""))
 
 
 DEFAULT_GEMV = Gemv()
 # what tile_choice times against DEFAULT_GEMV (each a compile a row-count class on a GPU's first load,
 # so few): fewer outputs a program (twice the programs, half the values in a program's registers),
-# fewer blocks a step, the blocks in four ranges
-GEMV_CANDIDATES = (Gemv(16, 8), Gemv(32, 4), Gemv(32, 8, 4))
+# fewer blocks a step, the blocks in four ranges; the two-dimensional kernel, alone and in ranges
+GEMV_CANDIDATES = (Gemv(16, 8), Gemv(32, 4), Gemv(32, 8, 4), Gemv(16, 4, flat=True), Gemv(8, 4, 4, flat=True))
 
 
 def _qgemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor,
@@ -189,10 +231,15 @@ def _qgemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
     b_range = triton_splits.range_length(triton.cdiv(blocks, gemv.chunk), split, gemv.chunk)
     split = triton.cdiv(blocks, b_range)  # no empty range
     part = triton_splits.partials(split, m, n, x.device) if split > 1 else out
-    _qgemv_kernel[(m, triton.cdiv(n, gemv.n), split)](
-        x, weight.qs, weight.scales, weight.offsets if int4 else weight.scales, bias if bias is not None else x, out,
-        part, m, n, k, b_range, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0),
-        INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_N=gemv.n, CHUNK=gemv.chunk, SPLIT=split)
+    args = (x, weight.qs, weight.scales, weight.offsets if int4 else weight.scales, bias if bias is not None else x,
+            out, part, m, n, k, b_range, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0))
+    grid = (m, triton.cdiv(n, gemv.n), split)
+    if gemv.flat:
+        _qgemv_flat_kernel[grid](*args, INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_N=gemv.n,
+                                 BLOCK_K=gemv.chunk * BLOCK, SPLIT=split)
+    else:
+        _qgemv_kernel[grid](*args, INT4_BLOCKS=int4, HAS_BIAS=bias is not None, HALF_K=HALF, BLOCK_N=gemv.n,
+                            CHUNK=gemv.chunk, SPLIT=split)
     return triton_splits.sum_splits(part, bias, out) if split > 1 else out
 
 
