@@ -24,6 +24,7 @@ from fusion import launcher
 from fusion.data.files import DataError, writable_dir
 from fusion.params import ParamsError, check_runconfig, load_params
 from routing.http.server import GatewayError
+from routing.open_files import raise_open_files
 from routing.tenants import tenant_keys
 from wire.security import SecurityError, check_bind, endpoint_problem
 
@@ -173,6 +174,7 @@ def place(mode: str, params: dict, fusion) -> tuple[object, object]:
 
 def serve(params: dict, fusion, plan, catalog) -> int:
     run = params["runconfig"]
+    raise_open_files()  # the router's clients, a connection a file
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

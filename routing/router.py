@@ -17,6 +17,7 @@ import traceback
 import zmq
 
 from routing.dispatch import BACK, SUPER, Catalog, Dispatch, ModelEntry, RouterConfig, Send
+from routing.open_files import raise_open_files
 from wire import protocol as P
 from wire.frames import recv_routed, send_frames
 from wire.security import check_bind, serve_curve
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
                                  insecure=args.insecure))
     signal.signal(signal.SIGTERM, lambda *_: router.stop())
     signal.signal(signal.SIGINT, lambda *_: router.stop())
+    raise_open_files()  # its clients, a connection a file
     print(f"router: clients {router.frontend_addr}, workers {router.backend_addr}", flush=True)
     router.run()
 

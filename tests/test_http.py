@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import resource
+import subprocess
 import threading
 
 import httpx
@@ -13,7 +16,7 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from support.cluster import ROOT, TINY, Deployment, engine_reference, one_worker, wait_for
+from support.cluster import ROOT, TINY, Deployment, engine_reference, free_port, one_worker, wait_for
 from support.cluster import TINY_CONFIG as CONFIG
 from support.models import plain_logits, tiny
 
@@ -598,3 +601,41 @@ def test_gateway_process_exits_with_its_parent():
         gw.wait(15)  # raises psutil.TimeoutExpired if it outlived its parent
     finally:
         parent.kill()
+
+
+HARD_OPEN_FILES = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+@pytest.mark.skipif(HARD_OPEN_FILES != resource.RLIM_INFINITY and HARD_OPEN_FILES < 2048,
+                    reason="this machine's hard limit of open files leaves no room above the soft one tried")
+def test_idle_connections_past_the_soft_open_files_limit_shut_no_client_out(dep):
+    """A gateway started under a soft limit of 512 open files (1,024 is a common default) holds 600
+    idle connections and still answers the next client: it raises its limit to the hard one at
+    start. Before, that client's request was closed unanswered ("Server disconnected")."""
+    import socket
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(command(GATEWAY, "--router", dep.frontend, "--http", f"127.0.0.1:{port}",
+                                    "--parent-pid", str(os.getpid()), "--log-level", "warning"),
+                            cwd=ROOT, stdout=subprocess.DEVNULL,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, HARD_OPEN_FILES)))
+    idle = []
+    try:
+        wait_for(lambda: _healthy(url), timeout=60)
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(600)]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "llama", "prompt": [1, 2, 3], "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        for s in idle:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -22,6 +22,7 @@ from pathlib import Path
 import uvicorn
 
 from routing.http.app import MAX_BODY_BYTES, Gateway, GatewaySettings
+from routing.open_files import raise_open_files
 from wire import protocol as P
 from wire.security import endpoint_problem, is_loopback
 
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"gateway: http://{host}:{port} -> router {args.router}", flush=True)
+    raise_open_files()  # a connection a file: a thousand idle clients must not shut the others out
     server = make_server(settings, host, port, args.log_level)
     threading.Thread(target=_watch, args=(server, args.parent_pid), name="gateway-watch", daemon=True).start()
     server.run()
