@@ -126,16 +126,17 @@ def _pairs(lengths: list[int], block: int, window: int | None, num_blocks: int, 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("d", [16, 32, 64, 80, 128, 256])
 @pytest.mark.parametrize("rows", [2, 16])
-# 64, 128, 256: the AVX512-BF16 path in bfloat16 where the CPU has it, the AVX2 path in float32;
+# 64, 128, 256: the AVX512-BF16 path in bfloat16 where the CPU has it; the AVX2 path in float32 at
+# every size (16 and 32: tiny models; 80: some small ones); the generic path for the rest;
 # 16 rows: a work item takes a row's KV heads together, 2 rows: one KV head each
 def test_cpu_decode_kernel_matches_the_pytorch_reference(dtype, tol, window, d, rows):
     assert extension.decode_kernel() is not None, extension.build_error()
     assert ("bf16_avx512" in extension.kernel_paths()) == cpu_capability().bf16_arith
     assert ("f32_avx2" in extension.kernel_paths()) == cpu_capability().at_least("avx2")
     rng = random.Random(0)
-    block, kvh, heads = (8 if d == 32 else 32), 2, 6  # 32: a block of two 16-position chunks
+    block, kvh, heads = (8 if d <= 32 else 32), 2, 6  # 16, 32: blocks of 8 positions, tiles crossing them
     lengths = ([1, 7, 8, 9, 40, 130] + [rng.randint(1, 200) for _ in range(10)])[-rows:]
     num_blocks = sum(-(-n // block) for n in lengths) + 5
     gen = torch.Generator().manual_seed(1)

@@ -17,4 +17,17 @@ bool with_head_dim(int64_t d, F&& fn) {
   }
 }
 
+// with_head_dim, and for a path that takes any multiple of 8 (the float32 decode) the smaller and
+// odd sizes of small models too: 16 and 32 (tiny test models), 80 and 96
+template <typename F>
+bool with_any8_head_dim(int64_t d, F&& fn) {
+  switch (d) {
+    case 16: fn(std::integral_constant<int, 16>{}); return true;
+    case 32: fn(std::integral_constant<int, 32>{}); return true;
+    case 80: fn(std::integral_constant<int, 80>{}); return true;
+    case 96: fn(std::integral_constant<int, 96>{}); return true;
+    default: return with_head_dim(d, fn);
+  }
+}
+
 }  // namespace mmfusion

@@ -230,18 +230,24 @@ void decode_walk(const typename Path::T* q, const typename Path::T* kc, const ty
   });
 }
 
-// decode_walk of Path<D> for the head size of q, where it has a path (head_dims.h)
-template <template <int> class Path>
+// decode_walk of Path<D> for the head size of q, where it has a path (head_dims.h); kAny8: the path
+// takes any multiple of 8, so the smaller sizes get it too
+template <template <int> class Path, bool kAny8 = false>
 bool decode_dispatch(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
                      const torch::Tensor& blocks, const torch::Tensor& spans, torch::Tensor& out, float scale) {
   using T = typename Path<64>::T;
   const int64_t d = q.size(2);
   if (key.scalar_type() != c10::CppTypeToScalarType<T>::value || value.size(3) != d) return false;
-  return mmfusion::with_head_dim(d, [&](auto tag) {
+  auto walk = [&](auto tag) {
     decode_walk<Path<decltype(tag)::value>>(q.data_ptr<T>(), key.data_ptr<T>(), value.data_ptr<T>(),
                                             blocks.data_ptr<int64_t>(), spans.data_ptr<int64_t>(), out.data_ptr<T>(),
                                             q.size(0), q.size(1), key.size(1), key.size(2), scale);
-  });
+  };
+  if constexpr (kAny8) {
+    return mmfusion::with_any8_head_dim(d, walk);
+  } else {
+    return mmfusion::with_head_dim(d, walk);
+  }
 }
 #endif
 
@@ -473,7 +479,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key, torch::Tensor val
   if (decode_dispatch<Bf16Decode>(q, key, value, blocks, spans, out, static_cast<float>(scale))) return out;
 #endif
 #ifdef MMFUSION_F32_AVX2
-  if (decode_dispatch<F32Decode>(q, key, value, blocks, spans, out, static_cast<float>(scale))) return out;
+  if (decode_dispatch<F32Decode, true>(q, key, value, blocks, spans, out, static_cast<float>(scale))) return out;
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "paged_decode", [&] {
     decode<scalar_t>(q.data_ptr<scalar_t>(), key.data_ptr<scalar_t>(), value.data_ptr<scalar_t>(),
