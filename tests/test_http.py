@@ -506,9 +506,6 @@ def test_listening_off_loopback_needs_keys(tmp_path, monkeypatch):
 
 
 def test_run_mm_serve_refuses_http_off_loopback_without_keys(tmp_path):
-    import subprocess
-
-
     out = subprocess.run([*command(CLI), "--mode", "serve", "--params", str(CONFIG), "--http",
                           "0.0.0.0:8000"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "API key" in out.stderr and "Traceback" not in out.stderr
@@ -518,7 +515,6 @@ def test_run_mm_serve_refuses_an_http_port_in_use_before_loading():
     """Another server on the gateway's port: run_mm serve says so at once, before any model loads
     (it used to load them all, then stop when the gateway could not bind)."""
     import socket
-    import subprocess
 
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
@@ -580,7 +576,6 @@ def test_a_stream_that_fails_part_way_ends_with_an_error_event_then_done():
 
 def test_gateway_process_exits_with_its_parent():
     """A gateway started by run_mm serve (--parent-pid) leaves no orphan when serve is SIGKILLed."""
-    import subprocess
     import sys
 
     import psutil
