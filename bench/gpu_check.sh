@@ -29,8 +29,8 @@ bench 150 --repeats 2 --parts parity,single_stream,workload,census
 # one process, no xdist: the CUDA tests and the Triton kernels' tests (compiled on the GPU there)
 timeout 140 $py -m pytest -q -o addopts="" -p no:cacheprovider --tb=short -rfE tests/test_triton_kernels.py \
     tests/test_cuda_runner.py tests/test_census.py tests/test_compiled.py tests/test_scheduler.py \
-    tests/test_sampling.py tests/test_weight_owner.py tests/test_int4pack.py \
-    -k "cuda or kernel or triton or custom_op or census" \
+    tests/test_sampling.py tests/test_weight_owner.py tests/test_int4pack.py tests/test_tile_choice.py \
+    -k "cuda or kernel or triton or custom_op or census or tile" \
     >"$out/cuda_tests.txt" 2>&1
 tail -12 "$out/cuda_tests.txt"
 # the weight-only linears and the batch-invariant kernels against the 16-bit weights (each engine
