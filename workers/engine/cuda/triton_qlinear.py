@@ -144,12 +144,7 @@ def _qgemv_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr, par
             w_lo = tl.load(w_at, mask=nb[:, :, None], other=0).to(tl.float32) * scale
             w_hi = tl.load(w_at + HALF_K, mask=nb[:, :, None], other=0).to(tl.float32) * scale
         acc += tl.sum(tl.sum(w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :], axis=2), axis=1)
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-    else:  # this range's sums; triton_splits adds the ranges in order
-        tl.store(part_ptr + (tl.program_id(2) * M + m) * N + offs_n, acc, mask=mask_n)
+    triton_splits.store_row(acc, bias_ptr, out_ptr, part_ptr, m, M, N, offs_n, mask_n, stride_om, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -182,13 +177,8 @@ def _qgemv_flat_kernel(x_ptr, qs_ptr, scales_ptr, offsets_ptr, bias_ptr, out_ptr
         else:
             w = tl.load(qs_ptr + offs_n[:, None] * stride_qn + k[None, :], mask=nk, other=0).to(tl.float32) * scale
         acc += w * x[None, :]
-    total = tl.sum(acc, axis=1)
-    if SPLIT == 1:
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
-    else:  # this range's sums; triton_splits adds the ranges in order
-        tl.store(part_ptr + (tl.program_id(2) * M + m) * N + offs_n, total, mask=mask_n)
+    triton_splits.store_row(tl.sum(acc, axis=1), bias_ptr, out_ptr, part_ptr, m, M, N, offs_n, mask_n, stride_om,
+                            HAS_BIAS, SPLIT)
 
 
 GEMV_ROWS = 16  # up to this many rows, qlinear takes the kernel of one program a row

@@ -32,6 +32,20 @@ def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om,
     tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def store_row(acc, bias_ptr, out_ptr, part_ptr, m, M, N, offs_n, mask_n, stride_om,
+              HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Row m's float32 sums `acc` of the outputs offs_n: with the bias into out, rounded once to its
+    dtype; or, a program of one of SPLIT ranges of the inputs, into the partial sums that
+    _sum_splits_kernel adds."""
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(part_ptr + (tl.program_id(2) * M + m) * N + offs_n, acc, mask=mask_n)
+
+
 def partials(split: int, m: int, n: int, device: torch.device) -> torch.Tensor:
     """The float32 [split, m, n] that the ranges' programs write."""
     return torch.empty(split, m, n, dtype=torch.float32, device=device)
