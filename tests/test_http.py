@@ -10,6 +10,7 @@ import re
 import resource
 import subprocess
 import threading
+import time
 
 import httpx
 import openai
@@ -634,3 +635,36 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_body_that_stops_arriving_is_refused_and_the_gateway_serves_on(dep):
+    """A client that promises more body than it sends (or stalls half-way) held its connection for
+    ever: uvicorn waits for a body without limit. The gateway now answers 408 once no part of the
+    body has arrived for its body_idle_timeout (60 s by default, as nginx), and serves the next
+    client."""
+    import socket
+
+    g = GatewayThread(GatewaySettings(router=dep.frontend, body_idle_timeout=0.5), "127.0.0.1", 0).start()
+    try:
+        port = int(g.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            part = b'{"model": "llama", "prompt": [1, 2],'
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 500\r\n\r\n" + part)
+            t = time.monotonic()
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+            assert time.monotonic() - t < 5
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer
+        error = json.loads(body)["error"]
+        assert error["code"] == "timeout" and f"after {len(part)} bytes" in error["message"], error
+        r = httpx.post(g.url + "/v1/completions", json={"model": "llama", "prompt": [1, 2], "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200
+    finally:
+        g.stop()

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from routing import openai_objects, openai_requests
 from routing.client import AsyncClient, RouterError
 from routing.http import openai as O
-from routing.http.bodies import ClientGone, read_json, send_json
+from routing.http.bodies import BODY_IDLE_SECONDS, ClientGone, read_json, send_json
 from routing.http.fanout import all_of
 from routing.http.metrics import Metrics
 from routing.http.models_admin import model_admin_routes
@@ -70,6 +70,7 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
     request_timeout: float = 600.0  # a router request with no answer for this long fails (504)
+    body_idle_timeout: float = BODY_IDLE_SECONDS  # a body whose next part takes longer is refused (408)
     probe_timeout: float = 5.0  # /health and /metrics ask the router at most this long
     curve_keys: str | None = None
     curve_name: str = "client"
@@ -83,8 +84,8 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        if not self.request_timeout > 0 or not self.probe_timeout > 0:
-            raise ValueError("request_timeout and probe_timeout must be > 0 seconds")
+        if not self.request_timeout > 0 or not self.probe_timeout > 0 or not self.body_idle_timeout > 0:
+            raise ValueError("request_timeout, probe_timeout and body_idle_timeout must be > 0 seconds")
 
 
 class ApiKeys:
@@ -310,7 +311,7 @@ class Gateway:
         """POST /v1/completions, as plain ASGI: the hot path of short requests, so no Request or
         Response object on its way unless it streams or fails."""
         async def work(t0):
-            body = await read_json(scope, receive, self.settings.max_body_bytes)
+            body = await read_json(scope, receive, self.settings.max_body_bytes, self.settings.body_idle_timeout)
             path_model = scope.get("path_params", {}).get("model")
             target = await self.target_for(path_model or body.get("model"), scope["path"])
             job = openai_requests.completion_job(body)
@@ -333,7 +334,8 @@ class Gateway:
 
     async def chat(self, request: Request) -> Response:
         async def work(t0):
-            body = await read_json(request.scope, request.receive, self.settings.max_body_bytes)
+            body = await read_json(request.scope, request.receive, self.settings.max_body_bytes,
+                                   self.settings.body_idle_timeout)
             target = await self.target(request, body)
             job = openai_requests.chat_job(body)
             tenant = tenant_of(request.scope)
@@ -353,7 +355,8 @@ class Gateway:
     # --- tokenizer endpoints -------------------------------------------------------------------------
     async def _task(self, request: Request, endpoint: str, task: str, body_needed: bool, build) -> Response:
         async def work(t0):
-            body = await read_json(request.scope, request.receive, self.settings.max_body_bytes) if body_needed else {}
+            body = await read_json(request.scope, request.receive, self.settings.max_body_bytes,
+                                   self.settings.body_idle_timeout) if body_needed else {}
             target = await self.target(request, body)
             prompt, task_params = build(body)
             answer = await until_cancelled_by_client(request.receive, self.client.result(

@@ -3,10 +3,13 @@ limit (413 past it), and a JSON answer without a Response object."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from routing.openai_requests import OpenAIError
 from wire.protocol import printable, text_error, unencodable
+
+BODY_IDLE_SECONDS = 60.0  # as nginx's client_body_timeout: the longest wait for the next part of a body
 
 
 def parse_body(body: bytes) -> dict:
@@ -28,8 +31,10 @@ def parse_body(body: bytes) -> dict:
     return data
 
 
-async def read_body(scope, receive, limit: int) -> bytes:
-    """The request body, at most `limit` bytes (413 past it, from Content-Length when it says so)."""
+async def read_body(scope, receive, limit: int, idle: float = BODY_IDLE_SECONDS) -> bytes:
+    """The request body, at most `limit` bytes (413 past it, from Content-Length when it says so);
+    408 where none of it arrives for `idle` seconds (uvicorn waits for a body without limit, so a
+    client that stops half-way, or promises more than it sends, held its connection for ever)."""
     for name, value in scope["headers"]:
         if name == b"content-length":
             if value.isdigit() and int(value) > limit:
@@ -38,7 +43,11 @@ async def read_body(scope, receive, limit: int) -> bytes:
             break
     body = b""
     while True:
-        msg = await receive()
+        try:
+            msg = await asyncio.wait_for(receive(), idle)
+        except TimeoutError:
+            raise OpenAIError(408, f"the request body stopped arriving: nothing for {idle:g} s after "
+                                   f"{len(body)} bytes", code="timeout") from None
         if msg["type"] == "http.disconnect":
             raise ClientGone()
         body += msg.get("body", b"")
@@ -64,6 +73,6 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
 
 
-async def read_json(scope, receive, limit: int) -> dict:
+async def read_json(scope, receive, limit: int, idle: float = BODY_IDLE_SECONDS) -> dict:
     """The body as a JSON object."""
-    return parse_body(await read_body(scope, receive, limit))
+    return parse_body(await read_body(scope, receive, limit, idle))

@@ -17,7 +17,8 @@ from routing.http.bodies import read_json
 def model_admin_routes(gateway) -> list[Route]:
     async def change(request: Request, endpoint: str, parse, call, resolve: bool = False) -> Response:
         async def work(t0):
-            args = parse(await read_json(request.scope, request.receive, gateway.settings.max_body_bytes))
+            args = parse(await read_json(request.scope, request.receive, gateway.settings.max_body_bytes,
+                                         gateway.settings.body_idle_timeout))
             if resolve:  # `name:id` is that copy, checked against the model table as a request's model is
                 args["model"] = (await gateway.target_for(args["model"], request.scope["path"])).router_model
             out = await call(**args)
