@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 
 from workers.devices import device_kind
@@ -38,6 +39,32 @@ def token_buckets(max_tokens: int) -> list[int]:
         sizes.append(b)
         b *= 2
     return [*sizes, max_tokens]
+
+
+def step_layout(decode: Seq[Sequence], chunks: Seq[Chunk]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A step's tokens in order, decode rows first: (IDs, positions, block-table rows, the kept
+    rows: a decode row's one, each chunk's kept_rows)."""
+    ids = [s.token_at(s.num_computed) for s in decode]
+    pos = [s.num_computed for s in decode]
+    rows = list(range(len(decode)))
+    keep = list(range(len(decode)))
+    for i, c in enumerate(chunks):
+        keep.extend(len(ids) + r for r in kept_rows(c))
+        ids.extend(chunk_tokens(c))
+        pos.extend(range(c.start, c.start + c.length))
+        rows.extend([len(decode) + i] * c.length)
+    return ids, pos, rows, keep
+
+
+def fill_tables(tab: np.ndarray, seqs: Seq[Sequence], dummy: int) -> None:
+    """Row r of `tab`: sequence r's blocks, the dummy block past them, in the blocks a window dropped
+    (never read) and in the rows past the sequences."""
+    tab[:] = dummy
+    for r, s in enumerate(seqs):
+        t = s.blocks.tables[0]
+        tab[r, : len(t)] = t
+    real = tab[: len(seqs)]
+    real[real == NO_BLOCK] = dummy
 
 
 class StepBuffers:
@@ -74,24 +101,11 @@ class StepBuffers:
         total = len(decode) + sum(c.length for c in chunks)
         if total > n or len(seqs) > self.seqs:
             return None
-        keep = list(range(len(decode)))
-        ids = [s.token_at(s.num_computed) for s in decode]
-        pos = [s.num_computed for s in decode]
-        rows = list(range(len(decode)))
-        for i, c in enumerate(chunks):
-            keep.extend(len(ids) + r for r in kept_rows(c))
-            ids.extend(chunk_tokens(c))
-            pos.extend(range(c.start, c.start + c.length))
-            rows.extend([len(decode) + i] * c.length)
+        ids, pos, rows, keep = step_layout(decode, chunks)
         if len(keep) > self.seqs:
             return None
         tab = self._host_tables
-        tab[:] = dummy
-        for r, s in enumerate(seqs):
-            t = s.blocks.tables[0]
-            tab[r, : len(t)] = t
-        real = tab[: len(seqs)]
-        real[real == NO_BLOCK] = dummy  # blocks a window dropped: never read
+        fill_tables(tab, seqs, dummy)
         f = self._host_fields
         f["ids"][:total] = ids
         f["positions"][:total] = pos

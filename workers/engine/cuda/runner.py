@@ -40,15 +40,14 @@ import torch
 
 from workers.engine import attention
 from workers.engine.attention_backend import TORCH
-from workers.engine.block_manager import NO_BLOCK
 from workers.engine.cuda import int4_rows
 from workers.engine.cuda.int4pack import refusal as int4pack_refusal
 from workers.engine.cuda.lean import DeviceLean, DeviceStep
-from workers.engine.cuda.mixed_steps import StepBuffers, token_buckets
+from workers.engine.cuda.mixed_steps import StepBuffers, fill_tables, step_layout, token_buckets
 from workers.engine.cuda.ops import PagedOps, select_ops
 from workers.engine.cuda.sampler import SamplingRows, sample_tokens
 from workers.engine.cuda.timing import Timer, cuda_timer
-from workers.engine.runners.base import Launched, chunk_tokens, kept_rows
+from workers.engine.runners.base import Launched
 from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence
@@ -310,12 +309,7 @@ class CudaRunner(PagedRunner):
         pos = [s.num_computed + step for s in seqs]
         params = [s.group.params for s in seqs]
         tab = host.tables
-        tab[:rows] = self.dummy
-        for r, s in enumerate(seqs):
-            t = s.blocks.tables[0]
-            tab[r, : len(t)] = t
-        real = tab[:n]
-        real[real == NO_BLOCK] = self.dummy  # blocks a window dropped: never read
+        fill_tables(tab[:rows], seqs, self.dummy)
         if ahead:
             f["ids"][:n] = 0
             f["source"][:n] = range(n)
@@ -461,26 +455,15 @@ class CudaRunner(PagedRunner):
         """Any step, eagerly, on the lean forward: one block-table row a sequence."""
         bs, dev = self.block_size, self.lm.device
         seqs = decode + [c.seq for c in chunks]
-        tables = [[b if b != NO_BLOCK else self.dummy for b in s.blocks.tables[0]] for s in seqs]
-        ids = [s.token_at(s.num_computed) for s in decode]
-        pos = [s.num_computed for s in decode]
-        rows = list(range(len(decode)))
-        keep = list(range(len(decode)))
-        for i, c in enumerate(chunks):
-            t0 = len(ids)
-            ids.extend(chunk_tokens(c))
-            pos.extend(range(c.start, c.start + c.length))
-            rows.extend([len(decode) + i] * c.length)
-            keep.extend(t0 + r for r in kept_rows(c))
-        table = torch.full((len(seqs), self.width), self.dummy, dtype=torch.long)
-        for r, t in enumerate(tables):
-            table[r, : len(t)] = torch.tensor(t)
+        ids, pos, rows, keep = step_layout(decode, chunks)
+        table = np.empty((len(seqs), self.width), dtype=np.int64)
+        fill_tables(table, seqs, self.dummy)
 
         def tensor(xs):
             return torch.tensor(xs, dtype=torch.long, device=dev)
 
-        step = DeviceStep(tensor(ids), tensor(pos), tensor([tables[r][p // bs] * bs + p % bs for r, p in zip(rows, pos)]),
-                          tensor(rows), tensor([p + 1 for p in pos]), table.to(dev))
+        step = DeviceStep(tensor(ids), tensor(pos), tensor([int(table[r, p // bs]) * bs + p % bs for r, p in zip(rows, pos)]),
+                          tensor(rows), tensor([p + 1 for p in pos]), torch.from_numpy(table).to(dev))
         return self.device_lean.forward(step, (self.cache.keys, self.cache.values), tensor(keep))
 
 

@@ -100,9 +100,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m == 0:
         return out
     x, weight = x.contiguous(), weight.contiguous()
-    split = min(tiles.split, triton.cdiv(k, tiles.bk))
-    k_range = triton_splits.range_length(triton.cdiv(k, tiles.bk), split, tiles.bk)
-    split = triton.cdiv(k, k_range)  # no empty range
+    split, k_range = triton_splits.ranges(k, tiles.bk, tiles.split)
     part = triton_splits.partials(split, m, n, x.device) if split > 1 else out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, tiles.bn), split)
     _linear_kernel[grid](x, weight, bias if bias is not None else x, out, part, m, n, k, k_range, x.stride(0),

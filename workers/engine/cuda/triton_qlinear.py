@@ -217,9 +217,7 @@ def _qgemv(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, 
     n = weight.out_features
     int4 = weight.kind == INT4
     blocks = k // BLOCK
-    split = min(gemv.split, triton.cdiv(blocks, gemv.chunk))
-    b_range = triton_splits.range_length(triton.cdiv(blocks, gemv.chunk), split, gemv.chunk)
-    split = triton.cdiv(blocks, b_range)  # no empty range
+    split, b_range = triton_splits.ranges(blocks, gemv.chunk, gemv.split)
     part = triton_splits.partials(split, m, n, x.device) if split > 1 else out
     args = (x, weight.qs, weight.scales, weight.offsets if int4 else weight.scales, bias if bias is not None else x,
             out, part, m, n, k, b_range, x.stride(0), weight.qs.stride(0), weight.scales.stride(0), out.stride(0))

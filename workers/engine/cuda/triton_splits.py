@@ -60,7 +60,9 @@ def sum_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor)
     return out
 
 
-def range_length(steps: int, split: int, step: int) -> int:
-    """Inputs a range holds: `steps` steps of `step` inputs dealt into `split` ranges, each a whole
-    number of steps (the last may hold fewer, or none)."""
-    return -(-steps // split) * step
+def ranges(total: int, step: int, split: int) -> tuple[int, int]:
+    """(ranges, items a range): `total` items walked `step` at a time, dealt into at most `split`
+    ranges of whole steps, none empty. A weight's own numbers, never a step's."""
+    steps = -(-total // step)
+    length = -(-steps // min(split, steps)) * step
+    return -(-total // length), length
