@@ -73,7 +73,7 @@ class StepBuffers:
 
     def __init__(self, tokens: int, seqs: int, table_width: int, vocab: int, logits_dtype: torch.dtype,
                  device: torch.device):
-        self.tokens, self.seqs, self.width = tokens, seqs, table_width
+        self.seqs = seqs  # sequences, and kept rows, a step holds
         size = len(_FIELDS) * tokens + seqs + seqs * table_width
         self.device_inputs = torch.zeros(size, dtype=torch.long, device=device)
         pinned = not device_kind(device).host and torch.cuda.is_available()
