@@ -103,7 +103,7 @@ def measure(spec: WorkerSpec, prompts: list, max_tokens: int) -> dict:
     t = time.perf_counter()
     m = spec.model
     lm = load_model(m.source, dtype=m.dtype, device=spec.device, max_model_len=m.max_model_len,
-                    share_weights=m.share_weights, prepack=m.prepack_weights)
+                    share_weights=m.share_weights, prepack=m.prepack_weights, one_engine=True)
     out = {"load_s": round(time.perf_counter() - t, 3), "dtype": str(lm.dtype).removeprefix("torch."),
            "batch_s": None, "tokens_generated": 0, "fits": False, "error": None,
            "weight_bytes": lm.weights.bytes, "shared_weights": lm.weights.shared, "compile": None}

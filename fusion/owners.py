@@ -1,5 +1,5 @@
-"""The weight owners of a local deployment: one process per (CUDA device, source, dtype) whose
-copies share their weights (workers.weights.owner). Started before the workers, given back their
+"""The weight owners of a local deployment: one process per (CUDA device, source, dtype,
+quantization) whose copies share their weights (workers.weights.owner). Started before the workers, given back their
 socket address in each worker's assignment, started again if one dies, stopped last.
 
 CPU copies need no owner: they map one file (workers.weights.shared)."""
@@ -22,12 +22,16 @@ from workers.weights.owner_ipc import KEY_ENV, remove_ipc_files
 
 
 def owner_groups(fusion: MultiModelFusion, plan: DeploymentPlan) -> dict[tuple, list[int]]:
-    """(device, source, dtype) -> the planned workers that attach to one owner there."""
+    """(device, source, dtype, quantization) -> the planned workers that attach to one owner there.
+    The quantization is the planned precision's key: copies that run weight-only blocks share an
+    owner holding those blocks in place of the 16-bit linears, which copies of other settings would
+    need (workers.weights.owner.blocks_for_copies)."""
     groups: dict[tuple, list[int]] = {}
     for w in plan.workers:
         if w.shares_weights and device_kind(w.device).owner_shares_weights:
             model = w.spec.model
-            groups.setdefault((w.device, model.source, model.dtype), []).append(w.worker_id)
+            # "none" where it runs no blocks
+            groups.setdefault((w.device, model.source, model.dtype, w.precision.quantized_key), []).append(w.worker_id)
     return groups
 
 
@@ -65,9 +69,10 @@ class WeightOwners:
             self._spawn(g)
 
     def _spawn(self, g: tuple) -> None:
-        device, source, dtype = g
+        device, source, dtype, quantization = g
         cmd = entrypoints.command(entrypoints.WEIGHT_OWNER, "--source", source, "--dtype", str(dtype), "--device", device,
-                                  "--address", self.address[g], "--parent-pid", str(os.getpid()))
+                                  "--quantization", quantization, "--address", self.address[g],
+                                  "--parent-pid", str(os.getpid()))
         Path(self.address[g]).unlink(missing_ok=True)
         self.procs[g] = subprocess.Popen(cmd, env={**os.environ, **self.env, **self.extra_env, "TQDM_DISABLE": "1"})
         self.pids.append(self.procs[g].pid)

@@ -142,7 +142,9 @@ class DeploymentPlan:
                              + (f"; held by one owner process, ~{owner / 2**20:.0f} MiB more for its context"
                                 if device_kind(d).owner_shares_weights else "")
                              + "".join(f"; its {kind} linears, {b / 2**20:.0f} MiB, counted once (in place of"
-                                       " its 16-bit linears, which the copies do not keep)"
+                                       " its 16-bit linears, which "
+                                       + ("the owner lets go)" if device_kind(d).owner_shares_weights
+                                          else "the copies do not keep)")
                                        for kind, b in g.get("quantized_bytes", {}).items())
                              + (f"; its linears {g['batch_layout']}, {g['batch_bytes'] / 2**20:.0f} MiB,"
                                 " counted once (read where the measured choice takes them)" if g.get("batch_bytes") else ""))
@@ -205,10 +207,12 @@ def weight_bytes(source: str, wbytes: int) -> int:
 
 
 def kept_dense_bytes(source: str, wbytes: int, weights: int) -> int:
-    """Of a model's shared 16-bit weights, those its quantized copies keep resident: the embedding
-    (and the norms, next to nothing). They let their view of the 16-bit linears go once the
+    """Of a model's 16-bit weights, those its quantized copies keep: the embedding (and the norms,
+    next to nothing). On a CPU they let their view of the shared 16-bit linears go once the
     quantized linears serve (workers/engine/cpu/runner.py), and those pages stay only in the page
-    cache, which the OS reclaims. All of `weights` where the model's shape is unknown."""
+    cache, which the OS reclaims; on a GPU neither the weight owner nor a worker holding its own
+    weights keeps them (workers.weights.blocks_only). All of `weights` where the model's shape is
+    unknown."""
     if source in KNOWN:
         return min(weights, int(KNOWN[source][2] * wbytes))
     return weights
@@ -263,17 +267,24 @@ def batch_file_needed(spec: WorkerSpec, prec: Precision, way: str) -> bool:
 
 
 def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
-    """(source, dtype) -> the weights its sharing copies on `device` hold once."""
+    """(source, dtype) -> the weights its sharing copies on `device` hold once: on a GPU, one owner
+    process per quantization too (fusion.owners: one holding blocks lets the 16-bit linears go)."""
     groups: dict[tuple, dict] = {}
+    owners = device_kind(device).owner_shares_weights
     for w in workers:
         if w.device == device and w.shares_weights:
             key = (w.spec.model.source, str(w.precision.weights).removeprefix("torch."))
-            # without sharing, each copy holds all of its 16-bit weights and its own quantized linears
-            alone = weight_bytes(w.spec.model.source, _bytes(w.precision.weights)) + w.shared_packed_bytes
-            g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": w.weight_bytes, "copies": 0,
+            if owners:
+                key += (w.precision.quantized_key,)  # "none" where it runs no blocks
+            # without sharing, each copy holds its own quantized linears, and on a CPU all of its
+            # 16-bit weights (a GPU worker's engine lets the blocks' 16-bit weights go)
+            dense = w.weight_bytes if owners else weight_bytes(w.spec.model.source, _bytes(w.precision.weights))
+            alone = dense + w.shared_packed_bytes
+            g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": 0, "copies": 0,
                                         "quantized_bytes": {}, "batch_bytes": 0, "alone": alone,
                                         "batch_layout": " or ".join(words for _, words, _ in
                                                                     batch_layouts(device, w.precision))})
+            g["bytes"] = max(g["bytes"], w.weight_bytes)  # a copy without blocks reads all of them
             g["copies"] += 1
             if w.shared_packed_bytes:  # one file per quantization kind beside the weights
                 g["quantized_bytes"][w.precision.quantization] = w.shared_packed_bytes
@@ -302,11 +313,13 @@ def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads
     packed = packed_bytes(w.weight_bytes, prec)
     laid = sum(weight_bytes(model.source, per_value) for way, _, per_value in batch_layouts(device, prec)
                if batch_file_needed(spec, prec, way))
-    if prec.quantized and w.shares_weights and device_kind(device).host:  # one mapped file on the device
+    if prec.quantized and w.shares_weights:  # one mapped file on a CPU, one owner's blocks on a GPU
         w.shared_packed_bytes, w.shared_batch_bytes = packed, laid
         w.weight_bytes = kept_dense_bytes(model.source, _bytes(prec.weights), w.weight_bytes)
     else:
         w.packed_bytes = packed + laid
+        if prec.quantized and not device_kind(device).host:  # its engine lets the blocks' 16-bit weights go
+            w.weight_bytes = kept_dense_bytes(model.source, _bytes(prec.weights), w.weight_bytes)
     return w
 
 

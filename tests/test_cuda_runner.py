@@ -232,17 +232,47 @@ def test_quantized_linears_give_transformers_greedy_on_their_values(arch, kind):
         for name, p in lm.model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    ref = dequantized_reference(lm.model, kind)
     eng = _engine(lm, quantization=kind)
     lean = eng.runner.device_lean
     assert all(lin.quant is not None for lin in lean.linears())
     dense = sum(m.weight.numel() * 4 for m in lm.model.modules() if isinstance(m, torch.nn.Linear))
     assert sum(lin.own_bytes for lin in lean.linears()) < dense / 3
-    ref = dequantized_reference(lm.model, kind)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (3, 9, 17)]
     outs = eng.generate(prompts, [_greedy(8)] * len(prompts))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(ref, p, 8)
+
+
+def test_a_quantized_engine_lets_the_16_bit_weights_of_its_blocks_go():
+    """The linears an engine runs as blocks keep no 16-bit weights beside them, where the model is
+    that engine's alone (a worker's): they go to `meta`, the embedding (an LM head tied to it reads
+    it too) stays. An engine built on the model again runs the same blocks, and one asking another
+    quantization is refused by name."""
+    lm = tiny("llama", dtype="float32")
+    ref = dequantized_reference(lm.model, INT4)
+    kept = _engine(lm, quantization=INT4)  # a model other engines may run too keeps its weights
+    assert not any(p.is_meta for p in lm.model.parameters()) and lm.quantized is None
+    del kept
+    lm.one_engine = True  # as a worker loads it
+    linears = {name for name, m in lm.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    eng = _engine(lm, quantization=INT4)
+    meta = {name.removesuffix(".weight") for name, p in lm.model.named_parameters() if p.is_meta}
+    tied = lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+    assert meta == linears - ({"lm_head"} if tied else set()) and meta
+    assert not lm.model.model.embed_tokens.weight.is_meta
+    assert lm.quantized.key == INT4 and set(lm.quantized.weights) == set(eng.runner.device_lean.quantized_weights())
+    prompt = [7, 3, 99, 41, 5]
+    want = hf_greedy(ref, prompt, 8)
+    assert eng.generate([prompt], _greedy(8))[0].outputs[0].token_ids == want
+    again = _engine(lm, quantization=INT4)
+    assert again.generate([prompt], _greedy(8))[0].outputs[0].token_ids == want
+    assert sum(lin.own_bytes for lin in again.runner.device_lean.linears()) > 0  # this process's memory still
+    with pytest.raises(ValueError, match="holds its linears as int4 blocks only.*asks quantization int8"):
+        _engine(lm, quantization=INT8)
+    with pytest.raises(ValueError, match="asks quantization none"):
+        _engine(lm)
 
 
 def test_steps_with_prompt_chunks_run_padded_to_their_token_bucket():

@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 33, 2, 99, 4]
 
 
-def _owner(tmp_path: Path, device: str, source: str = "tiny:llama"):
+def _owner(tmp_path: Path, device: str, source: str = "tiny:llama", quantization: str = "none"):
     """(process, address, key, env) of an owner, started: it prints "weight owner:" once it serves."""
     key = secrets.token_hex(16)
     addr = str(tmp_path / "owner.sock")
     env = {**os.environ, "MMFUSION_OWNER_KEY": key, "MMFUSION_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.Popen([*command(WEIGHT_OWNER), "--source", source, "--dtype", "float32",
-                             "--device", device, "--address", addr, "--parent-pid", str(os.getpid())],
+    proc = subprocess.Popen([*command(WEIGHT_OWNER), "--source", source, "--dtype", "float32", "--quantization",
+                             quantization, "--device", device, "--address", addr, "--parent-pid", str(os.getpid())],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     return proc, addr, key, env
 
@@ -107,6 +107,57 @@ def test_owner_shares_weights_over_cuda_ipc(tmp_path):
     _check_owner(tmp_path, "cuda:0")
 
 
+def _check_owner_blocks(tmp_path: Path, device: str, kind: str) -> None:
+    from workers.engine import Engine, EngineConfig
+    from workers.engine.params import SamplingParams
+    from workers.platform import CudaPlatform, for_model
+
+    lm = load_model("tiny:llama", dtype="float32", device=device)
+    linears = {f"{n}.weight" for n, m in lm.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if lm.model.lm_head.weight is lm.model.model.embed_tokens.weight:
+        linears.discard("lm_head.weight")  # the embedding's: the lookup reads it
+    whole = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=4, kv_cache_memory=4 << 20,
+                       quantization=kind)
+    ref = Engine(lm, cfg, platform=for_model(lm, True, kind, cls=CudaPlatform))
+    want = ref.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+    ref.close()
+    owner, addr, key, _env = _owner(tmp_path, device, quantization=kind)
+    copies = [Copy(addr, key, PROMPT, quantization=kind, device=device) for _ in range(2)]
+    try:
+        assert f"its linears as {kind} blocks" in owner.stdout.readline()
+        for _c, r in _attached(copies):
+            assert r["tokens"] == want
+            assert set(r["meta"]) == linears and r["quantized"] == 1 + 4 * lm.model.config.num_hidden_layers
+            assert r["own_bytes"] == 0 and (r["blocks_shared"] or device != "cpu")
+            assert r["bytes"] < whole / 2  # the embedding and norms, and the blocks
+        # a copy asking for other linears than the owner holds is refused by name, and the owner
+        # goes on serving
+        other = Copy(addr, key, PROMPT, quantization="int4" if kind == "int8" else "int8", device=device)
+        copies.append(other)
+        assert f"holds its linears as {kind} blocks only" in other.attached()["error"] and owner.poll() is None
+    finally:
+        for c in copies:
+            c.release()
+        owner.terminate()
+        code = owner.wait(30)
+    assert code == 0
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_an_owner_holds_the_blocks_its_quantized_copies_run_in_place_of_their_16_bit_weights(tmp_path, kind):
+    """Copies that run weight-only blocks (`quantization: int8`/`int4` on the lean forward) attach
+    to an owner that built them once and let the linears' 16-bit weights go: a copy holds no linear
+    of its own (the blocks are the owner's memory), leaves those weights on `meta`, and answers as a
+    copy with weights of its own and the same quantization does."""
+    _check_owner_blocks(tmp_path, "cpu", kind)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the same path over CUDA IPC")
+def test_an_owner_holds_the_blocks_of_its_quantized_copies_over_cuda_ipc(tmp_path):
+    _check_owner_blocks(tmp_path, "cuda:0", "int4")
+
+
 def test_an_owner_whose_copies_let_go_frees_its_memory_and_exits_cleanly(tmp_path):
     """Copies that let go of the tensors before they exit leave the owner the last user of its
     shared memory: stopping, it frees the tensors (torch removes those files), removes what is
@@ -170,13 +221,13 @@ def test_one_owner_per_device_source_and_dtype(monkeypatch):
     fusion, plan = _plan("cuda:0,cuda:1", 4)  # planning needs no GPU: workers alternate devices
     groups = owner_groups(fusion, plan)
     # worker k serves model k mod 5 (four llama copies, then gpt2) on device k mod 2
-    assert groups == {("cuda:0", "tiny:llama", "float32"): [0, 2], ("cuda:1", "tiny:llama", "float32"): [1, 3],
-                      ("cuda:0", "tiny:gpt2", "float32"): [4]}
+    assert groups == {("cuda:0", "tiny:llama", "float32", "none"): [0, 2],
+                      ("cuda:1", "tiny:llama", "float32", "none"): [1, 3], ("cuda:0", "tiny:gpt2", "float32", "none"): [4]}
     owners = WeightOwners(fusion, plan, print)
     owners.address = {g: f"/x/{i}" for i, g in enumerate(groups)}
     assert owners.addresses() == {0: "/x/0", 2: "/x/0", 1: "/x/1", 3: "/x/1", 4: "/x/2"}
     assert owner_groups(*_plan("cpu", 4)) == {}  # CPU copies map a file: no owner
-    assert owner_groups(*_plan("cuda:0", 2, share=False)) == {("cuda:0", "tiny:gpt2", "float32"): [2]}
+    assert owner_groups(*_plan("cuda:0", 2, share=False)) == {("cuda:0", "tiny:gpt2", "float32", "none"): [2]}
 
 
 def test_an_owner_that_cannot_load_is_given_up_on_with_a_clear_error(tmp_path, capfd):
@@ -185,7 +236,7 @@ def test_an_owner_that_cannot_load_is_given_up_on_with_a_clear_error(tmp_path, c
     fusion, plan = _plan("cpu", 1)
     lines = []
     owners = WeightOwners(fusion, plan, lines.append, max_restarts=1, backoff=0.01)
-    owners.groups = {("cpu", "/no/such/model", "float32"): [0]}  # as a CUDA group would be planned
+    owners.groups = {("cpu", "/no/such/model", "float32", "none"): [0]}  # as a CUDA group would be planned
     owners.start()
     try:
         deadline = time.monotonic() + 120
@@ -260,3 +311,31 @@ def test_the_plan_counts_cuda_contexts_and_each_owner(monkeypatch):
     _, cpu = _plan("cpu", 3)
     assert all(w.est_bytes == w.weight_bytes + w.packed_bytes + w.kv_cache_bytes + OVERHEAD_BYTES for w in cpu.workers)
     assert "owner process" in plan.describe() and "owner process" not in cpu.describe()
+
+
+def test_quantized_copies_on_a_gpu_share_an_owner_of_blocks_and_the_plan_counts_them_once(monkeypatch):
+    """Copies of one model on one GPU that run weight-only blocks attach to an owner of their own,
+    which holds the blocks and the embedding, not the 16-bit linears: the plan counts those once,
+    and copies of the same model without blocks keep their owner of 16-bit weights."""
+    from fusion.deploy import build_fusion
+    from fusion.owners import owner_groups
+    from fusion.plan import make_plan
+
+    monkeypatch.setattr("fusion.plan.available_bytes", lambda d: 64 * 2**30)
+    model = {"source": "smollm2-135m", "dtype": "bfloat16", "share_weights": True, "max_batch_size": 8,
+             "max_batch_tokens": 64, "kv_cache_memory": "64MiB"}
+    params = {"variants": {"q": {"model": {**model, "quantization": "int8"}}, "d": {"model": model}},
+              "runconfig": {}, "_path": "test"}
+    fusion = build_fusion(params, ["q,3", "d,1"])
+    plan = make_plan(fusion, None, "cuda:0", threads_per_worker=1)
+    assert owner_groups(fusion, plan) == {("cuda:0", "smollm2-135m", "bfloat16", "int8"): [0, 1, 2],
+                                          ("cuda:0", "smollm2-135m", "bfloat16", "none"): [3]}
+    q, d = plan.workers[0], plan.workers[3]
+    assert q.packed_bytes == 0 and 0 < q.shared_packed_bytes < d.weight_bytes * 0.55  # 34 bytes a block of 32
+    assert q.weight_bytes == 49152 * 576 * 2 < d.weight_bytes  # the embedding alone
+    from workers.devices import CUDA_OWNER_OVERHEAD_BYTES, CUDA_WORKER_OVERHEAD_BYTES
+
+    assert plan.devices["cuda:0"]["estimated_bytes"] == (
+        q.weight_bytes + q.shared_packed_bytes + d.weight_bytes + 2 * CUDA_OWNER_OVERHEAD_BYTES
+        + sum(w.kv_cache_bytes + CUDA_WORKER_OVERHEAD_BYTES for w in plan.workers))
+    assert "its int8 linears" in plan.describe()

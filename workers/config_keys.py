@@ -140,8 +140,8 @@ MODEL_KEYS: tuple[Key, ...] = (
         "values widened once to float32, a second file too (the workload about 1.3x `none` on an Intel "
         "core capped to AVX512-BF16). CUDA: `int8` and `int4` on the device's lean forward (the Llama family) "
         "through Triton kernels, slower than bfloat16 there so far (an H200: one stream int4 4.5 against "
-        "1.3 ms/token, docs/operations.md); the 16-bit weights stay loaded beside the blocks, and `auto` is "
-        "`none` there",
+        "1.3 ms/token, docs/operations.md); the 16-bit weights of the linears the blocks serve are let go (copies "
+        "that share their weights attach to an owner holding the blocks once), and `auto` is `none` there",
         lambda x: x in QUANTIZATIONS),
     Key("deterministic", False, "`true`, `false`",
         "batch-invariant computation: a request's logits, so its greedy tokens and log-probabilities, "

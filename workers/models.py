@@ -22,7 +22,7 @@ from workers.weights.sources import context_len, source_gguf
 
 def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
                max_model_len: int | None = None, use_cache: bool = True, share_weights: bool = False,
-               owner: str | None = None, prepack: bool = True) -> LoadedModel:
+               owner: str | None = None, prepack: bool = True, one_engine: bool = False) -> LoadedModel:
     """Load `source` with its tokenizer; never touches the network.
 
     A GGUF source loads from its safetensors cache when one exists and `use_cache` is true. With
@@ -30,14 +30,16 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
     dtype) shares (workers.weights.shared); on CUDA they are the device's owner process's memory,
     reached through CUDA IPC at `owner` (workers.weights.owner). `prepack`: the engine will run
     the lean forward where it applies (prepack_weights), which decides `auto`'s dtype on a CPU
-    without bf16 arithmetic (workers.precision)."""
+    without bf16 arithmetic (workers.precision). `one_engine`: only one engine will run it, which may
+    then let go of the weights it does not read (LoadedModel.one_engine)."""
     dev = torch.device(device)
     if not isinstance(source, str) or not source:
         raise ValueError(f"model source must be a non-empty string, got {source!r}")
     dt = load_dtype(dtype, dev, prepack, source)
-    link = None
+    link = quantized = None
     if share_weights and owner:  # CUDA: attach to the weights the device's owner process holds
-        model, tok, weights, link = attach_remote(owner, os.environ.get(KEY_ENV, "").encode())
+        got = attach_remote(owner, os.environ.get(KEY_ENV, "").encode())
+        model, tok, weights, link, quantized = got.model, got.tokenizer, got.info, got.link, got.quantized
     elif share_weights and not device_kind(dev).owner_shares_weights:  # one read-only mapping, on the host
         model, tok, weights = shared_weights.load_shared(source, dt, lambda: load_private(source, dt, use_cache),
                                                          gguf_writer(source, dt, use_cache))
@@ -57,7 +59,8 @@ def load_model(source: str, dtype: str | torch.dtype = "auto", device: str = "cp
         eos = tok.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     return LoadedModel(model=model, tokenizer=tok, source=source, dtype=dt, device=dev,
-                       max_model_len=ctx, eos_token_ids=eos_ids, weights=weights, owner_link=link)
+                       max_model_len=ctx, eos_token_ids=eos_ids, weights=weights, owner_link=link,
+                       quantized=quantized, one_engine=one_engine)
 
 
 def load_engine(source: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
@@ -65,4 +68,4 @@ def load_engine(source: str, dtype: str | torch.dtype = "auto", device: str = "c
     """An engine on `source`: load_model's arguments, then EngineConfig's (max_batch_size, ...)."""
     cfg = EngineConfig(**config)
     return Engine(load_model(source, dtype=dtype, device=device, max_model_len=max_model_len,
-                             share_weights=share_weights, prepack=cfg.prepack_weights), cfg)
+                             share_weights=share_weights, prepack=cfg.prepack_weights, one_engine=True), cfg)

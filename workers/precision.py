@@ -66,7 +66,8 @@ class Precision:
 
     @property
     def quantized_key(self) -> str:
-        """What names a set of quantized linears apart (the shared file of them, the catalog)."""
+        """What names a set of quantized linears apart (the shared file of them, the catalog, a GPU's
+        weight owner): `none` where there are none."""
         return "auto" if self.file_classes else self.quantization
 
     def describe(self) -> str:

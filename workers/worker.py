@@ -169,7 +169,8 @@ class EngineThread(threading.Thread):
 
                 def build() -> Engine:
                     lm = load_model(m.source, dtype=m.dtype, device=spec.device, max_model_len=m.max_model_len,
-                                    share_weights=m.share_weights, owner=spec.weights_owner, prepack=m.prepack_weights)
+                                    share_weights=m.share_weights, owner=spec.weights_owner, prepack=m.prepack_weights,
+                                    one_engine=True)
                     return Engine(lm, EngineConfig.from_spec(spec, self.num_threads))
 
                 # behind serving: other models' workers on these cores keep their CPU while this loads

@@ -16,7 +16,8 @@ def _attach(addr: str, key: bytes, prompt: list[int], threads: int, conn) -> Non
     from workers.weights.owner import attach_remote
 
     torch.set_num_threads(threads)  # as the starter: a sum split across more threads rounds differently
-    model, tok, info, _link = attach_remote(addr, key, timeout=120)
+    got = attach_remote(addr, key, timeout=120)
+    model, tok, info = got.model, got.tokenizer, got.info
     dev = next(model.parameters()).device
     before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     with torch.inference_mode():
@@ -30,15 +31,54 @@ def _attach(addr: str, key: bytes, prompt: list[int], threads: int, conn) -> Non
     conn.recv()  # hold the weights until told to go
 
 
+def _attach_engine(addr: str, key: bytes, prompt: list[int], threads: int, quantization: str, device: str,
+                   conn) -> None:
+    """A copy as a CUDA deployment's worker loads it (load_model with the owner's address), its engine
+    on CUDA's platform rules (on a CPU device: the stand-in of workers.engine.cuda's tests)."""
+    import os
+
+    from workers.engine import Engine, EngineConfig
+    from workers.engine.params import SamplingParams
+    from workers.models import load_model
+    from workers.platform import CudaPlatform, for_model
+    from workers.weights.owner_ipc import KEY_ENV
+
+    torch.set_num_threads(threads)
+    os.environ[KEY_ENV] = key.decode()
+    lm = load_model("tiny:llama", dtype="float32", device=device, share_weights=True, owner=addr, one_engine=True)
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=4, kv_cache_memory=4 << 20,
+                       quantization=quantization)
+    try:
+        eng = Engine(lm, cfg, platform=for_model(lm, True, quantization, cls=CudaPlatform))
+    except ValueError as exc:  # a setting the owner's weights cannot serve: said by name
+        conn.send({"error": str(exc)})
+        return
+    out = eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    lean = eng.runner.device_lean
+    conn.send({"tokens": out.outputs[0].token_ids, "bytes": lm.weights.bytes,
+               "meta": sorted(n for n, p in lm.model.named_parameters() if p.is_meta),
+               "own_bytes": sum(lin.own_bytes for lin in lean.linears()),
+               "blocks_shared": all(lin.quant.qs.is_shared() for lin in lean.linears() if lin.quant is not None),
+               "quantized": sum(lin.quant is not None for lin in lean.linears())})
+    conn.recv()
+    eng.close()
+
+
 class Copy:
     """One attached copy: `attached()` is what it reported, `release()` lets it exit. It computes
     with as many threads as the process that starts it, whose reference it is compared with bit for bit."""
 
-    def __init__(self, addr: str, key: str, prompt: list[int]):
+    def __init__(self, addr: str, key: str, prompt: list[int], quantization: str | None = None, device: str = "cpu"):
+        """`quantization`: the copy runs an engine with it (tiny:llama in float32, on the owner's
+        `device`) and reports its greedy tokens; None: a transformers forward on the attached model,
+        and its logits."""
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         self._conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_attach, args=(addr, key.encode(), prompt, torch.get_num_threads(), theirs), daemon=True)
+        threads = torch.get_num_threads()
+        target, args = ((_attach, (addr, key.encode(), prompt, threads, theirs)) if quantization is None else
+                        (_attach_engine, (addr, key.encode(), prompt, threads, quantization, device, theirs)))
+        self.proc = ctx.Process(target=target, args=args, daemon=True)
         self.proc.start()
         theirs.close()
 

@@ -4,6 +4,8 @@ quantized afresh (`quantized_weight`). Every device's lean forward asks these.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from workers.precision import Precision
@@ -43,3 +45,51 @@ def quantized_weight(modules: list[torch.nn.Linear], kind: str, blocks: dict[int
         return concat(kept) if len(kept) > 1 else kept[0]
     wider = any(k is not None and k.kind == INT8 for k in kept)
     return quantize(torch.cat([m.weight.detach() for m in modules]), INT8 if wider else kind)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedLinears:
+    """A model's weight-only linears built once for several users (a weight owner's copies): the
+    precision's `quantized_key` they were built for, and the blocks by linear_key."""
+
+    key: str
+    weights: dict[str, QuantizedWeight]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights.values())
+
+
+def linear_key(names: list[str]) -> str:
+    """The name of the linear fusing the modules `names`: the key its blocks go by wherever they are
+    built once for several users (a shared file's, a weight owner's)."""
+    return "+".join(names)
+
+
+def lean_linears(model) -> list[tuple[list[torch.nn.Linear], bool]]:
+    """The linears a Llama-family lean forward multiplies, each as (its modules, whether it is the LM
+    head): the LM head, then each layer's q/k/v, o, gate/up and down."""
+    out = [([model.lm_head], True)]
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [([attn.q_proj, attn.k_proj, attn.v_proj], False), ([attn.o_proj], False),
+                ([mlp.gate_proj, mlp.up_proj], False), ([mlp.down_proj], False)]
+    return out
+
+
+def quantized_linears(model, precision: Precision, blocks: dict[str, QuantizedWeight] | None = None,
+                      device: torch.device | None = None) -> dict[str, QuantizedWeight]:
+    """Every linear of `model`'s lean forward that `precision` runs as weight-only blocks, by its
+    key (linear_key), on `device` (None: the embedding's): `blocks`, a GGUF file's own blocks by
+    module name (workers.weights.gguf_blocks), kept where they apply."""
+    names = {id(m): name for name, m in model.named_modules()}
+    modules = dict(model.named_modules())
+    kept = {id(modules[name]): qw for name, qw in (blocks or {}).items() if name in modules}
+    device = device or model.get_input_embeddings().weight.device
+    out = {}
+    for mods, head in lean_linears(model):
+        group = [names[id(m)] for m in mods]
+        kind = linear_kind(precision, group, all_kept(mods, kept), head)
+        if kind is not None:
+            out[linear_key(group)] = quantized_weight(mods, kind, kept).to(device)
+    return out

@@ -21,6 +21,12 @@ class LoadedModel:
     # weights.owner.OwnerLink: open while the model holds a weight owner's tensors (closed once
     # they are let go, so the owner can stop: Engine.close)
     owner_link: Any = None
+    # workers.quant.fuse.QuantizedLinears: the linears as weight-only blocks where the model holds
+    # no 16-bit weights for them (a weight owner's, or let go by the engine that built them)
+    quantized: Any = None
+    # only one engine runs it (a worker's, load_engine's): that engine may let go of the weights it
+    # does not read, the 16-bit weights of the linears it runs as blocks
+    one_engine: bool = False
     # read once: the config lookup behind it costs microseconds, and every request checks its prompt
     vocab_size: int = field(init=False, default=0)
 

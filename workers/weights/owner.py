@@ -7,7 +7,9 @@ their config and tokenizer), moves it to its device, lays out each layer's q/k/v
 weights side by side (workers.weights.fused_layout: the copies' lean forward then multiplies them
 as one linear with no fused copy of its own) and answers each copy that asks with an IPC handle per
 tensor. A copy builds its model on the `meta` device and binds the tensors the handles
-open. The owner exits with its parent (the deployment), which frees the weights when the last
+open. Where its copies run weight-only blocks (`quantization: int8` or `int4` on the lean forward),
+the owner builds those blocks once and holds them in place of the linears' 16-bit weights, which
+it lets go: a copy binds the rest and leaves those linears on `meta` (workers.weights.blocks_only). The owner exits with its parent (the deployment), which frees the weights when the last
 user is gone.
 
 A copy keeps its connection open while it holds the tensors (OwnerLink) and closes it once it has
@@ -37,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
@@ -45,6 +48,9 @@ import torch
 from workers.devices import device_kind
 from workers.gc_pause import import_paused
 from workers.platform import load_dtype
+from workers.precision import NO_QUANTIZATION
+from workers.quant.fuse import QuantizedLinears, quantized_linears
+from workers.quant.weight import QuantizedWeight
 from workers.weights import shared as S
 from workers.weights.fused_layout import lay_out_fused
 from workers.weights.hf_loader import load_private
@@ -92,11 +98,53 @@ class OwnerLink:
             conn.close()
 
 
+def blocks_for_copies(model, source: str, dtype: torch.dtype, device: torch.device,
+                      quantization: str) -> QuantizedLinears | None:
+    """The linears its copies run as weight-only blocks under `quantization`, built here once (as
+    their lean forward would: workers.quant.fuse.quantized_linears), their 16-bit weights let go
+    (workers.weights.blocks_only); None where the copies run no blocks. A setting the model cannot
+    have here builds none: each copy then loads the 16-bit weights and refuses it by name."""
+    from workers.platform import for_model
+    from workers.weights.blocks_only import release_linears
+    from workers.weights.gguf_blocks import gguf_blocks
+    from workers.weights.loaded_model import LoadedModel
+    from workers.weights.sources import source_gguf
+
+    if quantization == NO_QUANTIZATION:
+        return None
+    try:
+        platform = for_model(LoadedModel(model, None, source, dtype, device, 0), True, quantization)
+    except ValueError:
+        return None
+    prec = platform.precision
+    if not (platform.lean and prec.quantized):
+        return None
+    path = source_gguf(source)
+    weights = quantized_linears(model, prec, gguf_blocks(path, model) if path else None)
+    release_linears(model, [name for key in weights for name in key.split("+")])
+    return QuantizedLinears(prec.quantized_key, weights)
+
+
+def export_blocks(built: QuantizedLinears) -> dict:
+    return {"key": built.key, "blocks": {
+        key: {"kind": w.kind, "qs": export_tensor(w.qs), "scales": export_tensor(w.scales),
+              "offsets": None if w.offsets is None else export_tensor(w.offsets)} for key, w in built.weights.items()}}
+
+
+def import_blocks(answer: dict) -> QuantizedLinears:
+    return QuantizedLinears(answer["key"], {
+        key: QuantizedWeight(b["kind"], import_tensor(b["qs"]), import_tensor(b["scales"]),
+                             None if b["offsets"] is None else import_tensor(b["offsets"]))
+        for key, b in answer["blocks"].items()})
+
+
 class WeightOwner:
     def __init__(self, source: str, dtype: str, device: str, address: str, authkey: bytes,
-                 parent_pid: int | None = None):
+                 parent_pid: int | None = None, quantization: str = NO_QUANTIZATION):
+        """`quantization`: what its copies run (a precision's quantized_key): where that is weight-only
+        blocks, it holds those in place of their linears' 16-bit weights (blocks_for_copies)."""
         self.source, self.device, self.address, self.authkey = source, device, address, authkey
-        self.dtype = dtype
+        self.dtype, self.quantization = dtype, quantization
         self.parent_pid = parent_pid
         self.attached = 0  # copies answered
         self.holding = 0  # copies whose connection is open: they may hold the tensors
@@ -117,12 +165,19 @@ class WeightOwner:
             S.bind_all(model, {k: t.clone() for k, t in tensors.items()}, aliases, self.source)
         # q/k/v and gate/up side by side: the copies' lean forward multiplies these views as one
         # linear, with no fused copy of its own (workers.weights.fused_layout)
-        if lay_out_fused(model) and not host:
+        laid = lay_out_fused(model)
+        built = blocks_for_copies(model, self.source, dt, dev, self.quantization)
+        if (laid or built is not None) and not host:
             torch.cuda.empty_cache()  # the weights' former places
         tensors, aliases = S.unique_tensors(model)
-        self.model, self.tensors = model, tensors  # kept alive: the copies' tensors are this memory
-        return {"dir": str(dest), "dtype": str(dt).removeprefix("torch."), "aliases": aliases,
-                "handles": {name: export_tensor(t) for name, t in tensors.items()}}
+        released = sorted(name for name, t in tensors.items() if t.is_meta)
+        released += sorted(name for name, target in aliases.items() if target in released)
+        tensors = {name: t for name, t in tensors.items() if not t.is_meta}
+        aliases = {name: target for name, target in aliases.items() if target in tensors}
+        self.model, self.tensors, self.built = model, tensors, built  # kept alive: the copies' tensors are this memory
+        return {"dir": str(dest), "dtype": str(dt).removeprefix("torch."), "aliases": aliases, "released": released,
+                "handles": {name: export_tensor(t) for name, t in tensors.items()},
+                "quantized": None if built is None else export_blocks(built)}
 
     def _watch_parent(self) -> None:
         while self.parent_pid is None or os.getppid() == self.parent_pid:
@@ -143,7 +198,7 @@ class WeightOwner:
     def release(self) -> None:
         """Drop this process's references to its tensors, so that torch frees them now and removes
         the shared-memory files whose last user they were, before `leave` removes the rest."""
-        self.model = self.tensors = None
+        self.model = self.tensors = self.built = None
         gc.collect()
         collect_exported(self.device)
 
@@ -169,7 +224,8 @@ class WeightOwner:
         answer = self.load()
         with Listener(self.address, family="AF_UNIX", authkey=self.authkey) as listener:
             threading.Thread(target=self._watch_parent, daemon=True).start()
-            print(f"weight owner: {self.source} on {self.device} at {self.address}", flush=True)
+            blocks = "" if answer["quantized"] is None else f", its linears as {answer['quantized']['key']} blocks"
+            print(f"weight owner: {self.source} on {self.device}{blocks} at {self.address}", flush=True)
             while True:
                 try:
                     conn = listener.accept()
@@ -195,9 +251,21 @@ class WeightOwner:
                 threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
 
 
-def attach_remote(address: str, authkey: bytes, timeout: float = 300.0):
-    """(model, tokenizer, WeightsInfo, OwnerLink) for a copy whose weights live in the owner at
-    `address`. Keep the link while the model is in use; close it once its tensors are let go."""
+@dataclass(slots=True)
+class Attached:
+    """A copy's model over its owner's tensors. Keep `link` open while the model is in use; close it
+    once its tensors are let go."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    info: S.WeightsInfo
+    link: OwnerLink
+    quantized: QuantizedLinears | None  # the owner's blocks, where its copies run them (blocks_for_copies)
+
+
+def attach_remote(address: str, authkey: bytes, timeout: float = 300.0) -> Attached:
+    """A copy whose weights live in the owner at `address`: its model, with the linears the owner
+    holds as blocks only left on `meta`."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -217,8 +285,10 @@ def attach_remote(address: str, authkey: bytes, timeout: float = 300.0):
     dt = getattr(torch, answer["dtype"])
     model, tok = S.build_meta(Path(answer["dir"]), dt)
     tensors = {name: import_tensor(handle) for name, handle in answer["handles"].items()}
-    nbytes = S.bind_all(model, tensors, answer["aliases"], address)
-    return model.eval(), tok, S.WeightsInfo(nbytes, True, f"owner:{address}"), link
+    nbytes = S.bind_all(model, tensors, answer["aliases"], address, frozenset(answer["released"]))
+    built = None if answer["quantized"] is None else import_blocks(answer["quantized"])
+    nbytes += 0 if built is None else built.nbytes
+    return Attached(model.eval(), tok, S.WeightsInfo(nbytes, True, f"owner:{address}"), link, built)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -228,6 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", required=True)
     ap.add_argument("--address", required=True, help="the unix socket path copies attach at")
     ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--quantization", default=NO_QUANTIZATION,
+                    help="what its copies run (a precision's quantized key): weight-only blocks are held in place "
+                         "of their linears' 16-bit weights")
     args = ap.parse_args(argv)
     key = os.environ.get(KEY_ENV, "").encode()
     if not key:
@@ -235,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     import_paused("workers.models")  # what its load imports (torch and transformers), collector paused
     try:
-        WeightOwner(args.source, args.dtype, args.device, args.address, key, args.parent_pid).serve()
+        WeightOwner(args.source, args.dtype, args.device, args.address, key, args.parent_pid, args.quantization).serve()
     except SystemExit as exc:  # SIGTERM
         code = exc.code if isinstance(exc.code, int) else 1
     except (ValueError, OSError, S.SharedWeightsError) as exc:  # a bad source, a missing file: say which

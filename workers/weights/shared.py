@@ -71,6 +71,9 @@ def unique_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     """The state dict with each storage once; aliases (tied weights) name the tensor they share."""
     tensors, aliases, seen = {}, {}, {}
     for name, t in model.state_dict(keep_vars=False).items():
+        if t.is_meta:  # no storage to share (workers.weights.blocks_only): nobody's alias
+            tensors[name] = t.detach()
+            continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key in seen:
             aliases[name] = seen[key]
@@ -180,14 +183,15 @@ def attach(model: torch.nn.Module, path: Path, copy: bool = False) -> int:
     return bind_all(model, tensors, aliases, path)
 
 
-def bind_all(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], where) -> int:
-    """Bind every shared tensor and tied alias; fail if a parameter is left on `meta`. Returns the
-    bytes bound."""
+def bind_all(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict[str, str], where,
+             unbound: frozenset[str] = frozenset()) -> int:
+    """Bind every shared tensor and tied alias; fail if a parameter is left on `meta`, but for those
+    named in `unbound` (weights nobody holds: workers.weights.blocks_only). Returns the bytes bound."""
     for name, t in tensors.items():
         bind(model, name, t)
     bind_aliases(model, aliases)
     for name, p in model.named_parameters(remove_duplicate=False):
-        if p.is_meta:
+        if p.is_meta and name not in unbound:
             raise SharedWeightsError(f"{where}: parameter {name} was left unbound")
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

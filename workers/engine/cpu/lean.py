@@ -42,7 +42,7 @@ from workers.engine.cpu.linears import (
 from workers.engine.lean_parts import AttentionShape, rotation
 from workers.lean_rules import layer_windows
 from workers.precision import HALF, Precision
-from workers.quant.fuse import all_kept, linear_kind
+from workers.quant.fuse import all_kept, linear_key, linear_kind
 from workers.quant.weight import QuantizedWeight
 
 
@@ -132,7 +132,7 @@ class LeanLlama:
     def _linear(self, modules: list[torch.nn.Module], head: bool = False) -> Linear:
         """The outputs of `modules` as one linear: packed, or weight-only quantized."""
         names = [self._names[id(m)] for m in modules]
-        key = "+".join(names)
+        key = linear_key(names)
         kind = linear_kind(self.precision, names, key in self._fused or all_kept(modules, self._blocks), head)
         if kind is not None:
             lin = quantized(modules, kind, self._blocks, self.compute, self.norms, self.precision.linears,

@@ -29,7 +29,7 @@ from workers.engine.cuda.int4pack import Int4Pack
 from workers.engine.cuda.ops import PagedOps
 from workers.engine.lean_parts import AttentionShape, fused_bias, rotation
 from workers.precision import Precision
-from workers.quant.fuse import all_kept, linear_kind, quantized_weight
+from workers.quant.fuse import linear_key, quantized_linears
 from workers.quant.weight import INT4, QuantizedWeight
 from workers.weights.fused_layout import side_by_side
 
@@ -97,22 +97,28 @@ class DeviceLean:
     goes through `ops`: under `deterministic` their batch-invariant set (workers.engine.cuda.ops)."""
 
     def __init__(self, model, ops: PagedOps, cache_index: dict[int, int], window: int | None, max_positions: int,
-                 precision: Precision | None = None, blocks: dict[str, QuantizedWeight] | None = None):
-        """`precision`: whether and how its linears are weight-only quantized (None: not); `blocks`: a
-        GGUF file's own blocks by module name (workers.weights.gguf_blocks), kept where they apply."""
+                 precision: Precision | None = None, blocks: dict[str, QuantizedWeight] | None = None,
+                 fused: dict[str, QuantizedWeight] | None = None, fused_own: bool = False):
+        """`precision`: whether and how its linears are weight-only quantized (None: not), their blocks
+        built here (workers.quant.fuse.quantized_linears; `blocks`: a GGUF file's own by module name,
+        workers.weights.gguf_blocks, kept where they apply) unless `fused` holds them: built before, by
+        key (a weight owner's on this device, or an engine's before on the same model). The modules'
+        16-bit weights of those linears are not read. `fused_own`: `fused` is this process's memory (not
+        an owner's)."""
         inner = model.model
         self.ops = ops
-        self._precision = precision
-        modules = dict(model.named_modules())
-        self._names = {id(m): name for name, m in modules.items()}
-        self._blocks = {id(modules[name]): qw for name, qw in (blocks or {}).items() if name in modules}
+        if fused is None and precision is not None and precision.quantized:
+            fused, fused_own = quantized_linears(model, precision, blocks), True
+        self._fused, self._fused_own = fused or {}, fused_own
+        self.quantized_modules: list[str] = []  # the modules its blocks serve: their 16-bit weights unread
+        self._names = {id(m): name for name, m in model.named_modules()}
         shape = AttentionShape.of(model)
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
         self.scaling, self.eps = shape.scaling, shape.eps
         self.window = window or 0
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
-        self.lm_head = self._linear([model.lm_head], head=True)
+        self.lm_head = self._linear([model.lm_head])
         with torch.inference_mode():
             # transformers' rotary embedding of every position once: a step looks its rows up
             positions = torch.arange(max_positions, device=self.embed.device)[None]
@@ -123,20 +129,17 @@ class DeviceLean:
                               self._linear([layer.mlp.gate_proj, layer.mlp.up_proj]),
                               self._linear([layer.mlp.down_proj]), cache_index[i])
                        for i, layer in enumerate(inner.layers)]
-        self._blocks = {}  # in their linears now
 
-    def _linear(self, modules: list[torch.nn.Linear], head: bool = False) -> DeviceLinear:
-        """The outputs of `modules` as one linear: weight-only blocks where the precision says so,
-        else their weights: one tensor where they lie side by side already, else a fused copy of this
-        process's own."""
+    def _linear(self, modules: list[torch.nn.Linear]) -> DeviceLinear:
+        """The outputs of `modules` as one linear: its weight-only blocks where it has them, else their
+        weights: one tensor where they lie side by side already, else a fused copy of this process's
+        own."""
         bias = fused_bias(modules)
         names = [self._names[id(m)] for m in modules]
-        kind = None if self._precision is None else linear_kind(self._precision, names,
-                                                                all_kept(modules, self._blocks), head)
-        if kind is not None:
-            device = modules[0].weight.device
-            qw = quantized_weight(modules, kind, self._blocks).to(device)
-            return DeviceLinear(None, qw, bias, self.ops.qlinear, own=True, dense=self.ops.linear)
+        qw = self._fused.get(linear_key(names))
+        if qw is not None:
+            self.quantized_modules += names
+            return DeviceLinear(None, qw, bias, self.ops.qlinear, own=self._fused_own, dense=self.ops.linear)
         span = side_by_side([m.weight for m in modules])
         if span is not None:  # one module, or several laid out side by side (workers.weights.fused_layout)
             return DeviceLinear(span, None, bias, dense=self.ops.linear)
@@ -171,6 +174,10 @@ class DeviceLean:
         for layer in self.layers:
             layer.qkv, layer.o = shaped(layer.qkv), shaped(layer.o)
             layer.gate_up, layer.down = shaped(layer.gate_up), shaped(layer.down)
+
+    def quantized_weights(self) -> dict[str, QuantizedWeight]:
+        """Its weight-only linears' blocks by key (workers.quant.fuse.linear_key), as `fused` takes them."""
+        return dict(self._fused)
 
     def linears(self) -> list[DeviceLinear]:
         return [self.lm_head] + [x for lay in self.layers for x in (lay.qkv, lay.o, lay.gate_up, lay.down)]
