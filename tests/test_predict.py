@@ -96,9 +96,17 @@ def test_outputs_that_cannot_be_written_end_the_run_with_a_line_not_a_traceback(
     deadline = time.monotonic() + 240
     while not (pred_dir.is_dir() and len(list(pred_dir.glob("*.npz"))) >= 2) and time.monotonic() < deadline:
         time.sleep(0.05)
-    aside = tmp_path / "written"
+    aside, blocker = tmp_path / "written", tmp_path / "blocker"
+    blocker.write_text("")
     pred_dir.rename(aside)
-    pred_dir.write_text("")
+    while True:
+        try:
+            blocker.rename(pred_dir)
+            break
+        except IsADirectoryError:  # the run made the directory again meanwhile: what it wrote joins the rest
+            for f in pred_dir.iterdir():
+                f.rename(aside / f.name)
+            pred_dir.rmdir()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
     # the write that meets the file first says which: a row log's open, or a directory made
