@@ -65,7 +65,9 @@ class PlanPlacer:
         w = place_worker([], model, model_id, device, threads=threads, kv_cache_memory=self.kv_cache_memory,
                          kv_share=share, avail=self.avail.get(device), bind=False)
         if device_kind(device).owner_shares_weights:  # a copy loaded at run time there holds its own
-            w.shares_weights = False  # weights (no owner process is given it)
+            w.shares_weights = False  # weights (no owner process is given it), and its own blocks
+            w.packed_bytes += w.shared_packed_bytes + w.shared_batch_bytes
+            w.shared_packed_bytes = w.shared_batch_bytes = 0
         return w
 
     def size(self, model: ModelSpec, device: str) -> CopySize:

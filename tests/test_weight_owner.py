@@ -339,3 +339,9 @@ def test_quantized_copies_on_a_gpu_share_an_owner_of_blocks_and_the_plan_counts_
         q.weight_bytes + q.shared_packed_bytes + d.weight_bytes + 2 * CUDA_OWNER_OVERHEAD_BYTES
         + sum(w.kv_cache_bytes + CUDA_WORKER_OVERHEAD_BYTES for w in plan.workers))
     assert "its int8 linears" in plan.describe()
+    # a copy loaded at run time there attaches to no owner: its blocks and the embedding are its own
+    from fusion.catalog import PlanPlacer
+
+    placer = PlanPlacer(["cuda:0"], "64MiB", {"cuda:0": None})
+    size = placer.size(fusion.models[0].spec, "cuda:0")
+    assert size.own == q.weight_bytes + q.shared_packed_bytes + q.kv_cache_bytes + CUDA_WORKER_OVERHEAD_BYTES
