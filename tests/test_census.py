@@ -57,7 +57,8 @@ def _runner(arch: str) -> CudaRunner:
     prec = CudaPlatform.quantized(CudaPlatform.compute(lm.dtype, True), "none", True, "tiny")
     platform = CudaPlatform(DEVICE, prec, lean=True, deterministic=False)
     holder = attention.install(lm.model)
-    layout = CacheLayout.sized(platform, holder.groups, kv_dims(lm), 16, 4 << 20, 4, 64, lm.max_model_len,
+    groups = holder.groups if len(holder.groups.layers) == 1 else holder.groups.as_one()  # as the engine does
+    layout = CacheLayout.sized(platform, groups, kv_dims(lm), 16, 4 << 20, 4, 64, lm.max_model_len,
                                prefix_caching=True)
     return CudaRunner(lm, platform, holder, layout, max_batch_size=4, ops=triton_ops())
 
@@ -72,9 +73,8 @@ def _count(runner: CudaRunner, rows: int, greedy: bool) -> Counter[str]:
     return census.ops
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_decode_layer_dispatches_about_ten_ops_and_a_greedy_step_sorts_nothing(arch):
-    runner = _runner(arch)
+def _per_layer(runner: CudaRunner) -> tuple[float, Counter[str]]:
+    """(ops a layer, the ops of a whole greedy step of 4 rows)."""
     lean = runner.device_lean
     layers = list(lean.layers)
     assert len(layers) >= 2
@@ -84,7 +84,14 @@ def test_a_decode_layer_dispatches_about_ten_ops_and_a_greedy_step_sorts_nothing
         one = _count(runner, 4, greedy=True)
     finally:
         lean.layers = layers
-    per_layer = (sum(whole.values()) - sum(one.values())) / (len(layers) - 1)
+    return (sum(whole.values()) - sum(one.values())) / (len(layers) - 1), whole
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_decode_layer_dispatches_about_ten_ops_and_a_greedy_step_sorts_nothing(arch):
+    runner = _runner(arch)
+    layers = runner.device_lean.layers
+    per_layer, whole = _per_layer(runner)
     assert per_layer <= LAYER_BUDGET, (per_layer, whole)
     # the Triton ops run, each once a layer
     for op in ("triton_rope_kv_write", "triton_decode_attention", "triton_silu_mul"):
@@ -93,3 +100,16 @@ def test_a_decode_layer_dispatches_about_ten_ops_and_a_greedy_step_sorts_nothing
     assert "aten::sort" not in whole and "aten::cumsum" not in whole  # greedy: the argmax only
     sampled = _count(runner, 4, greedy=False)
     assert "aten::sort" in sampled  # the graph of a step with a sampled row still samples
+
+
+def test_a_gemma3_decode_layer_dispatches_about_ten_ops_too():
+    """Gemma 3's layer: the four linears, the q/k norms, the rotary embedding with the KV write, the
+    attention, GELU x up, and each of its two joins to the residual stream (the sublayer's norm, the
+    add, the next norm) one op."""
+    runner = _runner("gemma3")
+    layers = runner.device_lean.layers
+    per_layer, whole = _per_layer(runner)
+    assert per_layer <= LAYER_BUDGET, (per_layer, whole)
+    for op in ("triton_qk_norm", "triton_rope_kv_write", "triton_decode_attention", "triton_gelu_mul"):
+        assert whole[f"mmfusion::{op}"] == len(layers), op
+    assert whole["mmfusion::triton_sandwich_norm"] == 2 * len(layers) and whole["mmfusion::triton_gemma_rms_norm"] == 1

@@ -376,12 +376,13 @@ def _deterministic_cases(lm, device: str = "cpu", quantization: str = "none") ->
             "after its prefix was cached": answer(cached, [prompt]), "max_batch_tokens 32": answer(engine(32), [prompt])}
 
 
-@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("float32", "int4")])
-def test_deterministic_gives_an_answer_the_same_bits_whatever_runs_beside_it(dtype, quantization):
+@pytest.mark.parametrize("arch,dtype,quantization", [("llama", "bfloat16", "none"), ("llama", "float32", "int4"),
+                                                     ("gemma3", "bfloat16", "none")])
+def test_deterministic_gives_an_answer_the_same_bits_whatever_runs_beside_it(arch, dtype, quantization):
     """`deterministic` on the device's lean forward (workers.engine.cuda.ops.batch_invariant: here the reference
     ops a row at a time; the Triton kernels' invariance is tests/test_triton_kernels.py's), tokens
     sampled by the host row by row: the same tokens and log-probabilities bit for bit."""
-    lm = tiny("llama", dtype=dtype)
+    lm = tiny(arch, dtype=dtype)
     cases = _deterministic_cases(lm, quantization=quantization)
     alone = cases.pop("alone")
     assert len(alone[0]) == 16 and None not in alone[1]
@@ -397,14 +398,17 @@ def test_deterministic_gives_an_answer_the_same_bits_whatever_runs_beside_it(dty
 
 
 def test_settings_the_device_lean_forward_would_serve_are_refused_without_it():
-    """CUDA's rules, before any runner is made: Gemma 3's layers keep caches of two windows, which the
-    device's lean forward does not take, so `deterministic` (and a quantization format) is refused."""
-    lm = tiny("gemma3", dtype="float32")
+    """CUDA's rules, before any runner is made: GPT-2 has no lean forward, so `deterministic` (and a
+    quantization format) is refused; Gemma 3's layers of two windows take it, in bfloat16 too."""
+    lm = tiny("gpt2", dtype="float32")
     with pytest.raises(ValueError, match="deterministic: true runs on cuda through the lean forward"):
         for_model(lm, True, deterministic=True, cls=CudaPlatform)
     with pytest.raises(ValueError, match="quantization 'int8' runs on the lean forward"):
         for_model(lm, True, "int8", cls=CudaPlatform)
     assert not for_model(lm, True, cls=CudaPlatform).lean
+    gemma = tiny("gemma3", dtype="bfloat16")
+    platform = for_model(gemma, True, "int8", deterministic=True, cls=CudaPlatform)
+    assert platform.lean and platform.precision.quantization == "int8" and platform.deterministic
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -436,13 +440,15 @@ def test_quantized_decode_graphs_on_cuda_give_transformers_greedy_on_their_value
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_decode_graphs_on_cuda_equal_eager_and_transformers():
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_decode_graphs_on_cuda_equal_eager_and_transformers(arch):
     """On a GPU: every decode bucket and every token bucket of the steps with prompt chunks
     captured, the replayed steps' greedy tokens (decode steps started ahead of the last one's
-    tokens) equal the same runner's eager steps and transformers' generate."""
+    tokens) equal the same runner's eager steps and transformers' generate (Gemma 3's prompt of
+    60 tokens crosses its sliding layers' window)."""
     from workers.models import load_model
 
-    lm = load_model("tiny:llama", dtype="float32", device="cuda")
+    lm = load_model(f"tiny:{arch}", dtype="float32", device="cuda")
     eng = _engine(lm, device="cuda")
     assert _captured(eng) == set(eng.runner.buckets)
     assert set(eng.runner.step_graphs) == set(eng.runner.token_buckets) == {16, 32, 64}
@@ -456,3 +462,23 @@ def test_decode_graphs_on_cuda_equal_eager_and_transformers():
     for p, o, a in zip(prompts, outs, again):
         assert o.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(lm.model, p, 10)
     assert eng.runner.overlap and eng.steps_ahead > 0  # the host overlapped the device
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemma3_runs_the_device_lean_forward_with_transformers_greedy(dtype):
+    """Gemma 3 on the device's lean forward (workers.engine.cuda.lean.DeviceGemma3, in the weights'
+    dtype): its norms, q/k norms, sandwich norms, GELU, a rotary table a layer type and each layer's
+    window, every layer in one cache group. Prompts and answers cross the sliding layers' window
+    (32 positions here), and the greedy tokens equal transformers'."""
+    lm = tiny("gemma3", dtype=dtype)
+    eng = _engine(lm, max_batch_size=4, max_batch_tokens=32, kv_cache_memory=8 << 20)
+    runner = eng.runner
+    assert type(runner.device_lean).__name__ == "DeviceGemma3"
+    assert eng.scheduler.blocks.groups.windows == (None,)  # one group: each layer attends its window in it
+    assert [layer.window for layer in runner.device_lean.layers] == [32, 32, 32, 0]
+    rng = random.Random(8)
+    prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (5, 29, 45)]
+    max_tokens = [30, 12, 6]
+    outs = eng.generate(prompts, [_greedy(m) for m in max_tokens])
+    for p, m, o in zip(prompts, max_tokens, outs):
+        assert o.outputs[0].token_ids == hf_greedy(lm.model, p, m), (len(p), m)

@@ -43,9 +43,11 @@ def test_the_platform_is_decided_once_and_the_engine_runs_what_it_says():
         assert type(eng.runner) is runner and eng.runner.platform is eng.platform
         lean = isinstance(eng.runner, CpuRunner) and eng.runner.lean is not None
         assert lean == eng.platform.lean == (arch == "llama"), arch
-    # on CUDA, Gemma 3 keeps transformers' modules; the Llama family runs the device's lean forward
-    assert for_source("tiny:gemma3", "bfloat16", "cuda:0", True).lean is False
+    # on CUDA, Gemma 3 and the Llama family run the device's lean forward, in bfloat16 too (on the CPU
+    # Gemma 3's computes in float32 only)
+    assert for_source("tiny:gemma3", "bfloat16", "cuda:0", True).precision.linears == "fused"
     assert for_source("tiny:llama", "bfloat16", "cuda:0", True).precision.linears == "fused"
+    assert for_source("tiny:gemma3", "bfloat16", "cpu", True).lean is False
 
 
 # what compares device names (the issue's measure): the device kinds, the CUDA runner's own checks,

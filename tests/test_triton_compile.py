@@ -32,8 +32,8 @@ def test_every_cuda_kernel_compiles_for_hopper(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     compiled = out.stdout.split()
     for kernel in ("_segment_kernel", "_merge_kernel", "_paged_attention_kernel", "_kv_write_kernel",
-                   "_add_rms_norm_kernel", "_rope_kv_write_kernel", "_silu_mul_kernel", "_qgemv_kernel",
-                   "_qgemv_flat_kernel", "_sum_splits_kernel"):
+                   "_add_rms_norm_kernel", "_rope_kv_write_kernel", "_act_mul_kernel", "_qgemv_kernel",
+                   "_qgemv_flat_kernel", "_sum_splits_kernel", "_sandwich_kernel", "_qk_norm_kernel"):
         assert kernel in compiled, kernel
     for kernel in ("_linear_kernel", "_qlinear_kernel"):  # bfloat16 and float32
         assert {"bf16", "fp32"} <= {compiled[i + 1] for i, w in enumerate(compiled) if w == kernel}, kernel

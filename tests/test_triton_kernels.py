@@ -17,6 +17,7 @@ from workers.engine.cuda import (  # noqa: E402
     triton_attention,
     triton_decode,
     triton_fused,
+    triton_gemma,
     triton_invariant,
     triton_qlinear,
 )
@@ -298,3 +299,32 @@ def test_fused_layer_kernels_match_their_references(dtype):
     gu = torch.randn(n, 2 * inter, generator=gen).to(dtype)
     torch.testing.assert_close(_kernel(triton_fused.silu_mul, gu).float(),
                                paged_ops.reference_silu_mul(gu).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_layer_kernels_match_their_references(dtype):
+    """Gemma 3's norms (float32 inside, scaled by 1 + w, rounded once), the sublayer's output normed
+    and added to the residual stream with the next norm in one, the q/k heads' norms (v copied as it
+    is) and GELU x up (workers.engine.cuda.triton_gemma), against the references the CPU runs."""
+    gen = torch.Generator().manual_seed(12)
+    n, heads, kvh, d, width, inter = 5, 4, 2, 16, 48, 40
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2 ** -5)
+    x, res = (torch.randn(n, width, generator=gen).to(dtype) for _ in range(2))
+    w_out, w_next = (1 + 0.1 * torch.randn(width, generator=gen) for _ in range(2))  # (1 + w) in float32
+    want_x, want_h = paged_ops.reference_sandwich_norm(x, res, w_out, w_next, 1e-6)
+    got_x, got_h = _kernel(triton_gemma.sandwich_norm, x, res, w_out, w_next, 1e-6)
+    assert got_x.dtype == dtype and got_h.dtype == dtype
+    torch.testing.assert_close(got_h.float(), want_h.float(), **tol)
+    torch.testing.assert_close(got_x.float(), want_x.float(), **tol)
+    torch.testing.assert_close(_kernel(triton_gemma.gemma_rms_norm, x, w_next, 1e-6).float(),
+                               paged_ops.reference_gemma_rms_norm(x, w_next, 1e-6).float(), **tol)
+
+    qkv = torch.randn(n, (heads + 2 * kvh) * d, generator=gen).to(dtype)
+    qw, kw = (1 + 0.1 * torch.randn(d, generator=gen) for _ in range(2))
+    got = _kernel(triton_gemma.qk_norm, qkv, qw, kw, heads, kvh, 1e-6)
+    torch.testing.assert_close(got.float(), paged_ops.reference_qk_norm(qkv, qw, kw, heads, kvh, 1e-6).float(), **tol)
+    assert torch.equal(got[:, (heads + kvh) * d:], qkv[:, (heads + kvh) * d:])
+
+    gu = (3 * torch.randn(n, 2 * inter, generator=gen)).to(dtype)
+    torch.testing.assert_close(_kernel(triton_gemma.gelu_mul, gu).float(),
+                               paged_ops.reference_gelu_mul(gu).float(), **tol)

@@ -117,9 +117,11 @@ MODEL_KEYS: tuple[Key, ...] = (
         "weight fused and prepacked once at load, for oneDNN or, for 16-bit weights with float32 math, FBGEMM "
         "(decoding about 1.5x faster); each worker then holds its own packed copy of the linear weights, "
         "which `share_weights` cannot share. It is preferred to `compile`, which then applies only with "
-        "`false`: transformers' modules on the (shared) weights. On CUDA, the Llama family runs the device's "
-        "lean forward, q/k/v and gate/up each one linear over the weights laid out side by side (no copy: "
-        "the weight owner lays them out so), each decode step one CUDA graph", lambda x: isinstance(x, bool)),
+        "`false`: transformers' modules on the (shared) weights. On CUDA, the Llama family and Gemma 3 run the "
+        "device's lean forward in the weights' dtype, q/k/v and gate/up each one linear over the weights laid out "
+        "side by side (no copy: the weight owner lays them out so), each decode step one CUDA graph; every layer's "
+        "keys and values in one cache group for the whole context (Gemma 3's sliding layers attend their window in "
+        "it, and hold the positions before it too)", lambda x: isinstance(x, bool)),
     Key("quantization", "auto", "`auto`, `none`, `int8`, `int4`",
         "CPU, the lean forward: its linears read weight-only quantized blocks of 32 values of a row, "
         "the activations, the KV cache and the norms staying in the compute dtype. A GGUF file's Q4_0, "
@@ -150,7 +152,7 @@ MODEL_KEYS: tuple[Key, ...] = (
         "every dtype. Every linear takes one path for every number of rows (the C++ kernels' strips; tiles "
         "of 16 rows below AVX2); every token's attention runs the decode kernel's one order over its context; "
         "the sampler reduces each row on its own. CPU with the lean forward (`prepack_weights`, "
-        "Llama family, or Gemma 3 in float32); CUDA with the device's lean forward (Llama family: "
+        "Llama family, or Gemma 3 in float32); CUDA with the device's lean forward (Llama family and Gemma 3: "
         "batch-invariant Triton kernels; an H200: one stream 1.20x the time); it costs throughput (docs/serving.md, "
         "\"Reproducibility\")",
         lambda x: isinstance(x, bool)),
@@ -158,7 +160,7 @@ MODEL_KEYS: tuple[Key, ...] = (
         "run the compiled forward of transformers' modules: `auto` when compiled artifacts are in the cache, "
         "`true` compiling now if needed, `false` eager. Where the lean forward runs (`prepack_weights`, Llama "
         "family or Gemma 3, CPU) it is kept: eager, it is about twice as fast as the compiled modules; on CUDA "
-        "the Llama family's decode steps run as captured CUDA graphs instead"),
+        "the Llama family's and Gemma 3's decode steps run as captured CUDA graphs instead"),
     Key("compile_buckets", None, "a strictly increasing list of positive token counts, or null",
         "the padded step sizes graphs are built for; null: powers of two up to 64, then multiples of 64 "
         "up to `max_batch_tokens`"),

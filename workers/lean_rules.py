@@ -8,18 +8,16 @@ import torch
 from workers.config_keys import FLOAT32_LEAN, LEAN_ARCHITECTURES
 
 
-def unsupported(model, compute: torch.dtype, one_window: bool = False) -> str | None:
+def unsupported(model, compute: torch.dtype, float32_lean: tuple[str, ...] = FLOAT32_LEAN) -> str | None:
     """Why `model` cannot run the lean forward computing in `compute` (the dtype its platform would
-    compute its weights in on the lean forward), or None when it can. `one_window`: the device's
-    lean forward takes one attention window for all the layers (one cache group)."""
+    compute its weights in on the lean forward), or None when it can. `float32_lean`: the classes
+    whose lean forward on the device computes in float32 only."""
     name = type(model).__name__
-    if one_window and len(set(layer_windows(model, attention_modules(model)))) > 1:
-        return "its layers attend over windows of several sizes (caches of several windows)"
     if name not in LEAN_ARCHITECTURES:
         return f"{name} has no lean forward (it has for {', '.join(LEAN_ARCHITECTURES)})"
     cfg = model.config.get_text_config()
-    if name in FLOAT32_LEAN:
-        return _gemma3_unsupported(model, cfg, compute)
+    if name == "Gemma3ForCausalLM":
+        return _gemma3_unsupported(model, cfg, compute, name in float32_lean)
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} is not silu"
     if getattr(cfg, "pretraining_tp", 1) != 1:
@@ -30,8 +28,8 @@ def unsupported(model, compute: torch.dtype, one_window: bool = False) -> str | 
     return None
 
 
-def _gemma3_unsupported(model, cfg, compute: torch.dtype) -> str | None:
-    if compute != torch.float32:
+def _gemma3_unsupported(model, cfg, compute: torch.dtype, float32_only: bool) -> str | None:
+    if float32_only and compute != torch.float32:
         return f"Gemma 3's lean forward computes in float32, and {model.dtype} weights compute in {compute} here"
     if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
         return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r} is not gelu_pytorch_tanh"

@@ -64,8 +64,11 @@ class Platform(ABC):
     cuda_graphs: ClassVar[bool] = False
     # the model classes whose lean forward this device runs (prepack_weights)
     lean_architectures: ClassVar[tuple[str, ...]] = ()
-    # the device's lean forward takes one attention window for all the layers (one cache group)
-    lean_one_window: ClassVar[bool] = False
+    # the device's lean forward holds every layer in one cache group, for the whole context (each
+    # layer attends its own window in it)
+    lean_one_group: ClassVar[bool] = False
+    # the model classes whose lean forward here computes in float32 only
+    float32_lean: ClassVar[tuple[str, ...]] = ()
     # `quantization: auto` keeps a GGUF file's blocks here (else auto is none)
     auto_keeps_blocks: ClassVar[bool] = False
     # what `deterministic: true` asks of a model here, when the lean forward does not run it
@@ -137,6 +140,7 @@ class CpuPlatform(Platform):
     kind: ClassVar[DeviceKind] = CPU
     auto_keeps_blocks: ClassVar[bool] = True
     lean_architectures: ClassVar[tuple[str, ...]] = LEAN_ARCHITECTURES
+    float32_lean: ClassVar[tuple[str, ...]] = FLOAT32_LEAN
     deterministic_needs: ClassVar[str] = "a Llama-family model, or Gemma 3 in float32, with prepack_weights: true"
 
     @staticmethod
@@ -164,19 +168,18 @@ class CpuPlatform(Platform):
 
 @dataclass(frozen=True, slots=True)
 class CudaPlatform(Platform):
-    """Not yet run on a GPU in this form (docs/operations.md): the Llama family runs the device's
-    lean forward with each decode step one CUDA graph (workers.engine.cuda.runner); other models
-    run transformers' modules with piecewise CUDA graphs, on the PyTorch attention path."""
+    """Not yet run on a GPU in this form (docs/operations.md): the Llama family and Gemma 3 run the
+    device's lean forward with each decode step one CUDA graph (workers.engine.cuda.runner); other
+    models run transformers' modules with piecewise CUDA graphs, on the PyTorch attention path."""
 
     kind: ClassVar[DeviceKind] = CUDA
     cuda_graphs: ClassVar[bool] = True
     # the formats' Triton kernel (workers.engine.cuda.triton_qlinear) is not yet measured against
     # cuBLAS, so `auto` keeps 16-bit weights here
-    # the Llama family (workers.engine.cuda.lean), one cache group; Gemma 3 keeps transformers' modules here
-    lean_architectures: ClassVar[tuple[str, ...]] = tuple(a for a in LEAN_ARCHITECTURES if a not in FLOAT32_LEAN)
-    lean_one_window: ClassVar[bool] = True
-    deterministic_needs: ClassVar[str] = ("a Llama-family model (one attention window for all its layers) with "
-                                          "prepack_weights: true")
+    # the Llama family and Gemma 3 (workers.engine.cuda.lean) in the weights' dtype, one cache group
+    lean_architectures: ClassVar[tuple[str, ...]] = LEAN_ARCHITECTURES
+    lean_one_group: ClassVar[bool] = True
+    deterministic_needs: ClassVar[str] = "a Llama-family model or Gemma 3 with prepack_weights: true"
 
     @staticmethod
     def auto_weights(lean: bool, float32_lean: bool = False) -> torch.dtype:
@@ -227,7 +230,7 @@ def load_dtype(dtype: str | torch.dtype, device: torch.device | str, prepack: bo
 
     arch = architecture(source) if source is not None else None
     lean = prepack and arch is not None and arch in platform_class(device).lean_architectures
-    return weights_dtype(dtype, device, lean, arch in FLOAT32_LEAN)
+    return weights_dtype(dtype, device, lean, arch in platform_class(device).float32_lean)
 
 
 def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str, prepack: bool,
@@ -242,7 +245,7 @@ def for_source(source: str, dtype: str | torch.dtype, device: torch.device | str
     arch = architecture(source)
     lean = prepack and bool(cls.lean_architectures) and (arch is None or arch in cls.lean_architectures)
     prec = cls.compute(weights, lean)
-    if lean and prec.compute != torch.float32 and arch in FLOAT32_LEAN:
+    if lean and prec.compute != torch.float32 and arch in cls.float32_lean:
         lean, prec = False, cls.compute(weights, False)  # that family's lean forward is float32 only
     return cls(torch.device(device), cls.quantized(prec, quantization, lean, source, source_gguf(source)), lean,
                deterministic)
@@ -263,7 +266,7 @@ def for_model(lm: LoadedModel, prepack: bool, quantization: str = NO_QUANTIZATIO
     if why is None and type(lm.model).__name__ not in cls.lean_architectures:
         why = f"{type(lm.model).__name__} has no lean forward on {cls.kind.name}"
     if why is None:
-        why = unsupported(lm.model, cls.compute(lm.dtype, True).compute, cls.lean_one_window)
+        why = unsupported(lm.model, cls.compute(lm.dtype, True).compute, cls.float32_lean)
     lean = why is None
     if deterministic and not lean:
         raise ValueError(f"deterministic: true runs on {cls.kind.name} through the lean forward, which does not run "

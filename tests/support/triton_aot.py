@@ -1,6 +1,6 @@
 """Compile the CUDA room's Triton kernels for a Hopper GPU (sm_90) on a machine without one, the way
 the decode path launches them: in bfloat16 (and float32 where the code differs with the dtype),
-with SmolLM2's head shape. Run as a script,
+with SmolLM2's head shape and Gemma 3 270M's. Run as a script,
 without TRITON_INTERPRET (the kernels must be defined compiled). Prints one line a kernel; exits
 non-zero at the first that does not compile, with Triton's error.
 
@@ -23,6 +23,7 @@ from workers.engine.cuda import (  # noqa: E402
     triton_attention,
     triton_decode,
     triton_fused,
+    triton_gemma,
     triton_invariant,
     triton_qlinear,
     triton_splits,
@@ -72,7 +73,8 @@ def main() -> None:
     for has_res in (True, False):
         compile_one(triton_fused._add_rms_norm_kernel, "bf16", dict(N=576, N_PAD=1024, HAS_RES=has_res))
     compile_one(triton_fused._rope_kv_write_kernel, "bf16", dict(HEADS=heads, KVH=kvh, D=d, D_PAD=d))
-    compile_one(triton_fused._silu_mul_kernel, "bf16", dict(BLOCK=1024))
+    for gelu in (False, True):
+        compile_one(triton_fused._act_mul_kernel, "bf16", dict(BLOCK=1024, GELU=gelu))
     # the kernels whose code differs with the activations' dtype, in both (float32: IEEE dots;
     # bfloat16: the tensor cores)
     for dtype in ("bf16", "fp32"):
@@ -96,6 +98,17 @@ def main() -> None:
                         dict(INT4_BLOCKS=int4, HAS_BIAS=True, HALF_K=triton_qlinear.HALF, BLOCK_M=64, BLOCK_N=64,
                              SPLIT16=dtype == "bf16", EMULATE=False), blocks)
     compile_one(triton_splits._sum_splits_kernel, "bf16", dict(SPLIT=4, HAS_BIAS=True, BLOCK=triton_splits.SUM_BLOCK))
+    # Gemma 3 270M's layer: 4 query heads on 1 KV head of 256, 640 wide, its norms' scales in float32
+    heads, kvh, d, hidden = 4, 1, 256, 640
+    norms = {"w_out_ptr": "*fp32", "w_next_ptr": "*fp32", "qw_ptr": "*fp32", "kw_ptr": "*fp32"}
+    for sandwich in (True, False):
+        compile_one(triton_gemma._sandwich_kernel, "bf16", dict(N=hidden, N_PAD=1024, SANDWICH=sandwich), norms)
+    compile_one(triton_gemma._qk_norm_kernel, "bf16", dict(HEADS=heads, KVH=kvh, D=d, D_PAD=d), norms)
+    compile_one(triton_fused._rope_kv_write_kernel, "bf16", dict(HEADS=heads, KVH=kvh, D=d, D_PAD=d))
+    compile_one(triton_decode._segment_kernel, "bf16",
+                dict(HEADS=heads, G=heads, G_PAD=heads, D=d, D_PAD=d, DV=d, DV_PAD=d, SEG=triton_decode.SEGMENT))
+    compile_one(triton_attention._paged_attention_kernel, "bf16",
+                dict(G=heads, G_PAD=heads, D=d, D_PAD=d, DV=d, DV_PAD=d, BLOCK_N=16))
 
 if __name__ == "__main__":
     sys.exit(main())

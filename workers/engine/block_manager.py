@@ -65,6 +65,11 @@ class CacheGroups:
                 groups.append(tuple(layers[i: i + size]))
         return cls(tuple(windows), tuple(groups))
 
+    def as_one(self) -> CacheGroups:
+        """Every layer in one group of full attention: each layer keeps the whole context (and may
+        attend a window of it)."""
+        return CacheGroups.from_windows([None] * sum(len(g) for g in self.layers))
+
     @property
     def layers_per_group(self) -> int:
         return len(self.layers[0])

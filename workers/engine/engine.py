@@ -141,6 +141,10 @@ class Engine:
         cfg = self.config
         holder = attention.install(lm.model)
         groups = holder.groups if holder is not None else CacheGroups.from_windows([None] * num_layers(lm))
+        if self.platform.lean and self.platform.lean_one_group:
+            # every layer's keys and values in one group, held for the whole context: each layer then
+            # attends its own window in it (Gemma 3's sliding layers keep what they no longer read)
+            groups = groups if len(groups.layers) == 1 else groups.as_one()
         layout = CacheLayout.sized(self.platform, groups, kv_dims(lm), cfg.kv_block_size, cfg.kv_cache_memory,
                                    cfg.max_batch_size, cfg.max_batch_tokens, lm.max_model_len,
                                    prefix_caching=holder is not None)

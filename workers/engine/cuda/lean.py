@@ -1,5 +1,7 @@
-"""The lean forward of the Llama family (Llama, SmolLM2, Mistral, Qwen 2) on a GPU: transformers'
-weights and math over tensors of fixed shape, so a decode step is capturable as one CUDA graph.
+"""The lean forward of the Llama family (Llama, SmolLM2, Mistral, Qwen 2) and of Gemma 3
+(DeviceGemma3) on a GPU: transformers' weights and math over tensors of fixed shape, so a decode step
+is capturable as one CUDA graph. Every layer's keys and values are in one cache group; each layer
+attends its own window.
 
 Per layer, about ten kernels on a GPU (the runner's PagedOps, workers.engine.cuda.ops: the Triton
 kernels on CUDA, their PyTorch references elsewhere):
@@ -78,6 +80,16 @@ class _Layer:
     gate_up: DeviceLinear  # [2 x intermediate, hidden]
     down: DeviceLinear
     cache_index: int  # the layer's index in its cache group's storage
+    window: int  # the positions it attends back (0: all)
+    rope: str  # the rotary table it takes (DeviceLean.rope)
+
+
+@dataclass(slots=True)
+class _GemmaLayer(_Layer):
+    q_norm: torch.Tensor  # each of Gemma's norms as (1 + w) in float32
+    k_norm: torch.Tensor
+    attn_out_norm: torch.Tensor  # post_attention_layernorm, on the attention's output (post_norm: pre_feedforward's)
+    mlp_out_norm: torch.Tensor  # post_feedforward_layernorm
 
 
 @dataclass(slots=True)
@@ -96,11 +108,14 @@ class DeviceLean:
     """forward(step, kv) -> logits of every row (or of `keep`). Every linear, norm and attention call
     goes through `ops`: under `deterministic` their batch-invariant set (workers.engine.cuda.ops)."""
 
-    def __init__(self, model, ops: PagedOps, cache_index: dict[int, int], window: int | None, max_positions: int,
-                 precision: Precision | None = None, blocks: dict[str, QuantizedWeight] | None = None,
-                 fused: dict[str, QuantizedWeight] | None = None, fused_own: bool = False):
-        """`precision`: whether and how its linears are weight-only quantized (None: not), their blocks
-        built here (workers.quant.fuse.quantized_linears; `blocks`: a GGUF file's own by module name,
+    def __init__(self, model, ops: PagedOps, cache_index: dict[int, int], windows: list[int | None],
+                 max_positions: int, precision: Precision | None = None,
+                 blocks: dict[str, QuantizedWeight] | None = None, fused: dict[str, QuantizedWeight] | None = None,
+                 fused_own: bool = False):
+        """`windows`: each layer's attention window (None: all its positions), every layer's keys and
+        values in one cache group (`cache_index`: a layer's place in its storage). `precision`: whether
+        and how its linears are weight-only quantized (None: not), their blocks built here
+        (workers.quant.fuse.quantized_linears; `blocks`: a GGUF file's own by module name,
         workers.weights.gguf_blocks, kept where they apply) unless `fused` holds them: built before, by
         key (a weight owner's on this device, or an engine's before on the same model). The modules'
         16-bit weights of those linears are not read. `fused_own`: `fused` is this process's memory (not
@@ -115,20 +130,28 @@ class DeviceLean:
         shape = AttentionShape.of(model)
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
         self.scaling, self.eps = shape.scaling, shape.eps
-        self.window = window or 0
         self.embed = inner.embed_tokens.weight.detach()
-        self.final_norm = inner.norm.weight.detach()
+        self.final_norm = self._norm_weight(inner.norm)
         self.lm_head = self._linear([model.lm_head])
         with torch.inference_mode():
             # transformers' rotary embedding of every position once: a step looks its rows up
             positions = torch.arange(max_positions, device=self.embed.device)[None]
-            self.cos, self.sin = rotation(*inner.rotary_emb(self.embed[:1][None], positions))
-        self.layers = [_Layer(layer.input_layernorm.weight.detach(),
-                              self._linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                              self._linear([layer.self_attn.o_proj]), layer.post_attention_layernorm.weight.detach(),
-                              self._linear([layer.mlp.gate_proj, layer.mlp.up_proj]),
-                              self._linear([layer.mlp.down_proj]), cache_index[i])
-                       for i, layer in enumerate(inner.layers)]
+            self.rope = self._rotary_tables(inner, positions)
+        self.layers = [self._layer(layer, cache_index[i], windows[i] or 0) for i, layer in enumerate(inner.layers)]
+
+    def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
+        return norm.weight.detach()
+
+    def _rotary_tables(self, inner, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The rotary tables (cos, sin) of every position by name (a layer's `rope`)."""
+        return {"default": rotation(*inner.rotary_emb(self.embed[:1][None], positions))}
+
+    def _layer(self, layer, cache_index: int, window: int) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return _Layer(self._norm_weight(layer.input_layernorm), self._linear([attn.q_proj, attn.k_proj, attn.v_proj]),
+                      self._linear([attn.o_proj]), self._norm_weight(layer.post_attention_layernorm),
+                      self._linear([mlp.gate_proj, mlp.up_proj]), self._linear([mlp.down_proj]), cache_index, window,
+                      "default")
 
     def _linear(self, modules: list[torch.nn.Linear]) -> DeviceLinear:
         """The outputs of `modules` as one linear: its weight-only blocks where it has them, else their
@@ -186,7 +209,7 @@ class DeviceLean:
     def own_bytes(self) -> int:
         """Memory of its own: the fused or quantized linears and the rotary tables."""
         return (sum(lin.own_bytes for lin in self.linears())
-                + sum(t.numel() * t.element_size() for t in (self.cos, self.sin)))
+                + sum(t.numel() * t.element_size() for table in self.rope.values() for t in table))
 
     def forward(self, step: DeviceStep, kv: tuple[torch.Tensor, torch.Tensor],
                 keep: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
@@ -198,11 +221,12 @@ class DeviceLean:
         attend = ops.decode_attention if decode or ops.invariant else ops.attention
         h = F.embedding(step.ids, self.embed)
         x = ops.rms_norm(h, self.layers[0].input_norm, self.eps) if self.layers else h
+        cos, sin = self.rope["default"]
         # each layer: x, the normed input of its attention; h, the residual stream it adds to
         for i, layer in enumerate(self.layers):
             kc, vc = key_cache[layer.cache_index], value_cache[layer.cache_index]
-            q = ops.rope_kv_write(layer.qkv(x), self.cos, self.sin, step.positions, kc, vc, step.slots, heads, kvh)
-            a = attend(q, kc, vc, step.tables, step.rows, step.lengths, self.scaling, self.window)
+            q = ops.rope_kv_write(layer.qkv(x), cos, sin, step.positions, kc, vc, step.slots, heads, kvh)
+            a = attend(q, kc, vc, step.tables, step.rows, step.lengths, self.scaling, layer.window)
             x, h = ops.add_rms_norm(layer.o(a.reshape(n, heads * d)), h, layer.post_norm, self.eps)
             delta = layer.down(ops.silu_mul(layer.gate_up(x)))
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
@@ -210,3 +234,64 @@ class DeviceLean:
         if keep is not None:
             x = x.index_select(0, keep)
         return self.lm_head(x)
+
+
+class DeviceGemma3(DeviceLean):
+    """Gemma 3 (text) on the same pass, in the weights' dtype as transformers computes it: the
+    embedding scaled by sqrt(hidden), each norm in float32 scaled by (1 + w) (ops.gemma_rms_norm),
+    the q and k heads normed before the rotary embedding, a sublayer's output normed before it joins
+    the residual stream (ops.sandwich_norm), GELU x up, a rotary table a layer type (sliding layers'
+    local base, full layers' global one), each layer's own window, and the final logits' softcap."""
+
+    def __init__(self, model, *args, **kwargs):
+        cfg = model.config.get_text_config()
+        self.layer_types = list(cfg.layer_types)
+        super().__init__(model, *args, **kwargs)
+        # transformers multiplies by the buffer in the weights' dtype
+        self.embed_scale = model.model.embed_tokens.embed_scale.to(self.embed.dtype)
+        self.softcap = cfg.final_logit_softcapping
+
+    def _norm_weight(self, norm: torch.nn.Module) -> torch.Tensor:
+        return 1.0 + norm.weight.detach().float()  # Gemma3RMSNorm's scale, computed in float32
+
+    def _rotary_tables(self, inner, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        x = self.embed[:1][None]
+        return {t: rotation(*inner.rotary_emb(x, positions, t)) for t in set(self.layer_types)}
+
+    def _layer(self, layer, cache_index: int, window: int) -> _GemmaLayer:
+        base, attn = super()._layer(layer, cache_index, window), layer.self_attn
+        return _GemmaLayer(base.input_norm, base.qkv, base.o, self._norm_weight(layer.pre_feedforward_layernorm),
+                           base.gate_up, base.down, cache_index, window, self.layer_types[attn.layer_idx],
+                           self._norm_weight(attn.q_norm), self._norm_weight(attn.k_norm),
+                           self._norm_weight(layer.post_attention_layernorm),
+                           self._norm_weight(layer.post_feedforward_layernorm))
+
+    def forward(self, step: DeviceStep, kv: tuple[torch.Tensor, torch.Tensor],
+                keep: torch.Tensor | None = None, decode: bool = False) -> torch.Tensor:
+        ops, n, heads, kvh, d, eps = self.ops, step.ids.shape[0], self.heads, self.kv_heads, self.head_dim, self.eps
+        key_cache, value_cache = kv
+        attend = ops.decode_attention if decode or ops.invariant else ops.attention
+        h = F.embedding(step.ids, self.embed) * self.embed_scale
+        x = ops.gemma_rms_norm(h, self.layers[0].input_norm, eps) if self.layers else h
+        for i, layer in enumerate(self.layers):
+            kc, vc = key_cache[layer.cache_index], value_cache[layer.cache_index]
+            cos, sin = self.rope[layer.rope]
+            qkv = ops.qk_norm(layer.qkv(x), layer.q_norm, layer.k_norm, heads, kvh, eps)
+            q = ops.rope_kv_write(qkv, cos, sin, step.positions, kc, vc, step.slots, heads, kvh)
+            a = attend(q, kc, vc, step.tables, step.rows, step.lengths, self.scaling, layer.window)
+            x, h = ops.sandwich_norm(layer.o(a.reshape(n, heads * d)), h, layer.attn_out_norm, layer.post_norm, eps)
+            delta = layer.down(ops.gelu_mul(layer.gate_up(x)))
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x, h = ops.sandwich_norm(delta, h, layer.mlp_out_norm, after, eps)
+        if keep is not None:
+            x = x.index_select(0, keep)
+        logits = self.lm_head(x)
+        if self.softcap is not None:  # as Gemma3ForCausalLM: divide, tanh, multiply
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def device_lean(model, *args, **kwargs) -> DeviceLean:
+    """The device's lean forward of `model`'s family (DeviceLean's arguments)."""
+    cls = DeviceGemma3 if type(model).__name__ == "Gemma3ForCausalLM" else DeviceLean
+    return cls(model, *args, **kwargs)

@@ -22,6 +22,8 @@ The same object carries the rest of a decode layer, so that a layer is about ten
   (workers.engine.cuda.triton_decode); `attention` keeps prefill and extend;
 - `rms_norm` and `add_rms_norm` (the residual add fused in), `rope_kv_write` (the rotary
   embedding and the KV write in one), `silu_mul` (workers.engine.cuda.triton_fused);
+- Gemma 3's: `gemma_rms_norm`, `sandwich_norm` (a sublayer's output normed, added to the residual
+  stream, and the next norm, in one), `qk_norm` and `gelu_mul` (workers.engine.cuda.triton_gemma);
 - the weight-only quantized linear (`qlinear`): the Triton kernel of
   workers.engine.cuda.triton_qlinear, or `reference_qlinear` (the blocks' values widened to
   float32, then one matmul).
@@ -123,6 +125,36 @@ def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
+def reference_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As Gemma3RMSNorm, `weight` its (1 + w) in float32: the norm and its scale in float32, rounded
+    once to the input's dtype."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def reference_sandwich_norm(x: torch.Tensor, residual: torch.Tensor, out_weight: torch.Tensor,
+                            next_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's norms around a residual add: (norm_next(h), h) for h = residual + norm_out(x), the
+    sublayer's output `x` normed before it joins the residual stream (gemma_rms_norm's weights)."""
+    summed = residual + reference_gemma_rms_norm(x, out_weight, eps)
+    return reference_gemma_rms_norm(summed, next_weight, eps), summed
+
+
+def reference_qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, heads: int, kv_heads: int,
+                      eps: float) -> torch.Tensor:
+    """The fused q/k/v output with each q and k head normed (gemma_rms_norm over the head), v as it is."""
+    n, d = qkv.shape[0], q_weight.shape[0]
+    q = reference_gemma_rms_norm(qkv[:, : heads * d].reshape(n, heads, d), q_weight, eps)
+    k = reference_gemma_rms_norm(qkv[:, heads * d: (heads + kv_heads) * d].reshape(n, kv_heads, d), k_weight, eps)
+    return torch.cat((q.reshape(n, -1), k.reshape(n, -1), qkv[:, (heads + kv_heads) * d:]), dim=1)
+
+
+def reference_gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2 x inter] -> gelu_tanh(gate) x up [N, inter] (Gemma's gelu_pytorch_tanh)."""
+    inter = gate_up.shape[1] // 2
+    return F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+
+
 @dataclass(frozen=True, slots=True)
 class PagedOps:
     """The paged ops a runner calls, chosen once at load, and its weight-only quantized linear."""
@@ -139,6 +171,11 @@ class PagedOps:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference_add_rms_norm
     rope_kv_write: Callable[..., torch.Tensor] = reference_rope_kv_write
     silu_mul: Callable[..., torch.Tensor] = reference_silu_mul
+    # Gemma 3's: its norms (in float32, scaled by 1 + w), the q/k norms, GELU x up
+    gemma_rms_norm: Callable[..., torch.Tensor] = reference_gemma_rms_norm
+    sandwich_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference_sandwich_norm
+    qk_norm: Callable[..., torch.Tensor] = reference_qk_norm
+    gelu_mul: Callable[..., torch.Tensor] = reference_gelu_mul
     invariant: bool = False
 
 
@@ -164,6 +201,11 @@ def _add_rms_norm_each_row(x, residual, weight, eps):
     return _each_row(reference_rms_norm, (summed,), weight, eps), summed
 
 
+def _sandwich_norm_each_row(x, residual, out_weight, next_weight, eps):
+    summed = residual + _each_row(reference_gemma_rms_norm, (x,), out_weight, eps)
+    return _each_row(reference_gemma_rms_norm, (summed,), next_weight, eps), summed
+
+
 def batch_invariant(ops: PagedOps) -> PagedOps:
     """`deterministic`: the same ops, every row computed in an order that does not depend on the
     other rows of the call. The Triton kernels: fixed tiles for the linears (weight-only and dense);
@@ -182,7 +224,11 @@ def batch_invariant(ops: PagedOps) -> PagedOps:
                    qlinear=lambda x, w, b=None: _each_row(ops.qlinear, (x,), w, b),
                    linear=lambda x, w, b=None: _each_row(ops.linear, (x,), w, b),
                    rms_norm=lambda x, w, eps: _each_row(reference_rms_norm, (x,), w, eps),
-                   add_rms_norm=_add_rms_norm_each_row, invariant=True)
+                   add_rms_norm=_add_rms_norm_each_row,
+                   gemma_rms_norm=lambda x, w, eps: _each_row(reference_gemma_rms_norm, (x,), w, eps),
+                   sandwich_norm=_sandwich_norm_each_row,
+                   qk_norm=lambda qkv, qw, kw, h, kvh, eps: _each_row(reference_qk_norm, (qkv,), qw, kw, h, kvh, eps),
+                   invariant=True)
 
 
 def have_triton() -> bool:
@@ -196,7 +242,11 @@ _TRITON = {"kv_write": ("triton_attention", "kv_write", ("key_cache", "value_cac
            "rms_norm": ("triton_fused", "rms_norm", ()),
            "add_rms_norm": ("triton_fused", "add_rms_norm", ()),
            "rope_kv_write": ("triton_fused", "rope_kv_write", ("key_cache", "value_cache")),
-           "silu_mul": ("triton_fused", "silu_mul", ())}
+           "silu_mul": ("triton_fused", "silu_mul", ()),
+           "gemma_rms_norm": ("triton_gemma", "gemma_rms_norm", ()),
+           "sandwich_norm": ("triton_gemma", "sandwich_norm", ()),
+           "qk_norm": ("triton_gemma", "qk_norm", ()),
+           "gelu_mul": ("triton_gemma", "gelu_mul", ())}
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """The CUDA runner: a decode step is one CUDA graph.
 
-Where its platform runs the lean forward (the Llama family, one cache group), the runner keeps
+Where its platform runs the lean forward (the Llama family and Gemma 3, every layer in one cache
+group), the runner keeps
 persistent input buffers sized to its largest decode bucket (1, 2, 4, ... up to max_batch_size)
 and, for each bucket, the whole decode step (embedding, every layer with its KV write and paged
 attention, the final norm, the LM head and sampling: workers.engine.cuda.lean,
@@ -42,7 +43,7 @@ from workers.engine import attention
 from workers.engine.attention_backend import TORCH
 from workers.engine.cuda import int4_rows
 from workers.engine.cuda.int4pack import refusal as int4pack_refusal
-from workers.engine.cuda.lean import DeviceLean, DeviceStep
+from workers.engine.cuda.lean import DeviceLean, DeviceStep, device_lean
 from workers.engine.cuda.mixed_steps import StepBuffers, fill_tables, step_layout, token_buckets
 from workers.engine.cuda.ops import PagedOps, select_ops
 from workers.engine.cuda.sampler import SamplingRows, sample_tokens
@@ -52,6 +53,7 @@ from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence
 from workers.engine.step_result import StepResult
+from workers.lean_rules import attention_modules, layer_windows
 from workers.quant.fuse import QuantizedLinears
 from workers.quant.weight import INT4, QuantizedWeight
 from workers.weights.blocks_only import release_linears
@@ -158,7 +160,7 @@ class CudaRunner(PagedRunner):
         batch-invariant where the platform says `deterministic`); `graphs`: capture the decode steps
         (None: on a CUDA device); `overlap`: start a decode step before the last one's tokens reach
         the host (None: where graphs run and tokens are sampled on the device)."""
-        lean = platform.lean  # the platform runs it only where one cache group serves every layer
+        lean = platform.lean
         # the dummy block that padded rows write to lies past the pool the scheduler counts
         super().__init__(lm, platform, holder, layout, backend or TORCH, max_batch_size,
                          extra_blocks=1 if lean else 0)
@@ -169,6 +171,8 @@ class CudaRunner(PagedRunner):
         built = owner_linears(lm, prec, lean)
         if not lean:
             return
+        if len(layout.groups.layers) > 1:
+            raise ValueError("the device's lean forward takes every layer in one cache group (CacheGroups.as_one)")
         self.dummy = layout.num_blocks
         self.width = -(-lm.max_model_len // layout.block_size)
         path = source_gguf(lm.source) if prec.quantized and built is None else None
@@ -178,9 +182,11 @@ class CudaRunner(PagedRunner):
             # the lean forward holds no fused copy beside them (an owner's come laid out so)
             if lay_out_fused(lm.model) and lm.device.type == "cuda":
                 torch.cuda.empty_cache()  # the weights' former places
-        self.device_lean = DeviceLean(lm.model, self.ops, {i: p for i, (_, p) in holder.position.items()},
-                                      holder.windows[0], lm.max_model_len, prec,
-                                      gguf_blocks(path, lm.model) if path else None, built, fused_own=own)
+        # every layer in the cache's one group (the engine gives a model of several windows one
+        # group), each attending its own window
+        self.device_lean = device_lean(lm.model, self.ops, {i: p for i, (_, p) in self.cache.position.items()},
+                                       layer_windows(lm.model, attention_modules(lm.model)), lm.max_model_len, prec,
+                                       gguf_blocks(path, lm.model) if path else None, built, fused_own=own)
         if own and lm.one_engine and self.device_lean.quantized_modules:
             # the 16-bit weights its blocks serve are read no more: they go, and the blocks stay with
             # the model for an engine built on it again (an owner's copies never had those weights:

@@ -13,7 +13,8 @@ results are transformers' bits up to the last place of a float32 reduction or ex
 - `rope_kv_write`: the rotary embedding of the fused q/k/v output's q and k heads, looked up by
   position, with the keys and values written to the pool through the slot mapping (SGLang's
   rotary with `fused_set_kv_buffer_arg`).
-- `silu_mul`: SiLU of the gate times the up projection (vLLM's silu_and_mul).
+- `silu_mul`: SiLU of the gate times the up projection (vLLM's silu_and_mul); its kernel takes
+  GELU's tanh form instead for Gemma 3 (`act_mul`).
 
 One program a row: a row's result never depends on the others (`deterministic` keeps them). Set
 TRITON_INTERPRET before this module is imported.
@@ -114,19 +115,25 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posit
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, inter, BLOCK: tl.constexpr):
+def _act_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, inter, BLOCK: tl.constexpr, GELU: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = offs < inter
     dtype = gu_ptr.dtype.element_ty
     g = tl.load(gu_ptr + row * stride_g + offs, mask=live, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_g + inter + offs, mask=live, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    if GELU:
+        # PyTorch's tanh GELU in float32: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh through exp
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * inner)))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=live)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """ops.reference_silu_mul's contract: gate_up [N, 2 x inter] -> silu(gate) x up [N, inter]."""
+def act_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """gate_up [N, 2 x inter] -> act(gate) x up [N, inter]: SiLU, or (`gelu`) GELU's tanh form."""
     n, width = gate_up.shape
     inter = width // 2
     out = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
@@ -134,9 +141,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate_up = gate_up.contiguous()
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                     BLOCK=block)
+    _act_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
+                                                    BLOCK=block, GELU=gelu)
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """ops.reference_silu_mul's contract: gate_up [N, 2 x inter] -> silu(gate) x up [N, inter]."""
+    return act_mul(gate_up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
