@@ -31,8 +31,9 @@
 --random-weights builds a model of the source's shape with random weights (they run at the speed
 of the real ones), for a machine where the model's files are not at hand; parity then compares
 the engine with transformers on those weights. Its shapes: SmolLM2-135M's (`--model smollm2-135m`)
-and Llama 3.2 1B's (`--model llama-3.2-1b`: 16 layers, 2048 wide, 32/8 heads, 8192 intermediate,
-a vocabulary of 128,256, tied).
+Llama 3.2 1B's (`--model llama-3.2-1b`: 16 layers, 2048 wide, 32/8 heads, 8192 intermediate,
+a vocabulary of 128,256, tied) and Gemma 3 270M's (`--model gemma3-270m`: 18 layers, five sliding
+to one full, 640 wide, 4/1 heads of 256).
 """
 
 from __future__ import annotations
@@ -68,7 +69,12 @@ SHAPES = {"smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate
           "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
                                max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                               rope_parameters={"rope_type": "default", "rope_theta": 500000.0})}
+                               rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+          # Gemma 3 270M: five sliding layers (a window of 512) to one full, Gemma 3's own rotary bases
+          "gemma3-270m": dict(model_type="gemma3_text", hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                              max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                              query_pre_attn_scalar=256, sliding_window=512)}
 # the kernel census's groups: a kernel's group is the first whose words its name holds
 KERNEL_GROUPS = (("attention", ("attention", "_segment_kernel", "_merge_kernel", "flash", "fmha")),
                  ("sampling", ("argmax", "sort", "scan", "cumsum", "topk", "softmax", "multinomial")),
