@@ -221,12 +221,12 @@ def test_a_step_started_ahead_whose_rows_all_end_is_dropped():
     assert again.outputs[0].token_ids == first[0].outputs[0].token_ids == hf_greedy(lm.model, [4, 5, 6], 5)
 
 
-@pytest.mark.parametrize("arch,kind", [("llama", INT8), ("llama", INT4), ("qwen2", INT4)])
+@pytest.mark.parametrize("arch,kind", [("llama", INT8), ("llama", INT4), ("qwen2", INT4), ("gemma3", INT4)])
 def test_quantized_linears_give_transformers_greedy_on_their_values(arch, kind):
     """`quantization: int8` / `int4` on the device's lean forward (PagedOps.qlinear: the reference
     here, the Triton kernel on a GPU): every linear reads weight-only blocks, and the greedy tokens
     equal transformers' on a model holding the blocks' values. Qwen 2's q/k/v biases (random here:
-    its initialisation zeroes them) are added."""
+    its initialisation zeroes them) are added; Gemma 3's layer takes the blocks alike."""
     lm = tiny(arch, dtype="float32")
     with torch.no_grad():
         for name, p in lm.model.named_parameters():
