@@ -210,9 +210,9 @@ def kept_dense_bytes(source: str, wbytes: int, weights: int) -> int:
     """Of a model's 16-bit weights, those its quantized copies keep: the embedding (and the norms,
     next to nothing). On a CPU they let their view of the shared 16-bit linears go once the
     quantized linears serve (workers/engine/cpu/runner.py), and those pages stay only in the page
-    cache, which the OS reclaims; on a GPU neither the weight owner nor a worker holding its own
-    weights keeps them (workers.weights.blocks_only). All of `weights` where the model's shape is
-    unknown."""
+    cache, which the OS reclaims; on a GPU the weight owner does not keep them, and a worker holding
+    its own weights lets them go on either (workers.weights.blocks_only). All of `weights` where the
+    model's shape is unknown."""
     if source in KNOWN:
         return min(weights, int(KNOWN[source][2] * wbytes))
     return weights
@@ -276,10 +276,9 @@ def _shared_groups(workers: list[WorkerPlan], device: str) -> dict[tuple, dict]:
             key = (w.spec.model.source, str(w.precision.weights).removeprefix("torch."))
             if owners:
                 key += (w.precision.quantized_key,)  # "none" where it runs no blocks
-            # without sharing, each copy holds its own quantized linears, and on a CPU all of its
-            # 16-bit weights (a GPU worker's engine lets the blocks' 16-bit weights go)
-            dense = w.weight_bytes if owners else weight_bytes(w.spec.model.source, _bytes(w.precision.weights))
-            alone = dense + w.shared_packed_bytes
+            # without sharing, each copy holds its own quantized linears and the weights its blocks
+            # leave (its engine lets the 16-bit weights of its blocks go)
+            alone = w.weight_bytes + w.shared_packed_bytes
             g = groups.setdefault(key, {"source": key[0], "dtype": key[1], "bytes": 0, "copies": 0,
                                         "quantized_bytes": {}, "batch_bytes": 0, "alone": alone,
                                         "batch_layout": " or ".join(words for _, words, _ in
@@ -318,7 +317,7 @@ def _sized(worker_id: int, model: ModelSpec, model_id: int, device: str, threads
         w.weight_bytes = kept_dense_bytes(model.source, _bytes(prec.weights), w.weight_bytes)
     else:
         w.packed_bytes = packed + laid
-        if prec.quantized and not device_kind(device).host:  # its engine lets the blocks' 16-bit weights go
+        if prec.quantized:  # its engine lets the 16-bit weights of its blocks go
             w.weight_bytes = kept_dense_bytes(model.source, _bytes(prec.weights), w.weight_bytes)
     return w
 

@@ -420,6 +420,32 @@ def test_a_quantized_copy_lets_its_16_bit_linears_go():
     assert all(torch.equal(a, b) for a, b in zip(linears, before))  # read again from the page cache
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_quantized_model_of_its_own_lets_the_16_bit_weights_of_its_blocks_go(arch):
+    """A worker's model (one engine's alone, LoadedModel.one_engine) with weights of its own: once
+    the lean forward has built its blocks, the 16-bit weights of those linears go to `meta` (the
+    embedding stays), its tokens unchanged; an engine built on it again runs the same blocks, one
+    asking another quantization is refused by name. A model other engines may run keeps them."""
+    lm = tiny(arch, dtype="float32")
+    cfg = EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=4, quantization=INT8)
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = Engine(lm, cfg).generate([prompt], params)[0].outputs[0].token_ids
+    assert not any(p.is_meta for p in lm.model.parameters()) and lm.quantized is None
+    lm = tiny(arch, dtype="float32")
+    lm.one_engine = True
+    linears = {f"{n}.weight" for n, m in lm.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if lm.model.lm_head.weight is lm.model.get_input_embeddings().weight:
+        linears.discard("lm_head.weight")
+    eng = Engine(lm, cfg)
+    assert {n for n, p in lm.model.named_parameters() if p.is_meta} == linears
+    assert eng.generate([prompt], params)[0].outputs[0].token_ids == want
+    again = Engine(lm, cfg)
+    assert again.generate([prompt], params)[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="holds its linears as int8 blocks only .*asks quantization int4"):
+        Engine(lm, EngineConfig(max_batch_size=4, max_batch_tokens=64, kv_block_size=4, quantization=INT4))
+
+
 def test_sharing_copies_map_one_file_of_quantized_linears():
     """Copies that share their weights build the quantized linears once, into the cache, and map
     that file (read-only views, none of their own bytes); their tokens are a private copy's."""

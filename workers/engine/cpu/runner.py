@@ -20,6 +20,7 @@ from workers.engine.cpu.backend import CPU_KERNELS, attention_kernels
 from workers.engine.cpu.lean import LeanLlama, lean_forward
 from workers.engine.cpu.linears import lay_out
 from workers.engine.cpu.prefill_route import PrefillRoute
+from workers.engine.lean_parts import held_blocks, keep_blocks_only
 from workers.engine.runners.base import kv_dims, num_layers
 from workers.engine.runners.paged import PagedRunner
 from workers.weights.gguf_blocks import gguf_blocks
@@ -51,17 +52,21 @@ class CpuRunner(PagedRunner):
         # the lean forward on packed (or quantized) weights, where the platform runs it (the model's
         # family has one); quantized, it keeps a GGUF file's own blocks
         self.lean: LeanLlama | None = None
+        built = held_blocks(lm, platform.precision, platform.lean)
         if platform.lean:
-            self.lean = self._lean(lm, platform.precision, platform.deterministic)
+            self.lean = self._lean(lm, platform.precision, platform.deterministic, built)
 
     @staticmethod
-    def _lean(lm: LoadedModel, precision, invariant: bool) -> LeanLlama:
+    def _lean(lm: LoadedModel, precision, invariant: bool, built: dict | None = None) -> LeanLlama:
         """The lean forward (`invariant`: with the batch-invariant linears). Quantized, it keeps a GGUF
         file's own blocks, and copies that share their weights map one file of the quantized linears
-        (workers.weights.quantized_cache)."""
+        (workers.weights.quantized_cache); a model of its own lets the 16-bit weights of its blocks go
+        (lean_parts.keep_blocks_only), and `built` are those blocks where it did so before."""
         kernels = extension.kernel_module()
         if not precision.quantized:
             return lean_forward(lm.model, precision, kernels, invariant=invariant)
+        if built is not None:
+            return lean_forward(lm.model, precision, kernels, fused=built, invariant=invariant)
 
         def build(invariant: bool) -> LeanLlama:
             path = source_gguf(lm.source)
@@ -69,7 +74,10 @@ class CpuRunner(PagedRunner):
                                 invariant=invariant)
 
         if not (lm.weights is not None and lm.weights.shared):
-            return build(invariant)
+            lean = build(invariant)
+            if keep_blocks_only(lm, precision, lean.quantized_weights()):
+                release_heap()  # the 16-bit linears' memory back to the OS
+            return lean
         fused = shared_quantized(lm.source, lm.dtype, precision.quantized_key, lambda: build(False).quantized_weights())
         lean = lean_forward(lm.model, precision, kernels, fused=fused, invariant=invariant)
         # the 16-bit linears of the shared mapping are not read from now on (the embedding is, also

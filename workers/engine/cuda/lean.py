@@ -125,7 +125,6 @@ class DeviceLean:
         if fused is None and precision is not None and precision.quantized:
             fused, fused_own = quantized_linears(model, precision, blocks), True
         self._fused, self._fused_own = fused or {}, fused_own
-        self.quantized_modules: list[str] = []  # the modules its blocks serve: their 16-bit weights unread
         self._names = {id(m): name for name, m in model.named_modules()}
         shape = AttentionShape.of(model)
         self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_dim
@@ -161,7 +160,6 @@ class DeviceLean:
         names = [self._names[id(m)] for m in modules]
         qw = self._fused.get(linear_key(names))
         if qw is not None:
-            self.quantized_modules += names
             return DeviceLinear(None, qw, bias, self.ops.qlinear, own=self._fused_own, dense=self.ops.linear)
         span = side_by_side([m.weight for m in modules])
         if span is not None:  # one module, or several laid out side by side (workers.weights.fused_layout)

@@ -48,15 +48,14 @@ from workers.engine.cuda.mixed_steps import StepBuffers, fill_tables, step_layou
 from workers.engine.cuda.ops import PagedOps, select_ops
 from workers.engine.cuda.sampler import SamplingRows, sample_tokens
 from workers.engine.cuda.timing import Timer, cuda_timer
+from workers.engine.lean_parts import held_blocks, keep_blocks_only
 from workers.engine.runners.base import Launched
 from workers.engine.runners.paged import PagedRunner
 from workers.engine.scheduler import Chunk, SchedulerOutput
 from workers.engine.sequence import Sequence
 from workers.engine.step_result import StepResult
 from workers.lean_rules import attention_modules, layer_windows
-from workers.quant.fuse import QuantizedLinears
-from workers.quant.weight import INT4, QuantizedWeight
-from workers.weights.blocks_only import release_linears
+from workers.quant.weight import INT4
 from workers.weights.fused_layout import lay_out_fused
 from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.loaded_model import LoadedModel
@@ -66,7 +65,6 @@ if TYPE_CHECKING:
     from workers.engine.attention_backend import AttentionBackend
     from workers.engine.kv_cache import CacheLayout
     from workers.platform import Platform
-    from workers.precision import Precision
 
 GRAPHS_NOT_COMPILED = "its decode steps run as captured CUDA graphs of the lean forward"
 # int64 rows of the input buffer before the block tables: ids, positions, slots, lengths, top_k, seed,
@@ -168,7 +166,7 @@ class CudaRunner(PagedRunner):
         self.device_lean: DeviceLean | None = None
         self.overlap = False
         prec = platform.precision
-        built = owner_linears(lm, prec, lean)
+        built = held_blocks(lm, prec, lean)
         if not lean:
             return
         if len(layout.groups.layers) > 1:
@@ -187,13 +185,10 @@ class CudaRunner(PagedRunner):
         self.device_lean = device_lean(lm.model, self.ops, {i: p for i, (_, p) in self.cache.position.items()},
                                        layer_windows(lm.model, attention_modules(lm.model)), lm.max_model_len, prec,
                                        gguf_blocks(path, lm.model) if path else None, built, fused_own=own)
-        if own and lm.one_engine and self.device_lean.quantized_modules:
-            # the 16-bit weights its blocks serve are read no more: they go, and the blocks stay with
-            # the model for an engine built on it again (an owner's copies never had those weights:
-            # the owner let them go before it exported the rest)
-            lm.quantized = QuantizedLinears(prec.quantized_key, self.device_lean.quantized_weights())
-            if release_linears(lm.model, self.device_lean.quantized_modules) and lm.device.type == "cuda":
-                torch.cuda.empty_cache()
+        # the 16-bit weights its blocks serve are read no more: a model of its own lets them go (an
+        # owner's copies never had them: the owner let them go before it exported the rest)
+        if keep_blocks_only(lm, prec, self.device_lean.quantized_weights()) and lm.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.buckets = decode_buckets(max_batch_size)
         self.buffers = DecodeBuffers(self.buckets[-1], self.width, lm.vocab_size, lm.dtype, lm.device)
         self.graphs_on = lm.device.type == "cuda" if graphs is None else graphs
@@ -483,27 +478,6 @@ class CudaRunner(PagedRunner):
         step = DeviceStep(tensor(ids), tensor(pos), tensor([int(table[r, p // bs]) * bs + p % bs for r, p in zip(rows, pos)]),
                           tensor(rows), tensor([p + 1 for p in pos]), torch.from_numpy(table).to(dev))
         return self.device_lean.forward(step, (self.cache.keys, self.cache.values), tensor(keep))
-
-
-def owner_linears(lm: LoadedModel, prec: Precision, lean: bool) -> dict[str, QuantizedWeight] | None:
-    """The model's linears as blocks, where it holds no 16-bit weights for them (a weight owner's
-    copy, or a model an engine was built on before), if they are what this engine runs (`prec` on the
-    lean forward, `lean`); None where it holds none. Any other precision has nothing to run: refused
-    by name."""
-    built = lm.quantized
-    if built is None:
-        return None
-    held = (f"{lm.source} on {lm.device} holds its linears as {built.key} blocks only "
-            f"({'its weight owner let' if lm.weights is not None and lm.weights.shared else 'an engine built on it let'}"
-            " their 16-bit weights go)")
-    if not lean:
-        raise ValueError(f"{held}, which the lean forward runs, and this engine does not run it (prepack_weights: "
-                         "false?): give every copy of the model on the device the same settings, or load it again")
-    if not prec.quantized or built.key != prec.quantized_key:
-        asked = prec.quantized_key if prec.quantized else "none"
-        raise ValueError(f"{held}, and this engine asks quantization {asked}: give every copy of the model on the "
-                         "device the same quantization, or load it again")
-    return built.weights
 
 
 DeviceRunner = CudaRunner  # the room's runner (workers.engine.runners.ROOMS)
