@@ -1,11 +1,10 @@
 """The CUDA runner: a decode step is one CUDA graph.
 
 Where its platform runs the lean forward (the Llama family and Gemma 3, every layer in one cache
-group), the runner keeps
-persistent input buffers sized to its largest decode bucket (1, 2, 4, ... up to max_batch_size)
-and, for each bucket, the whole decode step (embedding, every layer with its KV write and paged
-attention, the final norm, the LM head and sampling: workers.engine.cuda.lean,
-workers.engine.cuda.sampler) captured once as a CUDA graph, twice in fact: a step whose rows are
+group), the runner keeps persistent input buffers sized to its largest decode bucket (1, 2, 4, ...
+up to max_batch_size) and, for each bucket, the whole decode step (embedding, every layer with
+its KV write and paged attention, the final norm, the LM head and sampling:
+workers.engine.cuda.lean, workers.engine.cuda.sampler) captured once as a CUDA graph, twice in fact: a step whose rows are
 all greedy replays the graph that takes the argmax, and sorts nothing. A decode step is then one
 host-to-device copy of every input (one pinned buffer), a replay, and one device-to-host copy of
 the sampled tokens. Rows past the batch are padding: token 0 at position 0, its KV written to a
