@@ -137,13 +137,15 @@ def test_workers_on_both_nodes_answer_as_locally_survive_sigkill_and_leave_nothi
                 assert res["choices"][0]["token_ids"] == _greedy(prompt, 6, arch), model
 
             # SIGKILL the worker streaming a long request: Ray restarts it, the stream completes
-            want = _greedy(prompt, 60, "llama")
+            # long enough to be still streaming when status is asked (this model makes thousands of
+            # tokens a second: 60 were done once before the question)
+            want = _greedy(prompt, 480, "llama")
             got, errors = [], []
 
             def consume():
                 try:
                     with Client(dep.frontend, timeout=120, **dep.client_kw()) as c2:
-                        for ch in c2.stream(model="llama", prompt=prompt, max_tokens=60, temperature=0, ignore_eos=True,
+                        for ch in c2.stream(model="llama", prompt=prompt, max_tokens=480, temperature=0, ignore_eos=True,
                                             return_token_ids=True):
                             got.extend(ch["token_ids"])
                 except Exception as exc:  # noqa: BLE001 - reported below
@@ -152,10 +154,12 @@ def test_workers_on_both_nodes_answer_as_locally_survive_sigkill_and_leave_nothi
             t = threading.Thread(target=consume)
             t.start()
             deadline = time.monotonic() + 60
-            while len(got) < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            busy = [w for w in cl.status()["workers"] if w["inflight"] and w["slot"] in (0, 1)]
-            assert len(got) >= 3 and len(busy) == 1, (got, busy)
+            busy = []
+            while not busy and len(got) < len(want) and time.monotonic() < deadline:
+                if len(got) >= 3:
+                    busy = [w for w in cl.status()["workers"] if w["inflight"] and w["slot"] in (0, 1)]
+                time.sleep(0.005)
+            assert len(got) >= 3 and len(busy) == 1, (len(got), busy)
             slot, old_pid = busy[0]["slot"], busy[0]["pid"]
             os.kill(old_pid, signal.SIGKILL)
             t.join(180)
