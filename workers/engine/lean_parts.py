@@ -84,4 +84,4 @@ def keep_blocks_only(lm: LoadedModel, prec: Precision, blocks: dict[str, Quantiz
     if not (lm.one_engine and blocks) or (lm.weights is not None and lm.weights.shared):
         return 0
     lm.quantized = QuantizedLinears(prec.quantized_key, blocks)
-    return release_linears(lm.model, [name for key in blocks for name in key.split("+")])
+    return release_linears(lm.model, lm.quantized.modules)

@@ -59,6 +59,11 @@ class QuantizedLinears:
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self.weights.values())
 
+    @property
+    def modules(self) -> list[str]:
+        """The names of the modules whose outputs the blocks give."""
+        return [name for key in self.weights for name in key.split("+")]
+
 
 def linear_key(names: list[str]) -> str:
     """The name of the linear fusing the modules `names`: the key its blocks go by wherever they are
@@ -82,8 +87,8 @@ def quantized_linears(model, precision: Precision, blocks: dict[str, QuantizedWe
     """Every linear of `model`'s lean forward that `precision` runs as weight-only blocks, by its
     key (linear_key), on `device` (None: the embedding's): `blocks`, a GGUF file's own blocks by
     module name (workers.weights.gguf_blocks), kept where they apply."""
-    names = {id(m): name for name, m in model.named_modules()}
     modules = dict(model.named_modules())
+    names = {id(m): name for name, m in modules.items()}
     kept = {id(modules[name]): qw for name, qw in (blocks or {}).items() if name in modules}
     device = device or model.get_input_embeddings().weight.device
     out = {}

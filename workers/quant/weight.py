@@ -112,3 +112,21 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
     packed = q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
     return QuantizedWeight(INT4, packed.reshape(n, k // 2).contiguous(), d.reshape(n, k // BLOCK).contiguous(),
                            m.reshape(n, k // BLOCK).contiguous())
+
+
+def to_tensors(weights: dict[str, QuantizedWeight]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each weight's tensors by `<name>.qs`, `<name>.scales` and `<name>.offsets`, and its kind by
+    name: the form a file (workers.weights.quantized_cache) or another process (a weight owner's
+    copies) takes them in. from_tensors turns them back."""
+    tensors, kinds = {}, {}
+    for name, w in weights.items():
+        kinds[name] = w.kind
+        tensors[f"{name}.qs"], tensors[f"{name}.scales"] = w.qs, w.scales
+        if w.offsets is not None:
+            tensors[f"{name}.offsets"] = w.offsets
+    return tensors, kinds
+
+
+def from_tensors(tensors: dict[str, torch.Tensor], kinds: dict[str, str]) -> dict[str, QuantizedWeight]:
+    return {name: QuantizedWeight(kind, tensors[f"{name}.qs"], tensors[f"{name}.scales"], tensors.get(f"{name}.offsets"))
+            for name, kind in kinds.items()}

@@ -47,14 +47,18 @@ import torch
 
 from workers.devices import device_kind
 from workers.gc_pause import import_paused
-from workers.platform import load_dtype
+from workers.platform import for_model, load_dtype
 from workers.precision import NO_QUANTIZATION
 from workers.quant.fuse import QuantizedLinears, quantized_linears
-from workers.quant.weight import QuantizedWeight
+from workers.quant.weight import from_tensors, to_tensors
 from workers.weights import shared as S
+from workers.weights.blocks_only import release_linears
 from workers.weights.fused_layout import lay_out_fused
+from workers.weights.gguf_blocks import gguf_blocks
 from workers.weights.hf_loader import load_private
+from workers.weights.loaded_model import LoadedModel
 from workers.weights.owner_ipc import KEY_ENV, remove_ipc_files
+from workers.weights.sources import source_gguf
 
 # --- the seam ---------------------------------------------------------------------------------------------
 
@@ -104,12 +108,6 @@ def blocks_for_copies(model, source: str, dtype: torch.dtype, device: torch.devi
     their lean forward would: workers.quant.fuse.quantized_linears), their 16-bit weights let go
     (workers.weights.blocks_only); None where the copies run no blocks. A setting the model cannot
     have here builds none: each copy then loads the 16-bit weights and refuses it by name."""
-    from workers.platform import for_model
-    from workers.weights.blocks_only import release_linears
-    from workers.weights.gguf_blocks import gguf_blocks
-    from workers.weights.loaded_model import LoadedModel
-    from workers.weights.sources import source_gguf
-
     if quantization == NO_QUANTIZATION:
         return None
     try:
@@ -120,22 +118,19 @@ def blocks_for_copies(model, source: str, dtype: torch.dtype, device: torch.devi
     if not (platform.lean and prec.quantized):
         return None
     path = source_gguf(source)
-    weights = quantized_linears(model, prec, gguf_blocks(path, model) if path else None)
-    release_linears(model, [name for key in weights for name in key.split("+")])
-    return QuantizedLinears(prec.quantized_key, weights)
+    built = QuantizedLinears(prec.quantized_key, quantized_linears(model, prec, gguf_blocks(path, model) if path else None))
+    release_linears(model, built.modules)
+    return built
 
 
 def export_blocks(built: QuantizedLinears) -> dict:
-    return {"key": built.key, "blocks": {
-        key: {"kind": w.kind, "qs": export_tensor(w.qs), "scales": export_tensor(w.scales),
-              "offsets": None if w.offsets is None else export_tensor(w.offsets)} for key, w in built.weights.items()}}
+    tensors, kinds = to_tensors(built.weights)
+    return {"key": built.key, "kinds": kinds, "handles": {name: export_tensor(t) for name, t in tensors.items()}}
 
 
 def import_blocks(answer: dict) -> QuantizedLinears:
-    return QuantizedLinears(answer["key"], {
-        key: QuantizedWeight(b["kind"], import_tensor(b["qs"]), import_tensor(b["scales"]),
-                             None if b["offsets"] is None else import_tensor(b["offsets"]))
-        for key, b in answer["blocks"].items()})
+    tensors = {name: import_tensor(handle) for name, handle in answer["handles"].items()}
+    return QuantizedLinears(answer["key"], from_tensors(tensors, answer["kinds"]))
 
 
 class WeightOwner:

@@ -23,7 +23,7 @@ import torch
 
 from workers.capability import machine_tag
 from workers.files import atomic_replace, cache_root, one_at_a_time
-from workers.quant.weight import QuantizedWeight
+from workers.quant.weight import QuantizedWeight, from_tensors, to_tensors
 from workers.weights.cache_prune import adopt, recorded
 from workers.weights.shared import map_tensors
 from workers.weights.sources import source_key
@@ -42,13 +42,8 @@ def cache_path(source: str, dtype: torch.dtype, kind: str) -> Path:
 def _write(path: Path, weights: dict[str, QuantizedWeight]) -> None:
     from safetensors.torch import save_file
 
-    tensors, kinds = {}, {}
-    for name, w in weights.items():
-        kinds[name] = w.kind
-        tensors[f"{name}.qs"] = w.qs.contiguous()
-        tensors[f"{name}.scales"] = w.scales.contiguous()
-        if w.offsets is not None:
-            tensors[f"{name}.offsets"] = w.offsets.contiguous()
+    tensors, kinds = to_tensors(weights)
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
     atomic_replace(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT,
                                                                              "kinds": json.dumps(kinds)}))
 
@@ -57,9 +52,7 @@ def _read(path: Path) -> dict[str, QuantizedWeight]:
     tensors, meta = map_tensors(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    kinds = json.loads(meta["kinds"])
-    return {name: QuantizedWeight(kind, tensors[f"{name}.qs"], tensors[f"{name}.scales"], tensors.get(f"{name}.offsets"))
-            for name, kind in kinds.items()}
+    return from_tensors(tensors, json.loads(meta["kinds"]))
 
 
 def shared_quantized(source: str, dtype: torch.dtype, kind: str,
